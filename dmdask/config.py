@@ -1,0 +1,15 @@
+"""The `dmdask` namespace of dask config: defaults from dmdask.yaml, overridden by
+YAML files and `DASK_DMDASK__WORKER__RAM=...` style environment variables."""
+from __future__ import annotations
+
+import os
+
+import dask.config
+import yaml
+
+_here = os.path.dirname(__file__)
+
+with open(os.path.join(_here, "dmdask.yaml")) as f:
+    defaults = yaml.safe_load(f)
+
+dask.config.update_defaults(defaults)

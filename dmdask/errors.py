@@ -1,0 +1,51 @@
+"""dmdask's errors; each also subclasses the builtin a caller would catch."""
+from __future__ import annotations
+
+
+class DmdaskError(Exception):
+    """Base of every error dmdask raises on purpose."""
+
+
+class SpecError(DmdaskError, ValueError):
+    """A field of a `Spec`, or a capacity, has a value outside its allowed range."""
+
+    def __init__(self, field: str, allowed: str, value):
+        self.field = field
+        super().__init__(f"{field}={value!r} is invalid: expected {allowed}")
+
+
+class SourceNotFoundError(DmdaskError, FileNotFoundError):
+    """The dataset URL does not exist or holds nothing dmdask can read."""
+
+
+class SourceError(DmdaskError, ValueError):
+    """The dataset exists but its layout cannot be used (say, arrays of unequal length)."""
+
+
+class BlockReadError(DmdaskError, OSError):
+    """A block could not be read or decoded from the shared store.
+
+    The message names the URL and the sample range; nothing already cached is affected.
+    """
+
+    def __init__(self, url: str, block: int, start: int, stop: int, cause: BaseException):
+        self.url, self.block, self.start, self.stop = url, block, start, stop
+        super().__init__(
+            f"cannot read block {block} (samples {start}..{stop - 1}) of {url}: "
+            f"{type(cause).__name__}: {cause}"
+        )
+
+    def __reduce__(self):
+        # Keep the exception picklable across worker -> client.
+        return (_rebuild_block_read_error, (self.url, self.block, self.start, self.stop, str(self)))
+
+
+def _rebuild_block_read_error(url, block, start, stop, message):
+    err = BlockReadError.__new__(BlockReadError)
+    err.url, err.block, err.start, err.stop = url, block, start, stop
+    OSError.__init__(err, message)
+    return err
+
+
+class NotADmdaskWorker(DmdaskError, RuntimeError):
+    """The cluster's workers do not carry dmdask's tiers."""

@@ -1,0 +1,289 @@
+"""`dmdask.batches(client, spec)`: one epoch of one rank's batches.
+
+The data path of a batch:
+1. the rank computes the epoch order and its share (`order.py`), so it knows every
+   sample id of every batch ahead of time;
+2. each block of the dataset is one Dask future with a stable key (`load_block`), shared
+   by all ranks and jobs through a published dataset; the rank waits for the futures its
+   next batch touches and asks the scheduler who holds them;
+3. it sends the batch's plan (holder -> block -> rows) to a worker on its own node, which
+   takes its own rows in place, fetches the others from their holders over Dask's
+   comms, orders them, runs the transform and returns the batch.
+Up to `spec.prefetch` batches are in flight at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import warnings
+from collections import deque
+from typing import Deque, Dict, List, Optional
+
+import numpy as np
+from distributed import Client
+from distributed.comm.core import CommClosedError
+from distributed.protocol.serialize import to_serialize
+
+from .errors import BlockReadError, NotADmdaskWorker, SpecError
+from .order import epoch_order, rank_batches
+from .sources import Source, open_source
+from .spec import Spec, dumps_transform
+from .worker import load_block
+
+logger = logging.getLogger(__name__)
+
+STATE_FIELDS = ("identity", "epoch", "seed", "shuffle", "shuffle_window", "rank",
+                "world_size", "batch_size", "drop_last")
+RETRIES = 5
+
+
+def batches(client: Client, spec: Spec, epoch: int = 0, resume: Optional[dict] = None) -> "BatchIterator":
+    """An iterator over this rank's batches of one epoch.
+
+    Each batch is a dict of numpy arrays, one per field of the source, plus "index": the
+    global sample ids (int64) of its rows. Across `spec.world_size` ranks every sample of
+    the epoch is delivered exactly once. `resume` takes a `state_dict()` of an earlier
+    iterator of the same spec and epoch and continues right after its last batch.
+    """
+    return BatchIterator(client, spec, epoch, resume)
+
+
+def _published_name(source: Source) -> str:
+    return f"dmdask-{source.identity}"
+
+
+def block_futures(client: Client, source: Source, first_needed: np.ndarray) -> list:
+    """The futures of every block of `source`, created once per cluster and published.
+
+    Blocks are spread over the workers round-robin in the order they are first needed,
+    so each worker loads its share in that order. A future that failed before (a
+    corrupt block) is retried, so a repaired file is read again.
+    """
+    name = _published_name(source)
+    try:
+        futures = client.get_dataset(name)
+    except KeyError:
+        futures = None
+    if futures is not None and len(futures) == source.num_blocks:
+        erred = [f for f in futures if f.status == "error"]
+        if erred:
+            client.retry(erred)
+        return futures
+    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    if not workers:
+        raise NotADmdaskWorker("the cluster has no workers; start `dask worker ... --worker-class dmdask.Worker`")
+    futures = [None] * source.num_blocks
+    need_order = np.argsort(first_needed, kind="stable")
+    for rank_in_need, k in enumerate(need_order.tolist()):
+        reader = source.readers[k]
+        futures[k] = client.submit(
+            load_block, reader, key=reader.key, workers=[workers[rank_in_need % len(workers)]],
+            allow_other_workers=True, pure=False, priority=source.num_blocks - rank_in_need,
+        )
+    try:
+        client.publish_dataset(**{name: futures})
+    except (ValueError, KeyError):
+        pass  # another rank published the same keys first
+    return futures
+
+
+def release(client: Client, spec: Spec) -> None:
+    """Drop the cluster's cache of `spec.source` (its blocks leave RAM and SSD)."""
+    source = open_source(spec)
+    try:
+        client.unpublish_dataset(_published_name(source))
+    except KeyError:
+        pass
+
+
+def _first_needed(source: Source, order: np.ndarray) -> np.ndarray:
+    """Position in the epoch order at which each block is first needed."""
+    first = np.full(source.num_blocks, len(order), dtype=np.int64)
+    blocks = source.block_of(order)
+    np.minimum.at(first, blocks, np.arange(len(order)))
+    return first
+
+
+def _host(address: str) -> str:
+    return address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+
+
+class BatchIterator:
+    """One epoch of one rank's batches, with bounded prefetch and `state_dict()`.
+
+    `len()` is the number of batches this rank gets in the epoch. The position in
+    `state_dict()` counts batches handed out, not batches prefetched.
+    """
+
+    def __init__(self, client: Client, spec: Spec, epoch: int = 0, resume: Optional[dict] = None):
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise SpecError("epoch", "an integer >= 0", epoch)
+        self.client = client
+        self.spec = spec
+        self.epoch = epoch
+        self.source = open_source(spec)
+        if self.source.num_samples < spec.world_size:
+            raise SpecError("world_size", f"at most the {self.source.num_samples} samples of {spec.source}",
+                            spec.world_size)
+        order = epoch_order(self.source.bounds, epoch, spec.shuffle, spec.seed, spec.shuffle_window)
+        self._batches = rank_batches(order, spec.rank, spec.world_size, spec.batch_size, spec.drop_last)
+        if spec.drop_last and not self._batches:
+            raise SpecError("batch_size", f"at most {self.source.num_samples // spec.world_size} with "
+                            f"drop_last=True and world_size={spec.world_size}", spec.batch_size)
+        self._futures = block_futures(client, self.source, _first_needed(self.source, order))
+        self._position = 0
+        if resume is not None:
+            self._position = self._check_resume(resume)
+        self._next_request = self._position
+        self._in_flight: Deque = deque()
+        self._holders: Dict[int, str] = {}
+        self._worker: Optional[str] = None
+        self._transform = dumps_transform(spec.transform)
+        self._loop = client.loop.asyncio_loop
+        self.wait_seconds = 0.0  # time the consumer spent waiting for batches
+
+    # -- the iterator ------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._batches)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Dict[str, np.ndarray]:
+        self._fill()
+        if not self._in_flight:
+            raise StopIteration
+        started = time.perf_counter()
+        try:
+            batch = self._in_flight.popleft().result()
+        except BaseException:
+            self.close()
+            raise
+        self.wait_seconds += time.perf_counter() - started
+        self._position += 1
+        self._fill()
+        return batch
+
+    def _fill(self) -> None:
+        while self._next_request < len(self._batches) and len(self._in_flight) < self.spec.prefetch:
+            coro = self._fetch(self._next_request)
+            self._in_flight.append(asyncio.run_coroutine_threadsafe(coro, self._loop))
+            self._next_request += 1
+
+    def close(self) -> None:
+        """Cancel batches in flight; the iterator is exhausted afterwards."""
+        for fut in self._in_flight:
+            fut.cancel()
+        self._in_flight.clear()
+        self._next_request = len(self._batches)
+
+    # -- resume ------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The whole position: pass it as `resume=` to continue after the last batch handed out."""
+        spec = self.spec
+        return {"identity": self.source.identity, "epoch": self.epoch, "seed": spec.seed,
+                "shuffle": spec.shuffle, "shuffle_window": spec.shuffle_window, "rank": spec.rank,
+                "world_size": spec.world_size, "batch_size": spec.batch_size,
+                "drop_last": spec.drop_last, "position": self._position}
+
+    def _check_resume(self, state: dict) -> int:
+        if not isinstance(state, dict) or "position" not in state:
+            raise SpecError("resume", "a dict from BatchIterator.state_dict()", state)
+        current = self.state_dict()
+        for name in STATE_FIELDS:
+            if state.get(name) != current[name]:
+                raise SpecError("resume", f"a state of the same dataset and spec ({name} is "
+                                f"{current[name]!r} here but {state.get(name)!r} in the state)", state.get(name))
+        position = state["position"]
+        if not isinstance(position, int) or not 0 <= position <= len(self._batches):
+            raise SpecError("resume", f"a position in 0..{len(self._batches)}", position)
+        return position
+
+    # -- fetching one batch (runs on the client's event loop) --------------------------
+    async def _fetch(self, i: int) -> Dict[str, np.ndarray]:
+        ids = self._batches[i]
+        blocks = self.source.block_of(ids)
+        offsets = ids - self.source.bounds[blocks]
+        needed = np.unique(blocks).tolist()
+        last_error: Optional[BaseException] = None
+        for attempt in range(RETRIES):
+            await self._ready(needed)
+            holders = await self._holders_of(needed)
+            if any(k not in holders for k in needed):  # finished but not yet registered
+                await asyncio.sleep(0.05 * (attempt + 1))
+                continue
+            plan, order = self._plan(blocks, offsets, holders)
+            msg = {"requests": plan, "order": order, "index": ids, "fields": list(self.source.fields),
+                   "transform": self._transform}
+            worker = await self._local_worker()
+            try:
+                reply = await self.client.rpc(worker).dmdask_batch(msg=to_serialize(msg))
+            except BlockReadError:
+                raise
+            except (OSError, CommClosedError) as exc:  # a worker left: ask again
+                last_error = exc
+                self._worker = None
+                self._holders.clear()
+                await asyncio.sleep(0.1 * (attempt + 1))
+                continue
+            if reply["status"] == "OK":
+                return reply["batch"]
+            last_error = KeyError(f"blocks moved: {reply['keys'][:3]}")
+            self._holders.clear()
+            await asyncio.sleep(0.05 * (attempt + 1))
+        raise RuntimeError(f"batch {i} of rank {self.spec.rank} failed after {RETRIES} tries") from last_error
+
+    async def _ready(self, blocks: List[int]) -> None:
+        for k in blocks:
+            fut = self._futures[k]
+            if fut.status != "finished":
+                await fut._state.wait()
+                if fut.status == "error":
+                    raise fut._state.exception
+
+    async def _holders_of(self, blocks: List[int]) -> Dict[int, str]:
+        unknown = [k for k in blocks if k not in self._holders]
+        if unknown:
+            who_has = await self.client.scheduler.who_has(keys=[self._futures[k].key for k in unknown])
+            mine = _host(await self._local_worker())
+            for k in unknown:
+                addresses = who_has.get(self._futures[k].key) or []
+                if not addresses:
+                    continue
+                local = [a for a in addresses if _host(a) == mine]
+                self._holders[k] = (local or addresses)[0]
+        return self._holders
+
+    def _plan(self, blocks: np.ndarray, offsets: np.ndarray, holders: Dict[int, str]):
+        """holder -> block key -> rows, and the order that puts gathered rows in batch order."""
+        by_block = np.argsort(blocks, kind="stable")
+        uniq, starts = np.unique(blocks[by_block], return_index=True)
+        groups = np.split(by_block, starts[1:])
+        plan: Dict[str, Dict[str, np.ndarray]] = {}
+        positions: Dict[str, List[np.ndarray]] = {}
+        for k, members in zip(uniq.tolist(), groups):
+            holder = holders[k]
+            plan.setdefault(holder, {})[self._futures[k].key] = offsets[members]
+            positions.setdefault(holder, []).append(members)
+        gathered = np.concatenate([m for h in plan for m in positions[h]])
+        order = np.empty(len(gathered), dtype=np.int64)
+        order[gathered] = np.arange(len(gathered))
+        return plan, order
+
+    async def _local_worker(self) -> str:
+        """A worker on this rank's own node: rank r takes local worker r mod n."""
+        if self._worker is None:
+            info = await self.client.scheduler.identity()
+            workers = sorted(info["workers"])
+            if not workers:
+                raise NotADmdaskWorker("the cluster has no workers left")
+            comm = self.client.scheduler_comm.comm
+            my_host = _host(comm.local_address) if comm is not None else None
+            local = [w for w in workers if _host(w) == my_host]
+            if not local:
+                warnings.warn(f"no dmdask worker on this node ({my_host}); batches will cross the network",
+                              RuntimeWarning, stacklevel=2)
+                local = workers
+            self._worker = local[self.spec.rank % len(local)]
+        return self._worker

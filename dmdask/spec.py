@@ -1,0 +1,149 @@
+"""`Spec`: the frozen, validated description of what one rank reads."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+from .errors import SpecError
+
+Transform = Callable[[dict], dict]
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """What to read and how to cut it into batches, for one rank.
+
+    Guarantees: a `Spec` is immutable and picklable, and every field is checked on
+    construction (`SpecError`, a `ValueError`, names the field and the allowed range).
+
+    source: a Zarr v3 group or array, or a folder of per-sample files in
+        class-per-subfolder layout; a local path or any fsspec URL.
+    batch_size: samples per batch (>= 1).
+    shuffle: a seeded permutation per epoch (True) or the stored order (False).
+    seed: seed of the permutation; the same seed and epoch give the same order on
+        any number of workers and ranks.
+    rank, world_size: this rank and the number of ranks; each sample of an epoch
+        goes to exactly one rank.
+    drop_last: drop the tail so every rank gets the same number of full batches.
+    shuffle_window: None shuffles all samples of the dataset together (an exact
+        global permutation). An integer k permutes the blocks, then shuffles the
+        samples of each run of k blocks together: memory for blocks beyond the
+        cluster cache stays bounded and such blocks leave the shared store once
+        per epoch.
+    keys: the arrays of the source to read (None: all).
+    transform: a picklable function `dict[str, ndarray] -> dict[str, ndarray]`
+        applied to each batch on the workers, after the cache (see `per_sample`).
+    prefetch: batches in flight ahead of the consumer (>= 1).
+    block_size: samples per block for file folders; for Zarr, a multiple of the
+        chunk length along the sample axis (None: one chunk, or 256 files).
+    storage_options: passed to fsspec when opening the source.
+    """
+
+    source: str
+    batch_size: int
+    shuffle: bool = True
+    seed: int = 0
+    rank: int = 0
+    world_size: int = 1
+    drop_last: bool = False
+    shuffle_window: Optional[int] = None
+    keys: Optional[Sequence[str]] = None
+    transform: Optional[Transform] = None
+    prefetch: int = 8
+    block_size: Optional[int] = None
+    storage_options: Optional[Mapping[str, Any]] = None
+
+    def __post_init__(self):
+        source = self.source
+        if isinstance(source, os.PathLike):
+            source = os.fspath(source)
+            object.__setattr__(self, "source", source)
+        if not isinstance(source, str) or not source:
+            raise SpecError("source", "a non-empty path or fsspec URL", self.source)
+        _check_int("batch_size", self.batch_size, low=1)
+        _check_int("seed", self.seed, low=0)
+        _check_int("world_size", self.world_size, low=1)
+        _check_int("rank", self.rank, low=0, high=self.world_size - 1,
+                   hint=f"0 <= rank < world_size={self.world_size}")
+        _check_int("prefetch", self.prefetch, low=1)
+        if self.shuffle_window is not None:
+            _check_int("shuffle_window", self.shuffle_window, low=1)
+        if self.block_size is not None:
+            _check_int("block_size", self.block_size, low=1)
+        for name in ("shuffle", "drop_last"):
+            if not isinstance(getattr(self, name), bool):
+                raise SpecError(name, "True or False", getattr(self, name))
+        if self.keys is not None:
+            if isinstance(self.keys, str) or not all(isinstance(k, str) for k in self.keys):
+                raise SpecError("keys", "a list of array names, or None for all", self.keys)
+            if len(self.keys) == 0 or "index" in self.keys:
+                raise SpecError("keys", "a non-empty list without the reserved name 'index'", self.keys)
+            object.__setattr__(self, "keys", tuple(self.keys))
+        if self.transform is not None:
+            if not callable(self.transform):
+                raise SpecError("transform", "a callable dict -> dict", self.transform)
+            try:
+                import cloudpickle
+
+                cloudpickle.dumps(self.transform)
+            except Exception as exc:
+                raise SpecError("transform", f"a picklable callable ({exc})", self.transform) from None
+        if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
+            raise SpecError("storage_options", "a mapping of fsspec options", self.storage_options)
+
+    def replace(self, **changes) -> "Spec":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _check_int(name: str, value, low: int, high: Optional[int] = None, hint: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(name, hint or f"an integer >= {low}", value)
+    if value < low or (high is not None and value > high):
+        raise SpecError(name, hint or f"an integer >= {low}", value)
+
+
+def per_sample(fn: Callable[[dict], dict]) -> Transform:
+    """Turn a per-sample function (dict of one sample's values -> dict) into a batch transform.
+
+    The result is picklable when `fn` is. Samples are stacked with `numpy.stack` when
+    they share a shape, else kept as an object array.
+    """
+    return _PerSample(fn)
+
+
+class _PerSample:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, batch: dict) -> dict:
+        import numpy as np
+
+        n = len(batch["index"])
+        rows = [self.fn({k: v[i] for k, v in batch.items()}) for i in range(n)]
+        out = {}
+        for name in rows[0] if rows else batch:
+            values = [r[name] for r in rows]
+            try:
+                out[name] = np.stack(values) if values else batch[name][:0]
+            except ValueError:
+                arr = np.empty(len(values), dtype=object)
+                arr[:] = values
+                out[name] = arr
+        out.setdefault("index", batch["index"])
+        return out
+
+    def __reduce__(self):
+        return (_PerSample, (self.fn,))
+
+
+def dumps_transform(fn) -> Optional[bytes]:
+    import cloudpickle
+
+    return None if fn is None else cloudpickle.dumps(fn)
+
+
+def loads_transform(blob: Optional[bytes]):
+    return None if blob is None else pickle.loads(blob)

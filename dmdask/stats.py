@@ -1,0 +1,46 @@
+"""`dmdask.stats(client)`: what every worker's tiers hold and served, and the total."""
+from __future__ import annotations
+
+from typing import Dict
+
+from distributed import Client
+
+from .errors import NotADmdaskWorker
+
+
+def _worker_stats(dask_worker) -> dict:
+    cache = getattr(dask_worker, "dmdask", None)
+    return None if cache is None else cache.stats()
+
+
+def stats(client: Client) -> Dict[str, dict]:
+    """Per-worker counters and their sum under "total".
+
+    Each worker: {"ram"|"ssd": {capacity, bytes, blocks, hits, hit_bytes, full},
+    "stream": {hits, ...}, "shared_store": {requests, bytes}, "peer": {bytes_out, bytes_in},
+    "streamed_blocks"}. Hits count samples served from that tier; "stream" hits are
+    samples of blocks beyond the cache, read from the shared store.
+    """
+    per_worker = client.run(_worker_stats)
+    missing = [w for w, s in per_worker.items() if s is None]
+    if missing:
+        raise NotADmdaskWorker(f"workers {missing} have no dmdask tiers; start them with --worker-class dmdask.Worker")
+    return {"workers": per_worker, "total": total(per_worker.values())}
+
+
+def total(items) -> dict:
+    """Sum of nested numeric counters (booleans become any())."""
+    out: dict = {}
+    for item in items:
+        _add(out, item)
+    return out
+
+
+def _add(out: dict, item: dict) -> None:
+    for key, value in item.items():
+        if isinstance(value, dict):
+            _add(out.setdefault(key, {}), value)
+        elif isinstance(value, bool):
+            out[key] = out.get(key, False) or value
+        else:
+            out[key] = out.get(key, 0) + value
