@@ -61,10 +61,12 @@ class StoreCounters:
 
 
 class StreamBuffer:
-    """Blocks beyond the cache, kept briefly (LRU, bounded in bytes) while ranks take rows.
+    """Blocks beyond the cache, kept briefly while the ranks take their rows of them.
 
-    One read per block at a time: concurrent askers wait for the same read.
-    Used only from the worker's event loop.
+    A block leaves as soon as as many rows were served as it holds (every sample is
+    asked for once per epoch), or earlier when the buffer is full (least recently used
+    first), so it never acts as a cache across epochs. One read per block at a time:
+    concurrent askers wait for the same read. Used only from the worker's event loop.
     """
 
     def __init__(self, capacity_bytes: int, read):
@@ -72,6 +74,7 @@ class StreamBuffer:
         self.bytes = 0
         self._read = read
         self._blocks: "OrderedDict[str, Block]" = OrderedDict()
+        self._served: Dict[str, int] = {}
         self._loading: Dict[str, asyncio.Future] = {}
 
     async def get(self, reader) -> Block:
@@ -99,10 +102,23 @@ class StreamBuffer:
         if block.nbytes > self.capacity or key in self._blocks:
             return
         while self.bytes + block.nbytes > self.capacity and self._blocks:
-            _, old = self._blocks.popitem(last=False)
-            self.bytes -= old.nbytes
+            self._drop(next(iter(self._blocks)))
         self._blocks[key] = block
+        self._served[key] = 0
         self.bytes += block.nbytes
+
+    def served(self, key: str, rows: int) -> None:
+        """Count rows handed out; drop the block once all of its rows were."""
+        if key not in self._blocks:
+            return
+        self._served[key] += rows
+        if self._served[key] >= len(self._blocks[key]):
+            self._drop(key)
+
+    def _drop(self, key: str) -> None:
+        block = self._blocks.pop(key)
+        self._served.pop(key, None)
+        self.bytes -= block.nbytes
 
 
 class BlockCache:
@@ -155,7 +171,9 @@ class BlockCache:
         elif isinstance(value, Streamed):
             block = await self.stream.get(value.reader)
             self.streamed_hits += len(rows)
-            return block.take(rows)
+            out = block.take(rows)
+            self.stream.served(key, len(rows))
+            return out
         else:
             raise KeyError(key)
         self.store.count_hit(tier, len(rows), _nbytes(out))

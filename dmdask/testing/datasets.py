@@ -1,0 +1,70 @@
+"""Synthetic datasets whose every value tells which sample it came from.
+
+Used by the tests, the demo and the benchmarks: a batch can be checked against the
+sample ids in its "index" field without keeping the dataset in memory.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+
+
+def zarr_sample(ids: np.ndarray, sample_shape=(8,), dtype="float32") -> np.ndarray:
+    """The "x" rows of `write_zarr` for the given sample ids."""
+    ids = np.asarray(ids, dtype=np.int64)
+    width = int(np.prod(sample_shape))
+    values = (ids[:, None] * 7 + np.arange(width)[None, :]) % 251
+    return values.reshape((len(ids),) + tuple(sample_shape)).astype(dtype)
+
+
+def zarr_label(ids: np.ndarray, classes: int = 10) -> np.ndarray:
+    return (np.asarray(ids, dtype=np.int64) * 3) % classes
+
+
+def write_zarr(path: str, n: int, sample_shape=(8,), chunk: int = 64, dtype="float32",
+               compressed: bool = True, classes: int = 10) -> str:
+    """A Zarr v3 group with "x" (n, *sample_shape) and "label" (n,), chunked `chunk`
+    samples along the first axis, with consolidated metadata. Returns `path`."""
+    import zarr
+
+    group = zarr.open_group(path, mode="w")
+    extra = {} if compressed else {"compressors": None}
+    x = group.create_array("x", shape=(n,) + tuple(sample_shape), chunks=(chunk,) + tuple(sample_shape),
+                           dtype=dtype, **extra)
+    label = group.create_array("label", shape=(n,), chunks=(chunk,), dtype="int64", **extra)
+    for start in range(0, n, chunk * 16):
+        ids = np.arange(start, min(n, start + chunk * 16))
+        x[start:start + len(ids)] = zarr_sample(ids, sample_shape, dtype)
+        label[start:start + len(ids)] = zarr_label(ids, classes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        zarr.consolidate_metadata(path)
+    return path
+
+
+def folder_sample(sample_id: int, min_size: int = 16, max_size: int = 2048) -> bytes:
+    """The bytes of sample `sample_id` of `write_folder` (varying sizes)."""
+    rng = np.random.default_rng(sample_id)
+    size = int(rng.integers(min_size, max_size + 1))
+    head = f"sample-{sample_id:08d}|".encode()
+    body = rng.integers(0, 256, size=max(0, size - len(head)), dtype=np.uint8).tobytes()
+    return head + body
+
+
+def write_folder(path: str, classes: int = 3, per_class: int = 20, min_size: int = 16,
+                 max_size: int = 2048) -> str:
+    """A folder of class subfolders `class-XX`, files `s-XXXXXXXX.bin`, one per sample.
+
+    Sample ids follow dmdask's order (sorted classes, then sorted file names), so
+    sample `i` has label `i // per_class` and bytes `folder_sample(i)`. Returns `path`.
+    """
+    for c in range(classes):
+        folder = os.path.join(path, f"class-{c:02d}")
+        os.makedirs(folder, exist_ok=True)
+        for j in range(per_class):
+            i = c * per_class + j
+            with open(os.path.join(folder, f"s-{i:08d}.bin"), "wb") as f:
+                f.write(folder_sample(i, min_size, max_size))
+    return path

@@ -1,0 +1,40 @@
+import concurrent.futures
+import warnings
+
+import distributed
+import numpy as np
+import pytest
+
+import dmdask
+
+
+def run_epoch(client, spec, epoch=0, world_size=None, concurrent_ranks=True):
+    """All ranks' batches of one epoch, each rank iterating in its own thread."""
+    world = world_size or spec.world_size
+    specs = [spec.replace(rank=r, world_size=world) for r in range(world)]
+
+    def one(s):
+        return list(dmdask.batches(client, s, epoch=epoch))
+
+    if not concurrent_ranks:
+        return [one(s) for s in specs]
+    with concurrent.futures.ThreadPoolExecutor(world) as pool:
+        return list(pool.map(one, specs))
+
+
+def all_ids(per_rank):
+    return np.concatenate([b["index"] for batches in per_rank for b in batches])
+
+
+@pytest.fixture(scope="module")
+def client():
+    """A real cluster: two dmdask worker processes on this machine."""
+    with dmdask.LocalCluster(n_workers=2, ram="64 MiB") as cluster, distributed.Client(cluster) as c:
+        yield c
+
+
+@pytest.fixture(autouse=True)
+def _quiet_zarr():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Consolidated metadata")
+        yield

@@ -1,0 +1,125 @@
+"""dmdask.batches on real worker processes: exactly-once, content, determinism, resume."""
+import os
+
+import distributed
+import numpy as np
+import pytest
+
+import dmdask
+from dmdask.testing.datasets import (folder_sample, write_folder, write_zarr, zarr_label,
+                                     zarr_sample)
+
+from conftest import all_ids, run_epoch
+
+N = 1003  # divisible by neither the chunk (64) nor the batch size (50)
+
+
+@pytest.fixture(scope="module")
+def zarr_path(tmp_path_factory):
+    return write_zarr(str(tmp_path_factory.mktemp("shared") / "train.zarr"), N, sample_shape=(4, 3), chunk=64)
+
+
+def test_every_sample_exactly_once_over_ranks_and_epochs(client, zarr_path):
+    spec = dmdask.Spec(zarr_path, batch_size=50, seed=3)
+    orders = []
+    for epoch in range(3):
+        per_rank = run_epoch(client, spec, epoch=epoch, world_size=3)
+        ids = all_ids(per_rank)
+        assert len(ids) == N
+        assert np.array_equal(np.sort(ids), np.arange(N))
+        counts = [len(batches) for batches in per_rank]
+        assert max(counts) - min(counts) <= 1
+        for batches in per_rank:
+            for b in batches:
+                assert set(b) == {"x", "label", "index"}
+                assert b["index"].dtype == np.int64
+                np.testing.assert_array_equal(b["x"], zarr_sample(b["index"], (4, 3)))
+                np.testing.assert_array_equal(b["label"], zarr_label(b["index"]))
+        orders.append(ids)
+    assert not np.array_equal(orders[0], orders[1])
+
+
+def test_drop_last_same_number_of_full_batches(client, zarr_path):
+    spec = dmdask.Spec(zarr_path, batch_size=50, drop_last=True)
+    per_rank = run_epoch(client, spec, world_size=3)
+    assert [len(b) for b in per_rank] == [6, 6, 6]
+    ids = all_ids(per_rank)
+    assert len(ids) == 900 and len(np.unique(ids)) == 900
+
+
+def test_order_is_the_same_on_another_cluster_size(client, zarr_path):
+    spec = dmdask.Spec(zarr_path, batch_size=64, seed=11, rank=1, world_size=2)
+    here = [b["index"] for b in dmdask.batches(client, spec, epoch=1)]
+    with dmdask.LocalCluster(n_workers=1, ram="1 MiB") as cluster, distributed.Client(cluster) as other:
+        there = [b["index"] for b in dmdask.batches(other, spec, epoch=1)]
+    assert len(here) == len(there) == 8
+    for a, b in zip(here, there):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_resume_mid_epoch_continues_exactly_after_the_last_batch(client, zarr_path):
+    spec = dmdask.Spec(zarr_path, batch_size=30, seed=7, rank=1, world_size=2, prefetch=4)
+    full = [b["index"] for b in dmdask.batches(client, spec, epoch=2)]
+    it = dmdask.batches(client, spec, epoch=2)
+    first = [next(it)["index"] for _ in range(5)]
+    state = it.state_dict()
+    it.close()
+    assert state["position"] == 5
+    rest = [b["index"] for b in dmdask.batches(client, spec, epoch=2, resume=state)]
+    assert len(first) + len(rest) == len(full)
+    for a, b in zip(first + rest, full):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(dmdask.SpecError, match="seed"):
+        dmdask.batches(client, spec.replace(seed=8), epoch=2, resume=state)
+    with pytest.raises(dmdask.SpecError, match="epoch"):
+        dmdask.batches(client, spec, epoch=3, resume=state)
+
+
+def test_prefetch_window_is_bounded(client, zarr_path):
+    spec = dmdask.Spec(zarr_path, batch_size=10, prefetch=3)
+    it = dmdask.batches(client, spec)
+    seen = 0
+    for _ in it:
+        assert len(it._in_flight) <= 3
+        seen += 1
+    assert seen == len(it) == 101
+
+
+def add_worker_pid(batch):
+    batch = dict(batch)
+    batch["pid"] = np.full(len(batch["index"]), os.getpid())
+    batch["x"] = batch["x"] * 2
+    return batch
+
+
+def test_transform_runs_on_the_workers_after_the_cache(client, zarr_path):
+    spec = dmdask.Spec(zarr_path, batch_size=100, transform=add_worker_pid, keys=["x"])
+    batches = list(dmdask.batches(client, spec))
+    pids = {int(p) for b in batches for p in b["pid"]}
+    worker_pids = set(client.run(os.getpid).values())
+    assert pids and pids <= worker_pids and os.getpid() not in pids
+    for b in batches:
+        assert set(b) == {"x", "index", "pid"}
+        np.testing.assert_array_equal(b["x"], 2 * zarr_sample(b["index"], (4, 3)))
+
+
+def test_per_sample_transform(client, zarr_path):
+    spec = dmdask.Spec(zarr_path, batch_size=64, keys=["label"],
+                       transform=dmdask.per_sample(lambda s: {"label": s["label"] + 100, "index": s["index"]}))
+    batch = next(iter(dmdask.batches(client, spec)))
+    np.testing.assert_array_equal(batch["label"], zarr_label(batch["index"]) + 100)
+
+
+def test_folder_of_files_varying_sizes(client, tmp_path):
+    root = write_folder(str(tmp_path / "imagenet"), classes=3, per_class=25)
+    spec = dmdask.Spec(root, batch_size=8, block_size=10)
+    per_rank = run_epoch(client, spec, world_size=2)
+    ids = all_ids(per_rank)
+    assert np.array_equal(np.sort(ids), np.arange(75))
+    for batches in per_rank:
+        for b in batches:
+            assert b["data"].dtype == object and b["label"].dtype == np.int64
+            for i, data, label in zip(b["index"], b["data"], b["label"]):
+                assert data.dtype == np.uint8
+                assert data.tobytes() == folder_sample(int(i))
+                assert label == i // 25
