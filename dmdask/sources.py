@@ -117,8 +117,8 @@ def open_source(spec) -> Source:
 
 # --- Zarr ---------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=64)
 def _zarr_node(url: str, options_json: str):
+    """Open a Zarr node, reading its metadata now."""
     import zarr
 
     with warnings.catch_warnings():
@@ -142,20 +142,21 @@ def _open_zarr(url: str, options: dict, spec) -> Source:
         paths = {"data": ""}
     else:
         arrays = {name: arr for name, arr in node.arrays()}
-        paths = {name: name for name in arrays}
         if not arrays:
             raise SourceError(f"Zarr group {url} holds no arrays")
+        if spec.keys is not None:
+            unknown = [k for k in spec.keys if k not in arrays]
+            if unknown:
+                raise SpecError("keys", f"names among the source's arrays {sorted(arrays)}", list(spec.keys))
+            arrays = {k: arrays[k] for k in spec.keys}
+        paths = {name: name for name in arrays}
     lengths = {name: arr.shape[0] if arr.ndim else None for name, arr in arrays.items()}
     if None in lengths.values() or len(set(lengths.values())) != 1:
         raise SourceError(
             f"the arrays of {url} must share their first axis (samples), but their lengths "
             f"are {lengths}; pass Spec(keys=[...]) naming arrays of equal length"
         )
-    fields = tuple(sorted(spec.keys or arrays))
-    if spec.keys is not None:
-        unknown = [k for k in spec.keys if k not in arrays]
-        if unknown:
-            raise SpecError("keys", f"names among the source's arrays {sorted(arrays)}", list(spec.keys))
+    fields = tuple(sorted(arrays))
     n = next(iter(lengths.values()))
     chunk = 1
     for name in fields:
@@ -189,14 +190,16 @@ class ZarrBlockReader(BlockReader):
         try:
             arrays = {}
             for field, path in self.paths.items():
-                arr = _zarr_array(self.url, self.options_json, path)
+                arr = _zarr_array(self.url, self.options_json, path, self.identity)
                 arrays[field] = np.asarray(arr[self.start:self.stop])
         except Exception as exc:
             raise self._fail(exc) from exc
         return Block(arrays, self.start, self.stop)
 
 
-def _zarr_array(url: str, options_json: str, path: str):
+@functools.lru_cache(maxsize=64)
+def _zarr_array(url: str, options_json: str, path: str, identity: str):
+    """An array opened once per worker process and dataset identity (metadata read once)."""
     node = _zarr_node(url, options_json)
     return node if not path else node[path]
 

@@ -1,0 +1,130 @@
+"""Bad input: a clear error naming what was wrong, and nothing cached is lost."""
+import json
+import os
+import shutil
+import subprocess
+
+import distributed
+import numpy as np
+import pytest
+import zarr
+
+import dmdask
+from dmdask.testing.datasets import write_folder, write_zarr, zarr_sample
+
+from conftest import all_ids, run_epoch
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    return write_zarr(str(tmp_path_factory.mktemp("good") / "good.zarr"), 500, chunk=50)
+
+
+def cached_blocks(client):
+    return dmdask.stats(client)["total"]["ram"]["blocks"]
+
+
+def test_missing_source(client, tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist") as info:
+        dmdask.batches(client, dmdask.Spec(str(tmp_path / "nope.zarr"), batch_size=4))
+    assert isinstance(info.value, dmdask.SourceNotFoundError)
+    assert "nope.zarr" in str(info.value)
+
+
+def test_folder_without_class_subfolders(client, tmp_path):
+    (tmp_path / "flat").mkdir()
+    (tmp_path / "flat" / "a.bin").write_bytes(b"x")
+    with pytest.raises(dmdask.SourceError, match="class"):
+        dmdask.batches(client, dmdask.Spec(str(tmp_path / "flat"), batch_size=4))
+
+
+def test_arrays_of_unequal_length(client, tmp_path):
+    path = str(tmp_path / "bad.zarr")
+    g = zarr.open_group(path, mode="w")
+    g.create_array("x", shape=(100, 2), chunks=(10, 2), dtype="f4")
+    g.create_array("label", shape=(90,), chunks=(10,), dtype="i8")
+    with pytest.raises(ValueError, match=r"first axis.*'x': 100.*'label': 90|first axis.*'label': 90.*'x': 100"):
+        dmdask.batches(client, dmdask.Spec(path, batch_size=4))
+    # naming arrays of equal length is the documented way out
+    batch = next(iter(dmdask.batches(client, dmdask.Spec(path, batch_size=4, keys=["x"]))))
+    assert set(batch) == {"x", "index"}
+
+
+@pytest.mark.parametrize("changes,field", [
+    ({"keys": ["nope"]}, "keys"),
+    ({"block_size": 75}, "block_size"),
+    ({"batch_size": 300, "drop_last": True, "world_size": 2}, "batch_size"),
+    ({"world_size": 501}, "world_size"),
+])
+def test_spec_that_does_not_fit_the_source(client, good, changes, field):
+    with pytest.raises(dmdask.SpecError) as info:
+        dmdask.batches(client, dmdask.Spec(good, **{"batch_size": 10, **changes}))
+    assert info.value.field == field
+
+
+def test_corrupt_chunk_names_url_and_samples_and_keeps_the_cache(client, good, tmp_path):
+    for _ in dmdask.batches(client, dmdask.Spec(good, batch_size=50)):
+        pass
+    before = cached_blocks(client)
+    bad = str(tmp_path / "corrupt.zarr")
+    write_zarr(bad, 300, chunk=50)
+    with open(os.path.join(bad, "x", "c", "2", "0"), "wb") as f:
+        f.write(b"this is not a blosc/zstd frame")
+    with pytest.raises(dmdask.BlockReadError) as info:
+        for _ in dmdask.batches(client, dmdask.Spec(bad, batch_size=25, shuffle=False)):
+            pass
+    message = str(info.value)
+    assert "corrupt.zarr" in message and "samples 100..149" in message
+    assert isinstance(info.value, OSError)
+    # the cluster still serves the good dataset from its cache, nothing was lost
+    assert cached_blocks(client) >= before
+    ids = all_ids(run_epoch(client, dmdask.Spec(good, batch_size=64), world_size=2))
+    assert np.array_equal(np.sort(ids), np.arange(500))
+    # a repaired chunk is read again on the next run
+    write_zarr(bad, 300, chunk=50)
+    batches = list(dmdask.batches(client, dmdask.Spec(bad, batch_size=25, shuffle=False)))
+    np.testing.assert_array_equal(np.concatenate([b["x"] for b in batches]), zarr_sample(np.arange(300)))
+
+
+def test_file_vanishing_from_a_streamed_folder(tmp_path):
+    """No cache room: blocks are streamed when a batch wants them, so a file removed
+    after the listing fails that read, and only that one."""
+    root = write_folder(str(tmp_path / "files"), classes=2, per_class=10)
+    spec = dmdask.Spec(root, batch_size=5, block_size=5, shuffle=False)
+    with dmdask.LocalCluster(n_workers=1, ram=0) as cluster, distributed.Client(cluster) as client:
+        it = dmdask.batches(client, spec)
+        os.remove(os.path.join(root, "class-01", "s-00000013.bin"))
+        assert np.array_equal(next(it)["index"], np.arange(5))
+        assert np.array_equal(next(it)["index"], np.arange(5, 10))
+        with pytest.raises(dmdask.BlockReadError) as info:
+            next(it)
+        assert "samples 10..14" in str(info.value) and "files" in str(info.value)
+        assert dmdask.stats(client)["total"]["streamed_blocks"] == 4
+
+
+def can_mount():
+    return os.geteuid() == 0 and shutil.which("mount") is not None
+
+
+@pytest.mark.skipif(not can_mount(), reason="needs root to mount a 1 MiB tmpfs as a small SSD")
+def test_full_ssd_stops_growing_and_training_goes_on(tmp_path):
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(ssd)]).returncode:
+        pytest.skip("mount of a tmpfs was refused here (no CAP_SYS_ADMIN)")
+    try:
+        path = write_zarr(str(tmp_path / "d.zarr"), 4000, sample_shape=(64,), chunk=100)  # ~1.1 MB decoded
+        with dmdask.LocalCluster(n_workers=1, ram=0, ssd="100 MiB", ssd_dir=str(ssd)) as cluster, \
+                distributed.Client(cluster) as client:
+            spec = dmdask.Spec(path, batch_size=128)
+            for epoch in range(2):
+                ids = all_ids(run_epoch(client, spec, epoch=epoch, world_size=2))
+                assert np.array_equal(np.sort(ids), np.arange(4000))
+            stats = dmdask.stats(client)["total"]
+            assert stats["ssd"]["full"] is True
+            assert 0 < stats["ssd"]["blocks"] < 40
+            assert stats["ssd"]["bytes"] <= 1024 * 1024
+            assert stats["streamed_blocks"] == 40 - stats["ssd"]["blocks"]
+            assert stats["ssd"]["hits"] > 0
+    finally:
+        subprocess.run(["umount", "-l", str(ssd)])
