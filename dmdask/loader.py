@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 STATE_FIELDS = ("identity", "epoch", "seed", "shuffle", "shuffle_window", "rank",
                 "world_size", "batch_size", "drop_last")
-RETRIES = 5
+RECOVERY_SECONDS = 60  # how long a batch keeps retrying while the cluster recovers from a lost worker
 
 
 def batches(client: Client, spec: Spec, epoch: int = 0, resume: Optional[dict] = None) -> "BatchIterator":
@@ -207,11 +207,14 @@ class BatchIterator:
         offsets = ids - self.source.bounds[blocks]
         needed = np.unique(blocks).tolist()
         last_error: Optional[BaseException] = None
-        for attempt in range(RETRIES):
+        deadline = time.monotonic() + RECOVERY_SECONDS
+        attempt = 0
+        while time.monotonic() < deadline:
+            attempt += 1
             await self._ready(needed)
             holders = await self._holders_of(needed)
             if any(k not in holders for k in needed):  # finished but not yet registered
-                await asyncio.sleep(0.05 * (attempt + 1))
+                await asyncio.sleep(min(1.0, 0.05 * attempt))
                 continue
             plan, order = self._plan(blocks, offsets, holders)
             msg = {"requests": plan, "order": order, "index": ids, "fields": list(self.source.fields),
@@ -225,14 +228,15 @@ class BatchIterator:
                 last_error = exc
                 self._worker = None
                 self._holders.clear()
-                await asyncio.sleep(0.1 * (attempt + 1))
+                await asyncio.sleep(min(1.0, 0.1 * attempt))
                 continue
             if reply["status"] == "OK":
                 return reply["batch"]
             last_error = KeyError(f"blocks moved: {reply['keys'][:3]}")
             self._holders.clear()
-            await asyncio.sleep(0.05 * (attempt + 1))
-        raise RuntimeError(f"batch {i} of rank {self.spec.rank} failed after {RETRIES} tries") from last_error
+            await asyncio.sleep(min(1.0, 0.05 * attempt))
+        raise RuntimeError(f"batch {i} of rank {self.spec.rank} still failing after {RECOVERY_SECONDS} s "
+                           f"({attempt} tries); is the cluster losing workers?") from last_error
 
     async def _ready(self, blocks: List[int]) -> None:
         for k in blocks:

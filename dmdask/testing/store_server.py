@@ -38,7 +38,6 @@ import mimetypes
 import os
 import signal
 import socket
-import socketserver
 import sys
 import threading
 import time

@@ -1,0 +1,54 @@
+"""A worker process killed mid-epoch: no sample lost, none repeated."""
+import os
+import signal
+import threading
+import time
+
+import distributed
+import numpy as np
+
+import dmdask
+from dmdask.testing.datasets import write_zarr, zarr_sample
+
+
+def test_killed_worker_mid_epoch_loses_and_repeats_nothing(tmp_path):
+    n = 2000
+    path = write_zarr(str(tmp_path / "d.zarr"), n, sample_shape=(8,), chunk=50)
+    with dmdask.LocalCluster(n_workers=3, ram="8 MiB") as cluster, distributed.Client(cluster) as client:
+        spec = dmdask.Spec(path, batch_size=20, seed=4, prefetch=4)
+        # epoch 0 warms the cache on all three workers
+        for r in range(2):
+            for _ in dmdask.batches(client, spec.replace(rank=r, world_size=2)):
+                pass
+        pids = client.run(os.getpid)
+        victim_address = sorted(pids)[1]
+        got = [[], []]
+        errors = []
+        started = threading.Barrier(3)
+
+        def rank(r):
+            try:
+                it = dmdask.batches(client, spec.replace(rank=r, world_size=2), epoch=1)
+                started.wait()
+                for b in it:
+                    np.testing.assert_array_equal(b["x"], zarr_sample(b["index"]))
+                    got[r].append(b["index"])
+                    time.sleep(0.01)  # a training step
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        started.wait()
+        time.sleep(0.3)
+        os.kill(pids[victim_address], signal.SIGKILL)
+        delivered_at_kill = [len(g) for g in got]
+        assert all(0 < d < n // 2 // 20 for d in delivered_at_kill), delivered_at_kill
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        ids = np.concatenate(got[0] + got[1])
+        assert len(ids) == n
+        assert np.array_equal(np.sort(ids), np.arange(n))
+        assert victim_address not in client.scheduler_info()["workers"]
