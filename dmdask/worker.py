@@ -297,17 +297,19 @@ class Worker(distributed.Worker):
     """
 
     def __init__(self, *args, ram=None, ssd=None, ssd_dir=None, stream_buffer=None, **kwargs):
-        config = dask.config.get("dmdask.worker")
+        def config(name, value):
+            return value if value is not None else dask.config.get(f"dmdask.worker.{name}")
+
         store = TieredStore(
-            ram=capacity(ram if ram is not None else config["ram"], "ram"),
-            ssd=capacity(ssd if ssd is not None else config["ssd"], "ssd"),
-            ssd_dir=ssd_dir or config.get("ssd-dir"),
+            ram=capacity(config("ram", ram), "ram"),
+            ssd=capacity(config("ssd", ssd), "ssd"),
+            ssd_dir=config("ssd-dir", ssd_dir),
         )
         kwargs["data"] = store
         super().__init__(*args, **kwargs)
         if store._ssd_root is None:
             store._ssd_root = self.local_directory
-        buffer = capacity(stream_buffer if stream_buffer is not None else config["stream-buffer"], "stream_buffer")
+        buffer = capacity(config("stream-buffer", stream_buffer), "stream_buffer")
         self.dmdask = BlockCache(self, store, buffer)
 
     async def close(self, *args, **kwargs):
