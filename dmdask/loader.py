@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 STATE_FIELDS = ("identity", "epoch", "seed", "shuffle", "shuffle_window", "rank",
                 "world_size", "batch_size", "drop_last")
+REQUEST_SAMPLES = 1024  # batches smaller than this are fetched several per request
 RECOVERY_SECONDS = 60  # how long a batch keeps retrying while the cluster recovers from a lost worker
 
 
@@ -136,7 +137,8 @@ class BatchIterator:
         if resume is not None:
             self._position = self._check_resume(resume)
         self._next_request = self._position
-        self._in_flight: Deque = deque()
+        self._in_flight: Deque = deque()  # concurrent futures, each of a list of batches
+        self._ready_batches: Deque = deque()
         self._holders: Dict[int, str] = {}
         self._worker: Optional[str] = None
         self._transform = dumps_transform(spec.transform)
@@ -151,31 +153,44 @@ class BatchIterator:
         return self
 
     def __next__(self) -> Dict[str, np.ndarray]:
-        self._fill()
-        if not self._in_flight:
-            raise StopIteration
-        started = time.perf_counter()
-        try:
-            batch = self._in_flight.popleft().result()
-        except BaseException:
+        if not self._ready_batches:
+            self._fill()
+            if not self._in_flight:
+                raise StopIteration
+            started = time.perf_counter()
+            try:
+                self._ready_batches.extend(self._in_flight.popleft().result())
+            except BaseException:
+                self.close()
+                raise
+            self.wait_seconds += time.perf_counter() - started
+        batch = self._ready_batches.popleft()
+        if isinstance(batch, BaseException):  # the batches before it were handed out
             self.close()
-            raise
-        self.wait_seconds += time.perf_counter() - started
+            raise batch
         self._position += 1
         self._fill()
         return batch
 
     def _fill(self) -> None:
-        while self._next_request < len(self._batches) and len(self._in_flight) < self.spec.prefetch:
-            coro = self._fetch(self._next_request)
+        """Keep up to `spec.prefetch` batches requested or ready, in groups of about
+        `REQUEST_SAMPLES` samples (one request per group amortises its fixed cost)."""
+        group = max(1, min(self.spec.prefetch, -(-REQUEST_SAMPLES // self.spec.batch_size)))
+        while self._next_request < len(self._batches):
+            pending = self._next_request - self._position
+            if pending + group > max(self.spec.prefetch, group):
+                break
+            stop = min(len(self._batches), self._next_request + group)
+            coro = self._fetch(self._next_request, stop)
             self._in_flight.append(asyncio.run_coroutine_threadsafe(coro, self._loop))
-            self._next_request += 1
+            self._next_request = stop
 
     def close(self) -> None:
         """Cancel batches in flight; the iterator is exhausted afterwards."""
         for fut in self._in_flight:
             fut.cancel()
         self._in_flight.clear()
+        self._ready_batches.clear()
         self._next_request = len(self._batches)
 
     # -- resume ------------------------------------------------------------------------
@@ -201,8 +216,19 @@ class BatchIterator:
         return position
 
     # -- fetching one batch (runs on the client's event loop) --------------------------
-    async def _fetch(self, i: int) -> Dict[str, np.ndarray]:
-        ids = self._batches[i]
+    async def _fetch(self, first: int, stop: int) -> list:
+        """Batches first..stop-1; after a corrupt block, the ones before it and the error."""
+        try:
+            return await self._fetch_group(first, stop)
+        except BlockReadError:
+            if stop - first == 1:
+                raise
+            return await self._fetch_one_by_one(first, stop)
+
+    async def _fetch_group(self, first: int, stop: int) -> List[Dict[str, np.ndarray]]:
+        """Batches first..stop-1, fetched through one request to the local worker."""
+        group = self._batches[first:stop]
+        ids = np.concatenate(group)
         blocks = self.source.block_of(ids)
         offsets = ids - self.source.bounds[blocks]
         needed = np.unique(blocks).tolist()
@@ -217,8 +243,8 @@ class BatchIterator:
                 await asyncio.sleep(min(1.0, 0.05 * attempt))
                 continue
             plan, order = self._plan(blocks, offsets, holders)
-            msg = {"requests": plan, "order": order, "index": ids, "fields": list(self.source.fields),
-                   "transform": self._transform}
+            msg = {"requests": plan, "order": order, "index": ids, "sizes": [len(b) for b in group],
+                   "fields": list(self.source.fields), "transform": self._transform}
             worker = await self._local_worker()
             try:
                 reply = await self.client.rpc(worker).dmdask_batch(msg=to_serialize(msg))
@@ -231,12 +257,24 @@ class BatchIterator:
                 await asyncio.sleep(min(1.0, 0.1 * attempt))
                 continue
             if reply["status"] == "OK":
-                return reply["batch"]
+                return reply["batches"]
             last_error = KeyError(f"blocks moved: {reply['keys'][:3]}")
             self._holders.clear()
             await asyncio.sleep(min(1.0, 0.05 * attempt))
-        raise RuntimeError(f"batch {i} of rank {self.spec.rank} still failing after {RECOVERY_SECONDS} s "
+        raise RuntimeError(f"batches {first}..{stop - 1} of rank {self.spec.rank} still failing after {RECOVERY_SECONDS} s "
                            f"({attempt} tries); is the cluster losing workers?") from last_error
+
+    async def _fetch_one_by_one(self, first: int, stop: int) -> list:
+        """After a failed group: its batches one at a time, up to the failing one, then
+        the error itself, so every batch before a corrupt block is still delivered."""
+        out: list = []
+        for i in range(first, stop):
+            try:
+                out.extend(await self._fetch_group(i, i + 1))
+            except BlockReadError as exc:
+                out.append(exc)
+                return out
+        return out  # the group's error did not come back one batch at a time
 
     async def _ready(self, blocks: List[int]) -> None:
         for k in blocks:

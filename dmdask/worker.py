@@ -196,7 +196,7 @@ class BlockCache:
         return {"status": "OK", "parts": to_serialize(parts)}
 
     async def batch_handler(self, msg):
-        """RPC `dmdask_batch`: gather one batch from its holders, in batch order."""
+        """RPC `dmdask_batch`: gather consecutive batches from their holders, in batch order."""
         requests: Dict[str, Dict[str, np.ndarray]] = msg["requests"]  # holder -> key -> rows
         me = self.worker.address
 
@@ -217,13 +217,16 @@ class BlockCache:
         pieces = [reply[key] for reply, wanted in zip(replies, requests.values()) for key in wanted]
         fields = msg["fields"]
         gathered = {f: _concat([p[f] for p in pieces]) for f in fields}
-        order = msg["order"]
-        batch = {f: gathered[f][order] for f in fields}
-        batch["index"] = msg["index"]
+        order, index, sizes = msg["order"], msg["index"], msg["sizes"]
+        ordered = {f: gathered[f][order] for f in fields}
+        ordered["index"] = index
+        bounds = np.cumsum([0] + list(sizes))
+        batches = [{f: v[a:b] for f, v in ordered.items()} for a, b in zip(bounds[:-1], bounds[1:])]
         transform = loads_transform(msg["transform"])
         if transform is not None:
-            batch = await asyncio.get_running_loop().run_in_executor(None, _apply, transform, batch)
-        return {"status": "OK", "batch": to_serialize(batch)}
+            batches = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: [_apply(transform, b) for b in batches])
+        return {"status": "OK", "batches": to_serialize(batches)}
 
     # -- accounting --------------------------------------------------------------------
     def stats(self) -> dict:

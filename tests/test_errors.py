@@ -70,9 +70,11 @@ def test_corrupt_chunk_names_url_and_samples_and_keeps_the_cache(client, good, t
     write_zarr(bad, 300, chunk=50)
     with open(os.path.join(bad, "x", "c", "2", "0"), "wb") as f:
         f.write(b"this is not a blosc/zstd frame")
+    delivered = []
     with pytest.raises(dmdask.BlockReadError) as info:
-        for _ in dmdask.batches(client, dmdask.Spec(bad, batch_size=25, shuffle=False)):
-            pass
+        for b in dmdask.batches(client, dmdask.Spec(bad, batch_size=25, shuffle=False)):
+            delivered.append(b["index"])
+    assert np.array_equal(np.concatenate(delivered), np.arange(100))  # every batch before the bad chunk
     message = str(info.value)
     assert "corrupt.zarr" in message and "samples 100..149" in message
     assert isinstance(info.value, OSError)
