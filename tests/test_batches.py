@@ -124,3 +124,16 @@ def test_folder_of_files_varying_sizes(client, tmp_path):
                 assert data.dtype == np.uint8
                 assert data.tobytes() == folder_sample(int(i))
                 assert label == i // 25
+
+
+def record_pid(batch):
+    return dict(batch, pid=np.full(len(batch["index"]), os.getpid()))
+
+
+def test_rank_r_is_served_by_local_worker_r_mod_n(client, zarr_path):
+    pid_of = client.run(os.getpid)
+    workers = sorted(pid_of)
+    for rank in range(4):
+        spec = dmdask.Spec(zarr_path, batch_size=100, rank=rank, world_size=4, transform=record_pid)
+        pids = {int(p) for b in dmdask.batches(client, spec) for p in b["pid"]}
+        assert pids == {pid_of[workers[rank % 2]]}
