@@ -67,7 +67,15 @@ class BlockReader:
     nbytes: int  # decoded size, known from metadata
     url: str
 
+    #: True when `read_rows` reads only the wanted samples from the store (one file per
+    #: sample); False when the store's unit is the whole block (Zarr chunks).
+    row_granular = False
+
     def read(self) -> Block:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def read_rows(self, rows):  # pragma: no cover - interface
+        """Only the given rows (offsets in the block), for row-granular readers."""
         raise NotImplementedError
 
     def _fail(self, exc: BaseException) -> BlockReadError:
@@ -264,22 +272,28 @@ class FolderBlockReader(BlockReader):
         self.identity, self.index, self.start, self.stop, self.nbytes = identity, index, start, stop, nbytes
         self.key = block_key(identity, index)
 
+    row_granular = True
+
     def read(self) -> Block:
+        return Block(self.read_rows(np.arange(self.stop - self.start)), self.start, self.stop)
+
+    def read_rows(self, rows):
         arrays = {}
         try:
             if "data" in self.fields:
                 with _fs_lock:
                     fs = _filesystem(self.protocol, self.options_json)
-                contents = fs.cat(self.files, on_error="raise")
-                data = np.empty(len(self.files), dtype=object)
-                for i, name in enumerate(self.files):
+                files = [self.files[r] for r in rows]
+                contents = fs.cat(files, on_error="raise")
+                data = np.empty(len(files), dtype=object)
+                for i, name in enumerate(files):
                     data[i] = np.frombuffer(_lookup(contents, name, fs), dtype=np.uint8)
                 arrays["data"] = data
         except Exception as exc:
             raise self._fail(exc) from exc
         if "label" in self.fields:
-            arrays["label"] = np.asarray(self.labels, dtype=np.int64)
-        return Block(arrays, self.start, self.stop)
+            arrays["label"] = np.asarray(self.labels, dtype=np.int64)[rows]
+        return arrays
 
 
 def _lookup(contents: dict, name: str, fs) -> bytes:

@@ -4,8 +4,9 @@
   shared store once and admits it into the fastest tier with room, or leaves a
   `Streamed` marker when no tier has room. Its future is the block's cache entry.
 - `dmdask_rows` (RPC): serves rows of the blocks this worker holds, to itself or to a
-  peer; streamed blocks go through a small LRU `StreamBuffer`, read once while the
-  ranks take their rows of it.
+  peer. Rows of a streamed block come straight from the store when it holds one file
+  per sample; otherwise the block goes through a small `StreamBuffer`, read once while
+  the ranks take their rows of it.
 - `dmdask_batch` (RPC, called by a rank on its own node): gathers one batch's rows from
   the holders (itself without a copy, peers over Dask's comms), puts them in batch
   order, runs the spec's transform and returns the batch.
@@ -142,6 +143,11 @@ class BlockCache:
         self.store_reads.add(block.nbytes)
         return block
 
+    def read_rows(self, reader, rows) -> Arrays:
+        arrays = reader.read_rows(rows)
+        self.store_reads.add(_nbytes(arrays))
+        return arrays
+
     def load(self, reader):
         """Body of the `load_block` task: read once, keep in the fastest tier with room."""
         tier = self.store.reserve(reader.nbytes)
@@ -168,6 +174,11 @@ class BlockCache:
         elif isinstance(value, SsdBlock):
             out = await asyncio.get_running_loop().run_in_executor(None, value.take, rows)
             tier = "ssd"
+        elif isinstance(value, Streamed) and value.reader.row_granular:
+            # one file per sample: read just these samples, nothing is held afterwards
+            out = await asyncio.get_running_loop().run_in_executor(None, self.read_rows, value.reader, rows)
+            self.streamed_hits += len(rows)
+            return out
         elif isinstance(value, Streamed):
             block = await self.stream.get(value.reader)
             self.streamed_hits += len(rows)

@@ -103,3 +103,26 @@ def test_folder_over_http_read_once(store):
         stats = server.stats()
         sent = sum(v["bytes"] for p, v in stats["by_path"].items() if p.endswith(".bin"))
         assert sent == sizes
+
+
+def test_folder_half_capacity_exact_global_shuffle_meets_the_bound(store):
+    """One file per sample: samples beyond the cache are read one by one, so even the
+    exact global shuffle reads each uncached byte once per epoch and holds nothing."""
+    server, root = store
+    files = [os.path.join(d, f) for d, _, fs in os.walk(root / "files") for f in fs]
+    dataset = sum(os.path.getsize(f) for f in files)
+    epochs, block = 3, 6
+    with dmdask.LocalCluster(n_workers=2, ram=dataset // 4, stream_buffer=0) as cluster, \
+            distributed.Client(cluster) as client:
+        server.reset_stats()
+        spec = dmdask.Spec(server.url + "/files", batch_size=7, block_size=block, seed=3)
+        for epoch in range(epochs):
+            per_rank = run_epoch(client, spec, epoch=epoch, world_size=2)
+            assert np.array_equal(np.sort(all_ids(per_rank)), np.arange(60))
+        total = dmdask.stats(client)["total"]
+        # a cached block holds its files' bytes plus 16 bytes a sample (label, object pointer)
+        cached_file_bytes = total["ram"]["bytes"] - 16 * block * total["ram"]["blocks"]
+        assert 0 < total["ram"]["blocks"] < 10 and total["ram"]["bytes"] <= 2 * (dataset // 4)
+        sent = sum(v["bytes"] for p, v in server.stats()["by_path"].items() if p.endswith(".bin"))
+        assert sent == epochs * dataset - (epochs - 1) * cached_file_bytes
+        assert total["stream"]["buffer_bytes"] == 0
