@@ -21,7 +21,7 @@ from collections import deque
 from typing import Deque, Dict, List, Optional
 
 import numpy as np
-from distributed import Client
+from distributed import Client, Lock
 from distributed.comm.core import CommClosedError
 from distributed.protocol.serialize import to_serialize
 
@@ -57,20 +57,29 @@ def _published_name(source: Source) -> str:
 def block_futures(client: Client, source: Source, first_needed: np.ndarray) -> list:
     """The futures of every block of `source`, created once per cluster and published.
 
-    Blocks are spread over the workers round-robin in the order they are first needed,
-    so each worker loads its share in that order. A future that failed before (a
-    corrupt block) is retried, so a repaired file is read again.
+    A future that failed before (a corrupt block) is retried, so a repaired file is
+    read again.
     """
     name = _published_name(source)
-    try:
-        futures = client.get_dataset(name)
-    except KeyError:
-        futures = None
-    if futures is not None and len(futures) == source.num_blocks:
-        erred = [f for f in futures if f.status == "error"]
-        if erred:
-            client.retry(erred)
+    with Lock(name, scheduler_rpc=client.scheduler, loop=client.loop):  # one rank creates, others find them
+        try:
+            futures = client.get_dataset(name)
+        except KeyError:
+            futures = None
+        if futures is not None:
+            erred = [f for f in futures if f.status == "error"]
+            if erred:
+                client.retry(erred)
+            return futures
+        futures = _submit_blocks(client, source, first_needed)
+        client.publish_dataset(**{name: futures})
         return futures
+
+
+def _submit_blocks(client: Client, source: Source, first_needed: np.ndarray) -> list:
+    """One `load_block` task per block under its stable key, spread over the workers
+    round-robin in the order the blocks are first needed (each worker loads its share
+    in that order)."""
     workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
     if not workers:
         raise NotADmdaskWorker("the cluster has no workers; start `dask worker ... --worker-class dmdask.Worker`")
@@ -82,10 +91,6 @@ def block_futures(client: Client, source: Source, first_needed: np.ndarray) -> l
             load_block, reader, key=reader.key, workers=[workers[rank_in_need % len(workers)]],
             allow_other_workers=True, pure=False, priority=source.num_blocks - rank_in_need,
         )
-    try:
-        client.publish_dataset(**{name: futures})
-    except (ValueError, KeyError):
-        pass  # another rank published the same keys first
     return futures
 
 
