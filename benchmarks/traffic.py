@@ -15,7 +15,7 @@ from .common import dataset_bytes, dmdask_cluster, run_ranks, served_bytes, work
 
 PRESETS = {
     "tiny": {"samples": 120, "sample_bytes": 1024, "nodes": [2], "ratios": [0.5, 1.0], "epochs": 2, "block": 10},
-    "quick": {"samples": 2000, "sample_bytes": 4096, "nodes": [2, 4], "ratios": [0.25, 0.5, 1.0, 2.0],
+    "quick": {"samples": 1200, "sample_bytes": 4096, "nodes": [2, 4], "ratios": [0.25, 0.5, 1.0, 2.0],
               "epochs": 5, "block": 25},
     "full": {"samples": 20000, "sample_bytes": 8192, "nodes": [2, 4], "ratios": [0.25, 0.5, 1.0, 2.0],
              "epochs": 5, "block": 100},

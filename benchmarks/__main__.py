@@ -1,0 +1,70 @@
+"""`python -m benchmarks run --quick|--full [--only traffic,...]` and `python -m benchmarks report FILE`."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+import warnings
+
+from . import report
+from .common import machine
+
+SCENARIOS = ["traffic", "training", "throughput", "control_plane"]
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def run(preset: str, only, out_dir: str = RESULTS, write_doc: bool = True) -> dict:
+    warnings.filterwarnings("ignore")
+    logging.getLogger("distributed").setLevel(logging.ERROR)
+    results = {"preset": preset, "machine": machine(), "scenarios": {},
+               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+               "command": f"python -m benchmarks run --{preset}" + (f" --only {','.join(only)}" if only else "")}
+    for name in only or SCENARIOS:
+        started = time.perf_counter()
+        print(f"[benchmarks] {name} ({preset}) ...", flush=True)
+        try:
+            results["scenarios"][name] = importlib.import_module(f"benchmarks.{name}").run(preset)
+        except Exception as exc:  # one broken scenario must not hide the others
+            traceback.print_exc()
+            results["scenarios"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+        results["scenarios"][name]["seconds"] = time.perf_counter() - started
+        print(f"[benchmarks] {name}: {results['scenarios'][name]['seconds']:.0f} s", flush=True)
+    os.makedirs(out_dir, exist_ok=True)
+    results["file"] = f"{preset}-latest.json"
+    with open(os.path.join(out_dir, results["file"]), "w") as f:
+        json.dump(results, f, indent=1, default=float)
+    if write_doc:
+        print(f"[benchmarks] wrote {report.write(results)}")
+    return results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks")
+    sub = parser.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="run the scenarios and regenerate docs/benchmarks.md")
+    size = r.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_const", dest="preset", const="quick", help="under 10 minutes")
+    size.add_argument("--full", action="store_const", dest="preset", const="full", help="about an hour")
+    r.add_argument("--only", default="", help=f"comma-separated subset of {SCENARIOS}")
+    rep = sub.add_parser("report", help="regenerate docs/benchmarks.md from a results file")
+    rep.add_argument("file")
+    args = parser.parse_args(argv)
+    if args.command == "report":
+        print(report.main(args.file))
+        return 0
+    only = [s for s in args.only.split(",") if s]
+    unknown = set(only) - set(SCENARIOS)
+    if unknown:
+        parser.error(f"unknown scenarios {sorted(unknown)}; choose from {SCENARIOS}")
+    run(args.preset or "quick", only)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

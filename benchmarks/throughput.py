@@ -1,0 +1,208 @@
+"""Scenario 3: loader throughput with a warm cache and no compute, exact global shuffle.
+
+dmdask against, in the same run: the raw ceiling of the transport (gathering the whole
+cached blocks from the workers and shuffling them in the trainer), numpy fancy indexing
+of arrays already in memory, and PyTorch's DataLoader(num_workers=2) over local files.
+Also records peak memory (scenario 5): trainer and workers against the capacities.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import time
+
+import distributed
+import numpy as np
+
+import dmdask
+
+from .common import dmdask_cluster, workdir
+
+PRESETS = {
+    "tiny": {"sizes": {"3KB": (3072, 600, 100)}, "batch": 64, "epochs": 2},
+    "quick": {"sizes": {"3KB": (3072, 40000, 500), "110KB": (112640, 2000, 20)}, "batch": 256, "epochs": 3},
+    "full": {"sizes": {"3KB": (3072, 200000, 1000), "110KB": (112640, 10000, 25)}, "batch": 256, "epochs": 5},
+}
+
+
+def run(preset: str) -> dict:
+    import zarr
+
+    cfg = PRESETS[preset]
+    rows = []
+    with workdir("throughput") as root:
+        for name, (sample_bytes, n, chunk) in cfg["sizes"].items():
+            rng = np.random.default_rng(0)
+            data = rng.integers(0, 256, size=(n, sample_bytes), dtype=np.uint8)
+            path = f"{root}/{name}.zarr"
+            group = zarr.open_group(path, mode="w")
+            group.create_array("x", shape=data.shape, chunks=(chunk, sample_bytes), dtype="uint8")[:] = data
+            group.create_array("label", shape=(n,), chunks=(chunk,), dtype="int64")[:] = np.arange(n)
+            folder = _write_local_files(f"{root}/{name}-files", data)
+            row = {"size": name, "sample_bytes": sample_bytes, "samples": n, "chunk": chunk}
+            row["numpy"] = _numpy(data, cfg)
+            row["torch_dataloader"] = _torch_files(folder, cfg)
+            row.update(_dmdask_and_ceiling(path, n * (sample_bytes + 8), cfg))
+            rows.append(row)
+            del data
+    goals = [{
+        "goal": f"dmdask reaches at least half the transport ceiling ({r['size']} samples)",
+        "met": r["dmdask"]["samples_per_s"] >= 0.5 * r["ceiling"]["samples_per_s"],
+        "measured": f"dmdask / ceiling = {r['dmdask']['samples_per_s'] / r['ceiling']['samples_per_s']:.2f}",
+    } for r in rows]
+    goals += [{
+        "goal": f"workers' RAM stays within the configured capacity plus one block per thread ({r['size']})",
+        "met": r["memory"]["worker_cache_mib"] <= r["memory"]["capacity_mib"] + r["memory"]["block_mib"],
+        "measured": f"cached {r['memory']['worker_cache_mib']:.1f} MiB of {r['memory']['capacity_mib']:.1f} MiB; "
+                    f"worker peak RSS {r['memory']['worker_peak_rss_mib']:.0f} MiB",
+    } for r in rows]
+    return {"config": cfg, "rows": rows, "goals": goals}
+
+
+def _timed(epochs: int, one_epoch) -> dict:
+    """Warm-up epoch, then the best samples/s over `epochs` epochs."""
+    one_epoch(0)
+    rates = []
+    for epoch in range(1, epochs + 1):
+        started = time.perf_counter()
+        count = one_epoch(epoch)
+        rates.append(count / (time.perf_counter() - started))
+    return {"samples_per_s": max(rates), "all": rates}
+
+
+def _numpy(data: np.ndarray, cfg) -> dict:
+    batch = cfg["batch"]
+
+    def epoch(e):
+        order = np.random.default_rng(e).permutation(len(data))
+        for i in range(0, len(order), batch):
+            _ = data[order[i:i + batch]]
+        return len(order)
+
+    return _timed(cfg["epochs"], epoch)
+
+
+def _write_local_files(folder: str, data: np.ndarray) -> str:
+    os.makedirs(folder, exist_ok=True)
+    for i, row in enumerate(data):
+        with open(f"{folder}/{i:08d}.bin", "wb") as f:
+            f.write(row.tobytes())
+    return folder
+
+
+class _LocalFiles:
+    def __init__(self, folder: str, n: int):
+        self.paths = [f"{folder}/{i:08d}.bin" for i in range(n)]
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, i):
+        with open(self.paths[i], "rb") as f:
+            return np.frombuffer(f.read(), dtype=np.uint8)
+
+
+def _torch_files(folder: str, cfg) -> dict:
+    import torch.utils.data
+
+    dataset = _LocalFiles(folder, len(os.listdir(folder)))
+
+    def epoch(e):
+        torch.manual_seed(e)
+        loader = torch.utils.data.DataLoader(dataset, batch_size=cfg["batch"], shuffle=True, num_workers=2,
+                                             collate_fn=lambda items: np.stack(items))
+        return sum(len(b) for b in loader)
+
+    return _timed(cfg["epochs"], epoch)
+
+
+def _dmdask_and_ceiling(path: str, dataset_bytes: int, cfg) -> dict:
+    capacity = int(dataset_bytes * 0.6) + (64 << 20)  # per worker: both together hold the dataset
+    with dmdask_cluster(2, ram=capacity) as cluster, distributed.Client(cluster) as client:
+        rss_empty = max(client.run(_rss_mib).values())
+        spec = dmdask.Spec(path, batch_size=cfg["batch"], prefetch=16)
+
+        def dmdask_epoch(e):
+            return sum(len(b["index"]) for b in dmdask.batches(client, spec, epoch=e))
+
+        mine = _timed(cfg["epochs"], dmdask_epoch)
+        source = dmdask.sources.open_source(spec)
+        futures = client.get_dataset(f"dmdask-{source.identity}")
+
+        def ceiling_epoch(e):
+            blocks = client.gather(futures, direct=True)
+            arrays = {f: np.concatenate([b.arrays[f] for b in blocks]) for f in blocks[0].arrays}
+            order = np.random.default_rng(e).permutation(len(arrays["x"]))
+            for i in range(0, len(order), cfg["batch"]):
+                _ = {f: a[order[i:i + cfg["batch"]]] for f, a in arrays.items()}
+            return len(order)
+
+        ceiling = _timed(cfg["epochs"], ceiling_epoch)
+        stats = dmdask.stats(client)
+        peak = client.run(_peak_rss_mib)
+        memory = {
+            "capacity_mib": capacity / 2**20,
+            "block_mib": dataset_bytes / source.num_blocks / 2**20,
+            "worker_cache_mib": max(s["ram"]["bytes"] for s in stats["workers"].values()) / 2**20,
+            "worker_peak_rss_mib": max(peak.values()),
+            "worker_rss_empty_mib": rss_empty,
+            "trainer_peak_rss_mib": _peak_rss_mib(),
+            "dataset_mib": dataset_bytes / 2**20,
+        }
+        dmdask.release(client, spec)
+    return {"dmdask": mine, "ceiling": ceiling, "memory": memory}
+
+
+def _rss_mib() -> float:
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def report(result: dict, plots_dir: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    names = [("ceiling", "transport ceiling (gather blocks)"), ("dmdask", "dmdask"),
+             ("numpy", "numpy indexing in memory"), ("torch_dataloader", "DataLoader(num_workers=2), local files")]
+    lines = ["| sample | " + " | ".join(label for _, label in names) + " | dmdask / ceiling |",
+             "|---|" + "---:|" * (len(names) + 1)]
+    for r in rows:
+        cells = [f"{r[k]['samples_per_s']:,.0f}/s" for k, _ in names]
+        lines.append(f"| {r['size']} | " + " | ".join(cells)
+                     + f" | {r['dmdask']['samples_per_s'] / r['ceiling']['samples_per_s']:.2f} |")
+    mem = ["| sample | dataset | RAM capacity / worker | cached on the fullest worker | worker RSS empty -> peak "
+           "| trainer peak RSS |", "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        m = r["memory"]
+        mem.append(f"| {r['size']} | {m['dataset_mib']:.0f} MiB | {m['capacity_mib']:.0f} MiB "
+                   f"| {m['worker_cache_mib']:.0f} MiB | {m['worker_rss_empty_mib']:.0f} -> "
+                   f"{m['worker_peak_rss_mib']:.0f} MiB | {m['trainer_peak_rss_mib']:.0f} MiB |")
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    width = 0.8 / len(names)
+    for j, (key, label) in enumerate(names):
+        ax.bar([i + j * width for i in range(len(rows))], [r[key]["samples_per_s"] for r in rows], width,
+               label=label)
+    ax.set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(rows))])
+    ax.set_xticklabels([f"{r['size']} samples" for r in rows])
+    ax.set_yscale("log")
+    ax.set_ylabel("samples/s (warm, no compute)")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(f"{plots_dir}/throughput.png", dpi=110)
+    plt.close(fig)
+    return ("Warm cache (epoch 0 loads it and is not timed), batch "
+            f"{result['config']['batch']}, one trainer, 2 worker processes, best of "
+            f"{result['config']['epochs']} epochs. The ceiling gathers every cached block to the trainer "
+            "and permutes there (needs the whole dataset in the trainer's memory).\n\n"
+            + "\n".join(lines) + "\n\n![throughput](benchmarks/throughput.png)\n\n"
+            "**Memory** (scenario 5): peak resident memory against the configured capacities.\n\n"
+            + "\n".join(mem) + "\n")

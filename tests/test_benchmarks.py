@@ -1,0 +1,36 @@
+"""Smoke test of the benchmark harness at tiny sizes, so it cannot rot.
+
+It checks that every scenario runs and reports complete, sane numbers; it asserts no
+speed (the figures live in docs/benchmarks.md)."""
+import os
+
+import pytest
+
+pytest.importorskip("matplotlib", reason="the benchmark plots need matplotlib (the `bench` extra)")
+
+from benchmarks import report  # noqa: E402
+from benchmarks.__main__ import run  # noqa: E402
+
+
+@pytest.mark.slow
+def test_harness_runs_every_scenario_and_writes_the_page(tmp_path):
+    results = run("tiny", ["traffic", "throughput", "control_plane"], out_dir=str(tmp_path), write_doc=False)
+    assert os.path.exists(tmp_path / "tiny-latest.json")
+    scenarios = results["scenarios"]
+    assert not [n for n, s in scenarios.items() if "error" in s], scenarios
+    for row in scenarios["traffic"]["rows"]:
+        # counted by the store: dmdask never reads more than the baseline, and meets the bound
+        assert row["dmdask"]["bytes"] == row["bound"]
+        assert row["baseline"]["bytes"] == row["epochs"] * row["dataset"]
+        assert row["bound"] <= row["monarch"]["bytes"] <= row["baseline"]["bytes"]
+    for row in scenarios["throughput"]["rows"]:
+        for key in ("dmdask", "ceiling", "numpy", "torch_dataloader"):
+            assert row[key]["samples_per_s"] > 0
+        assert row["memory"]["worker_cache_mib"] <= row["memory"]["capacity_mib"]
+    for row in scenarios["control_plane"]["rows"]:
+        assert row["epochs"][0]["tasks"] == row["blocks"]
+        assert all(e["tasks"] == 0 for e in row["epochs"][1:])
+    page = report.write(results, path=str(tmp_path / "benchmarks.md"), plots_dir=str(tmp_path / "plots"))
+    text = open(page).read()
+    assert "## Goals" in text and "| 1 |" in text and "| 4 |" in text
+    assert sorted(os.listdir(tmp_path / "plots")) == ["control_plane.png", "throughput.png", "traffic.png"]
