@@ -62,7 +62,7 @@ def run(preset: str) -> dict:
                     it = dmdask.batches(client, spec, epoch=epoch)
                     for _ in it:
                         pass
-                    requests = _requests(it, cfg["batch"])
+                    requests = it.requests
                     after = client.run_on_scheduler(_scheduler_numbers)
                     epochs.append({"epoch": epoch, "tasks": after["tasks_run"] - before["tasks_run"],
                                    "keys": after["keys"], "requests": requests,
@@ -74,14 +74,6 @@ def run(preset: str) -> dict:
     goals = [{"goal": "scheduler tasks per epoch at most one per 100 samples",
               "met": worst <= 0.01, "measured": f"worst epoch: {worst * 100:.2f} tasks per 100 samples"}]
     return {"config": cfg, "rows": rows, "goals": goals}
-
-
-def _requests(it, batch: int) -> int:
-    """Requests the trainer sent to its worker in the epoch (batches are grouped)."""
-    from dmdask.loader import REQUEST_SAMPLES
-
-    group = max(1, min(it.spec.prefetch, -(-REQUEST_SAMPLES // batch)))
-    return -(-len(it) // group)
 
 
 def report(result: dict, plots_dir: str) -> str:

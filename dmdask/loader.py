@@ -27,6 +27,7 @@ from distributed.protocol.serialize import to_serialize
 
 from .errors import BlockReadError, NotADmdaskWorker, SpecError
 from .order import epoch_order, rank_batches
+from .progress import make as _make_progress
 from .sources import Source, open_source
 from .spec import Spec, dumps_transform
 from .worker import load_block
@@ -35,19 +36,23 @@ logger = logging.getLogger(__name__)
 
 STATE_FIELDS = ("identity", "epoch", "seed", "shuffle", "shuffle_window", "rank",
                 "world_size", "batch_size", "drop_last")
-REQUEST_SAMPLES = 1024  # batches smaller than this are fetched several per request
+REQUEST_BYTES = 8 << 20  # small batches are fetched several per request, up to about this size
 RECOVERY_SECONDS = 60  # how long a batch keeps retrying while the cluster recovers from a lost worker
 
 
-def batches(client: Client, spec: Spec, epoch: int = 0, resume: Optional[dict] = None) -> "BatchIterator":
+def batches(client: Client, spec: Spec, epoch: int = 0, resume: Optional[dict] = None,
+            progress=None) -> "BatchIterator":
     """An iterator over this rank's batches of one epoch.
 
     Each batch is a dict of numpy arrays, one per field of the source, plus "index": the
     global sample ids (int64) of its rows. Across `spec.world_size` ranks every sample of
     the epoch is delivered exactly once. `resume` takes a `state_dict()` of an earlier
     iterator of the same spec and epoch and continues right after its last batch.
+    `progress`: a tqdm bar for the epoch with batches/s and the cluster's hit rate; True,
+    False, or None (default: when stderr is an interactive terminal, on rank 0); see
+    `dmdask.progress`.
     """
-    return BatchIterator(client, spec, epoch, resume)
+    return BatchIterator(client, spec, epoch, resume, progress=progress)
 
 
 def _published_name(source: Source) -> str:
@@ -122,7 +127,8 @@ class BatchIterator:
     `state_dict()` counts batches handed out, not batches prefetched.
     """
 
-    def __init__(self, client: Client, spec: Spec, epoch: int = 0, resume: Optional[dict] = None):
+    def __init__(self, client: Client, spec: Spec, epoch: int = 0, resume: Optional[dict] = None,
+                 progress=None):
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise SpecError("epoch", "an integer >= 0", epoch)
         self.client = client
@@ -149,6 +155,11 @@ class BatchIterator:
         self._transform = dumps_transform(spec.transform)
         self._loop = client.loop.asyncio_loop
         self.wait_seconds = 0.0  # time the consumer spent waiting for batches
+        self.requests = 0  # requests sent to the local worker
+        batch_bytes = spec.batch_size * self.source.nbytes / max(1, self.source.num_samples)
+        # several batches a request, up to REQUEST_BYTES, keeping two requests in flight
+        self.group = int(max(1, min(spec.prefetch // 2, REQUEST_BYTES // max(1, batch_bytes))))
+        self._progress = _make_progress(self, progress)  # None unless a bar is shown
 
     # -- the iterator ------------------------------------------------------------------
     def __len__(self) -> int:
@@ -161,6 +172,7 @@ class BatchIterator:
         if not self._ready_batches:
             self._fill()
             if not self._in_flight:
+                self._end_progress()
                 raise StopIteration
             started = time.perf_counter()
             try:
@@ -174,13 +186,15 @@ class BatchIterator:
             self.close()
             raise batch
         self._position += 1
+        if self._progress is not None:
+            self._progress.update()
         self._fill()
         return batch
 
     def _fill(self) -> None:
-        """Keep up to `spec.prefetch` batches requested or ready, in groups of about
-        `REQUEST_SAMPLES` samples (one request per group amortises its fixed cost)."""
-        group = max(1, min(self.spec.prefetch, -(-REQUEST_SAMPLES // self.spec.batch_size)))
+        """Keep up to `spec.prefetch` batches requested or ready, in groups of `self.group`
+        batches (one request per group amortises its fixed cost)."""
+        group = self.group
         while self._next_request < len(self._batches):
             pending = self._next_request - self._position
             if pending + group > max(self.spec.prefetch, group):
@@ -189,14 +203,21 @@ class BatchIterator:
             coro = self._fetch(self._next_request, stop)
             self._in_flight.append(asyncio.run_coroutine_threadsafe(coro, self._loop))
             self._next_request = stop
+            self.requests += 1
 
     def close(self) -> None:
         """Cancel batches in flight; the iterator is exhausted afterwards."""
+        self._end_progress()
         for fut in self._in_flight:
             fut.cancel()
         self._in_flight.clear()
         self._ready_batches.clear()
         self._next_request = len(self._batches)
+
+    def _end_progress(self) -> None:
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
 
     # -- resume ------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -247,8 +268,8 @@ class BatchIterator:
             if any(k not in holders for k in needed):  # finished but not yet registered
                 await asyncio.sleep(min(1.0, 0.05 * attempt))
                 continue
-            plan, order = self._plan(blocks, offsets, holders)
-            msg = {"requests": plan, "order": order, "index": ids, "sizes": [len(b) for b in group],
+            plan, positions = self._plan(blocks, offsets, holders)
+            msg = {"requests": plan, "positions": positions, "index": ids, "sizes": [len(b) for b in group],
                    "fields": list(self.source.fields), "transform": self._transform}
             worker = await self._local_worker()
             try:
@@ -303,7 +324,8 @@ class BatchIterator:
         return self._holders
 
     def _plan(self, blocks: np.ndarray, offsets: np.ndarray, holders: Dict[int, str]):
-        """holder -> block key -> rows, and the order that puts gathered rows in batch order."""
+        """holder -> block key -> rows to take, and holder -> the positions in the group
+        where those rows go (in the same order)."""
         by_block = np.argsort(blocks, kind="stable")
         uniq, starts = np.unique(blocks[by_block], return_index=True)
         groups = np.split(by_block, starts[1:])
@@ -313,10 +335,7 @@ class BatchIterator:
             holder = holders[k]
             plan.setdefault(holder, {})[self._futures[k].key] = offsets[members]
             positions.setdefault(holder, []).append(members)
-        gathered = np.concatenate([m for h in plan for m in positions[h]])
-        order = np.empty(len(gathered), dtype=np.int64)
-        order[gathered] = np.arange(len(gathered))
-        return plan, order
+        return plan, {h: np.concatenate(p) for h, p in positions.items()}
 
     async def _local_worker(self) -> str:
         """A worker on this rank's own node: rank r takes local worker r mod n."""

@@ -190,25 +190,31 @@ class BlockCache:
         self.store.count_hit(tier, len(rows), _nbytes(out))
         return out
 
-    async def serve(self, requests: Dict[str, np.ndarray]) -> Dict[str, Arrays]:
+    async def serve(self, requests: Dict[str, np.ndarray]) -> Arrays:
+        """The rows of several held blocks, concatenated per field in request order.
+
+        One array per field (not one per block) keeps messages to a few frames."""
         missing = [key for key in requests if key not in self.store]
         if missing:
             raise MissingBlocks(missing)
         parts = await asyncio.gather(*(self.take(key, rows) for key, rows in requests.items()))
-        return dict(zip(requests, parts))
+        return {f: _concat([p[f] for p in parts]) for f in parts[0]} if parts else {}
 
     async def rows_handler(self, msg):
-        """RPC `dmdask_rows`: {key: rows} -> {key: arrays}, or {"missing": keys}."""
+        """RPC `dmdask_rows`: {key: rows} -> one array per field, or the missing keys."""
         try:
-            parts = await self.serve(msg)
+            rows = await self.serve(msg)
         except MissingBlocks as exc:
             return {"status": "missing", "keys": exc.keys}
-        self.peer_bytes_out += sum(_nbytes(p) for p in parts.values())
-        return {"status": "OK", "parts": to_serialize(parts)}
+        self.peer_bytes_out += _nbytes(rows)
+        return {"status": "OK", "rows": to_serialize(rows)}
 
     async def batch_handler(self, msg):
-        """RPC `dmdask_batch`: gather consecutive batches from their holders, in batch order."""
-        requests: Dict[str, Dict[str, np.ndarray]] = msg["requests"]  # holder -> key -> rows
+        """RPC `dmdask_batch`: gather consecutive batches from their holders, in batch order.
+
+        msg: "requests" holder -> block key -> rows; "positions" holder -> where its rows
+        go in the group; "index", "sizes" (batch lengths), "fields", "transform"."""
+        requests: Dict[str, Dict[str, np.ndarray]] = msg["requests"]
         me = self.worker.address
 
         async def from_holder(holder, wanted):
@@ -217,22 +223,24 @@ class BlockCache:
             reply = await self.worker.rpc(holder).dmdask_rows(msg=to_serialize(wanted))
             if reply["status"] == "missing":
                 raise MissingBlocks(reply["keys"])
-            parts = reply["parts"]
-            self.peer_bytes_in += sum(_nbytes(p) for p in parts.values())
-            return parts
+            self.peer_bytes_in += _nbytes(reply["rows"])
+            return reply["rows"]
 
         try:
             replies = await asyncio.gather(*(from_holder(h, w) for h, w in requests.items()))
         except MissingBlocks as exc:
             return {"status": "missing", "keys": exc.keys}
-        pieces = [reply[key] for reply, wanted in zip(replies, requests.values()) for key in wanted]
-        fields = msg["fields"]
-        gathered = {f: _concat([p[f] for p in pieces]) for f in fields}
-        order, index, sizes = msg["order"], msg["index"], msg["sizes"]
-        ordered = {f: gathered[f][order] for f in fields}
-        ordered["index"] = index
-        bounds = np.cumsum([0] + list(sizes))
-        batches = [{f: v[a:b] for f, v in ordered.items()} for a, b in zip(bounds[:-1], bounds[1:])]
+        index = msg["index"]
+        group = {}
+        for f in msg["fields"]:
+            first = replies[0][f]
+            out = np.empty((len(index),) + first.shape[1:], dtype=first.dtype)
+            for holder, rows in zip(requests, replies):
+                out[msg["positions"][holder]] = rows[f]
+            group[f] = out
+        group["index"] = index
+        bounds = np.cumsum([0] + list(msg["sizes"]))
+        batches = [{f: v[a:b] for f, v in group.items()} for a, b in zip(bounds[:-1], bounds[1:])]
         transform = loads_transform(msg["transform"])
         if transform is not None:
             batches = await asyncio.get_running_loop().run_in_executor(

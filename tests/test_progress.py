@@ -1,0 +1,103 @@
+"""The per-epoch progress bar of dmdask.batches: when it shows, what it says, and that
+its hit rate costs no per-batch round trip."""
+import io
+import re
+import time
+
+import dask
+import numpy as np
+import pytest
+
+import dmdask
+from dmdask import progress
+from dmdask.testing.datasets import write_zarr
+
+N = 1003
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.fixture(scope="module")
+def zarr_path(tmp_path_factory):
+    return write_zarr(str(tmp_path_factory.mktemp("shared") / "p.zarr"), N, sample_shape=(4,), chunk=64)
+
+
+def test_when_the_bar_shows(monkeypatch):
+    assert progress.wanted(True) and not progress.wanted(False)
+    assert progress.wanted({"file": io.StringIO()})
+    assert progress.wanted(None, rank=0, stream=Terminal())
+    assert not progress.wanted(None, rank=1, stream=Terminal())  # one bar per job, not one per rank
+    assert not progress.wanted(None, rank=0, stream=io.StringIO())  # a log file, a pipe, pytest
+    monkeypatch.setattr("sys.stderr", Terminal())
+    assert progress.wanted(None)
+    with dask.config.set({"dmdask.progress": False}):
+        assert not progress.wanted(None) and progress.wanted(True)
+    with dask.config.set({"dmdask.progress": True}):
+        assert progress.wanted(None, stream=io.StringIO())
+
+
+def test_hit_text():
+    before = {"ram": 10, "ssd": 0, "stream": 5}
+    assert progress.hit_text(before, before) is None
+    assert progress.hit_text(before, {"ram": 91, "ssd": 16, "stream": 8}) == \
+        "hit 97% (RAM 81%, SSD 16%, streamed 3%)"
+    assert progress.hit_text(before, {"ram": 0, "ssd": 0, "stream": 9}) == \
+        "hit 0% (RAM 0%, SSD 0%, streamed 100%)"  # a restarted worker counts from 0 again
+    assert progress.served([{"ram": {"hits": 1}, "ssd": {"hits": 2}, "stream": {"hits": 3}}, None, {}]) == \
+        {"ram": 1, "ssd": 2, "stream": 3}
+
+
+def test_no_bar_by_default_when_not_a_terminal(client, zarr_path):
+    it = dmdask.batches(client, dmdask.Spec(zarr_path, batch_size=50))
+    assert it._progress is None  # pytest's captured stderr is not a terminal
+    assert sum(len(b["index"]) for b in it) == N
+
+
+def test_bar_shows_rate_and_hit_rate_without_per_batch_requests(client, zarr_path, monkeypatch):
+    monkeypatch.setattr(progress, "STATS_INTERVAL", 0.2)
+    calls = []
+    real = progress._served_now
+
+    async def counted(c):
+        calls.append(time.monotonic())
+        return await real(c)
+
+    monkeypatch.setattr(progress, "_served_now", counted)
+    out = io.StringIO()
+    spec = dmdask.Spec(zarr_path, batch_size=50, seed=4)
+    started = time.monotonic()
+    it = dmdask.batches(client, spec, epoch=0, progress={"file": out, "mininterval": 0})
+    assert it._progress is not None and it._progress.bar.total == len(it) == 21
+    ids = []
+    for batch in it:
+        ids.append(batch["index"])
+        time.sleep(0.12)  # a training step: the heartbeats carry the counters meanwhile
+    seconds = time.monotonic() - started
+    assert np.array_equal(np.sort(np.concatenate(ids)), np.arange(N))
+    assert it._progress is None  # closed at the end of the epoch
+    text = out.getvalue()
+    final = text.replace("\r", "\n").strip().splitlines()[-1]
+    assert final.startswith("epoch 0: 100%") and "21/21" in final
+    assert re.search(r"\d+\.\d+batch/s", final)
+    # every sample of this epoch came from a tier (all blocks were read before being served)
+    assert "hit 100% (RAM 100%, SSD 0%, streamed 0%)" in final
+    assert len(calls) <= seconds / 0.2 + 2 and len(calls) < len(it)
+
+
+def test_bar_starts_at_the_resumed_position_and_closes_with_the_iterator(client, zarr_path):
+    spec = dmdask.Spec(zarr_path, batch_size=100, seed=5)
+    first = dmdask.batches(client, spec, progress=False)
+    for _ in range(3):
+        next(first)
+    state = first.state_dict()
+    first.close()
+    out = io.StringIO()
+    it = dmdask.batches(client, spec, resume=state, progress={"file": out, "mininterval": 0})
+    assert it._progress.bar.n == 3
+    next(it)
+    it.close()
+    assert it._progress is None
+    assert "4/11" in out.getvalue().replace("\r", "\n").strip().splitlines()[-1]
