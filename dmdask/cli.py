@@ -14,28 +14,65 @@ def status(argv) -> int:
 
     parser = argparse.ArgumentParser(prog="dmdask status", description="per-worker tiers of a dmdask cluster")
     parser.add_argument("scheduler", help="scheduler address, e.g. tcp://host:8786")
+    parser.add_argument("--timeout", type=float, default=10, help="seconds to wait for the scheduler (default 10)")
     args = parser.parse_args(argv)
-    with distributed.Client(args.scheduler, timeout=10) as client:
-        print(format_table(dmdask.stats(client)))
+    try:
+        with distributed.Client(args.scheduler, timeout=args.timeout) as client:
+            stats = dmdask.stats(client)
+            dashboard = client.dashboard_link
+    except (OSError, TimeoutError) as exc:
+        print(f"dmdask status: cannot reach the scheduler at {args.scheduler}: {exc}", file=sys.stderr)
+        return 1
+    except dmdask.NotADmdaskWorker as exc:
+        print(f"dmdask status: {exc}", file=sys.stderr)
+        return 1
+    print(format_table(stats))
+    if dashboard:
+        print(f"\ndashboard page: {dashboard.rsplit('/', 1)[0]}/dmdask (with `dask scheduler --preload dmdask.dashboard`)")
     return 0
 
 
-def format_table(stats: dict) -> str:
-    def mib(n):
-        return f"{n / 2**20:9.1f}"
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f}"
 
-    lines = ["worker                      RAM MiB / cap    SSD MiB / cap  blocks RAM SSD streamed"
-             "   hits RAM    SSD stream   store MiB"]
+
+def _hit_rate(s: dict) -> str:
+    served = s["ram"]["hits"] + s["ssd"]["hits"] + s["stream"]["hits"]
+    return f"{100 * (s['ram']['hits'] + s['ssd']['hits']) / served:.0f}%" if served else "-"
+
+
+# (header, value of one row's stats): every column right-aligned but the first
+COLUMNS = [
+    ("RAM MiB", lambda s: _mib(s["ram"]["bytes"])),
+    ("/ cap", lambda s: _mib(s["ram"]["capacity"])),
+    ("SSD MiB", lambda s: _mib(s["ssd"]["bytes"])),
+    ("/ cap", lambda s: _mib(s["ssd"]["capacity"])),
+    ("RAM blocks", lambda s: str(s["ram"]["blocks"])),
+    ("SSD blocks", lambda s: str(s["ssd"]["blocks"])),
+    ("streamed", lambda s: str(s["streamed_blocks"])),
+    ("RAM hits", lambda s: str(s["ram"]["hits"])),
+    ("SSD hits", lambda s: str(s["ssd"]["hits"])),
+    ("streamed hits", lambda s: str(s["stream"]["hits"])),
+    ("hit rate", _hit_rate),
+    ("store MiB", lambda s: _mib(s["shared_store"]["bytes"])),
+    ("requests", lambda s: str(s["shared_store"]["requests"])),
+    ("peer in MiB", lambda s: _mib(s["peer"]["bytes_in"])),
+]
+
+
+def format_table(stats: dict) -> str:
+    """The table of `dmdask.stats(client)`: one row per worker (sorted) and the total.
+
+    Sizes in MiB with one decimal; blocks and hits (samples served per tier) exact.
+    """
     rows = sorted(stats["workers"].items()) + [("total", stats["total"])]
-    for name, s in rows:
-        lines.append(
-            f"{name[:26]:26s} {mib(s['ram']['bytes'])} /{mib(s['ram']['capacity'])}"
-            f" {mib(s['ssd']['bytes'])} /{mib(s['ssd']['capacity'])}"
-            f"  {s['ram']['blocks']:6d} {s['ssd']['blocks']:4d} {s['streamed_blocks']:8d}"
-            f"  {s['ram']['hits']:9d} {s['ssd']['hits']:6d} {s['stream']['hits']:6d}"
-            f"  {mib(s['shared_store']['bytes'])}"
-        )
-    return "\n".join(lines)
+    cells = [["worker"] + [h for h, _ in COLUMNS]]
+    cells += [[name] + [fn(s) for _, fn in COLUMNS] for name, s in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+    return "\n".join(
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+        for row in cells
+    )
 
 
 def main(argv=None) -> int:

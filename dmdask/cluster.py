@@ -1,9 +1,12 @@
 """`dmdask.LocalCluster`: Dask's LocalCluster with dmdask workers, for one machine."""
 from __future__ import annotations
 
+import dask
 import distributed
 
 from .worker import Nanny, Worker, capacity
+
+DASHBOARD_PRELOAD = "dmdask.dashboard"
 
 
 class LocalCluster(distributed.LocalCluster):
@@ -11,8 +14,11 @@ class LocalCluster(distributed.LocalCluster):
 
     ram, ssd: per-worker cache capacities (bytes or strings such as "4 GiB"); ssd=0
     means no SSD tier. ssd_dir: parent folder of the workers' SSD tiers (each worker
-    takes its own subfolder, removed when it closes). Other keyword arguments go to
-    `distributed.LocalCluster` (n_workers, threads_per_worker, processes, ...).
+    takes its own subfolder, removed when it closes). Work stealing is off, so every
+    block is loaded by the worker it was planned for. The scheduler runs the
+    `dmdask.dashboard` preload: the `/dmdask` dashboard page, `/dmdask/tiers.json` and
+    the `dmdask_*` Prometheus metrics. Other keyword arguments go to
+    `distributed.LocalCluster` (n_workers, processes, dashboard_address, scheduler_kwargs, ...).
     """
 
     def __init__(self, n_workers: int = 2, ram="1 GiB", ssd=0, ssd_dir=None,
@@ -25,6 +31,33 @@ class LocalCluster(distributed.LocalCluster):
         if stream_buffer is not None:
             worker_options["stream_buffer"] = capacity(stream_buffer, "stream_buffer")
         kwargs.setdefault("dashboard_address", ":0")
-        super().__init__(n_workers=n_workers, threads_per_worker=threads_per_worker,
-                         processes=processes, worker_class=Nanny if processes else Worker,
-                         **worker_options, **kwargs)
+        kwargs["scheduler_kwargs"] = with_dashboard_preload(kwargs.get("scheduler_kwargs"))
+        # Work stealing would move block loads off their planned workers (see
+        # dmdask.loader.block_futures); this scheduler is built here, under this config.
+        with dask.config.set({"distributed.scheduler.work-stealing": False}):
+            super().__init__(n_workers=n_workers, threads_per_worker=threads_per_worker,
+                             processes=processes, worker_class=Nanny if processes else Worker,
+                             **worker_options, **kwargs)
+
+
+def with_dashboard_preload(scheduler_kwargs) -> dict:
+    """`scheduler_kwargs` with `dmdask.dashboard` added to the scheduler's preloads.
+
+    The scheduler reads `distributed.scheduler.preload` from config only when given no
+    preload, so configured preloads are carried over; `preload_argv` given per preload
+    gets an empty entry for ours.
+    """
+    options = dict(scheduler_kwargs or {})
+    preload = options.get("preload") or dask.config.get("distributed.scheduler.preload") or []
+    preload = [preload] if isinstance(preload, str) else list(preload)
+    if DASHBOARD_PRELOAD in preload:
+        return options
+    argv = options.get("preload_argv") or dask.config.get("distributed.scheduler.preload-argv") or []
+    argv = list(argv)
+    if argv and not isinstance(argv[0], str):  # one list of arguments per preload
+        argv.append([])
+        options["preload_argv"] = argv
+    elif argv:
+        options["preload_argv"] = argv
+    options["preload"] = preload + [DASHBOARD_PRELOAD]
+    return options

@@ -26,12 +26,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--latency", type=float, default=0.002, help="shared-store latency per request, s")
     p.add_argument("--bandwidth", default="200MB", help="shared-store bandwidth cap, bytes/s")
     p.add_argument("--data", default="demo-data", help="folder for the shared dataset and the SSD tier")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="a progress bar per epoch with the hit rate (default: in a terminal)")
     return p
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    import dask
     import torch
+
+    if args.progress is not None:  # TorchLoader -> dmdask.batches(progress=None) reads it
+        dask.config.set({"dmdask.progress": args.progress})
 
     import dmdask
     from dmdask.testing.datasets import write_images
@@ -52,7 +58,7 @@ def main(argv=None) -> int:
                                 ssd_dir=os.path.join(args.data, "ssd"), dashboard_address=":8787") as cluster, \
             distributed.Client(cluster) as client:
         print(f"cluster: {args.workers} workers, RAM {args.ram} + SSD {args.ssd} each")
-        print(f"dashboard: {client.dashboard_link}")
+        print(f"dashboard: {client.dashboard_link} (dmdask tiers: {_tiers_page(client)})")
         print(f"shared store: {store.url}/train.zarr ({dataset_bytes / 2**20:.1f} MiB of chunks)")
         spec = dmdask.Spec(store.url + "/train.zarr", batch_size=args.batch_size, seed=0)
         loader = TorchLoader(client, spec)
@@ -114,3 +120,7 @@ def _report(rows, dataset_bytes: int, dashboard: str) -> None:
         later = np.mean([r[1] for r in rows[1:]])
         print(f"epoch 1: {rows[0][1]:.2f} s, later epochs: {later:.2f} s on average")
     print(f"dashboard: {dashboard}")
+
+
+def _tiers_page(client) -> str:
+    return client.dashboard_link.rsplit("/", 1)[0] + "/dmdask"

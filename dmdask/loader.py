@@ -76,9 +76,19 @@ def block_futures(client: Client, source: Source, first_needed: np.ndarray) -> l
             if erred:
                 client.retry(erred)
             return futures
+        if client.run_on_scheduler(_work_stealing_on):
+            warnings.warn(
+                "the scheduler steals work: block loads may leave their planned workers, and with "
+                "a cache smaller than the dataset some blocks then stay uncached; start `dask "
+                "scheduler` with DASK_DISTRIBUTED__SCHEDULER__WORK_STEALING=False",
+                RuntimeWarning, stacklevel=3)
         futures = _submit_blocks(client, source, first_needed)
         client.publish_dataset(**{name: futures})
         return futures
+
+
+def _work_stealing_on(dask_scheduler) -> bool:
+    return "stealing" in dask_scheduler.extensions
 
 
 def _submit_blocks(client: Client, source: Source, first_needed: np.ndarray) -> list:

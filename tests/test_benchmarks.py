@@ -6,10 +6,8 @@ import os
 
 import pytest
 
-pytest.importorskip("matplotlib", reason="the benchmark plots need matplotlib (the `bench` extra)")
-
-from benchmarks import report  # noqa: E402
-from benchmarks.__main__ import run  # noqa: E402
+from benchmarks import report
+from benchmarks.__main__ import run
 
 
 @pytest.mark.slow

@@ -83,7 +83,8 @@ def test_each_rank_is_served_on_its_own_host(two_hosts, tmp_path):
     dask = os.path.join(os.path.dirname(PY), "dask")
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     procs = [in_host(names, "a", dask, "scheduler", "--host", HOSTS["a"], "--port", "8786",
-                     "--no-dashboard", **quiet)]
+                     "--no-dashboard", env=dict(os.environ, DASK_DISTRIBUTED__SCHEDULER__WORK_STEALING="False"),
+                     **quiet)]
     time.sleep(2)
     for h in HOSTS:
         procs.append(in_host(names, h, dask, "worker", scheduler, "--worker-class", "dmdask.Worker",

@@ -21,7 +21,7 @@ BIN = os.path.dirname(sys.executable)
 @pytest.fixture
 def cli_cluster(tmp_path):
     scheduler_file = str(tmp_path / "scheduler.json")
-    env = dict(os.environ)
+    env = dict(os.environ, DASK_DISTRIBUTED__SCHEDULER__WORK_STEALING="False")
     procs = [subprocess.Popen([os.path.join(BIN, "dask"), "scheduler", "--host", "127.0.0.1", "--port", "0",
                                "--dashboard-address", ":0", "--scheduler-file", scheduler_file],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)]

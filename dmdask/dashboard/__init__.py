@@ -1,0 +1,128 @@
+"""dmdask on the Dask dashboard: a scheduler preload.
+
+    dask scheduler --preload dmdask.dashboard      # dmdask.LocalCluster does it for you
+
+adds to the scheduler's HTTP server (the dashboard address, default :8787):
+
+- `/dmdask`: a live Bokeh page of every worker's RAM and SSD tiers, hit rates, peer
+  and shared-store traffic (also linked from the dashboard's navigation bar);
+- `/dmdask/tiers.json`: the same numbers as JSON (`?history=1` adds the line plot's
+  points); "workers" and "total" have the shape of `dmdask.stats(client)`;
+- `dmdask_*` metrics on `/metrics`, with `worker` and `tier` labels.
+
+Everything is read on the scheduler from the workers' heartbeat metrics
+(`WorkerState.metrics["dmdask"]`), so watching costs the workers nothing.
+
+How it hooks in (distributed >= 2025): importing this module, which the scheduler does
+for a preload before it builds its HTTP server, adds the page to
+`distributed.dashboard.scheduler.applications`; `dask_setup(scheduler)`, run once the
+scheduler started, adds the JSON route, the navigation link, the history sampler and
+the Prometheus collector. The page needs bokeh (the `dashboard` extra); the JSON route
+and the metrics work without it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+from .figures import Monitor, monitor, snapshot  # noqa: F401  (public helpers)
+
+logger = logging.getLogger(__name__)
+
+PAGE = "/dmdask"
+JSON_ROUTE = "/dmdask/tiers.json"
+_NAV = PAGE.strip("/")
+
+
+def register_page() -> bool:
+    """Put the `/dmdask` page among the dashboard's Bokeh applications (idempotent).
+
+    Takes effect for schedulers created afterwards. False when the dashboard is not
+    available (bokeh missing or not a version Dask accepts).
+    """
+    try:
+        from distributed.dashboard.scheduler import applications
+
+        from .page import tiers_doc
+    except ImportError as exc:
+        logger.info("no /dmdask page: the Dask dashboard is not available (%s)", exc)
+        return False
+    applications.setdefault(PAGE, tiers_doc)
+    return True
+
+
+register_page()  # at import: a preload is imported before the scheduler builds its dashboard
+
+
+def _tiers_handler():
+    from distributed.http.utils import RequestHandler
+
+    class TiersHandler(RequestHandler):
+        """GET /dmdask/tiers.json: `figures.snapshot` of the scheduler (and the history)."""
+
+        def get(self):
+            mon = monitor(self.server)
+            out = dict(mon.snapshot())
+            if self.get_argument("history", "0") not in ("", "0", "false"):
+                out["history"] = list(mon.history)
+            self.set_header("Content-Type", "application/json")
+            self.set_header("Cache-Control", "no-store")
+            self.write(json.dumps(out))
+
+    return TiersHandler
+
+
+def _dashboard_prefix(scheduler) -> str:
+    """The scheduler's `--dashboard-prefix` (taken from its Bokeh application)."""
+    for app in getattr(getattr(scheduler, "http_application", None), "applications", ()):
+        prefix = getattr(app, "prefix", None)
+        if isinstance(prefix, str):
+            return prefix.rstrip("/")
+    return ""
+
+
+def add_routes(scheduler) -> None:
+    """Serve `/dmdask/tiers.json` from the scheduler's HTTP server (idempotent)."""
+    application = getattr(scheduler, "http_application", None)
+    if application is None or getattr(scheduler, "_dmdask_routes", False):
+        return
+    route = _dashboard_prefix(scheduler) + JSON_ROUTE
+    application.add_handlers(r".*", [(route, _tiers_handler(), {"dask_server": scheduler})])
+    scheduler._dmdask_routes = True
+
+
+def add_nav_link(scheduler) -> None:
+    """List the page in the navigation bar of every dashboard page."""
+    try:
+        from distributed.dashboard.scheduler import applications, template_variables
+    except ImportError:
+        return
+    if PAGE not in applications or not getattr(scheduler, "http_application", None):
+        return
+    if not any(PAGE in getattr(app, "app_paths", ()) for app in scheduler.http_application.applications):
+        return  # no dashboard, or it was built before the page was registered
+    pages = template_variables(scheduler)["pages"]  # memoized: the list every page renders
+    if _NAV not in pages:
+        pages.insert(pages.index("info") if "info" in pages else len(pages), _NAV)
+
+
+def dask_setup(scheduler) -> None:
+    """Preload entry point, run when the scheduler has started."""
+    from . import prometheus
+
+    if not hasattr(scheduler, "workers"):  # a worker or a client given this preload
+        logger.warning("dmdask.dashboard is a scheduler preload; ignored on %s", type(scheduler).__name__)
+        return
+    add_routes(scheduler)
+    add_nav_link(scheduler)
+    monitor(scheduler).start()
+    prometheus.register(scheduler)
+
+
+def dask_teardown(scheduler) -> None:
+    from . import prometheus
+
+    if not hasattr(scheduler, "workers"):
+        return
+    prometheus.unregister(scheduler)
+    monitor(scheduler).stop()

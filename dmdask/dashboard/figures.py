@@ -1,0 +1,246 @@
+"""The numbers behind the dmdask dashboard, read on the scheduler.
+
+Everything comes from what the scheduler already has, without asking any worker:
+
+- per worker: `WorkerState.metrics["dmdask"]`, the worker's `BlockCache.stats()`
+  sent with every heartbeat (so it lags the worker by up to one heartbeat, 0.5 s on
+  small clusters); workers without dmdask tiers have no such entry;
+- per dataset: the datasets dmdask publishes as `dmdask-<identity>` (the scheduler's
+  publish extension), whose block keys lead to the `load_block` tasks; each task's
+  argument is the block's reader, which knows the block's samples and its decoded size
+  from the dataset's metadata.
+
+`snapshot(scheduler)` is the one dict that the page, `/dmdask/tiers.json` and the
+Prometheus collector all show. Its "workers" and "total" have exactly the shape of
+`dmdask.stats(client)`.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from collections import deque
+from typing import Dict, Optional
+
+from ..stats import total as _sum_stats
+
+DATASET_PREFIX = "dmdask-"
+HISTORY_SECONDS = 3600  # what the line plot can show
+SAMPLE_INTERVAL = 1.0  # seconds between two history points
+
+
+def empty_stats() -> dict:
+    """A worker's stats with every counter at zero (the shape of `BlockCache.stats()`)."""
+    tier = {"capacity": 0, "bytes": 0, "blocks": 0, "hits": 0, "hit_bytes": 0, "full": False}
+    return {"ram": dict(tier), "ssd": dict(tier), "streamed_blocks": 0,
+            "stream": {"hits": 0, "buffer_bytes": 0, "buffer_capacity": 0},
+            "shared_store": {"requests": 0, "bytes": 0}, "peer": {"bytes_out": 0, "bytes_in": 0}}
+
+
+def hit_shares(stats: dict) -> Optional[Dict[str, float]]:
+    """Fractions of the samples served from RAM, SSD and streamed from the store
+    (None before the first sample was served)."""
+    hits = {"ram": stats["ram"]["hits"], "ssd": stats["ssd"]["hits"], "stream": stats["stream"]["hits"]}
+    served = sum(hits.values())
+    if not served:
+        return None
+    return {tier: n / served for tier, n in hits.items()}
+
+
+def worker_metrics(scheduler):
+    """{address: stats} of the workers that report dmdask metrics, their names, and the
+    addresses of the workers that do not (plain Dask workers, or not heartbeated yet)."""
+    workers, names, others = {}, {}, []
+    for address, ws in list(scheduler.workers.items()):
+        metrics = (ws.metrics or {}).get("dmdask")
+        if isinstance(metrics, dict) and "ram" in metrics:
+            workers[address] = metrics
+            names[address] = str(ws.name)
+        else:
+            others.append(address)
+    return dict(sorted(workers.items())), names, sorted(others)
+
+
+def _reader_of(ts):
+    """The `BlockReader` argument of a `load_block` task, or None."""
+    spec = getattr(ts, "run_spec", None)
+    for arg in getattr(spec, "args", ()) or ():
+        arg = getattr(arg, "value", arg) if type(arg).__name__ == "DataNode" else arg
+        if all(hasattr(arg, name) for name in ("nbytes", "start", "stop", "key")):
+            return arg
+    return None
+
+
+class DatasetSizes:
+    """Decoded bytes and samples of each published dmdask dataset, computed once per
+    publication (they never change) from the readers in its block tasks."""
+
+    def __init__(self):
+        self._known: Dict[str, tuple] = {}  # name -> (keys tuple, {"bytes", "samples"})
+
+    def get(self, scheduler, name: str, keys) -> Dict[str, Optional[int]]:
+        known = self._known.get(name)
+        if known is not None and known[0] is keys:
+            return known[1]
+        nbytes = samples = 0
+        complete = True
+        for key in keys:
+            reader = _reader_of(scheduler.tasks.get(key))
+            if reader is None:
+                complete = False
+                break
+            nbytes += int(reader.nbytes)
+            samples += int(reader.stop) - int(reader.start)
+        sizes = {"bytes": nbytes, "samples": samples} if complete else {"bytes": None, "samples": None}
+        if complete:
+            self._known[name] = (keys, sizes)
+        return sizes
+
+    def forget_others(self, names) -> None:
+        for name in set(self._known) - set(names):
+            del self._known[name]
+
+
+def datasets(scheduler, sizes: DatasetSizes, loaded: bool = True) -> Dict[str, dict]:
+    """The published dmdask datasets: blocks, blocks loaded (their task finished: cached
+    in a tier or streamed), samples and decoded bytes (None when unknown)."""
+    extension = scheduler.extensions.get("publish")
+    published = getattr(extension, "datasets", None) or {}
+    out = {}
+    for name, entry in list(published.items()):
+        if not (isinstance(name, str) and name.startswith(DATASET_PREFIX)):
+            continue
+        keys = entry.get("keys") or ()
+        info = {"blocks": len(keys), **sizes.get(scheduler, name, keys)}
+        if loaded:
+            tasks = scheduler.tasks
+            info["loaded_blocks"] = sum(1 for k in keys if getattr(tasks.get(k), "state", None) == "memory")
+        out[name] = info
+    sizes.forget_others(out)
+    return dict(sorted(out.items()))
+
+
+def cluster_summary(total: dict, sets: Dict[str, dict]) -> dict:
+    """Whole-cluster figures: how much of the published datasets the tiers hold and
+    what was read from the shared store so far."""
+    cached_bytes = total["ram"]["bytes"] + total["ssd"]["bytes"]
+    cached_blocks = total["ram"]["blocks"] + total["ssd"]["blocks"]
+    dataset_blocks = sum(d["blocks"] for d in sets.values())
+    sizes = [d["bytes"] for d in sets.values()]
+    dataset_bytes = sum(sizes) if sets and None not in sizes else None
+    return {
+        "workers": None,  # filled in by snapshot()
+        "datasets": len(sets),
+        "dataset_blocks": dataset_blocks,
+        "dataset_bytes": dataset_bytes,
+        "cached_blocks": cached_blocks,
+        "cached_bytes": cached_bytes,
+        "streamed_blocks": total["streamed_blocks"],
+        # blocks, not bytes: exact for every kind of source (decoded sizes from
+        # metadata are estimates for folders of files)
+        "cached_share": min(1.0, cached_blocks / dataset_blocks) if dataset_blocks else None,
+        "shared_store_bytes": total["shared_store"]["bytes"],
+        "shared_store_requests": total["shared_store"]["requests"],
+        "shared_store_reads_per_dataset": (total["shared_store"]["bytes"] / dataset_bytes
+                                           if dataset_bytes else None),
+        "peer_bytes": total["peer"]["bytes_in"],
+        "hit_shares": hit_shares(total),
+    }
+
+
+def snapshot(scheduler, sizes: Optional[DatasetSizes] = None, loaded: bool = True) -> dict:
+    """Everything the page, the JSON route and Prometheus show, as plain JSON types."""
+    workers, names, others = worker_metrics(scheduler)
+    total = _sum_stats(workers.values()) if workers else empty_stats()
+    sets = datasets(scheduler, sizes or DatasetSizes(), loaded=loaded)
+    cluster = cluster_summary(total, sets)
+    cluster["workers"] = len(workers)
+    return {
+        "time": time.time(),
+        "workers": workers,
+        "total": total,
+        "names": names,
+        "hit_shares": {address: hit_shares(s) for address, s in workers.items()},
+        "other_workers": others,
+        "datasets": sets,
+        "cluster": cluster,
+    }
+
+
+class Monitor:
+    """One per scheduler: a short-lived cache of the snapshot and a history of the
+    cluster totals (one point a second, the last hour) for the line plot."""
+
+    def __init__(self, scheduler):
+        self._scheduler = weakref.ref(scheduler)
+        self.sizes = DatasetSizes()
+        self.history: deque = deque(maxlen=int(HISTORY_SECONDS / SAMPLE_INTERVAL))
+        self._latest: Optional[dict] = None
+        self._callback = None
+
+    @property
+    def scheduler(self):
+        return self._scheduler()
+
+    def snapshot(self, max_age: float = 0.25) -> dict:
+        latest = self._latest
+        if latest is None or time.time() - latest["time"] > max_age:
+            scheduler = self.scheduler
+            if scheduler is None:
+                return latest or snapshot_of_nothing()
+            latest = self._latest = snapshot(scheduler, self.sizes)
+        return latest
+
+    def sample(self) -> None:
+        """Add one history point (cheap: no per-block work once dataset sizes are known)."""
+        scheduler = self.scheduler
+        if scheduler is None:
+            return
+        snap = snapshot(scheduler, self.sizes, loaded=False)
+        total, cluster = snap["total"], snap["cluster"]
+        self.history.append({
+            "time": snap["time"],
+            "shared_store_bytes": total["shared_store"]["bytes"],
+            "shared_store_requests": total["shared_store"]["requests"],
+            "dataset_bytes": cluster["dataset_bytes"],
+            "cached_bytes": cluster["cached_bytes"],
+            "ram_hits": total["ram"]["hits"],
+            "ssd_hits": total["ssd"]["hits"],
+            "stream_hits": total["stream"]["hits"],
+            "peer_bytes": total["peer"]["bytes_in"],
+        })
+
+    def start(self) -> None:
+        """Sample every second on the scheduler's event loop (stopped with the scheduler)."""
+        scheduler = self.scheduler
+        if self._callback is not None or scheduler is None:
+            return
+        from tornado.ioloop import PeriodicCallback
+
+        self.sample()
+        self._callback = PeriodicCallback(self.sample, SAMPLE_INTERVAL * 1000)
+        scheduler.periodic_callbacks["dmdask-dashboard"] = self._callback  # Server.close stops it
+        self._callback.start()
+
+    def stop(self) -> None:
+        if self._callback is not None:
+            self._callback.stop()
+            self._callback = None
+
+
+def snapshot_of_nothing() -> dict:
+    total = empty_stats()
+    cluster = cluster_summary(total, {})
+    cluster["workers"] = 0
+    return {"time": time.time(), "workers": {}, "total": total, "names": {}, "hit_shares": {},
+            "other_workers": [], "datasets": {}, "cluster": cluster}
+
+
+_monitors: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def monitor(scheduler) -> Monitor:
+    """The scheduler's `Monitor`, created (and started) on first use."""
+    found = _monitors.get(scheduler)
+    if found is None:
+        found = _monitors[scheduler] = Monitor(scheduler)
+    return found
