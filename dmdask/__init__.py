@@ -10,7 +10,7 @@
 from . import config as _config  # noqa: F401  (registers the dmdask config namespace)
 from .cluster import LocalCluster
 from .errors import (BlockReadError, DmdaskError, NotADmdaskWorker, SourceError,
-                     SourceNotFoundError, SpecError)
+                     SourceNotFoundError, SpecError, TransformError)
 from .loader import BatchIterator, batches, release
 from .spec import Spec, per_sample
 from .stats import stats
@@ -20,6 +20,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BatchIterator", "BlockReadError", "DmdaskError", "LocalCluster", "NotADmdaskWorker",
-    "SourceError", "SourceNotFoundError", "Spec", "SpecError", "Worker", "batches",
+    "SourceError", "SourceNotFoundError", "Spec", "SpecError", "TransformError", "Worker", "batches",
     "per_sample", "release", "stats",
 ]

@@ -47,5 +47,9 @@ def _rebuild_block_read_error(url, block, start, stop, message):
     return err
 
 
+class TransformError(DmdaskError, RuntimeError):
+    """`Spec.transform` raised on a worker; the message names the batch's first samples."""
+
+
 class NotADmdaskWorker(DmdaskError, RuntimeError):
     """The cluster's workers do not carry dmdask's tiers."""

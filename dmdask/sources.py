@@ -5,7 +5,7 @@ small picklable `BlockReader` that a worker uses to read it from the shared stor
 
 Two layouts:
 - a Zarr v3 group whose arrays share their first axis (samples), or a single array
-  (its field is named after the array, or "data" at the root); blocks are whole chunks.
+  (its field is then named "data"); blocks are whole chunks.
 - a folder of per-sample files in class-per-subfolder layout: field "data" holds each
   sample's bytes as a uint8 array (an object array of them per batch), field "label"
   the int64 class index in sorted subfolder order; blocks are runs of files.
@@ -251,10 +251,17 @@ def _open_folder(fs, path: str, url: str, options: dict, spec) -> Source:
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     readers = tuple(
         FolderBlockReader(url, protocol, _options_json(options), files[a:b], labels[a:b], fields,
-                          identity, k, a, b, sum(sizes[a:b]) + 8 * (b - a))
+                          identity, k, a, b, _folder_block_nbytes(sizes[a:b], fields))
         for k, (a, b) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
     )
     return Source(url, identity, fields, bounds, readers)
+
+
+def _folder_block_nbytes(sizes, fields) -> int:
+    """Bytes a block of these files takes in memory: the files plus an object pointer
+    per sample ("data"), and 8 bytes a label ("label")."""
+    n = len(sizes)
+    return (sum(sizes) + 8 * n if "data" in fields else 0) + (8 * n if "label" in fields else 0)
 
 
 _fs_lock = threading.Lock()

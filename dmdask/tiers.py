@@ -120,6 +120,7 @@ class TieredStore(MutableMapping):
         self._blocks: Dict[str, object] = {}
         self._tier_of: Dict[str, str] = {}
         self._other: Dict[str, object] = {}
+        self._reservations: Dict[str, tuple] = {}  # key -> (tier, bytes) placed, not yet stored
         self._lock = threading.Lock()
 
     # -- placement (called from the task that reads a block) -------------------------
@@ -136,32 +137,25 @@ class TieredStore(MutableMapping):
         with self._lock:
             getattr(self, tier).reserved -= nbytes
 
-    def place(self, tier: str, block: Block, reserved: int):
-        """Turn a reserved read block into the value the worker stores under its key.
+    def place(self, key: str, tier: str, block: Block, reserved: int):
+        """Turn a reserved read block into the value the worker will store under `key`.
 
         Returns the `Block` (RAM), an `SsdBlock`, or None when the SSD refused the write
-        (the SSD tier then stops growing; the caller streams the block instead).
+        (the SSD tier then stops growing; the caller streams the block instead). The
+        reservation turns into held bytes when the worker stores the value.
         """
-        if tier == "ram":
-            self._settle(tier, reserved, block.nbytes)
-            return block
-        try:
-            value = SsdBlock.write(self.ssd_dir(), block)
-        except OSError as exc:
-            with self._lock:
-                self.ssd.reserved -= reserved
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                    self.ssd.full = True
-            return None
-        self._settle(tier, reserved, block.nbytes)
-        return value
-
-    def _settle(self, tier: str, reserved: int, actual: int) -> None:
+        if tier == "ssd":
+            try:
+                block = SsdBlock.write(self.ssd_dir(), block)
+            except OSError as exc:
+                with self._lock:
+                    self.ssd.reserved -= reserved
+                    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                        self.ssd.full = True
+                return None
         with self._lock:
-            stats = getattr(self, tier)
-            stats.reserved -= reserved
-            stats.bytes += actual
-            stats.blocks += 1
+            self._reservations[key] = (tier, reserved)
+        return block
 
     def ssd_dir(self) -> str:
         with self._lock:
@@ -186,11 +180,19 @@ class TieredStore(MutableMapping):
         if is_block_key(key) and isinstance(value, (Block, SsdBlock, Streamed)):
             self._discard_block(key)
             self._blocks[key] = value
-            if isinstance(value, Block):
-                self._tier_of[key] = "ram"
-            elif isinstance(value, SsdBlock):
-                self._tier_of[key] = "ssd"
             self._other.pop(key, None)
+            if isinstance(value, Streamed):
+                return
+            # Charged here, whether placed by `load_block` (its reservation is released)
+            # or brought by Dask itself (a graceful retirement moving blocks: RAM).
+            tier = "ram" if isinstance(value, Block) else "ssd"
+            self._tier_of[key] = tier
+            with self._lock:
+                placed_tier, reserved = self._reservations.pop(key, (tier, 0))
+                getattr(self, placed_tier).reserved -= reserved
+                stats = getattr(self, tier)
+                stats.bytes += value.nbytes
+                stats.blocks += 1
         else:
             self._discard_block(key)
             self._other[key] = value

@@ -29,7 +29,7 @@ from dask.utils import parse_bytes
 from distributed.protocol.serialize import to_serialize
 
 from .block import Arrays, Block, Streamed
-from .errors import NotADmdaskWorker, SpecError
+from .errors import NotADmdaskWorker, SpecError, TransformError
 from .spec import loads_transform
 from .tiers import SsdBlock, TieredStore
 
@@ -158,9 +158,10 @@ class BlockCache:
         except BaseException:
             self.store.unreserve(tier, reader.nbytes)
             raise
-        value = self.store.place(tier, block, reader.nbytes)
+        value = self.store.place(reader.key, tier, block, reader.nbytes)
         if value is None:  # the SSD refused the write: keep what was read for this epoch
-            self.worker.loop.add_callback(self.stream.put, reader.key, block)
+            if not reader.row_granular:
+                self.worker.loop.add_callback(self.stream.put, reader.key, block)
             return Streamed(reader)
         return value
 
@@ -270,7 +271,11 @@ class MissingBlocks(Exception):
 
 
 def _apply(transform, batch: dict) -> dict:
-    out = transform(batch)
+    try:
+        out = transform(batch)
+    except Exception as exc:  # never mistaken for a lost worker (an OSError) by the client
+        raise TransformError(f"Spec.transform failed on the batch of samples {batch['index'][:4].tolist()}...: "
+                             f"{type(exc).__name__}: {exc}") from exc
     if not isinstance(out, dict):
         raise TypeError(f"Spec.transform must return a dict of arrays, got {type(out).__name__}")
     out.setdefault("index", batch["index"])

@@ -130,3 +130,17 @@ def test_full_ssd_stops_growing_and_training_goes_on(tmp_path):
             assert stats["ssd"]["hits"] > 0
     finally:
         subprocess.run(["umount", "-l", str(ssd)])
+
+
+def failing_transform(batch):
+    raise OSError("decoder lost its file")  # an OSError must not look like a lost worker
+
+
+def test_transform_error_surfaces_at_once(client, good):
+    import time
+
+    started = time.monotonic()
+    with pytest.raises(dmdask.TransformError, match="decoder lost its file") as info:
+        next(iter(dmdask.batches(client, dmdask.Spec(good, batch_size=10, transform=failing_transform))))
+    assert "samples" in str(info.value)
+    assert time.monotonic() - started < 30  # not retried as if a worker had died

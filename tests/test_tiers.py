@@ -28,7 +28,8 @@ def test_placement_fastest_tier_with_room_and_never_over_capacity(tmp_path):
         tier = store.reserve(one)
         placed.append(tier)
         if tier is not None:
-            store[f"dmdask-block-t-{k}"] = store.place(tier, make_block(10 * k, 10), one)
+            key = f"dmdask-block-t-{k}"
+            store[key] = store.place(key, tier, make_block(10 * k, 10), one)
         assert store.ram.bytes <= store.ram.capacity and store.ssd.bytes <= store.ssd.capacity
     assert placed == ["ram", "ram", "ssd", None]
     assert isinstance(store["dmdask-block-t-2"], SsdBlock)
@@ -53,6 +54,16 @@ def test_ssd_block_serves_the_same_rows_as_memory(tmp_path):
     again = pickle.loads(pickle.dumps(on_disk))
     assert isinstance(again, Block) and again.start == 100
     np.testing.assert_array_equal(again.arrays["x"], block.arrays["x"])
+
+
+def test_blocks_brought_by_dask_itself_are_charged_and_released():
+    """A graceful retirement moves blocks with Dask's own transfer: counted in RAM."""
+    store = TieredStore(ram=10**6)
+    block = make_block(0, 10)
+    store["dmdask-block-moved-0"] = block
+    assert store.ram.bytes == block.nbytes and store.ram.blocks == 1
+    del store["dmdask-block-moved-0"]
+    assert store.ram.bytes == 0 and store.ram.blocks == 0 and store.ram.reserved == 0
 
 
 def test_other_keys_are_kept_apart_and_uncounted():
