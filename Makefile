@@ -1,23 +1,67 @@
 # Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
-PYTHON ?= python3
-VENV   ?= .venv
-BIN    := $(VENV)/bin
+#
+# Three virtual environments, because the frameworks pin numpy differently:
+#   .venv     dmdask + PyTorch + JAX (CPU builds)   the main suite (tests/)
+#   .venv-tf  dmdask + TensorFlow (tensorflow-cpu)  tests/test_tensorflow.py
+#   .venv-mx  dmdask + MXNet 1.9.1 + numpy 1.26.4   tests/test_mxnet.py
+# Each is built once (its stamp file .installed) and rebuilt when pyproject.toml changes.
+PYTHON    ?= python3
+# MXNet 1.9.1 needs numpy < 2; numpy 1.26.4 has wheels up to Python 3.12
+PYTHON_MX ?= python3.11
+VENV      ?= .venv
+VENV_TF   ?= .venv-tf
+VENV_MX   ?= .venv-mx
+BIN       := $(VENV)/bin
+TF_BIN    := $(VENV_TF)/bin
+MX_BIN    := $(VENV_MX)/bin
 
-.PHONY: demo test clean
+.PHONY: demo test test-main test-tf test-mx clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
-	# The pinned CPU build first, so the extra's range installs nothing more.
-	$(BIN)/python -m pip install torch==2.13.0
-	$(BIN)/python -m pip install -e ".[torch,dashboard,test]"
+	# The pinned CPU builds first, so the extras' ranges install nothing more.
+	$(BIN)/python -m pip install torch==2.13.0 jax==0.10.2 jaxlib==0.10.2
+	$(BIN)/python -m pip install -e ".[torch,jax,dashboard,test]"
+	touch $@
+
+$(TF_BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV_TF)
+	$(TF_BIN)/python -m pip install --upgrade pip
+	# tensorflow-cpu is another distribution than the extra's `tensorflow`: install it
+	# and dmdask without that extra.
+	$(TF_BIN)/python -m pip install tensorflow-cpu==2.21.0 -e ".[test]"
+	touch $@
+
+$(MX_BIN)/.installed: pyproject.toml
+	$(PYTHON_MX) -m venv $(VENV_MX)
+	$(MX_BIN)/python -m pip install --upgrade pip
+	# one resolve with numpy pinned, so nothing upgrades it past MXNet's numpy < 2
+	$(MX_BIN)/python -m pip install numpy==1.26.4 mxnet==1.9.1 -e ".[mxnet,test]"
 	touch $@
 
 demo: $(BIN)/.installed
 	$(BIN)/dmdask demo
 
-test: $(BIN)/.installed
+# All three suites run even when one fails; any failure fails `make test`. In its own
+# environment a framework's test module fails, not skips, when the framework is missing.
+test: $(BIN)/.installed $(TF_BIN)/.installed $(MX_BIN)/.installed
+	@status=0; \
+	$(MAKE) --no-print-directory test-main || status=1; \
+	$(MAKE) --no-print-directory test-tf || status=1; \
+	$(MAKE) --no-print-directory test-mx || status=1; \
+	exit $$status
+
+# The dashboard test drives Debian's Chromium; the script installs it when missing.
+test-main: $(BIN)/.installed
+	bash scripts/install-browser.sh
 	$(BIN)/python -m pytest
 
+test-tf: $(TF_BIN)/.installed
+	DMDASK_REQUIRE_FRAMEWORK=tensorflow $(TF_BIN)/python -m pytest tests/test_tensorflow.py
+
+test-mx: $(MX_BIN)/.installed
+	DMDASK_REQUIRE_FRAMEWORK=mxnet $(MX_BIN)/python -m pytest tests/test_mxnet.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache demo-data
+	rm -rf $(VENV) $(VENV_TF) $(VENV_MX) .pytest_cache demo-data

@@ -1,0 +1,420 @@
+"""MXNet adapter: dmdask batches as a Gluon-style iterable of NDArrays and as an `mx.io.DataIter`.
+
+    # Gluon: dicts of NDArray
+    loader = MXNetLoader(client, dmdask.Spec(source="train.zarr", batch_size=256), ctx=mx.cpu())
+    for epoch in range(start, epochs):
+        loader.set_epoch(epoch)
+        for batch in loader:
+            with autograd.record():
+                loss = loss_fn(net(batch["x"]), batch["y"])
+            loss.backward()
+            trainer.step(batch["x"].shape[0])
+
+    # Module API: an mx.io.DataIter with provide_data / provide_label
+    train = DmdaskDataIter(client, spec, data_names=("x",), label_names=("y",))
+    mod = mx.mod.Module(symbol, data_names=("x",), label_names=("y",))
+    mod.fit(train, num_epoch=5)                 # fit epoch k iterates dmdask epoch k
+
+Handing out the last batch of an epoch moves the loader on to the next epoch, so plain
+loops, `DataIter.reset()` and `Module.fit` all go epoch after epoch; `set_epoch` picks
+one explicitly.
+
+MXNet 1.9.1 (its last release) is built against numpy < 2 and still uses `np.bool`, an
+alias numpy removed in 1.24: with numpy 1.24-1.26 `import mxnet` fails with
+AttributeError. Importing this module restores the alias (`numpy.bool = bool`, only
+when numpy lacks it) before it imports mxnet, so import this module before mxnet, or
+set the alias yourself. Use numpy 1.26.x (`pip install numpy==1.26.4 mxnet==1.9.1`).
+This module imports MXNet and no other framework.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any, Dict, Optional, Sequence
+
+import numpy as np
+
+if "bool" not in np.__dict__:  # the MXNet 1.9.1 shim: np.bool was removed in numpy 1.24
+    np.bool = bool
+with warnings.catch_warnings():  # MXNet's import-time noise: distutils, numpy financial functions
+    warnings.simplefilter("ignore", DeprecationWarning)
+    import mxnet as mx  # noqa: E402
+
+import dmdask  # noqa: E402
+
+__all__ = ["MXNetLoader", "DmdaskDataIter", "to_mxnet", "kvstore_spec"]
+
+# numpy dtypes NDArray holds, and lossless widenings for those it lacks
+_MX_DTYPES = {np.dtype(t) for t in ("float16", "float32", "float64", "uint8", "int8", "int32", "int64", "bool")}
+_WIDEN = {np.dtype("int16"): np.dtype("int32"), np.dtype("uint16"): np.dtype("int32"),
+          np.dtype("uint32"): np.dtype("int64")}
+
+
+def kvstore_spec(spec: dmdask.Spec, kvstore=None) -> dmdask.Spec:
+    """`spec` with rank and world size from a distributed `mx.kv.KVStore` (`kv.rank`,
+    `kv.num_workers`, as with kvstore "dist_sync"); None or a local store: unchanged.
+
+    As in `integrations.torch.distributed_spec`: a spec at the defaults rank=0,
+    world_size=1 takes the store's values; explicit values must agree (ValueError).
+    """
+    if kvstore is None:
+        return spec
+    rank, world_size = int(kvstore.rank), int(kvstore.num_workers)
+    if (spec.rank, spec.world_size) == (0, 1):
+        return spec if (rank, world_size) == (0, 1) else spec.replace(rank=rank, world_size=world_size)
+    if (rank, world_size) != (0, 1) and (spec.rank, spec.world_size) != (rank, world_size):
+        raise ValueError(
+            f"Spec(rank={spec.rank}, world_size={spec.world_size}) disagrees with the kvstore "
+            f"(rank={rank}, world_size={world_size}); leave the spec's rank and world_size at "
+            "their defaults to take them from the kvstore"
+        )
+    return spec
+
+
+def _ndarray(arr: np.ndarray, ctx):
+    dtype = _WIDEN.get(arr.dtype.newbyteorder("="), arr.dtype.newbyteorder("="))
+    if dtype not in _MX_DTYPES:
+        return arr  # complex, uint64, float128, ...: left as numpy
+    return mx.nd.array(np.ascontiguousarray(arr, dtype=dtype), ctx=ctx, dtype=dtype)
+
+
+def to_mxnet(batch: Dict[str, Any], ctx=None) -> Dict[str, Any]:
+    """Convert one dmdask batch (dict of numpy arrays) to MXNet NDArrays on `ctx`
+    (default: `mx.cpu()`), copying.
+
+    - numeric arrays -> `NDArray` of the same dtype (int16/uint16 widened to int32,
+      uint32 to int64; dtypes NDArray lacks stay numpy);
+    - object arrays (variable-size samples, e.g. the uint8 bytes of a file folder) ->
+      a list with one NDArray per sample;
+    - "index" -> an int64 NDArray of global sample ids;
+    - strings and anything else pass through unchanged.
+    """
+    ctx = ctx if ctx is not None else mx.cpu()
+    out: Dict[str, Any] = {}
+    for name, value in batch.items():
+        if name == "index":
+            value = np.asarray(value).astype(np.int64, copy=False)
+        if not isinstance(value, np.ndarray) or value.dtype.kind in "USV":
+            out[name] = value
+        elif value.dtype == object:
+            out[name] = [_ndarray(v, ctx) if isinstance(v, np.ndarray) and v.dtype != object else v
+                         for v in value]
+        else:
+            out[name] = _ndarray(value, ctx)
+    return out
+
+
+# --- epochs, passes and positions: the same code in integrations/{tensorflow,mxnet,jax}.py ---
+
+class _EpochPasses:
+    """The epoch bookkeeping of a loader over `dmdask.batches`.
+
+    A pass yields the batches of the current epoch from its start point (the epoch's
+    first batch, or the position given to `load_state_dict`). Handing out the last batch
+    of the epoch moves the loader to the next epoch at once (a consumer that stops
+    after a known number of steps still moves on); a pass abandoned part-way leaves the
+    epoch and its start point as they were. `set_epoch` picks an epoch explicitly.
+    """
+
+    def _init_passes(self, client, spec: dmdask.Spec, epoch: int) -> None:
+        self.client = client
+        self.spec = spec
+        self.epoch = _check_epoch(epoch)
+        self._lock = threading.RLock()
+        self._start: Optional[dict] = None  # inner state each pass of this epoch starts from
+        self._fresh: Optional[dmdask.BatchIterator] = None  # built (by len/load) but not started
+        self._current: Optional[dmdask.BatchIterator] = None  # the latest pass of this epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Iterate `epoch` on the next pass. The epoch the loader is already at changes
+        nothing (a loaded position survives); another epoch starts at its first batch."""
+        epoch = _check_epoch(epoch)
+        with self._lock:
+            if epoch != self.epoch:
+                self._close_all()
+                self._start = None
+                self.epoch = epoch
+
+    def __len__(self) -> int:
+        """Batches this rank gets per epoch (a resumed pass yields only the rest)."""
+        with self._lock:
+            if self._current is not None:
+                return len(self._current)
+            if self._fresh is None:
+                self._fresh = self._make()
+            return len(self._fresh)
+
+    def _make(self) -> dmdask.BatchIterator:
+        return dmdask.batches(self.client, self.spec, epoch=self.epoch, resume=self._start)
+
+    def _pass(self, repeat: bool = False):
+        """One pass: numpy batches of the current epoch; repeat=True goes on with the
+        following epochs without end."""
+        with self._lock:
+            it = self._fresh if self._fresh is not None else self._make()
+            self._fresh = None
+            if self._current is not None and self._current is not it:
+                self._current.close()
+            self._current = it
+        try:
+            while True:
+                count, owner = 0, True
+                for batch in it:
+                    count += 1
+                    last = it.state_dict()["position"] >= len(it)
+                    if last:  # the epoch is done once its last batch is handed out
+                        owner = self._advance(it)
+                    yield batch
+                    if last:
+                        break
+                else:
+                    if it.state_dict()["position"] < len(it):  # closed part-way
+                        return
+                    owner = self._advance(it)  # a pass that started at the end of its epoch
+                if not owner or not (repeat or count == 0):
+                    return
+                with self._lock:
+                    if self._current is not None:  # another pass or set_epoch took over
+                        return
+                    it = self._current = self._make()
+        finally:
+            it.close()  # cancels prefetched batches; the position stays at the last one handed out
+
+    def _advance(self, it: dmdask.BatchIterator) -> bool:
+        """Move on to the next epoch after `it`, if `it` is still this loader's pass."""
+        with self._lock:
+            if self._current is not it:
+                return False
+            self.epoch += 1
+            self._start = None
+            self._current = None
+            return True
+
+    def state_dict(self) -> dict:
+        """{"epoch": int, "iterator": dmdask state or None}: plain values (JSON, pickle)."""
+        with self._lock:
+            if self._current is not None:
+                inner = self._current.state_dict()
+            else:
+                inner = dict(self._start) if self._start is not None else None
+            return {"epoch": self.epoch, "iterator": inner}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from `state` (of a loader of the same dataset, spec and rank): sets the
+        epoch, and each pass of that epoch starts right after the batches handed out
+        when the state was taken. Another dataset, spec or rank raises
+        `dmdask.SpecError` (a ValueError) here."""
+        if not isinstance(state, dict) or "epoch" not in state or "iterator" not in state:
+            raise ValueError(f"state must be a dict from {type(self).__name__}.state_dict()")
+        epoch = _check_epoch(state["epoch"])
+        inner = state["iterator"]
+        if inner is not None:
+            if not isinstance(inner, dict):
+                raise ValueError("state['iterator'] must be None or a dmdask BatchIterator state")
+            if inner.get("epoch") != epoch:
+                raise ValueError(f"inconsistent state: epoch {epoch} but iterator epoch {inner.get('epoch')!r}")
+            inner = dict(inner)
+        with self._lock:
+            self._close_all()
+            self.epoch = epoch
+            self._start = inner
+            self._fresh = self._make()  # validates the state against this loader's spec now
+
+    def _close_all(self) -> None:
+        for it in (self._current, self._fresh):
+            if it is not None:
+                it.close()
+        self._current = self._fresh = None
+
+    def close(self) -> None:
+        """Cancel batches in flight. The loader stays usable: the next pass starts anew."""
+        with self._lock:
+            if self._current is not None:
+                self._current.close()  # kept: state_dict() still reports its position
+            if self._fresh is not None:
+                self._fresh.close()
+                self._fresh = None
+
+    def _peek(self) -> dict:
+        """One batch of the current epoch, from a separate iterator (no position moves)."""
+        probe = dmdask.batches(self.client, self.spec.replace(prefetch=1), epoch=self.epoch)
+        try:
+            return next(iter(probe))
+        finally:
+            probe.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _check_epoch(epoch) -> int:
+    if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
+        raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
+    return int(epoch)
+
+
+# --- Gluon: an iterable of dicts of NDArray ----------------------------------------------------
+
+class MXNetLoader(_EpochPasses):
+    """This rank's dmdask batches, epoch after epoch, as dicts of `mx.nd.NDArray`.
+
+    Guarantees (from `dmdask.batches`):
+    - a pass (`for batch in loader`) yields the batches of the current epoch in the
+      order fixed by (seed, epoch); across `world_size` ranks every sample of an epoch
+      is yielded exactly once;
+    - handing out the last batch of an epoch moves the loader to the next epoch; a
+      pass abandoned part-way does not (the next pass starts that epoch again from its
+      start point: its first batch, or the loaded position); `set_epoch(e)` picks an
+      epoch explicitly (the usual `set_epoch(epoch)` at the top of the loop agrees);
+    - `len(loader)` is the number of batches this rank gets per epoch;
+    - `state_dict()` records the epoch and the batches handed out (plain values, for
+      pickle or JSON next to `net.save_parameters`); `load_state_dict()` continues
+      right after them with the batches an uninterrupted run would give.
+
+    client: a `distributed.Client` of a cluster of dmdask workers.
+    spec: a `dmdask.Spec`; with `kvstore` (a distributed `mx.kv.KVStore`) at the default
+        rank/world size, they are taken from it (see `kvstore_spec`).
+    ctx: the `mx.Context` of the NDArrays (default `mx.cpu()`).
+    epoch: the first epoch.
+
+    dmdask prefetches `spec.prefetch` batches on the cluster: no `gluon.data.DataLoader`
+    or worker processes are needed. One pass at a time. With kvstore "dist_sync" give
+    every worker `spec.drop_last=True`, so that all take the same number of steps.
+    """
+
+    def __init__(self, client, spec: dmdask.Spec, *, ctx=None, kvstore=None, epoch: int = 0):
+        if not isinstance(spec, dmdask.Spec):
+            raise TypeError(f"spec must be a dmdask.Spec, got {type(spec).__name__}")
+        self._init_passes(client, kvstore_spec(spec, kvstore), epoch)
+        self.ctx = ctx if ctx is not None else mx.cpu()
+
+    def __iter__(self):
+        for batch in self._pass():
+            yield to_mxnet(batch, self.ctx)
+
+    def __repr__(self) -> str:
+        s = self.spec
+        return (f"MXNetLoader(source={s.source!r}, batch_size={s.batch_size}, rank={s.rank}, "
+                f"world_size={s.world_size}, epoch={self.epoch}, ctx={self.ctx})")
+
+
+# --- the Module API: an mx.io.DataIter ----------------------------------------------------------
+
+class DmdaskDataIter(mx.io.DataIter):
+    """An `mx.io.DataIter` over this rank's dmdask batches, for `Module.fit` and friends.
+
+    Each `DataBatch` has `data` (NDArrays of the fields in `data_names`), `label` (of
+    `label_names`), `index` (the global sample ids, numpy int64) and `pad=0`: dmdask
+    never pads with repeated samples, so the last batch of an epoch may be shorter
+    (with its own `provide_data`, which `Module` reshapes to), unless `spec.drop_last`.
+    `provide_data` / `provide_label` describe full batches: `mx.io.DataDesc(name,
+    (batch_size, *sample_shape), dtype)`, read from one batch of the current epoch.
+
+    Epochs: `next()` goes through the current epoch, then raises StopIteration; handing
+    out its last batch moves on to the next epoch, so `reset()` after a finished epoch
+    (as `Module.fit` does after each) starts the next one. `reset()` part-way through
+    starts the current epoch again from its start point (its first batch, or a loaded
+    position). `set_epoch`, `len()`, `state_dict()` / `load_state_dict()` and `close()`
+    are as in `MXNetLoader` (resume with `Module.fit(..., begin_epoch=state["epoch"])`).
+
+    client, spec, kvstore, epoch: as for `MXNetLoader`.
+    data_names, label_names: the fields of the source that are inputs and labels
+        (numeric, fixed sample shape).
+    ctx: the context of the NDArrays (default `mx.cpu()`; `Module` copies to its own).
+    """
+
+    def __init__(self, client, spec: dmdask.Spec, data_names: Sequence[str] = ("data",),
+                 label_names: Sequence[str] = ("softmax_label",), *, ctx=None, kvstore=None, epoch: int = 0):
+        if isinstance(data_names, str) or isinstance(label_names, str):
+            raise TypeError("data_names and label_names are sequences of field names")
+        self.loader = MXNetLoader(client, spec, ctx=ctx, kvstore=kvstore, epoch=epoch)
+        self.data_names, self.label_names = tuple(data_names), tuple(label_names)
+        super().__init__(batch_size=self.loader.spec.batch_size)
+        first = self.loader._peek()
+        missing = [n for n in self.data_names + self.label_names if n not in first]
+        if missing:
+            raise ValueError(f"fields {missing} are not among the batch's fields {sorted(first)}")
+        self._provide_data = [self._desc(n, first[n], self.batch_size) for n in self.data_names]
+        self._provide_label = [self._desc(n, first[n], self.batch_size) for n in self.label_names]
+        self._gen = None
+        self._done = False
+
+    @staticmethod
+    def _desc(name: str, value, rows: int):
+        value = np.asarray(value)
+        if value.dtype == object or value.dtype.kind not in "biuf":
+            raise TypeError(f"field {name!r} holds {value.dtype} samples; a DataIter field must be numeric "
+                            "with one sample shape (use MXNetLoader for variable-size samples)")
+        dtype = _WIDEN.get(value.dtype.newbyteorder("="), value.dtype.newbyteorder("="))
+        return mx.io.DataDesc(name, (rows,) + value.shape[1:], dtype=dtype)
+
+    @property
+    def provide_data(self):
+        return self._provide_data
+
+    @property
+    def provide_label(self):
+        return self._provide_label
+
+    @property
+    def spec(self) -> dmdask.Spec:
+        return self.loader.spec
+
+    @property
+    def epoch(self) -> int:
+        return self.loader.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        self._stop_pass()
+        self.loader.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def reset(self) -> None:
+        self._stop_pass()
+
+    def _stop_pass(self) -> None:
+        if self._gen is not None:
+            self._gen.close()  # cancels its prefetched batches
+        self._gen = None
+        self._done = False
+
+    def next(self):
+        if self._done:
+            raise StopIteration
+        if self._gen is None:
+            self._gen = self.loader._pass()
+        try:
+            batch = next(self._gen)
+        except StopIteration:
+            self._gen, self._done = None, True
+            raise
+        rows = len(batch["index"])
+        out = to_mxnet({n: batch[n] for n in self.data_names + self.label_names}, self.loader.ctx)
+        provide_data, provide_label = self._provide_data, self._provide_label
+        if rows != self.batch_size:  # a short last batch describes its own shape
+            provide_data = [self._desc(n, batch[n], rows) for n in self.data_names]
+            provide_label = [self._desc(n, batch[n], rows) for n in self.label_names]
+        return mx.io.DataBatch(data=[out[n] for n in self.data_names], label=[out[n] for n in self.label_names],
+                               pad=0, index=np.asarray(batch["index"], dtype=np.int64),
+                               provide_data=provide_data, provide_label=provide_label)
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self._stop_pass()
+        self.loader.load_state_dict(state)
+
+    def close(self) -> None:
+        self._stop_pass()
+        self.loader.close()
+
+    def __repr__(self) -> str:
+        s = self.spec
+        return (f"DmdaskDataIter(source={s.source!r}, batch_size={s.batch_size}, rank={s.rank}, "
+                f"world_size={s.world_size}, epoch={self.epoch}, data={self.data_names}, label={self.label_names})")

@@ -1,0 +1,432 @@
+"""TensorFlow adapter: `TFLoader`, dmdask batches as a `tf.data.Dataset` that `model.fit` takes.
+
+    loader = TFLoader(client, dmdask.Spec(source="train.zarr", batch_size=256))
+    ds = loader.dataset().map(lambda b: (b["x"], b["y"]))   # elements: dict[str, tf.Tensor]
+    model.fit(ds, epochs=5)                                  # fit epoch k iterates dmdask epoch k
+    tf.train.Checkpoint(model=model, loader=loader).save("ckpt/run")   # with the loader's position
+
+Each pass over the dataset (each `iter()`, so each `fit` epoch) iterates the loader's
+current dmdask epoch; handing out the epoch's last batch moves the loader on to the next
+epoch. `set_epoch` chooses an epoch explicitly. Rank and world size come from a `tf.distribute`
+strategy (or `tf.distribute.InputContext`), or from the spec.
+
+dmdask prefetches `spec.prefetch` batches on the cluster while the model computes, so
+the dataset needs no `.prefetch()`, no `num_parallel_calls` and no `.shard()` (each rank
+already gets only its share; the dataset turns tf.distribute's auto-sharding off).
+This module imports TensorFlow and no other framework.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any, Dict, Optional
+
+import numpy as np
+import tensorflow as tf
+
+import dmdask
+
+__all__ = ["TFLoader", "to_tensorflow", "strategy_spec", "rank_of_strategy", "signature_of"]
+
+_RAGGED_MODES = ("ragged", "bytes")
+
+
+# --- rank and world size -------------------------------------------------------------------
+
+def rank_of_strategy(strategy=None, input_context=None) -> tuple:
+    """(rank, world_size) of this input pipeline: the process's place among the workers.
+
+    - `input_context` (a `tf.distribute.InputContext`, as handed to the function of
+      `strategy.distribute_datasets_from_function`): its `input_pipeline_id` and
+      `num_input_pipelines`.
+    - a strategy with a multi-worker `cluster_resolver` (`MultiWorkerMirroredStrategy`,
+      `TPUStrategy` over several hosts): the chief is rank 0 and worker i is rank
+      i + (number of chiefs), among chief + worker tasks, as TensorFlow numbers its
+      input pipelines. An "evaluator" task reads the whole dataset: (0, 1).
+    - a single-worker strategy (default, `MirroredStrategy`, `OneDeviceStrategy`): (0, 1);
+      its local replicas split each batch, so `spec.batch_size` is the global batch.
+    `ParameterServerStrategy` raises ValueError: there the coordinator reads the data;
+    give the rank and world size in the spec instead.
+    """
+    if input_context is not None:
+        return int(input_context.input_pipeline_id), int(input_context.num_input_pipelines)
+    if strategy is None:
+        return 0, 1
+    if "ParameterServer" in type(strategy).__name__:
+        raise ValueError("ParameterServerStrategy has no per-worker input pipeline to shard; pass rank "
+                         "and world_size in the dmdask.Spec")
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None:
+        return 0, 1
+    cluster = resolver.cluster_spec().as_dict()
+    chiefs = len(cluster.get("chief", []))
+    workers = chiefs + len(cluster.get("worker", []))
+    task_type, task_id = resolver.task_type, resolver.task_id
+    if workers <= 1 or task_type in (None, "evaluator"):
+        return 0, 1
+    if task_type == "chief":
+        return 0, workers
+    if task_type == "worker":
+        return int(task_id or 0) + chiefs, workers
+    raise ValueError(f"task type {task_type!r} reads no training data; pass rank and world_size in the dmdask.Spec")
+
+
+def strategy_spec(spec: dmdask.Spec, strategy=None, input_context=None) -> dmdask.Spec:
+    """`spec` with rank and world size from `input_context` or `strategy` (see `rank_of_strategy`).
+
+    With neither, the strategy in scope (`tf.distribute.get_strategy()`) is used. As
+    in `integrations.torch.distributed_spec`: a spec at the defaults rank=0,
+    world_size=1 takes the strategy's values; explicit values must agree with them
+    (ValueError naming both otherwise).
+    """
+    if strategy is None and input_context is None and tf.distribute.has_strategy():
+        strategy = tf.distribute.get_strategy()
+    rank, world_size = rank_of_strategy(strategy, input_context)
+    if (spec.rank, spec.world_size) == (0, 1):
+        return spec if (rank, world_size) == (0, 1) else spec.replace(rank=rank, world_size=world_size)
+    if (rank, world_size) != (0, 1) and (spec.rank, spec.world_size) != (rank, world_size):
+        raise ValueError(
+            f"Spec(rank={spec.rank}, world_size={spec.world_size}) disagrees with tf.distribute "
+            f"(rank={rank}, world_size={world_size}); leave the spec's rank and world_size at "
+            "their defaults to take them from the strategy"
+        )
+    return spec
+
+
+# --- conversion -----------------------------------------------------------------------------
+
+def _ragged(values: list):
+    """An object array's elements (numeric arrays of one ndim) as one RaggedTensor whose
+    every dimension after the first is ragged."""
+    arrays = [np.asarray(v) for v in values]
+    ndim = arrays[0].ndim
+    if any(a.ndim != ndim for a in arrays) or ndim == 0:
+        raise TypeError("variable-size samples must be arrays of one number of dimensions")
+    dtype = np.result_type(*arrays)
+    flat = np.concatenate([a.reshape(-1).astype(dtype, copy=False) for a in arrays])
+    nested = []
+    for level in range(ndim):
+        nested.append(np.concatenate([np.full(int(np.prod(a.shape[:level], dtype=np.int64)), a.shape[level],
+                                              dtype=np.int64) for a in arrays]))
+    return tf.RaggedTensor.from_nested_row_lengths(flat, nested, validate=False)
+
+
+def _field(name: str, value, ragged: str):
+    if name == "index":
+        return tf.constant(np.asarray(value).astype(np.int64, copy=False))
+    if not isinstance(value, np.ndarray):
+        value = np.asarray(value)
+    if value.dtype.kind in "US":
+        return tf.constant(value.astype(object) if value.dtype.kind == "U" else value, dtype=tf.string)
+    if value.dtype != object:
+        if not value.dtype.isnative:
+            value = value.astype(value.dtype.newbyteorder("="))
+        return tf.constant(value)
+    items = list(value)
+    if all(isinstance(v, (bytes, str)) for v in items):
+        return tf.constant(items, dtype=tf.string)
+    if not all(isinstance(v, np.ndarray) and v.dtype.kind in "biuf" for v in items):
+        raise TypeError(f"field {name!r}: an object array of {type(items[0]).__name__}; TFLoader takes "
+                        "numeric arrays, bytes or str as samples")
+    if ragged == "bytes":
+        return tf.constant([np.ascontiguousarray(v).tobytes() for v in items], dtype=tf.string)
+    return _ragged(items)
+
+
+def to_tensorflow(batch: Dict[str, Any], ragged: str = "ragged") -> Dict[str, Any]:
+    """Convert one dmdask batch (dict of numpy arrays) to a dict of TensorFlow values.
+
+    - numeric arrays -> `tf.Tensor` of the same dtype and shape (a copy);
+    - object arrays of variable-size numeric samples (e.g. the uint8 bytes of a file
+      folder) -> `tf.RaggedTensor` (rows = samples, every inner dimension ragged), or
+      with ragged="bytes" a `tf.string` vector of each sample's raw bytes (for
+      `tf.io.decode_image` and friends);
+    - str/bytes arrays -> `tf.string`; "index" -> int64 global sample ids.
+    """
+    if ragged not in _RAGGED_MODES:
+        raise ValueError(f"ragged must be one of {_RAGGED_MODES}, got {ragged!r}")
+    return {name: _field(name, value, ragged) for name, value in batch.items()}
+
+
+def _unbatched(spec):
+    if isinstance(spec, tf.RaggedTensorSpec):
+        return tf.RaggedTensorSpec(shape=[None] * spec.shape.rank, dtype=spec.dtype,
+                                   ragged_rank=spec.ragged_rank, row_splits_dtype=spec.row_splits_dtype)
+    return tf.TensorSpec(shape=[None] + spec.shape.as_list()[1:], dtype=spec.dtype)
+
+
+def signature_of(batch: Dict[str, Any]) -> Dict[str, Any]:
+    """The `output_signature` of batches like `batch` (converted or numpy): the batch
+    dimension unknown (the last batch may be short), the other dimensions as in `batch`."""
+    converted = {k: v if isinstance(v, (tf.Tensor, tf.RaggedTensor)) else _field(k, v, "ragged")
+                 for k, v in batch.items()}
+    return {k: _unbatched(tf.type_spec_from_value(v)) for k, v in converted.items()}
+
+
+# --- epochs, passes and positions: the same code in integrations/{tensorflow,mxnet,jax}.py ---
+
+class _EpochPasses:
+    """The epoch bookkeeping of a loader over `dmdask.batches`.
+
+    A pass yields the batches of the current epoch from its start point (the epoch's
+    first batch, or the position given to `load_state_dict`). Handing out the last batch
+    of the epoch moves the loader to the next epoch at once (a consumer that stops
+    after a known number of steps still moves on); a pass abandoned part-way leaves the
+    epoch and its start point as they were. `set_epoch` picks an epoch explicitly.
+    """
+
+    def _init_passes(self, client, spec: dmdask.Spec, epoch: int) -> None:
+        self.client = client
+        self.spec = spec
+        self.epoch = _check_epoch(epoch)
+        self._lock = threading.RLock()
+        self._start: Optional[dict] = None  # inner state each pass of this epoch starts from
+        self._fresh: Optional[dmdask.BatchIterator] = None  # built (by len/load) but not started
+        self._current: Optional[dmdask.BatchIterator] = None  # the latest pass of this epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Iterate `epoch` on the next pass. The epoch the loader is already at changes
+        nothing (a loaded position survives); another epoch starts at its first batch."""
+        epoch = _check_epoch(epoch)
+        with self._lock:
+            if epoch != self.epoch:
+                self._close_all()
+                self._start = None
+                self.epoch = epoch
+
+    def __len__(self) -> int:
+        """Batches this rank gets per epoch (a resumed pass yields only the rest)."""
+        with self._lock:
+            if self._current is not None:
+                return len(self._current)
+            if self._fresh is None:
+                self._fresh = self._make()
+            return len(self._fresh)
+
+    def _make(self) -> dmdask.BatchIterator:
+        return dmdask.batches(self.client, self.spec, epoch=self.epoch, resume=self._start)
+
+    def _pass(self, repeat: bool = False):
+        """One pass: numpy batches of the current epoch; repeat=True goes on with the
+        following epochs without end."""
+        with self._lock:
+            it = self._fresh if self._fresh is not None else self._make()
+            self._fresh = None
+            if self._current is not None and self._current is not it:
+                self._current.close()
+            self._current = it
+        try:
+            while True:
+                count, owner = 0, True
+                for batch in it:
+                    count += 1
+                    last = it.state_dict()["position"] >= len(it)
+                    if last:  # the epoch is done once its last batch is handed out
+                        owner = self._advance(it)
+                    yield batch
+                    if last:
+                        break
+                else:
+                    if it.state_dict()["position"] < len(it):  # closed part-way
+                        return
+                    owner = self._advance(it)  # a pass that started at the end of its epoch
+                if not owner or not (repeat or count == 0):
+                    return
+                with self._lock:
+                    if self._current is not None:  # another pass or set_epoch took over
+                        return
+                    it = self._current = self._make()
+        finally:
+            it.close()  # cancels prefetched batches; the position stays at the last one handed out
+
+    def _advance(self, it: dmdask.BatchIterator) -> bool:
+        """Move on to the next epoch after `it`, if `it` is still this loader's pass."""
+        with self._lock:
+            if self._current is not it:
+                return False
+            self.epoch += 1
+            self._start = None
+            self._current = None
+            return True
+
+    def state_dict(self) -> dict:
+        """{"epoch": int, "iterator": dmdask state or None}: plain values (JSON, pickle)."""
+        with self._lock:
+            if self._current is not None:
+                inner = self._current.state_dict()
+            else:
+                inner = dict(self._start) if self._start is not None else None
+            return {"epoch": self.epoch, "iterator": inner}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from `state` (of a loader of the same dataset, spec and rank): sets the
+        epoch, and each pass of that epoch starts right after the batches handed out
+        when the state was taken. Another dataset, spec or rank raises
+        `dmdask.SpecError` (a ValueError) here."""
+        if not isinstance(state, dict) or "epoch" not in state or "iterator" not in state:
+            raise ValueError(f"state must be a dict from {type(self).__name__}.state_dict()")
+        epoch = _check_epoch(state["epoch"])
+        inner = state["iterator"]
+        if inner is not None:
+            if not isinstance(inner, dict):
+                raise ValueError("state['iterator'] must be None or a dmdask BatchIterator state")
+            if inner.get("epoch") != epoch:
+                raise ValueError(f"inconsistent state: epoch {epoch} but iterator epoch {inner.get('epoch')!r}")
+            inner = dict(inner)
+        with self._lock:
+            self._close_all()
+            self.epoch = epoch
+            self._start = inner
+            self._fresh = self._make()  # validates the state against this loader's spec now
+
+    def _close_all(self) -> None:
+        for it in (self._current, self._fresh):
+            if it is not None:
+                it.close()
+        self._current = self._fresh = None
+
+    def close(self) -> None:
+        """Cancel batches in flight. The loader stays usable: the next pass starts anew."""
+        with self._lock:
+            if self._current is not None:
+                self._current.close()  # kept: state_dict() still reports its position
+            if self._fresh is not None:
+                self._fresh.close()
+                self._fresh = None
+
+    def _peek(self) -> dict:
+        """One batch of the current epoch, from a separate iterator (no position moves)."""
+        probe = dmdask.batches(self.client, self.spec.replace(prefetch=1), epoch=self.epoch)
+        try:
+            return next(iter(probe))
+        finally:
+            probe.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _check_epoch(epoch) -> int:
+    if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
+        raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
+    return int(epoch)
+
+
+# --- the loader -----------------------------------------------------------------------------
+
+class TFLoader(tf.train.experimental.PythonState, _EpochPasses):
+    """This rank's dmdask batches, epoch after epoch, as a `tf.data.Dataset` of dicts.
+
+    Guarantees (from `dmdask.batches`):
+    - a pass over `dataset()` yields the batches of the loader's current epoch in the
+      order fixed by (seed, epoch); across `world_size` ranks every sample of an epoch
+      is yielded exactly once;
+    - handing out the last batch of an epoch moves the loader to the next epoch, so
+      `model.fit(ds, epochs=E)` iterates epochs 0..E-1 (from a restored state: its
+      epoch onwards: pass `initial_epoch=loader.epoch`); a pass abandoned part-way
+      (`take`, `break`, Keras peeking at one batch to build the model) does not: the
+      next pass starts the same epoch again from its start point (its first batch, or
+      the loaded position);
+    - `set_epoch(e)` picks the epoch of the next pass explicitly;
+    - `state_dict()` records the epoch and the batches handed to tf.data;
+      `load_state_dict()` continues right after them with the batches an uninterrupted
+      run would give. The loader is also a `tf.train.Checkpoint` dependency
+      (`tf.train.Checkpoint(loader=loader)`): its state is saved and restored with it.
+
+    client: a `distributed.Client` of a cluster of dmdask workers.
+    spec: a `dmdask.Spec`; rank and world size may come from `strategy` or
+        `input_context` (see `strategy_spec`), resolved once, here.
+    strategy: a `tf.distribute.Strategy` (default: the one in scope, if any).
+    input_context: a `tf.distribute.InputContext`, inside `distribute_datasets_from_function`.
+    epoch: the first epoch.
+    ragged: how variable-size samples arrive: "ragged" (`tf.RaggedTensor`) or "bytes"
+        (`tf.string`).
+    output_signature: the dataset's element signature; by default read from one batch
+        of the current epoch (fetched once, by a separate iterator that moves no
+        position). Give it when a transform makes inner shapes vary between batches.
+
+    Positions count batches taken from the dataset: an explicit `.prefetch()`, a
+    parallel `.map()` or a strategy's prefetch to devices read a few batches ahead of
+    the steps taken, so a mid-epoch checkpoint is exact in a plain loop over the
+    dataset; under `model.fit` checkpoint at epoch ends (`on_epoch_end`), where they
+    agree. One pass at a time. Under a multi-worker strategy use `distribute()` and give
+    every worker `spec.drop_last=True`, so that all take the same number of steps.
+    """
+
+    def __init__(self, client, spec: dmdask.Spec, *, strategy=None, input_context=None, epoch: int = 0,
+                 ragged: str = "ragged", output_signature: Optional[Dict[str, Any]] = None):
+        if not isinstance(spec, dmdask.Spec):
+            raise TypeError(f"spec must be a dmdask.Spec, got {type(spec).__name__}")
+        if ragged not in _RAGGED_MODES:
+            raise ValueError(f"ragged must be one of {_RAGGED_MODES}, got {ragged!r}")
+        self._init_passes(client, strategy_spec(spec, strategy, input_context), epoch)
+        self.ragged = ragged
+        self._signature = dict(output_signature) if output_signature is not None else None
+
+    @property
+    def output_signature(self) -> Dict[str, Any]:
+        """dict of `tf.TensorSpec`/`tf.RaggedTensorSpec`, batch dimension None."""
+        if self._signature is None:
+            self._signature = signature_of(to_tensorflow(self._peek(), self.ragged))
+        return self._signature
+
+    def dataset(self, repeat: bool = False) -> tf.data.Dataset:
+        """A `tf.data.Dataset` of this rank's batches (dicts of tensors incl. "index").
+
+        Each pass iterates the loader's current epoch (see the class). repeat=True: one
+        endless pass, epoch after epoch, for `model.fit(..., steps_per_epoch=len(loader))`
+        or loops that count steps.
+        """
+        ds = tf.data.Dataset.from_generator(lambda: self._generate(repeat), output_signature=self.output_signature)
+        options = tf.data.Options()
+        # each rank already reads only its share: tf.distribute must not shard it again
+        options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+        # dmdask prefetches already; without tf.data's own read-ahead (injected prefetch,
+        # sequential maps made parallel) the positions count the batches taken from the
+        # pipeline. An explicit .prefetch() or parallel map still reads ahead.
+        options.experimental_optimization.inject_prefetch = False
+        options.experimental_optimization.map_parallelization = False
+        return ds.with_options(options)
+
+    def distribute(self, strategy=None, map_fn=None, repeat: bool = False):
+        """`dataset(repeat).map(map_fn)` as this worker's input pipeline of `strategy`
+        (default: the strategy in scope), through `strategy.distribute_datasets_from_function`.
+
+        Use it for multi-worker strategies: `strategy.experimental_distribute_dataset`
+        (what `model.fit` applies to a plain dataset) takes each batch as the global batch
+        and splits it across the replicas of all workers. Here each batch goes whole to
+        one local replica: `spec.batch_size` is the per-replica batch. The input context
+        must agree with the loader's rank and world size (ValueError if not).
+        """
+        strategy = strategy if strategy is not None else tf.distribute.get_strategy()
+
+        def dataset_fn(input_context):
+            got = (input_context.input_pipeline_id, input_context.num_input_pipelines)
+            if got != (self.spec.rank, self.spec.world_size):
+                raise ValueError(f"input pipeline {got[0]} of {got[1]} but the loader is rank "
+                                 f"{self.spec.rank} of {self.spec.world_size}; create it under the strategy")
+            ds = self.dataset(repeat)
+            return ds.map(map_fn) if map_fn is not None else ds
+
+        return strategy.distribute_datasets_from_function(dataset_fn)
+
+    def _generate(self, repeat: bool):
+        for batch in self._pass(repeat):
+            yield to_tensorflow(batch, self.ragged)
+
+    # tf.train.experimental.PythonState: the state as JSON inside a tf.train.Checkpoint
+    def serialize(self) -> str:
+        return json.dumps(self.state_dict(), sort_keys=True)
+
+    def deserialize(self, string_value) -> None:
+        if isinstance(string_value, bytes):
+            string_value = string_value.decode()
+        self.load_state_dict(json.loads(string_value))
+
+    def __repr__(self) -> str:
+        s = self.spec
+        return (f"TFLoader(source={s.source!r}, batch_size={s.batch_size}, rank={s.rank}, "
+                f"world_size={s.world_size}, epoch={self.epoch}, ragged={self.ragged!r})")
