@@ -28,7 +28,7 @@ from distributed.protocol.serialize import to_serialize
 from .errors import BlockReadError, NotADmdaskWorker, SpecError
 from .order import epoch_order, rank_batches
 from .progress import make as _make_progress
-from .sources import Source, open_source
+from .sources import Source, forget_listing, open_source
 from .spec import Spec, dumps_transform
 from .worker import load_block
 
@@ -110,8 +110,10 @@ def _submit_blocks(client: Client, source: Source, first_needed: np.ndarray) -> 
 
 
 def release(client: Client, spec: Spec) -> None:
-    """Drop the cluster's cache of `spec.source` (its blocks leave RAM and SSD)."""
+    """Drop the cluster's cache of `spec.source` (its blocks leave RAM and SSD once no
+    iterator holds them) and this process's listing of a folder source."""
     source = open_source(spec)
+    forget_listing(source.url, spec.storage_options)
     try:
         client.unpublish_dataset(_published_name(source))
     except KeyError:

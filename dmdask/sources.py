@@ -17,6 +17,7 @@ import json
 import math
 import threading
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -214,7 +215,28 @@ def _zarr_array(url: str, options_json: str, path: str, identity: str):
 
 # --- folders of files ---------------------------------------------------------------
 
-def _open_folder(fs, path: str, url: str, options: dict, spec) -> Source:
+_listings: "OrderedDict[tuple, tuple]" = OrderedDict()  # (url, options) -> (files, labels, sizes)
+_listings_lock = threading.Lock()
+MAX_LISTINGS = 8
+
+
+def forget_listing(url: str, options: Optional[dict] = None) -> None:
+    """Drop this process's listing of a folder source, so the next open lists it again."""
+    with _listings_lock:
+        _listings.pop((url.rstrip("/"), _options_json(options or {})), None)
+
+
+def _list_folder(fs, path: str, url: str, options: dict):
+    """Files, labels and sizes of a folder source, listed once per process.
+
+    A listing costs a request per class folder, and over HTTP a HEAD per file for the
+    sizes; a training run reads the same folder every epoch, so it is kept (see
+    `forget_listing`, called by `dmdask.release`)."""
+    cache_key = (url, _options_json(options))
+    with _listings_lock:
+        if cache_key in _listings:
+            _listings.move_to_end(cache_key)
+            return _listings[cache_key]
     try:
         entries = fs.ls(path, detail=True)
     except (FileNotFoundError, NotADirectoryError) as exc:
@@ -238,6 +260,16 @@ def _open_folder(fs, path: str, url: str, options: dict, spec) -> Source:
         raise SourceError(f"the class subfolders of {url} hold no files")
     if any(s is None for s in sizes):
         sizes = list(fs.sizes(files))
+    listing = (files, labels, sizes)
+    with _listings_lock:
+        _listings[cache_key] = listing
+        while len(_listings) > MAX_LISTINGS:
+            _listings.popitem(last=False)
+    return listing
+
+
+def _open_folder(fs, path: str, url: str, options: dict, spec) -> Source:
+    files, labels, sizes = _list_folder(fs, path, url, options)
     fields = tuple(sorted(spec.keys or ("data", "label")))
     for f in fields:
         if f not in ("data", "label"):

@@ -94,8 +94,10 @@ def test_folder_over_http_read_once(store):
     with dmdask.LocalCluster(n_workers=2, ram="16 MiB") as cluster, distributed.Client(cluster) as client:
         server.reset_stats()
         spec = dmdask.Spec(server.url + "/files", batch_size=7, block_size=8)
+        listings = []
         for epoch in range(2):
             per_rank = run_epoch(client, spec, epoch=epoch, world_size=2)
+            listings.append(server.stats()["by_path"].get("files/class-00", {}).get("requests", 0))
             for batches in per_rank:
                 for b in batches:
                     assert [d.tobytes() for d in b["data"]] == [folder_sample(int(i)) for i in b["index"]]
@@ -103,6 +105,7 @@ def test_folder_over_http_read_once(store):
         stats = server.stats()
         sent = sum(v["bytes"] for p, v in stats["by_path"].items() if p.endswith(".bin"))
         assert sent == sizes
+        assert listings[0] == listings[1] <= 1  # the folder is listed once per process, not per epoch
 
 
 def test_folder_half_capacity_exact_global_shuffle_meets_the_bound(store):
