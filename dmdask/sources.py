@@ -233,10 +233,16 @@ def _list_folder(fs, path: str, url: str, options: dict):
     sizes; a training run reads the same folder every epoch, so it is kept (see
     `forget_listing`, called by `dmdask.release`)."""
     cache_key = (url, _options_json(options))
-    with _listings_lock:
-        if cache_key in _listings:
-            _listings.move_to_end(cache_key)
-            return _listings[cache_key]
+    with _listings_lock:  # held while listing: concurrent ranks of a process list once
+        if cache_key not in _listings:
+            _listings[cache_key] = _read_listing(fs, path, url)
+            while len(_listings) > MAX_LISTINGS:
+                _listings.popitem(last=False)
+        _listings.move_to_end(cache_key)
+        return _listings[cache_key]
+
+
+def _read_listing(fs, path: str, url: str):
     try:
         entries = fs.ls(path, detail=True)
     except (FileNotFoundError, NotADirectoryError) as exc:
@@ -260,12 +266,7 @@ def _list_folder(fs, path: str, url: str, options: dict):
         raise SourceError(f"the class subfolders of {url} hold no files")
     if any(s is None for s in sizes):
         sizes = list(fs.sizes(files))
-    listing = (files, labels, sizes)
-    with _listings_lock:
-        _listings[cache_key] = listing
-        while len(_listings) > MAX_LISTINGS:
-            _listings.popitem(last=False)
-    return listing
+    return files, labels, sizes
 
 
 def _open_folder(fs, path: str, url: str, options: dict, spec) -> Source:

@@ -6,11 +6,8 @@ that sharding a batch over local devices is real.
 
 from __future__ import annotations
 
-import ast
 import json
 import pickle
-import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,83 +25,19 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 import dmdask  # noqa: E402
+from framework_cases import (FEATURES, N, assert_accurate, assert_loss_falls, assert_resumed,  # noqa: E402
+                             check_exactly_once, check_folder_batches, check_other_epoch_and_spec,
+                             env_fixture, folder_spec, imported_modules, take, zarr_spec)
 from integrations.jax import JaxLoader, local_batch_sharding, process_spec, to_jax  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-N = 1003        # not a multiple of the chunk (64) nor of the batch size (50)
-FEATURES = 8
-BATCH = 50
-
-
-def _write_zarr(path: Path):
-    rng = np.random.default_rng(42)
-    x = rng.normal(size=(N, FEATURES)).astype("f4")
-    w = rng.normal(size=FEATURES)
-    y = (x @ w > 0).astype("i8")  # linearly separable, two classes
-    g = zarr.open_group(str(path), mode="w")
-    g.create_array("x", shape=x.shape, chunks=(64, FEATURES), dtype="f4")
-    g.create_array("y", shape=y.shape, chunks=(64,), dtype="i8")
-    g["x"][:] = x
-    g["y"][:] = y
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "consolidated metadata is not part of the v3 spec"
-        zarr.consolidate_metadata(str(path))
-    return x, y
-
-
-def _write_folder(path: Path):
-    """Class-per-subfolder files of different sizes: bytes and labels in sample order."""
-    rng = np.random.default_rng(7)
-    files = {}
-    for cls in ("a", "b", "c"):
-        (path / cls).mkdir(parents=True)
-        for i in range(7):
-            data = rng.integers(0, 256, size=int(rng.integers(1, 300)), dtype=np.uint8).tobytes()
-            (path / cls / f"{i:03d}.bin").write_bytes(data)
-            files[(cls, i)] = data
-    return [files[k] for k in sorted(files)], [ord(c) - ord("a") for c, _ in sorted(files)]
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    """One real cluster (two worker processes), a client and two small datasets."""
-    root = tmp_path_factory.mktemp("jaxdata")
-    x, y = _write_zarr(root / "train.zarr")
-    blobs, labels = _write_folder(root / "files")
-    cluster = dmdask.LocalCluster(n_workers=2, ram="64 MiB")
-    client = distributed.Client(cluster)
-    try:
-        yield {"client": client, "zarr": str(root / "train.zarr"), "x": x, "y": y,
-               "folder": str(root / "files"), "blobs": blobs, "labels": labels}
-    finally:
-        for source, block_size in ((str(root / "train.zarr"), None), (str(root / "files"), 5)):
-            dmdask.release(client, dmdask.Spec(source=source, batch_size=1, block_size=block_size))
-        client.close()
-        cluster.close()
-
-
-def _spec(env, **kw):
-    kw.setdefault("batch_size", BATCH)
-    return dmdask.Spec(source=env["zarr"], **kw)
-
-
-def _cat(batches, field):
-    return np.concatenate([np.asarray(b[field]) for b in batches])
-
-
-def _ids(numpy_batches):
-    """The sample ids of dmdask's own batches (numpy), in order."""
-    return np.concatenate([b["index"] for b in numpy_batches])
+env = env_fixture("jaxdata")
+_spec = zarr_spec
 
 
 # --- without a cluster -------------------------------------------------------------------
 
 def test_module_imports_no_other_framework():
-    tree = ast.parse((REPO_ROOT / "integrations" / "jax.py").read_text())
-    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
-                for alias in node.names}
-    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
-                 if isinstance(node, ast.ImportFrom) and node.module}
+    imported = imported_modules("integrations/jax.py")
     assert "jax" in imported and not {"torch", "tensorflow", "mxnet"} & imported
 
 
@@ -186,28 +119,22 @@ def test_training_reduces_loss_sharded_over_local_devices(env):
             seen.append(b["index"])
         assert len(np.concatenate(seen)) == (N // batch) * batch
         epoch_loss.append(float(np.mean(losses)))
-    assert epoch_loss[-1] < 0.5 * epoch_loss[0], epoch_loss
-    accuracy = (np.asarray(_logits(params, env["x"])).argmax(1) == env["y"]).mean()
-    assert accuracy > 0.95, accuracy
+    assert_loss_falls(epoch_loss)
+    assert_accurate(env, np.asarray(_logits(params, env["x"])).argmax(1))
     assert loader.state_dict() == {"epoch": 5, "iterator": None}
 
 
 @pytest.mark.slow
 def test_exactly_once_across_three_ranks(env):
-    seen = []
-    for rank in range(3):
+    def rank_batches(rank):
         loader = JaxLoader(env["client"], _spec(env, rank=rank, world_size=3, seed=5), epoch=2)
         batches = list(loader)
         assert len(batches) == len(loader) and loader.epoch == 3
         for b in batches:
             assert isinstance(b["x"], jax.Array) and b["index"].dtype == np.int64
-            np.testing.assert_array_equal(np.asarray(b["x"]), env["x"][b["index"]])
-            np.testing.assert_array_equal(np.asarray(b["y"]), env["y"][b["index"]])
-        seen.append(_cat(batches, "index"))
-        direct = dmdask.batches(env["client"], _spec(env, rank=rank, world_size=3, seed=5), epoch=2)
-        np.testing.assert_array_equal(seen[-1], _ids(direct))
-    allidx = np.concatenate(seen)
-    assert len(allidx) == N and sorted(allidx.tolist()) == list(range(N))
+        return batches
+
+    check_exactly_once(env, rank_batches)
 
 
 @pytest.mark.slow
@@ -218,11 +145,7 @@ def test_resume_continues_exactly(env):
     reference = list(full)
 
     first = JaxLoader(env["client"], spec, epoch=1)
-    head = []
-    for batch in first:
-        head.append(batch)
-        if len(head) == 5:
-            break
+    head = take(first, 5)
     state = json.loads(json.dumps(first.state_dict()))  # plain values
     assert state["epoch"] == 1 and state["iterator"]["position"] == 5
 
@@ -231,30 +154,19 @@ def test_resume_continues_exactly(env):
     second.set_epoch(1)  # the same epoch keeps the loaded position
     assert second.state_dict() == state
     tail = list(second)
-    assert len(head) + len(tail) == len(reference) == len(second)
-    for field in ("index", "x", "y"):
-        np.testing.assert_array_equal(_cat(head + tail, field), _cat(reference, field))
+    assert_resumed(head, tail, reference, len(second))
     assert second.state_dict() == {"epoch": 2, "iterator": None}
 
-    third = JaxLoader(env["client"], spec)
-    third.load_state_dict(state)
-    third.set_epoch(4)  # another epoch drops the loaded position
-    assert third.state_dict() == {"epoch": 4, "iterator": None}
-    assert len(_cat(list(third), "index")) == N
-    with pytest.raises(ValueError):
-        JaxLoader(env["client"], _spec(env, seed=12)).load_state_dict(state)
+    # another epoch drops the loaded position; a state of another spec is refused
+    check_other_epoch_and_spec(env, lambda s: JaxLoader(env["client"], s), spec, state, 4)
 
 
 @pytest.mark.slow
 def test_folder_source_gives_lists_of_uint8_arrays(env):
-    spec = dmdask.Spec(source=env["folder"], batch_size=4, shuffle=False, block_size=5)
-    batches = list(JaxLoader(env["client"], spec))
-    assert [len(b["index"]) for b in batches] == [4, 4, 4, 4, 4, 1]
+    batches = list(JaxLoader(env["client"], folder_spec(env)))
     for b in batches:
         assert isinstance(b["data"], list) and all(a.dtype == jnp.uint8 for a in b["data"])
-        for i, a in zip(b["index"].tolist(), b["data"]):
-            assert bytes(np.asarray(a)) == env["blobs"][i]
-        assert np.asarray(b["label"]).tolist() == [env["labels"][i] for i in b["index"].tolist()]
+    check_folder_batches(env, batches)
 
 
 @pytest.mark.slow

@@ -7,12 +7,9 @@ skipping it. Elsewhere the module is skipped.
 
 from __future__ import annotations
 
-import ast
 import os
 import pickle
 import types
-import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,83 +27,25 @@ import mxnet as mx  # noqa: E402
 from mxnet import autograd, gluon  # noqa: E402
 
 import dmdask  # noqa: E402
+from framework_cases import (BATCH, FEATURES, N, REPO_ROOT, assert_accurate, assert_content,  # noqa: E402
+                             assert_loss_falls, assert_resumed, cat, check_exactly_once,
+                             check_folder_batches, check_other_epoch_and_spec, check_worker_results,
+                             dmdask_ids, env_fixture, folder_spec, free_port, imported_modules, take,
+                             wait_all, zarr_spec)
 from integrations.mxnet import DmdaskDataIter, MXNetLoader, kvstore_spec, to_mxnet  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-N = 1003        # not a multiple of the chunk (64) nor of the batch size (50)
-FEATURES = 8
-BATCH = 50
+env = env_fixture("mxdata")
+_spec = zarr_spec
 
 
-def _write_zarr(path: Path):
-    rng = np.random.default_rng(42)
-    x = rng.normal(size=(N, FEATURES)).astype("f4")
-    w = rng.normal(size=FEATURES)
-    y = (x @ w > 0).astype("i8")  # linearly separable, two classes
-    g = zarr.open_group(str(path), mode="w")
-    g.create_array("x", shape=x.shape, chunks=(64, FEATURES), dtype="f4")
-    g.create_array("y", shape=y.shape, chunks=(64,), dtype="i8")
-    g["x"][:] = x
-    g["y"][:] = y
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "consolidated metadata is not part of the v3 spec"
-        zarr.consolidate_metadata(str(path))
-    return x, y
-
-
-def _write_folder(path: Path):
-    """Class-per-subfolder files of different sizes: bytes and labels in sample order."""
-    rng = np.random.default_rng(7)
-    files = {}
-    for cls in ("a", "b", "c"):
-        (path / cls).mkdir(parents=True)
-        for i in range(7):
-            data = rng.integers(0, 256, size=int(rng.integers(1, 300)), dtype=np.uint8).tobytes()
-            (path / cls / f"{i:03d}.bin").write_bytes(data)
-            files[(cls, i)] = data
-    return [files[k] for k in sorted(files)], [ord(c) - ord("a") for c, _ in sorted(files)]
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    """One real cluster (two worker processes), a client and two small datasets."""
-    root = tmp_path_factory.mktemp("mxdata")
-    x, y = _write_zarr(root / "train.zarr")
-    blobs, labels = _write_folder(root / "files")
-    cluster = dmdask.LocalCluster(n_workers=2, ram="64 MiB")
-    client = distributed.Client(cluster)
-    try:
-        yield {"client": client, "zarr": str(root / "train.zarr"), "x": x, "y": y,
-               "folder": str(root / "files"), "blobs": blobs, "labels": labels}
-    finally:
-        for source, block_size in ((str(root / "train.zarr"), None), (str(root / "files"), 5)):
-            dmdask.release(client, dmdask.Spec(source=source, batch_size=1, block_size=block_size))
-        client.close()
-        cluster.close()
-
-
-def _spec(env, **kw):
-    kw.setdefault("batch_size", BATCH)
-    return dmdask.Spec(source=env["zarr"], **kw)
-
-
-def _cat(batches, field):
-    return np.concatenate([b[field].asnumpy() for b in batches])
-
-
-def _ids(numpy_batches):
-    """The sample ids of dmdask's own batches (numpy), in order."""
-    return np.concatenate([b["index"] for b in numpy_batches])
+def _np(array):
+    return array.asnumpy()
 
 
 # --- without a cluster -------------------------------------------------------------------
 
 def test_module_imports_no_other_framework():
-    tree = ast.parse((REPO_ROOT / "integrations" / "mxnet.py").read_text())
-    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
-                for alias in node.names}
-    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
-                 if isinstance(node, ast.ImportFrom) and node.module}
+    imported = imported_modules("integrations/mxnet.py")
     assert "mxnet" in imported and not {"torch", "tensorflow", "jax", "jaxlib"} & imported
 
 
@@ -169,9 +108,8 @@ def test_gluon_training_reduces_loss(env):
             seen += batch["index"].shape[0]
         assert seen == N
         epoch_loss.append(float(np.mean(losses)))
-    assert epoch_loss[-1] < 0.5 * epoch_loss[0], epoch_loss
-    accuracy = (net(mx.nd.array(env["x"])).asnumpy().argmax(1) == env["y"]).mean()
-    assert accuracy > 0.95, accuracy
+    assert_loss_falls(epoch_loss)
+    assert_accurate(env, net(mx.nd.array(env["x"])).asnumpy().argmax(1))
 
 
 @pytest.mark.slow
@@ -194,8 +132,7 @@ def test_module_fit_with_data_iter(env):
     mod.fit(train, num_epoch=5, eval_metric="ce", optimizer="sgd", initializer=mx.init.Xavier(),
             optimizer_params={"learning_rate": 0.05, "momentum": 0.9}, batch_end_callback=on_batch,
             epoch_end_callback=lambda epoch, *a: ends.append(train.state_dict()))
-    losses = [per_epoch[e] for e in range(5)]
-    assert losses[-1] < 0.5 * losses[0], losses
+    assert_loss_falls([per_epoch[e] for e in range(5)])
     # each fit epoch iterated the next dmdask epoch to its end (the short last batch included)
     assert ends == [{"epoch": e, "iterator": None} for e in range(1, 6)]
     scores = dict(mod.score(mx.io.NDArrayIter(env["x"], env["y"].astype("f4"), batch_size=BATCH,
@@ -208,10 +145,9 @@ def test_module_fit_with_data_iter(env):
     assert [b.data[0].shape[0] for b in batches] == [BATCH] * (N // BATCH) + [N % BATCH]
     assert batches[-1].provide_data[0].shape == (N % BATCH, FEATURES) and all(b.pad == 0 for b in batches)
     ids = np.concatenate([b.index for b in batches])
-    np.testing.assert_array_equal(ids, _ids(dmdask.batches(env["client"], _spec(env, seed=4), epoch=7)))
-    for b in batches[:3]:
-        np.testing.assert_array_equal(b.data[0].asnumpy(), env["x"][b.index])
-        np.testing.assert_array_equal(b.label[0].asnumpy(), env["y"][b.index])
+    np.testing.assert_array_equal(ids, dmdask_ids(env, _spec(env, seed=4), 7))
+    assert_content(env, [{"index": b.index, "x": b.data[0].asnumpy(), "y": b.label[0].asnumpy()}
+                         for b in batches[:3]])
     with pytest.raises(StopIteration):
         train.next()
     assert train.epoch == 8
@@ -226,23 +162,16 @@ def test_module_fit_with_data_iter(env):
 
 @pytest.mark.slow
 def test_exactly_once_across_three_ranks(env):
-    seen = []
-    for rank in range(3):
+    def rank_batches(rank):
         kv = types.SimpleNamespace(rank=rank, num_workers=3)
         loader = MXNetLoader(env["client"], _spec(env, seed=5), kvstore=kv, epoch=2)
         assert (loader.spec.rank, loader.spec.world_size) == (rank, 3)
         batches = list(loader)
         assert len(batches) == len(loader) and loader.epoch == 3
-        for b in batches:
-            assert b["index"].dtype == np.int64
-            idx = b["index"].asnumpy()
-            np.testing.assert_array_equal(b["x"].asnumpy(), env["x"][idx])
-            np.testing.assert_array_equal(b["y"].asnumpy(), env["y"][idx])
-        seen.append(_cat(batches, "index"))
-        direct = dmdask.batches(env["client"], _spec(env, seed=5, rank=rank, world_size=3), epoch=2)
-        np.testing.assert_array_equal(seen[-1], _ids(direct))
-    allidx = np.concatenate(seen)
-    assert len(allidx) == N and sorted(allidx.tolist()) == list(range(N))
+        assert all(b["index"].dtype == np.int64 for b in batches)
+        return batches
+
+    check_exactly_once(env, rank_batches, _np)
 
 
 @pytest.mark.slow
@@ -253,11 +182,7 @@ def test_resume_continues_exactly(env):
     assert full.state_dict() == {"epoch": 2, "iterator": None}
 
     first = MXNetLoader(env["client"], spec, epoch=1)
-    head = []
-    for batch in first:
-        head.append(batch)
-        if len(head) == 5:
-            break
+    head = take(first, 5)
     state = pickle.loads(pickle.dumps(first.state_dict()))
     assert state["epoch"] == 1 and state["iterator"]["position"] == 5
 
@@ -266,37 +191,26 @@ def test_resume_continues_exactly(env):
     second.set_epoch(1)  # the same epoch keeps the loaded position
     assert second.state_dict() == state
     tail = list(second)
-    assert len(head) + len(tail) == len(reference) == len(second)
-    for field in ("index", "x", "y"):
-        np.testing.assert_array_equal(_cat(head + tail, field), _cat(reference, field))
+    assert_resumed(head, tail, reference, len(second), _np)
     assert second.state_dict() == {"epoch": 2, "iterator": None}
 
     # the DataIter resumes the same way (Module.fit(..., begin_epoch=state["epoch"]))
     it = DmdaskDataIter(env["client"], spec, data_names=("x",), label_names=("y",))
     it.load_state_dict(state)
-    np.testing.assert_array_equal(np.concatenate([b.index for b in it]), _cat(tail, "index"))
+    np.testing.assert_array_equal(np.concatenate([b.index for b in it]), cat(tail, "index", _np))
     assert it.epoch == 2
 
     # another epoch drops the loaded position; a state of another spec is refused
-    third = MXNetLoader(env["client"], spec)
-    third.load_state_dict(state)
-    third.set_epoch(4)
-    assert third.state_dict() == {"epoch": 4, "iterator": None}
-    assert len(_cat(list(third), "index")) == N
-    with pytest.raises(ValueError):
-        MXNetLoader(env["client"], _spec(env, seed=12)).load_state_dict(state)
+    check_other_epoch_and_spec(env, lambda s: MXNetLoader(env["client"], s), spec, state, 4, to_numpy=_np)
 
 
 @pytest.mark.slow
 def test_folder_source_gives_lists_of_uint8_ndarrays(env):
-    spec = dmdask.Spec(source=env["folder"], batch_size=4, shuffle=False, block_size=5)
+    spec = folder_spec(env)
     batches = list(MXNetLoader(env["client"], spec))
-    assert [b["index"].shape[0] for b in batches] == [4, 4, 4, 4, 4, 1]
     for b in batches:
         assert isinstance(b["data"], list) and all(a.dtype == np.uint8 for a in b["data"])
-        for i, a in zip(b["index"].asnumpy().tolist(), b["data"]):
-            assert bytes(a.asnumpy()) == env["blobs"][i]
-        assert b["label"].asnumpy().tolist() == [env["labels"][i] for i in b["index"].asnumpy().tolist()]
+    check_folder_batches(env, batches, _np)
     with pytest.raises(TypeError, match="variable-size"):
         DmdaskDataIter(env["client"], spec, data_names=("data",), label_names=("label",))
 
@@ -334,14 +248,6 @@ client.close()
 '''
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_dist_sync_kvstore_three_workers(env, tmp_path):
     """Three MXNet processes on one "dist_sync" kvstore: each takes its rank from the
@@ -350,7 +256,7 @@ def test_dist_sync_kvstore_three_workers(env, tmp_path):
     import subprocess
     import sys
 
-    base = dict(os.environ, DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(_free_port()),
+    base = dict(os.environ, DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(free_port()),
                 DMLC_NUM_SERVER="1", DMLC_NUM_WORKER="3")
     shim = "import integrations.mxnet"  # a scheduler or server process blocks in `import mxnet` until done
     run = dict(cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -359,23 +265,6 @@ def test_dist_sync_kvstore_three_workers(env, tmp_path):
     procs += [subprocess.Popen([sys.executable, "-c", _DIST_WORKER, env["client"].scheduler.address, env["zarr"],
                                 str(tmp_path / f"{i}.json")], env=dict(base, DMLC_ROLE="worker"), **run)
               for i in range(3)]
-    try:
-        outputs = [p.communicate(timeout=120)[0] for p in procs[2:] + procs[:2]]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, output in zip(procs[2:] + procs[:2], outputs):
-        assert p.returncode == 0, output[-3000:]
+    wait_all(procs[2:] + procs[:2], timeout=120)
     results = sorted((json.loads((tmp_path / f"{i}.json").read_text()) for i in range(3)), key=lambda r: r["rank"])
-    assert [(r["rank"], r["world_size"], r["epoch"]) for r in results] == [(i, 3, 2) for i in range(3)]
-    for epoch in (0, 1):
-        per_rank = [np.array(r["ids"][str(epoch)]) for r in results]
-        for rank, got in enumerate(per_rank):  # exactly dmdask's batches for that rank and epoch
-            spec = _spec(env, seed=5, drop_last=True, rank=rank, world_size=3)
-            np.testing.assert_array_equal(got, _ids(dmdask.batches(env["client"], spec, epoch=epoch)))
-        together = np.concatenate(per_rank)
-        assert len(np.unique(together)) == len(together) == 3 * (N // 3 // BATCH) * BATCH
-    for r in results[1:]:  # the parameter server kept the workers in sync
-        for a, b in zip(r["weights"], results[0]["weights"]):
-            np.testing.assert_allclose(a, b, rtol=1e-6)
+    check_worker_results(env, results)  # the parameter server kept the workers in sync

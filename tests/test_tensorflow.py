@@ -7,11 +7,9 @@ TensorFlow fails the run instead of skipping it. Elsewhere the module is skipped
 
 from __future__ import annotations
 
-import ast
 import os
 import types
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,74 +24,19 @@ distributed = pytest.importorskip("distributed")
 zarr = pytest.importorskip("zarr")
 
 import dmdask  # noqa: E402
+from framework_cases import (BATCH, FEATURES, N, REPO_ROOT, assert_accurate, assert_loss_falls,  # noqa: E402
+                             assert_resumed, cat, check_exactly_once, check_folder_batches,
+                             check_other_epoch_and_spec, check_worker_results, dmdask_ids, env_fixture,
+                             folder_spec, free_port, imported_modules, take, wait_all, zarr_spec)
 from integrations.tensorflow import (TFLoader, rank_of_strategy, signature_of,  # noqa: E402
                                      strategy_spec, to_tensorflow)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-N = 1003        # not a multiple of the chunk (64) nor of the batch size (50)
-FEATURES = 8
-BATCH = 50
+env = env_fixture("tfdata", lowest_byte=1)  # no NUL bytes in the files: see write_folder
+_spec = zarr_spec
 
 
-def _write_zarr(path: Path):
-    rng = np.random.default_rng(42)
-    x = rng.normal(size=(N, FEATURES)).astype("f4")
-    w = rng.normal(size=FEATURES)
-    y = (x @ w > 0).astype("i8")  # linearly separable, two classes
-    g = zarr.open_group(str(path), mode="w")
-    g.create_array("x", shape=x.shape, chunks=(64, FEATURES), dtype="f4")
-    g.create_array("y", shape=y.shape, chunks=(64,), dtype="i8")
-    g["x"][:] = x
-    g["y"][:] = y
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "consolidated metadata is not part of the v3 spec"
-        zarr.consolidate_metadata(str(path))
-    return x, y
-
-
-def _write_folder(path: Path):
-    """Class-per-subfolder files of different sizes: bytes and labels in sample order."""
-    rng = np.random.default_rng(7)
-    files = {}
-    for cls in ("a", "b", "c"):
-        (path / cls).mkdir(parents=True)
-        for i in range(7):
-            data = rng.integers(1, 256, size=int(rng.integers(1, 300)), dtype=np.uint8).tobytes()
-            (path / cls / f"{i:03d}.bin").write_bytes(data)
-            files[(cls, i)] = data
-    return [files[k] for k in sorted(files)], [ord(c) - ord("a") for c, _ in sorted(files)]
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    """One real cluster (two worker processes), a client and two small datasets."""
-    root = tmp_path_factory.mktemp("tfdata")
-    x, y = _write_zarr(root / "train.zarr")
-    blobs, labels = _write_folder(root / "files")
-    cluster = dmdask.LocalCluster(n_workers=2, ram="64 MiB")
-    client = distributed.Client(cluster)
-    try:
-        yield {"client": client, "zarr": str(root / "train.zarr"), "x": x, "y": y, "root": root,
-               "folder": str(root / "files"), "blobs": blobs, "labels": labels}
-    finally:
-        for source, block_size in ((str(root / "train.zarr"), None), (str(root / "files"), 5)):
-            dmdask.release(client, dmdask.Spec(source=source, batch_size=1, block_size=block_size))
-        client.close()
-        cluster.close()
-
-
-def _spec(env, **kw):
-    kw.setdefault("batch_size", BATCH)
-    return dmdask.Spec(source=env["zarr"], **kw)
-
-
-def _cat(batches, field):
-    return np.concatenate([b[field].numpy() for b in batches])
-
-
-def _ids(numpy_batches):
-    """The sample ids of dmdask's own batches (numpy), in order."""
-    return np.concatenate([b["index"] for b in numpy_batches])
+def _np(tensor):
+    return tensor.numpy()
 
 
 def _strategy(cluster: dict, task_type: str, task_id: int):
@@ -107,11 +50,7 @@ def _strategy(cluster: dict, task_type: str, task_id: int):
 # --- without a cluster -------------------------------------------------------------------
 
 def test_module_imports_no_other_framework():
-    tree = ast.parse((REPO_ROOT / "integrations" / "tensorflow.py").read_text())
-    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
-                for alias in node.names}
-    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
-                 if isinstance(node, ast.ImportFrom) and node.module}
+    imported = imported_modules("integrations/tensorflow.py")
     assert "tensorflow" in imported and not {"torch", "mxnet", "jax", "jaxlib"} & imported
 
 
@@ -202,23 +141,19 @@ def test_model_fit_trains_and_advances_epochs(env):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # Keras: "input ran out of data" at each epoch end
         history = model.fit(ds.map(lambda b: (b["x"], b["y"])), epochs=5, verbose=0, callbacks=[epochs])
-    losses = history.history["loss"]
-    assert losses[-1] < 0.5 * losses[0], losses
+    assert_loss_falls(history.history["loss"])
     # each fit epoch iterated the next dmdask epoch, to its end
     assert epochs.states == [{"epoch": e, "iterator": None} for e in range(1, 6)]
-    accuracy = (model.predict(env["x"], verbose=0).argmax(1) == env["y"]).mean()
-    assert accuracy > 0.95, accuracy
+    assert_accurate(env, model.predict(env["x"], verbose=0).argmax(1))
 
     # the next pass is epoch 5: the seeded order of that epoch, every sample once
-    reference = _ids(dmdask.batches(env["client"], _spec(env, seed=3), epoch=5))
-    np.testing.assert_array_equal(_cat(list(ds), "index"), reference)
+    np.testing.assert_array_equal(cat(list(ds), "index", _np), dmdask_ids(env, _spec(env, seed=3), 5))
     assert loader.epoch == 6
 
 
 @pytest.mark.slow
 def test_exactly_once_across_three_ranks(env):
-    seen = []
-    for rank in range(3):
+    def rank_batches(rank):
         context = tf.distribute.InputContext(num_input_pipelines=3, input_pipeline_id=rank)
         loader = TFLoader(env["client"], _spec(env, seed=5), input_context=context, epoch=2)
         assert (loader.spec.rank, loader.spec.world_size) == (rank, 3)
@@ -226,16 +161,10 @@ def test_exactly_once_across_three_ranks(env):
         assert len(batches) == len(loader) and loader.epoch == 3
         for b in batches:
             assert b["index"].dtype == tf.int64 and b["x"].dtype == tf.float32
-            idx = b["index"].numpy()
-            np.testing.assert_array_equal(b["x"].numpy(), env["x"][idx])
-            np.testing.assert_array_equal(b["y"].numpy(), env["y"][idx])
-        seen.append(_cat(batches, "index"))
-    allidx = np.concatenate(seen)
-    assert len(allidx) == N and sorted(allidx.tolist()) == list(range(N))
-    # the same as dmdask's own order: the adapter neither drops, repeats nor reorders
-    for rank in range(3):
-        direct = dmdask.batches(env["client"], _spec(env, seed=5, rank=rank, world_size=3), epoch=2)
-        np.testing.assert_array_equal(seen[rank], _ids(direct))
+        return batches
+
+    # every sample once, in dmdask's own order: the adapter neither drops, repeats nor reorders
+    check_exactly_once(env, rank_batches, _np)
 
 
 @pytest.mark.slow
@@ -246,11 +175,7 @@ def test_resume_through_tf_train_checkpoint(env, tmp_path):
     assert full.state_dict() == {"epoch": 2, "iterator": None}
 
     first = TFLoader(env["client"], spec, epoch=1)
-    head = []
-    for batch in first.dataset():
-        head.append(batch)
-        if len(head) == 5:
-            break
+    head = take(first.dataset(), 5)
     state = first.state_dict()
     assert state["epoch"] == 1 and state["iterator"]["position"] == 5
     path = tf.train.Checkpoint(loader=first).write(str(tmp_path / "ckpt"))
@@ -263,38 +188,27 @@ def test_resume_through_tf_train_checkpoint(env, tmp_path):
     second_peek = next(iter(ds))  # an abandoned pass (as Keras takes to build a model) ...
     assert second_peek["index"].numpy().tolist() == reference[5]["index"].numpy().tolist()
     tail = list(ds)  # ... and the next pass starts at the restored position again
-    assert len(head) + len(tail) == len(reference) == len(second)
-    for field in ("index", "x", "y"):
-        np.testing.assert_array_equal(_cat(head + tail, field), _cat(reference, field))
+    assert_resumed(head, tail, reference, len(second), _np)
     assert second.state_dict() == {"epoch": 2, "iterator": None}
 
     # repeat=True: one stream over epochs 2 and 3, each whole and in its own order
-    stream = _cat(list(second.dataset(repeat=True).take(2 * len(second))), "index")
+    stream = cat(list(second.dataset(repeat=True).take(2 * len(second))), "index", _np)
     for k, epoch in enumerate((2, 3)):
-        np.testing.assert_array_equal(stream[k * N:(k + 1) * N], _ids(dmdask.batches(env["client"], spec, epoch)))
+        np.testing.assert_array_equal(stream[k * N:(k + 1) * N], dmdask_ids(env, spec, epoch))
 
     # another epoch drops the restored position; a state of another spec is refused
-    third = TFLoader(env["client"], spec)
-    third.load_state_dict(state)
-    third.set_epoch(4)
-    assert third.state_dict() == {"epoch": 4, "iterator": None}
-    assert len(_cat(list(third.dataset()), "index")) == N
-    with pytest.raises(ValueError):
-        TFLoader(env["client"], _spec(env, seed=12)).load_state_dict(state)
+    check_other_epoch_and_spec(env, lambda s: TFLoader(env["client"], s), spec, state, 4,
+                               batches_of=lambda loader: list(loader.dataset()), to_numpy=_np)
 
 
 @pytest.mark.slow
 def test_folder_source_ragged_and_bytes(env):
-    spec = dmdask.Spec(source=env["folder"], batch_size=4, shuffle=False, block_size=5)
+    spec = folder_spec(env)
     loader = TFLoader(env["client"], spec)
     assert loader.output_signature["data"] == tf.RaggedTensorSpec([None, None], tf.uint8, ragged_rank=1)
     batches = list(loader.dataset())
-    assert [int(b["index"].shape[0]) for b in batches] == [4, 4, 4, 4, 4, 1]
-    for b in batches:
-        assert isinstance(b["data"], tf.RaggedTensor)
-        for i, row in zip(b["index"].numpy().tolist(), b["data"]):
-            assert bytes(row.numpy()) == env["blobs"][i]
-        assert b["label"].numpy().tolist() == [env["labels"][i] for i in b["index"].numpy().tolist()]
+    assert all(isinstance(b["data"], tf.RaggedTensor) for b in batches)
+    check_folder_batches(env, batches, _np)
 
     as_bytes = TFLoader(env["client"], spec, ragged="bytes")
     assert as_bytes.output_signature["data"] == tf.TensorSpec((None,), tf.string)
@@ -341,14 +255,6 @@ client.close()
 '''
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_multi_worker_mirrored_strategy_three_workers(env, tmp_path):
     """Three TensorFlow processes under one real MultiWorkerMirroredStrategy: each takes
@@ -357,7 +263,7 @@ def test_multi_worker_mirrored_strategy_three_workers(env, tmp_path):
     import subprocess
     import sys
 
-    cluster = {"worker": [f"127.0.0.1:{_free_port()}" for _ in range(3)]}
+    cluster = {"worker": [f"127.0.0.1:{free_port()}" for _ in range(3)]}
     procs = []
     for i in range(3):
         tf_config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})
@@ -365,23 +271,6 @@ def test_multi_worker_mirrored_strategy_three_workers(env, tmp_path):
             [sys.executable, "-c", _MWMS_WORKER, env["client"].scheduler.address, env["zarr"], str(tmp_path / f"{i}.json")],
             env=dict(os.environ, TF_CONFIG=tf_config), cwd=REPO_ROOT,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    try:
-        outputs = [p.communicate(timeout=240)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, output in zip(procs, outputs):
-        assert p.returncode == 0, output[-3000:]
+    wait_all(procs, timeout=240)
     results = [json.loads((tmp_path / f"{i}.json").read_text()) for i in range(3)]
-    assert [(r["rank"], r["world_size"], r["epoch"]) for r in results] == [(i, 3, 2) for i in range(3)]
-    for epoch in (0, 1):
-        per_rank = [np.array(r["ids"][str(epoch)]) for r in results]
-        for rank, got in enumerate(per_rank):  # exactly dmdask's batches for that rank and epoch
-            spec = _spec(env, seed=5, drop_last=True, rank=rank, world_size=3)
-            np.testing.assert_array_equal(got, _ids(dmdask.batches(env["client"], spec, epoch=epoch)))
-        together = np.concatenate(per_rank)
-        assert len(np.unique(together)) == len(together) == 3 * (N // 3 // BATCH) * BATCH
-    for r in results[1:]:  # the all-reduce kept the replicas in sync
-        for a, b in zip(r["weights"], results[0]["weights"]):
-            np.testing.assert_allclose(a, b, rtol=1e-6)
+    check_worker_results(env, results)  # the all-reduce kept the replicas in sync

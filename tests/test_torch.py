@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import io
-import socket
 import subprocess
 import sys
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,68 +15,18 @@ distributed = pytest.importorskip("distributed")
 zarr = pytest.importorskip("zarr")
 
 import dmdask  # noqa: E402
+from framework_cases import (BATCH, FEATURES, N, REPO_ROOT, assert_accurate, assert_loss_falls,  # noqa: E402
+                             assert_resumed, cat, check_exactly_once, check_folder_batches,
+                             check_other_epoch_and_spec, env_fixture, folder_spec, free_port, take,
+                             zarr_spec)
 from integrations.torch import TorchLoader, distributed_spec, to_torch  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-N = 1003        # not a multiple of the chunk (64) nor of the batch size (50)
-FEATURES = 8
-BATCH = 50
+env = env_fixture("torchdata")
+_spec = zarr_spec
 
 
-def _write_zarr(path: Path):
-    rng = np.random.default_rng(42)
-    x = rng.normal(size=(N, FEATURES)).astype("f4")
-    w = rng.normal(size=FEATURES)
-    y = (x @ w > 0).astype("i8")  # linearly separable, two classes
-    g = zarr.open_group(str(path), mode="w")
-    g.create_array("x", shape=x.shape, chunks=(64, FEATURES), dtype="f4")
-    g.create_array("y", shape=y.shape, chunks=(64,), dtype="i8")
-    g["x"][:] = x
-    g["y"][:] = y
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "consolidated metadata is not part of the v3 spec"
-        zarr.consolidate_metadata(str(path))
-    return x, y
-
-
-def _write_folder(path: Path):
-    """Class-per-subfolder files of different sizes: {relative name: bytes} in sample order."""
-    rng = np.random.default_rng(7)
-    files = {}
-    for cls in ("a", "b", "c"):
-        (path / cls).mkdir(parents=True)
-        for i in range(7):
-            data = rng.integers(0, 256, size=int(rng.integers(1, 300)), dtype=np.uint8).tobytes()
-            (path / cls / f"{i:03d}.bin").write_bytes(data)
-            files[(cls, i)] = data
-    return [files[k] for k in sorted(files)], [ord(c) - ord("a") for c, _ in sorted(files)]
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    """One real cluster (two worker processes), a client and two small datasets."""
-    root = tmp_path_factory.mktemp("torchdata")
-    x, y = _write_zarr(root / "train.zarr")
-    blobs, labels = _write_folder(root / "files")
-    cluster = dmdask.LocalCluster(n_workers=2, ram="64 MiB")
-    client = distributed.Client(cluster)
-    try:
-        yield {"client": client, "zarr": str(root / "train.zarr"), "x": x, "y": y,
-               "folder": str(root / "files"), "blobs": blobs, "labels": labels}
-    finally:
-        for source, block_size in ((str(root / "train.zarr"), None), (str(root / "files"), 5)):
-            dmdask.release(client, dmdask.Spec(source=source, batch_size=1, block_size=block_size))
-        client.close()
-        cluster.close()
-
-
-def _spec(env, **kw):
-    kw.setdefault("batch_size", BATCH)
-    return dmdask.Spec(source=env["zarr"], **kw)
-
-
-def _cat(batches, field):
-    return torch.cat([b[field] for b in batches]) if batches else torch.zeros(0)
+def _np(tensor):
+    return tensor.numpy()
 
 
 # --- conversion (no cluster) ------------------------------------------------------------
@@ -138,28 +86,21 @@ def test_training_reduces_loss(env):
             seen += len(batch["index"])
         assert seen == N
         epoch_loss.append(float(np.mean(losses)))
-    assert epoch_loss[-1] < 0.5 * epoch_loss[0], epoch_loss
+    assert_loss_falls(epoch_loss)
     with torch.no_grad():
-        accuracy = (model(torch.from_numpy(env["x"])).argmax(1).numpy() == env["y"]).mean()
-    assert accuracy > 0.95, accuracy
+        assert_accurate(env, model(torch.from_numpy(env["x"])).argmax(1).numpy())
 
 
 @pytest.mark.slow
 def test_exactly_once_across_three_ranks(env):
-    seen = []
-    for rank in range(3):
+    def rank_batches(rank):
         loader = TorchLoader(env["client"], _spec(env, rank=rank, world_size=3, seed=5), epoch=2)
         batches = list(loader)
         assert len(batches) == len(loader)
-        for b in batches:
-            assert b["index"].dtype == torch.int64
-            idx = b["index"].numpy()
-            np.testing.assert_array_equal(b["x"].numpy(), env["x"][idx])
-            np.testing.assert_array_equal(b["y"].numpy(), env["y"][idx])
-        seen.append(_cat(batches, "index").numpy())
-    allidx = np.concatenate(seen)
-    assert len(allidx) == N and len(np.unique(allidx)) == N
-    assert sorted(allidx.tolist()) == list(range(N))
+        assert all(b["index"].dtype == torch.int64 for b in batches)
+        return batches
+
+    check_exactly_once(env, rank_batches, _np)
 
 
 @pytest.mark.slow
@@ -171,11 +112,7 @@ def test_resume_continues_exactly(env):
 
     first = TorchLoader(env["client"], spec)
     first.set_epoch(1)
-    head = []
-    for batch in first:
-        head.append(batch)
-        if len(head) == 5:
-            break
+    head = take(first, 5)
     state = first.state_dict()
     assert state["epoch"] == 1 and state["iterator"]["position"] == 5
     buf = io.BytesIO()
@@ -188,33 +125,19 @@ def test_resume_continues_exactly(env):
     second.set_epoch(1)  # the same epoch keeps the loaded position
     assert second.state_dict() == state
     tail = list(second)
-    assert len(head) + len(tail) == len(reference) == len(second)
-    for field in ("index", "x", "y"):
-        assert torch.equal(_cat(head + tail, field), _cat(reference, field))
+    assert_resumed(head, tail, reference, len(second), _np)
     assert second.state_dict()["iterator"]["position"] == len(reference)
 
-    # another epoch drops the loaded position
-    third = TorchLoader(env["client"], spec)
-    third.load_state_dict(state)
-    third.set_epoch(2)
-    assert third.state_dict() == {"epoch": 2, "iterator": None}
-    assert len(_cat(list(third), "index")) == N
-
-    # a state of another spec is refused when loaded
-    with pytest.raises(ValueError):
-        TorchLoader(env["client"], _spec(env, seed=12)).load_state_dict(state)
+    # another epoch drops the loaded position; a state of another spec is refused when loaded
+    check_other_epoch_and_spec(env, lambda s: TorchLoader(env["client"], s), spec, state, 2, to_numpy=_np)
 
 
 @pytest.mark.slow
 def test_folder_source_gives_lists_of_uint8_tensors(env):
-    spec = dmdask.Spec(source=env["folder"], batch_size=4, shuffle=False, block_size=5)
-    batches = list(TorchLoader(env["client"], spec))
-    assert [len(b["index"]) for b in batches] == [4, 4, 4, 4, 4, 1]
+    batches = list(TorchLoader(env["client"], folder_spec(env)))
     for b in batches:
         assert isinstance(b["data"], list) and all(t.dtype == torch.uint8 for t in b["data"])
-        for i, t in zip(b["index"].tolist(), b["data"]):
-            assert bytes(t.numpy()) == env["blobs"][i]
-        assert b["label"].tolist() == [env["labels"][i] for i in b["index"].tolist()]
+    check_folder_batches(env, batches, _np)
 
 
 @pytest.mark.slow
@@ -239,17 +162,11 @@ def test_refuses_dataloader_worker(env, monkeypatch):
 
 # --- torch.distributed ----------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def gloo_group():
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not available")
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}",
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
                                          rank=0, world_size=1)
     try:
         yield
@@ -261,7 +178,7 @@ def gloo_group():
 def test_rank_and_world_size_from_torch_distributed(env, gloo_group, monkeypatch):
     loader = TorchLoader(env["client"], _spec(env))
     assert (loader.spec.rank, loader.spec.world_size) == (0, 1)
-    assert len(_cat(list(loader), "index")) == N
+    assert len(cat(list(loader), "index", _np)) == N
 
     with pytest.raises(ValueError) as info:
         TorchLoader(env["client"], _spec(env, rank=1, world_size=3))
@@ -275,6 +192,6 @@ def test_rank_and_world_size_from_torch_distributed(env, gloo_group, monkeypatch
     assert (adopted.spec.rank, adopted.spec.world_size) == (2, 3)
     explicit = TorchLoader(env["client"], _spec(env, seed=9, rank=2, world_size=3))
     assert explicit.spec == adopted.spec
-    assert torch.equal(_cat(list(adopted), "index"), _cat(list(explicit), "index"))
+    np.testing.assert_array_equal(cat(list(adopted), "index", _np), cat(list(explicit), "index", _np))
     with pytest.raises(ValueError, match="rank=1, world_size=3"):
         TorchLoader(env["client"], _spec(env, rank=1, world_size=3))
