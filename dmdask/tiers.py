@@ -21,7 +21,7 @@ from typing import Dict, Optional
 
 import numpy as np
 
-from .block import Arrays, Block, Streamed
+from .block import Arrays, Block, FillingBlock, Streamed
 from .sources import is_block_key
 
 
@@ -177,7 +177,7 @@ class TieredStore(MutableMapping):
 
     # -- MutableMapping ---------------------------------------------------------------
     def __setitem__(self, key, value):
-        if is_block_key(key) and isinstance(value, (Block, SsdBlock, Streamed)):
+        if is_block_key(key) and isinstance(value, (Block, FillingBlock, SsdBlock, Streamed)):
             self._discard_block(key)
             self._blocks[key] = value
             self._other.pop(key, None)
@@ -185,7 +185,7 @@ class TieredStore(MutableMapping):
                 return
             # Charged here, whether placed by `load_block` (its reservation is released)
             # or brought by Dask itself (a graceful retirement moving blocks: RAM).
-            tier = "ram" if isinstance(value, Block) else "ssd"
+            tier = "ssd" if isinstance(value, SsdBlock) else "ram"
             self._tier_of[key] = tier
             with self._lock:
                 placed_tier, reserved = self._reservations.pop(key, (tier, 0))

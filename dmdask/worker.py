@@ -28,7 +28,7 @@ import numpy as np
 from dask.utils import parse_bytes
 from distributed.protocol.serialize import to_serialize
 
-from .block import Arrays, Block, Streamed
+from .block import Arrays, Block, FillingBlock, Streamed
 from .errors import NotADmdaskWorker, SpecError, TransformError
 from .spec import loads_transform
 from .tiers import SsdBlock, TieredStore
@@ -153,6 +153,8 @@ class BlockCache:
         tier = self.store.reserve(reader.nbytes)
         if tier is None:
             return Streamed(reader)
+        if tier == "ram" and reader.row_granular:  # filled sample by sample as ranks ask
+            return self.store.place(reader.key, tier, FillingBlock(reader), reader.nbytes)
         try:
             block = self.read(reader)
         except BaseException:
@@ -172,6 +174,18 @@ class BlockCache:
         if isinstance(value, Block):
             out = value.take(rows)
             tier = "ram"
+        elif isinstance(value, FillingBlock):
+            missing = value.missing(rows)
+            if len(missing):
+                arrays = await asyncio.get_running_loop().run_in_executor(
+                    None, self.read_rows, value.reader, missing)
+                value.fill(missing, arrays)
+                self.streamed_hits += len(missing)
+            out = value.take(rows)
+            hits = len(rows) - len(missing)
+            if hits:
+                self.store.count_hit("ram", hits, _nbytes(out) * hits // len(rows))
+            return out
         elif isinstance(value, SsdBlock):
             out = await asyncio.get_running_loop().run_in_executor(None, value.take, rows)
             tier = "ssd"
