@@ -16,7 +16,6 @@ import os
 import pickle
 import tempfile
 import time
-import warnings
 
 import integrations.mxnet  # noqa: F401  (first: restores numpy's `bool` alias for MXNet 1.9.1)
 import distributed  # noqa: E402
@@ -25,25 +24,8 @@ import numpy as np  # noqa: E402
 from mxnet import autograd, gluon  # noqa: E402
 
 import dmdask  # noqa: E402
+from dmdask.testing.datasets import write_blobs  # noqa: E402
 from integrations.mxnet import DmdaskDataIter, MXNetLoader  # noqa: E402
-
-
-def synthetic_dataset(path: str, n: int = 5000, features: int = 16, classes: int = 3) -> None:
-    """Gaussian blobs, one per class: arrays "x" (n, features) float32 and "y" (n,) int64."""
-    import zarr
-
-    rng = np.random.default_rng(0)
-    y = rng.integers(0, classes, size=n)
-    centers = rng.normal(scale=0.6, size=(classes, features))
-    x = (centers[y] + rng.normal(size=(n, features))).astype("f4")
-    g = zarr.open_group(path, mode="w")
-    g.create_array("x", shape=x.shape, chunks=(512, features), dtype="f4")
-    g.create_array("y", shape=y.shape, chunks=(512,), dtype="i8")
-    g["x"][:] = x
-    g["y"][:] = y
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        zarr.consolidate_metadata(path)
 
 
 def train_gluon(client, spec, classes: int, args) -> None:
@@ -139,7 +121,7 @@ def main(argv=None) -> None:
             tmp = tempfile.TemporaryDirectory()
             source = os.path.join(tmp.name, "train.zarr")
         if not os.path.exists(source):
-            synthetic_dataset(source)
+            write_blobs(source)
     try:
         import zarr
 

@@ -15,32 +15,14 @@ import argparse
 import os
 import tempfile
 import time
-import warnings
 
 import distributed
 import numpy as np
 import torch
 
 import dmdask
+from dmdask.testing.datasets import write_blobs
 from integrations.torch import TorchLoader
-
-
-def synthetic_dataset(path: str, n: int = 5000, features: int = 16, classes: int = 3) -> None:
-    """Gaussian blobs, one per class: arrays "x" (n, features) float32 and "y" (n,) int64."""
-    import zarr
-
-    rng = np.random.default_rng(0)
-    y = rng.integers(0, classes, size=n)
-    centers = rng.normal(scale=0.6, size=(classes, features))
-    x = (centers[y] + rng.normal(size=(n, features))).astype("f4")
-    g = zarr.open_group(path, mode="w")
-    g.create_array("x", shape=x.shape, chunks=(512, features), dtype="f4")
-    g.create_array("y", shape=y.shape, chunks=(512,), dtype="i8")
-    g["x"][:] = x
-    g["y"][:] = y
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        zarr.consolidate_metadata(path)
 
 
 def main(argv=None) -> None:
@@ -76,7 +58,7 @@ def main(argv=None) -> None:
             tmp = tempfile.TemporaryDirectory()
             source = os.path.join(tmp.name, "train.zarr")
         if not os.path.exists(source):
-            synthetic_dataset(source)
+            write_blobs(source)
 
     try:
         import zarr
