@@ -15,7 +15,7 @@ import warnings
 from . import report
 from .common import machine
 
-SCENARIOS = ["traffic", "training", "throughput", "control_plane"]
+SCENARIOS = ["traffic", "training", "throughput", "control_plane", "scale"]
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 

@@ -16,7 +16,7 @@ import distributed
 import numpy as np
 
 import dmdask
-from dmdask.testing.store_server import StoreServer
+from .store_server import StoreServer
 
 
 def machine() -> dict:

@@ -14,6 +14,7 @@ TITLES = {
     "training": "2. Training time with a throttled store",
     "throughput": "3. Loader throughput, warm cache, no compute (and 5. memory)",
     "control_plane": "4. Scale of the control plane",
+    "scale": "6. Planning and block creation at 10^8 samples and 10^5 blocks",
 }
 
 

@@ -15,6 +15,7 @@ import distributed
 import numpy as np
 
 import dmdask
+from dmdask.worker import load_block
 
 from .common import dmdask_cluster, workdir
 
@@ -126,8 +127,10 @@ def _dmdask_and_ceiling(path: str, dataset_bytes: int, cfg) -> dict:
             return sum(len(b["index"]) for b in dmdask.batches(client, spec, epoch=e))
 
         mine = _timed(cfg["epochs"], dmdask_epoch)
-        source = dmdask.sources.open_source(spec)
-        futures = client.get_dataset(f"dmdask-{source.identity}")
+        # futures of the cached blocks: the same keys again return the blocks already held
+        source = dmdask.source.locate(spec).open()
+        readers = [source.reader(k) for k in range(source.info.num_blocks)]
+        futures = client.map(load_block, readers, key=[r.key for r in readers], pure=False)
 
         def ceiling_epoch(e):
             blocks = client.gather(futures, direct=True)
@@ -142,7 +145,7 @@ def _dmdask_and_ceiling(path: str, dataset_bytes: int, cfg) -> dict:
         peak = client.run(_peak_rss_mib)
         memory = {
             "capacity_mib": capacity / 2**20,
-            "block_mib": dataset_bytes / source.num_blocks / 2**20,
+            "block_mib": dataset_bytes / source.info.num_blocks / 2**20,
             "worker_cache_mib": max(s["ram"]["bytes"] for s in stats["workers"].values()) / 2**20,
             "worker_peak_rss_mib": max(peak.values()),
             "worker_rss_empty_mib": rss_empty,

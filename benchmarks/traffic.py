@@ -24,7 +24,7 @@ BATCH = 32
 
 
 def run(preset: str) -> dict:
-    from dmdask.testing.store_server import StoreServer
+    from .store_server import StoreServer
 
     cfg = PRESETS[preset]
     rows = []

@@ -304,7 +304,7 @@ def _ray_run(urls: List[str], cfg: dict, step, store) -> dict:
 # -- the scenario -------------------------------------------------------------------------------
 
 def run(preset: str) -> dict:
-    from dmdask.testing.store_server import StoreServer
+    from .store_server import StoreServer
 
     cfg = PRESETS[preset]
     warnings.filterwarnings("ignore")

@@ -6,12 +6,15 @@
     spec = dmdask.Spec(source="data/train.zarr", batch_size=256)
     for batch in dmdask.batches(client, spec, epoch=0):
         ...
+
+A stock `dask scheduler --preload dmdask` installs the scheduler plugin; without the
+preload the first `dmdask.batches` call registers it.
 """
 from . import config as _config  # noqa: F401  (registers the dmdask config namespace)
+from .client import BatchIterator, batches, release
 from .cluster import LocalCluster
 from .errors import (BlockReadError, DmdaskError, NotADmdaskWorker, SourceError,
                      SourceNotFoundError, SpecError, TransformError)
-from .loader import BatchIterator, batches, release
 from .spec import Spec, per_sample
 from .stats import stats
 from .worker import Worker
@@ -23,3 +26,10 @@ __all__ = [
     "SourceError", "SourceNotFoundError", "Spec", "SpecError", "TransformError", "Worker", "batches",
     "per_sample", "release", "stats",
 ]
+
+
+def dask_setup(scheduler) -> None:
+    """Preload entry point (`dask scheduler --preload dmdask`): install the scheduler plugin."""
+    from .scheduler import install
+
+    install(scheduler)

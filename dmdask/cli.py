@@ -27,6 +27,8 @@ def status(argv) -> int:
         print(f"dmdask status: {exc}", file=sys.stderr)
         return 1
     print(format_table(stats))
+    print()
+    print(format_datasets(stats["datasets"]))
     if dashboard:
         print(f"\ndashboard page: {dashboard.rsplit('/', 1)[0]}/dmdask (with `dask scheduler --preload dmdask.dashboard`)")
     return 0
@@ -73,6 +75,16 @@ def format_table(stats: dict) -> str:
         "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
         for row in cells
     )
+
+
+def format_datasets(datasets) -> str:
+    """The registry of `dmdask.stats(client)["datasets"]`: one line per dataset."""
+    if not datasets:
+        return "datasets: none yet (they appear when a training process first iterates over one)"
+    lines = ["dataset  samples  blocks  loaded  erred  url"]
+    for d in datasets:
+        lines.append(f"{d['name']}  {d['samples']:,}  {d['blocks']:,}  {d['loaded']:,}  {d['erred']:,}  {d['url']}")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:

@@ -16,7 +16,8 @@ def _worker_stats(dask_worker) -> dict:
 def stats(client: Client) -> Dict[str, dict]:
     """Per-worker counters and their sum under "total".
 
-    Each worker: {"ram"|"ssd": {capacity, bytes, blocks, hits, hit_bytes, full},
+    "datasets": the cluster's registry, one summary per dataset (name, url, samples,
+    blocks, nbytes, loaded, erred). Each worker: {"ram"|"ssd": {capacity, bytes, blocks, hits, hit_bytes, full},
     "stream": {hits, ...}, "shared_store": {requests, bytes}, "peer": {bytes_out, bytes_in},
     "streamed_blocks"}. Hits count samples served from that tier; "stream" hits are
     samples of blocks beyond the cache, read from the shared store.
@@ -25,7 +26,11 @@ def stats(client: Client) -> Dict[str, dict]:
     missing = [w for w, s in per_worker.items() if s is None]
     if missing:
         raise NotADmdaskWorker(f"workers {missing} have no dmdask tiers; start them with --worker-class dmdask.Worker")
-    return {"workers": per_worker, "total": total(per_worker.values())}
+    from .client.datasets import ensure_plugin
+
+    ensure_plugin(client)
+    registry = [dict(d) for d in client.sync(client.scheduler.dmdask_datasets)]
+    return {"workers": per_worker, "total": total(per_worker.values()), "datasets": registry}
 
 
 def total(items) -> dict:

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import dmdask
-from dmdask.sources import open_source
+from dmdask.source import locate
 from dmdask.testing.datasets import write_zarr, zarr_sample
 
 from conftest import all_ids, run_epoch
@@ -145,8 +145,8 @@ def large(cluster, small, tmp_path_factory):
 @pytest.mark.slow
 def test_json_and_metrics_exact_for_a_dataset_that_fits(cluster, small):
     _, client = cluster
-    source = open_source(small)
-    decoded = source.nbytes
+    info = locate(small).open().info
+    decoded = info.nbytes
     assert decoded == 3000 * ROW_BYTES
 
     def check(stats, tiers, prom):
@@ -160,7 +160,7 @@ def test_json_and_metrics_exact_for_a_dataset_that_fits(cluster, small):
         assert {k: v for k, v in prom.items() if k[0] not in CLUSTER_METRICS} == expected_metrics(stats["workers"])
 
     stats, tiers, prom = settled(client, check)
-    name = f"dmdask-{source.identity}"
+    name = info.name
     assert tiers["datasets"] == {name: {"blocks": 30, "loaded_blocks": 30, "samples": 3000, "bytes": decoded}}
     cluster_ = tiers["cluster"]
     assert cluster_["workers"] == 2 and cluster_["cached_share"] == 1.0
@@ -215,10 +215,11 @@ def test_status_command_prints_the_stats(cluster, small, large, capsys):
     assert cli.main(["status", cluster_.scheduler_address]) == 0
     out = capsys.readouterr().out
     stats = dmdask.stats(client)  # the counters are still: nothing loads now
-    lines = out.splitlines()
+    table, _, rest = out.partition("\n\n")
+    lines = table.splitlines()
     header = lines[0].split()
     assert header[0] == "worker"
-    rows = {line.split()[0]: line.split() for line in lines[1:] if line.strip() and not line.startswith("dashboard")}
+    rows = {line.split()[0]: line.split() for line in lines[1:]}
     assert set(rows) == set(stats["workers"]) | {"total"}
     for name, s in list(stats["workers"].items()) + [("total", stats["total"])]:
         row = rows[name]
@@ -227,6 +228,10 @@ def test_status_command_prints_the_stats(cluster, small, large, capsys):
         assert [int(x) for x in row[5:11]] == [s["ram"]["blocks"], s["ssd"]["blocks"], s["streamed_blocks"],
                                               s["ram"]["hits"], s["ssd"]["hits"], s["stream"]["hits"]]
         assert row[12] == f"{s['shared_store']['bytes'] / MiB:.1f}" and int(row[13]) == s["shared_store"]["requests"]
+    datasets = {line.split()[0]: line.split() for line in rest.splitlines()[1:] if line.startswith(("zarr-", "folder-"))}
+    assert set(datasets) == {d["name"] for d in stats["datasets"]} and len(datasets) == 2
+    for d in stats["datasets"]:
+        assert datasets[d["name"]][1:5] == [f"{d['samples']:,}", f"{d['blocks']:,}", f"{d['loaded']:,}", "0"]
     assert "/dmdask" in out
     assert cli.main(["status", "tcp://127.0.0.1:1", "--timeout", "1"]) == 1
     assert "cannot reach" in capsys.readouterr().err
@@ -487,7 +492,7 @@ def test_preload_on_the_dask_scheduler_cli(tmp_path):
                 if tiers["total"]["ram"]["blocks"] == 10 or time.monotonic() > deadline:
                     break
                 time.sleep(0.25)
-            assert tiers["total"]["ram"]["bytes"] == open_source(spec).nbytes == 500 * 24
+            assert tiers["total"]["ram"]["bytes"] == locate(spec).open().info.nbytes == 500 * 24
             assert tiers["cluster"]["cached_share"] == 1.0
             page = http(base + "/dmdask")
             assert "Bokeh" in page and 'href="dmdask"' in page  # the Bokeh app, and the link

@@ -1,4 +1,4 @@
-"""Tests for integrations.jax (JaxLoader) on a real two-worker dmdask cluster.
+"""Tests for dmdask.integrations.jax (JaxLoader) on a real two-worker dmdask cluster.
 
 Runs in the main environment (CPU jax/jaxlib). JAX is given four CPU devices here, so
 that sharding a batch over local devices is real.
@@ -28,7 +28,7 @@ import dmdask  # noqa: E402
 from framework_cases import (FEATURES, N, assert_accurate, assert_loss_falls, assert_resumed,  # noqa: E402
                              check_exactly_once, check_folder_batches, check_other_epoch_and_spec,
                              env_fixture, folder_spec, imported_modules, take, zarr_spec)
-from integrations.jax import JaxLoader, local_batch_sharding, process_spec, to_jax  # noqa: E402
+from dmdask.integrations.jax import JaxLoader, local_batch_sharding, process_spec, to_jax  # noqa: E402
 
 env = env_fixture("jaxdata")
 _spec = zarr_spec
@@ -37,7 +37,7 @@ _spec = zarr_spec
 # --- without a cluster -------------------------------------------------------------------
 
 def test_module_imports_no_other_framework():
-    imported = imported_modules("integrations/jax.py")
+    imported = imported_modules("dmdask/integrations/jax.py")
     assert "jax" in imported and not {"torch", "tensorflow", "mxnet"} & imported
 
 

@@ -1,4 +1,4 @@
-"""Tests for integrations.mxnet (MXNetLoader, DmdaskDataIter) on a real two-worker dmdask cluster.
+"""Tests for dmdask.integrations.mxnet (MXNetLoader, DmdaskDataIter) on a real two-worker dmdask cluster.
 
 MXNet 1.9.1 needs numpy < 2, so `make test` runs this module in .venv-mx with
 DMDASK_REQUIRE_FRAMEWORK=mxnet: there a missing MXNet fails the run instead of
@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 if "mxnet" in os.environ.get("DMDASK_REQUIRE_FRAMEWORK", "").split(","):
-    import integrations.mxnet  # noqa: F401  (the numpy shim, then mxnet itself)
+    import dmdask.integrations.mxnet  # noqa: F401  (the numpy shim, then mxnet itself)
 else:
     # through the adapter: it sets the numpy alias MXNet 1.9.1 needs before importing it
-    pytest.importorskip("integrations.mxnet", reason="MXNet is not installed in this environment; "
+    pytest.importorskip("dmdask.integrations.mxnet", reason="MXNet is not installed in this environment; "
                         "`make test` runs this module in .venv-mx")
 distributed = pytest.importorskip("distributed")
 zarr = pytest.importorskip("zarr")
@@ -32,7 +32,7 @@ from framework_cases import (BATCH, FEATURES, N, REPO_ROOT, assert_accurate, ass
                              check_folder_batches, check_other_epoch_and_spec, check_worker_results,
                              dmdask_ids, env_fixture, folder_spec, free_port, imported_modules, take,
                              wait_all, zarr_spec)
-from integrations.mxnet import DmdaskDataIter, MXNetLoader, kvstore_spec, to_mxnet  # noqa: E402
+from dmdask.integrations.mxnet import DmdaskDataIter, MXNetLoader, kvstore_spec, to_mxnet  # noqa: E402
 
 env = env_fixture("mxdata")
 _spec = zarr_spec
@@ -45,7 +45,7 @@ def _np(array):
 # --- without a cluster -------------------------------------------------------------------
 
 def test_module_imports_no_other_framework():
-    imported = imported_modules("integrations/mxnet.py")
+    imported = imported_modules("dmdask/integrations/mxnet.py")
     assert "mxnet" in imported and not {"torch", "tensorflow", "jax", "jaxlib"} & imported
 
 
@@ -219,10 +219,10 @@ def test_folder_source_gives_lists_of_uint8_ndarrays(env):
 
 _DIST_WORKER = r'''
 import json, sys
-import integrations.mxnet  # the numpy shim, then mxnet
+import dmdask.integrations.mxnet  # the numpy shim, then mxnet
 import mxnet as mx, numpy as np, distributed, dmdask
 from mxnet import autograd, gluon
-from integrations.mxnet import MXNetLoader
+from dmdask.integrations.mxnet import MXNetLoader
 scheduler, source, out = sys.argv[1:4]
 kv = mx.kv.create("dist_sync")
 client = distributed.Client(scheduler)
@@ -258,7 +258,7 @@ def test_dist_sync_kvstore_three_workers(env, tmp_path):
 
     base = dict(os.environ, DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(free_port()),
                 DMLC_NUM_SERVER="1", DMLC_NUM_WORKER="3")
-    shim = "import integrations.mxnet"  # a scheduler or server process blocks in `import mxnet` until done
+    shim = "import dmdask.integrations.mxnet"  # a scheduler or server process blocks in `import mxnet` until done
     run = dict(cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     procs = [subprocess.Popen([sys.executable, "-c", shim], env=dict(base, DMLC_ROLE=role), **run)
              for role in ("scheduler", "server")]

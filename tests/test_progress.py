@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import dmdask
-from dmdask import progress
+from dmdask.client import progress
 from dmdask.testing.datasets import write_zarr
 
 N = 1003

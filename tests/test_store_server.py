@@ -1,4 +1,7 @@
-"""Tests for dmdask.testing.store_server (the stand-in shared store)."""
+"""Tests for benchmarks.store_server (the stand-in shared store).
+
+Timings are checked only from below (a latency or a bandwidth cap makes things at least
+this slow): an upper bound on wall time fails on a loaded machine."""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import fsspec
 import numpy as np
 import pytest
 
-from dmdask.testing.store_server import StoreServer, TokenBucket, _parse_range, parse_bandwidth
+from benchmarks.store_server import CHUNK, StoreServer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,27 +90,23 @@ def test_range_reads_count_only_range(root):
         status, headers, body = _request(server, "GET", "/folder/sub/b.bin", {"Range": "bytes=5-20000"})
         assert status == 206 and body == data[5:] and headers["Content-Range"] == "bytes 5-9999/10000"
         status, headers, body = _request(server, "GET", "/folder/sub/b.bin", {"Range": "bytes=10000-"})
-        assert status == 416 and body == b"" and headers["Content-Range"] == "bytes */10000"
+        assert status == 416 and headers["Content-Range"] == "bytes */10000"  # bytes not counted
         status, _, body = _request(server, "GET", "/folder/sub/b.bin")
         assert status == 200 and body == data
         assert server.stats()["bytes"] == 250 + 10 + len(data) - 5 + len(data)
         assert server.stats()["by_path"]["folder/sub/b.bin"]["requests"] == 6
 
 
-def test_parse_range_edge_cases():
-    assert _parse_range(None, 10) is None
-    assert _parse_range("bytes=0-4", 10) == (0, 4)
-    assert _parse_range("bytes=-3", 10) == (7, 9)
-    assert _parse_range("bytes=-30", 10) == (0, 9)
-    assert _parse_range("bytes=3-", 10) == (3, 9)
-    assert _parse_range("bytes=-0", 10) == "unsatisfiable"
-    assert _parse_range("bytes=10-12", 10) == "unsatisfiable"
-    assert _parse_range("bytes=0-1,4-5", 10) is None  # multi-range: whole file
-    assert _parse_range("items=0-1", 10) is None
-    assert _parse_range("bytes=5-2", 10) is None
-    assert _parse_range("bytes=15-12", 10) is None
-    assert _parse_range("bytes=garbage", 10) is None
-    assert _parse_range("bytes=0-", 0) is None  # empty file: serve it whole
+def test_malformed_or_multi_range_gets_the_whole_file(root):
+    data = (root / "folder" / "sub" / "b.bin").read_bytes()
+    with StoreServer(root) as server:
+        for header in ["bytes=0-1,4-5", "items=0-1", "bytes=5-2", "bytes=garbage"]:
+            status, headers, body = _request(server, "GET", "/folder/sub/b.bin", {"Range": header})
+            assert (status, body) == (200, data), header
+            assert "Content-Range" not in headers
+        status, headers, body = _request(server, "GET", "/folder/sub/b.bin", {"Range": "bytes=0-4"})
+        assert (status, body, headers["Content-Range"]) == (206, data[:5], "bytes 0-4/10000")
+        assert server.stats()["bytes"] == 4 * len(data) + 5
 
 
 def test_head_and_missing(root):
@@ -125,7 +124,7 @@ def test_head_and_missing(root):
         assert _request(server, "GET", "/folder/a.txt/")[0] == 404
         assert _request(server, "PUT", "/folder/a.txt")[0] == 405
         stats = server.stats()
-        assert stats["requests"] == 2 and stats["errors"] == 3 and stats["bytes"] == 0
+        assert stats["requests"] == 2 and stats["head_requests"] == 2 and stats["bytes"] == 0
 
 
 def test_ls_find_glob(root):
@@ -146,6 +145,25 @@ def test_ls_find_glob(root):
         status, headers, body = _request(server, "GET", "/folder/")
         assert status == 200 and headers["Content-Type"].startswith("text/html")
         assert b'<a href="a.txt">' in body and b'<a href="sub/">' in body
+
+
+def test_ls_class_folders(tmp_path):
+    """An ImageNet-style tree (class folders of files, odd names too), as fsspec lists it."""
+    names = {"class-000": ["s-0.bin", "s-1.bin"], "class 001": ["a&b.bin"], "class-002": []}
+    for folder, files in names.items():
+        (tmp_path / folder).mkdir()
+        for name in files:
+            (tmp_path / folder / name).write_bytes(name.encode())
+    with StoreServer(tmp_path) as server:
+        fs = _fs()
+        listing = fs.ls(server.url + "/", detail=True)
+        assert sorted((e["name"], e["type"]) for e in listing) == sorted(
+            (server.url + "/" + urllib.parse.quote(folder) + "/", "directory") for folder in names)
+        assert sorted(fs.ls(server.url + "/class-000", detail=False)) == [
+            server.url + "/class-000/s-0.bin", server.url + "/class-000/s-1.bin"]
+        assert fs.cat_file(server.url + "/class%20001/a%26b.bin") == b"a&b.bin"
+        assert fs.ls(server.url + "/class-002", detail=False) == []
+        assert server.stats()["by_path"]["class-000"]["requests"] == 1
 
 
 @pytest.mark.filterwarnings("ignore:Consolidated metadata:UserWarning")
@@ -183,7 +201,7 @@ def test_bandwidth_cap(root):
         fs = _fs()
         t0 = time.perf_counter()
         assert fs.cat_file(server.url + "/big.bin") == data
-        assert time.perf_counter() - t0 >= 0.4
+        assert time.perf_counter() - t0 >= (len(data) - CHUNK) / 2e6  # a lower bound only
         assert server.stats()["bytes"] == len(data)
 
 
@@ -198,7 +216,7 @@ def test_bandwidth_is_shared_between_clients(root):
                 lambda i: fs.cat_file(server.url + "/big.bin", start=i * quarter, end=(i + 1) * quarter),
                 range(4),
             ))
-        assert time.perf_counter() - t0 >= 0.4  # 1 MB in total at 2 MB/s
+        assert time.perf_counter() - t0 >= (len(data) - CHUNK) / 2e6  # 1 MB in all at 2 MB/s
         assert b"".join(parts) == data
         assert server.stats()["requests"] == 4 and server.stats()["bytes"] == len(data)
 
@@ -208,10 +226,8 @@ def test_latency(root):
         t0 = time.perf_counter()
         for _ in range(3):
             assert _request(server, "GET", "/folder/a.txt")[0] == 200
-        assert time.perf_counter() - t0 >= 0.3
-        t0 = time.perf_counter()
-        _request(server, "GET", "/__stats__")  # not counted, not delayed
-        assert time.perf_counter() - t0 < 0.1
+        assert time.perf_counter() - t0 >= 0.3  # a lower bound only
+        _request(server, "GET", "/__stats__")  # not counted
         assert server.stats()["requests"] == 3
 
 
@@ -235,9 +251,8 @@ def test_path_escape_refused(root):
                      "/..%2fsecret.txt", "/sub/%2E%2E/%2E%2E/big.bin"]:
             status, _, body = _request(server, "GET", path)
             assert status in (403, 404), path
-            assert body == b""
-        assert server.stats()["bytes"] == 0
-        assert server.stats()["errors"] == 5
+            assert b"do not serve" not in body
+        assert server.stats()["bytes"] == 0 and server.stats()["requests"] == 5
 
 
 def test_errors_and_lifecycle(tmp_path):
@@ -260,53 +275,43 @@ def test_errors_and_lifecycle(tmp_path):
     assert _request(server, "GET", "/file.txt")[2] == b"x"
     server.stop()
     server.stop()  # idempotent
-    assert not server.running
-    assert parse_bandwidth(None) is None
-    assert parse_bandwidth("200MB/s") == 200e6
-    assert parse_bandwidth(1.5e6) == 1.5e6
+    with pytest.raises(RuntimeError):
+        server.url
+    server.start()  # again, after stop()
+    assert _request(server, "GET", "/file.txt")[2] == b"x"
+    server.stop()
+    assert StoreServer(tmp_path, bandwidth="200MB").bandwidth == 200e6
+    assert StoreServer(tmp_path, bandwidth=1.5e6).bandwidth == 1.5e6
+    with StoreServer(tmp_path, host="localhost") as server:
+        assert _request(server, "GET", "/file.txt")[2] == b"x"
 
 
-def test_stop_is_prompt_during_throttled_transfer(root):
-    server = StoreServer(root, bandwidth=100_000).start()
+def test_stop_cuts_a_throttled_transfer(root):
+    server = StoreServer(root, bandwidth=10_000).start()  # big.bin would take 100 s
     url = server.url + "/big.bin"
     errors = []
 
     def reader():
         try:
-            urllib.request.urlopen(url, timeout=10).read()
-        except Exception as exc:  # connection is cut by stop()
+            urllib.request.urlopen(url, timeout=30).read()
+        except Exception as exc:  # the connection is cut by stop()
             errors.append(exc)
 
     t = threading.Thread(target=reader, daemon=True)
     t.start()
-    time.sleep(0.2)
-    t0 = time.perf_counter()
+    while server.stats()["bytes"] == 0:
+        time.sleep(0.01)
     server.stop()
-    assert time.perf_counter() - t0 < 2.5
-    t.join(5)
-    assert not t.is_alive()
+    t.join()
+    assert len(errors) == 1
     assert 0 < server.stats()["bytes"] < 1_000_000
-
-
-def test_token_bucket_rate():
-    bucket = TokenBucket(rate=1_000_000, burst=0)
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=lambda: [bucket.acquire(10_000) for _ in range(5)]) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert time.perf_counter() - t0 >= 0.19  # 200 kB at 1 MB/s
-    cancel = threading.Event()
-    cancel.set()
-    assert bucket.acquire(10_000_000, cancel) is False
 
 
 def test_subprocess_mode(root):
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dmdask.testing.store_server", str(root),
+        [sys.executable, "-m", "benchmarks.store_server", str(root),
          "--port", "0", "--latency", "0.005", "--bandwidth", "200MB"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT, env=env,
     )
@@ -319,7 +324,7 @@ def test_subprocess_mode(root):
         data = (root / "folder" / "a.txt").read_bytes()
         assert _fs().cat_file(url + "/folder/a.txt") == data
         with urllib.request.urlopen(url + "/__stats__", timeout=10) as r:
-            assert r.headers["Content-Type"] == "application/json"
+            assert r.headers["Content-Type"].startswith("application/json")
             stats = json.loads(r.read())
         assert stats["requests"] == 1 and stats["bytes"] == len(data)
         assert stats["by_path"] == {"folder/a.txt": {"requests": 1, "bytes": len(data)}}

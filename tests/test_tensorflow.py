@@ -1,4 +1,4 @@
-"""Tests for integrations.tensorflow (TFLoader) on a real two-worker dmdask cluster.
+"""Tests for dmdask.integrations.tensorflow (TFLoader) on a real two-worker dmdask cluster.
 
 TensorFlow cannot share the main virtual environment (numpy pins), so `make test` runs
 this module in .venv-tf with DMDASK_REQUIRE_FRAMEWORK=tensorflow: there a missing
@@ -28,7 +28,7 @@ from framework_cases import (BATCH, FEATURES, N, REPO_ROOT, assert_accurate, ass
                              assert_resumed, cat, check_exactly_once, check_folder_batches,
                              check_other_epoch_and_spec, check_worker_results, dmdask_ids, env_fixture,
                              folder_spec, free_port, imported_modules, take, wait_all, zarr_spec)
-from integrations.tensorflow import (TFLoader, rank_of_strategy, signature_of,  # noqa: E402
+from dmdask.integrations.tensorflow import (TFLoader, rank_of_strategy, signature_of,  # noqa: E402
                                      strategy_spec, to_tensorflow)
 
 env = env_fixture("tfdata", lowest_byte=1)  # no NUL bytes in the files: see write_folder
@@ -50,7 +50,7 @@ def _strategy(cluster: dict, task_type: str, task_id: int):
 # --- without a cluster -------------------------------------------------------------------
 
 def test_module_imports_no_other_framework():
-    imported = imported_modules("integrations/tensorflow.py")
+    imported = imported_modules("dmdask/integrations/tensorflow.py")
     assert "tensorflow" in imported and not {"torch", "mxnet", "jax", "jaxlib"} & imported
 
 
@@ -222,7 +222,7 @@ _MWMS_WORKER = r'''
 import json, os, sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np, tensorflow as tf, distributed, dmdask
-from integrations.tensorflow import TFLoader
+from dmdask.integrations.tensorflow import TFLoader
 scheduler, source, out = sys.argv[1:4]
 strategy = tf.distribute.MultiWorkerMirroredStrategy()  # TF_CONFIG names this worker
 client = distributed.Client(scheduler)

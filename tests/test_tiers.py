@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 import dmdask
-from dmdask.block import Block, Streamed
+from dmdask.worker.holdings import Block, SsdBlock, Streamed
 from dmdask.testing.datasets import write_folder, write_zarr, zarr_sample
-from dmdask.tiers import SsdBlock, TieredStore
+from dmdask.worker.tiers import TieredStore
 
 from conftest import all_ids, run_epoch
 
@@ -54,6 +54,39 @@ def test_ssd_block_serves_the_same_rows_as_memory(tmp_path):
     again = pickle.loads(pickle.dumps(on_disk))
     assert isinstance(again, Block) and again.start == 100
     np.testing.assert_array_equal(again.arrays["x"], block.arrays["x"])
+
+
+def test_ssd_reads_from_many_threads_parse_no_header(tmp_path, monkeypatch):
+    """Regression: `np.load` parses `.npy` headers with `ast.literal_eval`, which raised
+    `SystemError: AST constructor recursion depth mismatch` from several threads on
+    CPython 3.11. SSD reads parse nothing: any call to it fails this test."""
+    import ast
+    import concurrent.futures
+
+    blocks = [SsdBlock.write(str(tmp_path), make_block(100 * k, 60)) for k in range(8)]
+
+    def no_parse(*args, **kwargs):
+        raise AssertionError("an SSD read parsed a file header")
+
+    monkeypatch.setattr(ast, "literal_eval", no_parse)
+    monkeypatch.setattr(np, "load", no_parse)
+    rng = np.random.default_rng(0)
+    jobs = [(b, rng.integers(0, 60, 40)) for _ in range(100) for b in blocks]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda job: (job, job[0].take(job[1])), jobs))
+    for (block, rows), out in results:
+        np.testing.assert_array_equal(out["x"], zarr_sample(block.start + rows, (4,)))
+        assert [r.tolist() for r in out["raw"]] == [[i % 256] * (i % 5 + 1) for i in (block.start + rows).tolist()]
+
+
+def test_ssd_tier_keeps_numpy_strings(tmp_path):
+    strings = np.array(["", "a", "päivää", "x" * 300, "z"], dtype=np.dtypes.StringDType())
+    block = Block({"s": strings, "n": np.arange(5)}, 0, 5)
+    on_disk = SsdBlock.write(str(tmp_path), block)
+    out = on_disk.take(np.array([3, 0, 2, 2]))
+    assert out["s"].dtype == np.dtypes.StringDType()
+    assert out["s"].tolist() == ["x" * 300, "", "päivää", "päivää"]
+    np.testing.assert_array_equal(out["n"], [3, 0, 2, 2])
 
 
 def test_blocks_brought_by_dask_itself_are_charged_and_released():
@@ -112,3 +145,15 @@ def test_folder_blocks_on_ssd_keep_variable_sizes(tmp_path):
                 assert [d.tobytes() for d in b["data"]] == [folder_sample(int(i)) for i in b["index"]]
         total = dmdask.stats(client)["total"]
         assert total["ssd"]["blocks"] == 4 and total["ssd"]["hits"] == 48 and total["ram"]["blocks"] == 0
+
+
+def test_local_cluster_takes_unset_capacities_from_config():
+    """`DASK_DMDASK__WORKER__RAM=...` and friends are not overridden by LocalCluster defaults."""
+    import dask
+
+    with dask.config.set({"dmdask.worker.ram": "3 MiB", "dmdask.worker.ssd": "5 MiB"}):
+        with dmdask.LocalCluster(n_workers=1) as cluster, distributed.Client(cluster) as client:
+            total = dmdask.stats(client)["total"]
+    assert total["ram"]["capacity"] == 3 * 2**20 and total["ssd"]["capacity"] == 5 * 2**20
+    with dmdask.LocalCluster(n_workers=1, ram="2 MiB") as cluster, distributed.Client(cluster) as client:
+        assert dmdask.stats(client)["total"]["ram"]["capacity"] == 2 * 2**20  # a keyword wins

@@ -1,4 +1,4 @@
-"""Tests for integrations.torch (TorchLoader) on a real two-worker dmdask cluster."""
+"""Tests for dmdask.integrations.torch (TorchLoader) on a real two-worker dmdask cluster."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from framework_cases import (BATCH, FEATURES, N, REPO_ROOT, assert_accurate, ass
                              assert_resumed, cat, check_exactly_once, check_folder_batches,
                              check_other_epoch_and_spec, env_fixture, folder_spec, free_port, take,
                              zarr_spec)
-from integrations.torch import TorchLoader, distributed_spec, to_torch  # noqa: E402
+from dmdask.integrations.torch import TorchLoader, distributed_spec, to_torch  # noqa: E402
 
 env = env_fixture("torchdata")
 _spec = zarr_spec
@@ -52,7 +52,7 @@ def test_to_torch_shares_memory_and_types():
 
 
 def test_integrations_package_imports_no_framework():
-    code = ("import sys, integrations; bad = {'torch', 'tensorflow', 'mxnet', 'jax'} & set(sys.modules); "
+    code = ("import sys, dmdask.integrations; bad = {'torch', 'tensorflow', 'mxnet', 'jax'} & set(sys.modules); "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT, timeout=60)
 

@@ -113,6 +113,9 @@ def dask_setup(scheduler) -> None:
     if not hasattr(scheduler, "workers"):  # a worker or a client given this preload
         logger.warning("dmdask.dashboard is a scheduler preload; ignored on %s", type(scheduler).__name__)
         return
+    from ..scheduler import install
+
+    install(scheduler)  # the registry the page reads
     add_routes(scheduler)
     add_nav_link(scheduler)
     monitor(scheduler).start()

@@ -5,10 +5,8 @@ Everything comes from what the scheduler already has, without asking any worker:
 - per worker: `WorkerState.metrics["dmdask"]`, the worker's `BlockCache.stats()`
   sent with every heartbeat (so it lags the worker by up to one heartbeat, 0.5 s on
   small clusters); workers without dmdask tiers have no such entry;
-- per dataset: the datasets dmdask publishes as `dmdask-<identity>` (the scheduler's
-  publish extension), whose block keys lead to the `load_block` tasks; each task's
-  argument is the block's reader, which knows the block's samples and its decoded size
-  from the dataset's metadata.
+- per dataset: the registry of dmdask's scheduler plugin (`dmdask.scheduler`), which
+  knows each dataset's samples, blocks, decoded size and blocks loaded.
 
 `snapshot(scheduler)` is the one dict that the page, `/dmdask/tiers.json` and the
 Prometheus collector all show. Its "workers" and "total" have exactly the shape of
@@ -23,14 +21,13 @@ from typing import Dict, Optional
 
 from ..stats import total as _sum_stats
 
-DATASET_PREFIX = "dmdask-"
 HISTORY_SECONDS = 3600  # what the line plot can show
 SAMPLE_INTERVAL = 1.0  # seconds between two history points
 
 
 def empty_stats() -> dict:
     """A worker's stats with every counter at zero (the shape of `BlockCache.stats()`)."""
-    tier = {"capacity": 0, "bytes": 0, "blocks": 0, "hits": 0, "hit_bytes": 0, "full": False}
+    tier = {"capacity": 0, "bytes": 0, "blocks": 0, "samples": 0, "hits": 0, "hit_bytes": 0, "full": False}
     return {"ram": dict(tier), "ssd": dict(tier), "streamed_blocks": 0,
             "stream": {"hits": 0, "buffer_bytes": 0, "buffer_capacity": 0},
             "shared_store": {"requests": 0, "bytes": 0}, "peer": {"bytes_out": 0, "bytes_in": 0}}
@@ -60,62 +57,14 @@ def worker_metrics(scheduler):
     return dict(sorted(workers.items())), names, sorted(others)
 
 
-def _reader_of(ts):
-    """The `BlockReader` argument of a `load_block` task, or None."""
-    spec = getattr(ts, "run_spec", None)
-    for arg in getattr(spec, "args", ()) or ():
-        arg = getattr(arg, "value", arg) if type(arg).__name__ == "DataNode" else arg
-        if all(hasattr(arg, name) for name in ("nbytes", "start", "stop", "key")):
-            return arg
-    return None
-
-
-class DatasetSizes:
-    """Decoded bytes and samples of each published dmdask dataset, computed once per
-    publication (they never change) from the readers in its block tasks."""
-
-    def __init__(self):
-        self._known: Dict[str, tuple] = {}  # name -> (keys tuple, {"bytes", "samples"})
-
-    def get(self, scheduler, name: str, keys) -> Dict[str, Optional[int]]:
-        known = self._known.get(name)
-        if known is not None and known[0] is keys:
-            return known[1]
-        nbytes = samples = 0
-        complete = True
-        for key in keys:
-            reader = _reader_of(scheduler.tasks.get(key))
-            if reader is None:
-                complete = False
-                break
-            nbytes += int(reader.nbytes)
-            samples += int(reader.stop) - int(reader.start)
-        sizes = {"bytes": nbytes, "samples": samples} if complete else {"bytes": None, "samples": None}
-        if complete:
-            self._known[name] = (keys, sizes)
-        return sizes
-
-    def forget_others(self, names) -> None:
-        for name in set(self._known) - set(names):
-            del self._known[name]
-
-
-def datasets(scheduler, sizes: DatasetSizes, loaded: bool = True) -> Dict[str, dict]:
-    """The published dmdask datasets: blocks, blocks loaded (their task finished: cached
-    in a tier or streamed), samples and decoded bytes (None when unknown)."""
-    extension = scheduler.extensions.get("publish")
-    published = getattr(extension, "datasets", None) or {}
+def datasets(scheduler) -> Dict[str, dict]:
+    """The datasets in dmdask's registry (the scheduler plugin): blocks, blocks loaded
+    (cached in a tier or streamed), samples and decoded bytes (None when unknown)."""
+    plugin = scheduler.extensions.get("dmdask")
     out = {}
-    for name, entry in list(published.items()):
-        if not (isinstance(name, str) and name.startswith(DATASET_PREFIX)):
-            continue
-        keys = entry.get("keys") or ()
-        info = {"blocks": len(keys), **sizes.get(scheduler, name, keys)}
-        if loaded:
-            tasks = scheduler.tasks
-            info["loaded_blocks"] = sum(1 for k in keys if getattr(tasks.get(k), "state", None) == "memory")
-        out[name] = info
-    sizes.forget_others(out)
+    for d in plugin.summaries() if plugin is not None else ():
+        out[d["name"]] = {"blocks": d["blocks"], "loaded_blocks": d["loaded"], "samples": d["samples"],
+                          "bytes": d["nbytes"]}
     return dict(sorted(out.items()))
 
 
@@ -147,11 +96,11 @@ def cluster_summary(total: dict, sets: Dict[str, dict]) -> dict:
     }
 
 
-def snapshot(scheduler, sizes: Optional[DatasetSizes] = None, loaded: bool = True) -> dict:
+def snapshot(scheduler) -> dict:
     """Everything the page, the JSON route and Prometheus show, as plain JSON types."""
     workers, names, others = worker_metrics(scheduler)
     total = _sum_stats(workers.values()) if workers else empty_stats()
-    sets = datasets(scheduler, sizes or DatasetSizes(), loaded=loaded)
+    sets = datasets(scheduler)
     cluster = cluster_summary(total, sets)
     cluster["workers"] = len(workers)
     return {
@@ -172,7 +121,6 @@ class Monitor:
 
     def __init__(self, scheduler):
         self._scheduler = weakref.ref(scheduler)
-        self.sizes = DatasetSizes()
         self.history: deque = deque(maxlen=int(HISTORY_SECONDS / SAMPLE_INTERVAL))
         self._latest: Optional[dict] = None
         self._callback = None
@@ -187,15 +135,15 @@ class Monitor:
             scheduler = self.scheduler
             if scheduler is None:
                 return latest or snapshot_of_nothing()
-            latest = self._latest = snapshot(scheduler, self.sizes)
+            latest = self._latest = snapshot(scheduler)
         return latest
 
     def sample(self) -> None:
-        """Add one history point (cheap: no per-block work once dataset sizes are known)."""
+        """Add one history point (cheap: counters kept by the scheduler plugin)."""
         scheduler = self.scheduler
         if scheduler is None:
             return
-        snap = snapshot(scheduler, self.sizes, loaded=False)
+        snap = snapshot(scheduler)
         total, cluster = snap["total"], snap["cluster"]
         self.history.append({
             "time": snap["time"],

@@ -43,7 +43,7 @@ def main(argv=None) -> None:
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)  # before JAX starts its backend
     import jax.numpy as jnp
 
-    from integrations.jax import JaxLoader
+    from dmdask.integrations.jax import JaxLoader
 
     cluster = tmp = None
     if args.scheduler:

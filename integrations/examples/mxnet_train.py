@@ -17,7 +17,7 @@ import pickle
 import tempfile
 import time
 
-import integrations.mxnet  # noqa: F401  (first: restores numpy's `bool` alias for MXNet 1.9.1)
+import dmdask.integrations.mxnet  # noqa: F401  (first: restores numpy's `bool` alias for MXNet 1.9.1)
 import distributed  # noqa: E402
 import mxnet as mx  # noqa: E402
 import numpy as np  # noqa: E402
@@ -25,7 +25,7 @@ from mxnet import autograd, gluon  # noqa: E402
 
 import dmdask  # noqa: E402
 from dmdask.testing.datasets import write_blobs  # noqa: E402
-from integrations.mxnet import DmdaskDataIter, MXNetLoader  # noqa: E402
+from dmdask.integrations.mxnet import DmdaskDataIter, MXNetLoader  # noqa: E402
 
 
 def train_gluon(client, spec, classes: int, args) -> None:

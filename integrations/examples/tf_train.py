@@ -25,7 +25,7 @@ import tensorflow as tf  # noqa: E402
 
 import dmdask  # noqa: E402
 from dmdask.testing.datasets import write_blobs  # noqa: E402
-from integrations.tensorflow import TFLoader  # noqa: E402
+from dmdask.integrations.tensorflow import TFLoader  # noqa: E402
 
 
 class EpochCheckpoint(tf.keras.callbacks.Callback):

@@ -22,7 +22,7 @@ import torch
 
 import dmdask
 from dmdask.testing.datasets import write_blobs
-from integrations.torch import TorchLoader
+from dmdask.integrations.torch import TorchLoader
 
 
 def main(argv=None) -> None:

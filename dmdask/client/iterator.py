@@ -1,14 +1,15 @@
 """`dmdask.batches(client, spec)`: one epoch of one rank's batches.
 
 The data path of a batch:
-1. the rank computes the epoch order and its share (`order.py`), so it knows every
-   sample id of every batch ahead of time;
-2. each block of the dataset is one Dask future with a stable key (`load_block`), shared
-   by all ranks and jobs through a published dataset; the rank waits for the futures its
-   next batch touches and asks the scheduler who holds them;
-3. it sends the batch's plan (holder -> block -> rows) to a worker on its own node, which
-   takes its own rows in place, fetches the others from their holders over Dask's
-   comms, orders them, runs the transform and returns the batch.
+1. the rank computes the sample ids of its next batches from (seed, epoch, rank,
+   world_size, batch index) alone (`dmdask.plan.order`): no array over the epoch;
+2. each block of the dataset is one Dask task with a stable key, created once per
+   cluster and kept by the scheduler plugin (`dmdask.client.datasets`,
+   `dmdask.scheduler`); the rank asks the plugin who holds the blocks its next batches
+   touch (waiting while they load);
+3. it sends the batches' plan (holder -> block -> rows) to a worker on its own node,
+   which takes its own rows in place, fetches the others from their holders over Dask's
+   comms, orders them, runs the transform and returns the batches.
 Up to `spec.prefetch` batches are in flight at once.
 """
 from __future__ import annotations
@@ -21,16 +22,16 @@ from collections import deque
 from typing import Deque, Dict, List, Optional
 
 import numpy as np
-from distributed import Client, Lock
+from distributed import Client
 from distributed.comm.core import CommClosedError
+from distributed.core import clean_exception
 from distributed.protocol.serialize import to_serialize
 
-from .errors import BlockReadError, NotADmdaskWorker, SpecError
-from .order import epoch_order, rank_batches
+from ..errors import BlockReadError, NotADmdaskWorker, SpecError
+from ..plan.order import EpochOrder, RankShare
+from ..spec import Spec, dumps_transform
+from .datasets import open_dataset
 from .progress import make as _make_progress
-from .sources import Source, forget_listing, open_source
-from .spec import Spec, dumps_transform
-from .worker import load_block
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ STATE_FIELDS = ("identity", "epoch", "seed", "shuffle", "shuffle_window", "rank"
                 "world_size", "batch_size", "drop_last")
 REQUEST_BYTES = 8 << 20  # small batches are fetched several per request, up to about this size
 RECOVERY_SECONDS = 60  # how long a batch keeps retrying while the cluster recovers from a lost worker
+LOCATE_SECONDS = 2.0  # one wait on the scheduler for blocks still loading
 
 
 def batches(client: Client, spec: Spec, epoch: int = 0, resume: Optional[dict] = None,
@@ -50,82 +52,9 @@ def batches(client: Client, spec: Spec, epoch: int = 0, resume: Optional[dict] =
     iterator of the same spec and epoch and continues right after its last batch.
     `progress`: a tqdm bar for the epoch with batches/s and the cluster's hit rate; True,
     False, or None (default: when stderr is an interactive terminal, on rank 0); see
-    `dmdask.progress`.
+    `dmdask.client.progress`.
     """
     return BatchIterator(client, spec, epoch, resume, progress=progress)
-
-
-def _published_name(source: Source) -> str:
-    return f"dmdask-{source.identity}"
-
-
-def block_futures(client: Client, source: Source, first_needed: np.ndarray) -> list:
-    """The futures of every block of `source`, created once per cluster and published.
-
-    A future that failed before (a corrupt block) is retried, so a repaired file is
-    read again.
-    """
-    name = _published_name(source)
-    with Lock(name, scheduler_rpc=client.scheduler, loop=client.loop):  # one rank creates, others find them
-        try:
-            futures = client.get_dataset(name)
-        except KeyError:
-            futures = None
-        if futures is not None:
-            erred = [f for f in futures if f.status == "error"]
-            if erred:
-                client.retry(erred)
-            return futures
-        if client.run_on_scheduler(_work_stealing_on):
-            warnings.warn(
-                "the scheduler steals work: block loads may leave their planned workers, and with "
-                "a cache smaller than the dataset some blocks then stay uncached; start `dask "
-                "scheduler` with DASK_DISTRIBUTED__SCHEDULER__WORK_STEALING=False",
-                RuntimeWarning, stacklevel=3)
-        futures = _submit_blocks(client, source, first_needed)
-        client.publish_dataset(**{name: futures})
-        return futures
-
-
-def _work_stealing_on(dask_scheduler) -> bool:
-    return "stealing" in dask_scheduler.extensions
-
-
-def _submit_blocks(client: Client, source: Source, first_needed: np.ndarray) -> list:
-    """One `load_block` task per block under its stable key, spread over the workers
-    round-robin in the order the blocks are first needed (each worker loads its share
-    in that order)."""
-    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
-    if not workers:
-        raise NotADmdaskWorker("the cluster has no workers; start `dask worker ... --worker-class dmdask.Worker`")
-    futures = [None] * source.num_blocks
-    need_order = np.argsort(first_needed, kind="stable")
-    for rank_in_need, k in enumerate(need_order.tolist()):
-        reader = source.readers[k]
-        futures[k] = client.submit(
-            load_block, reader, key=reader.key, workers=[workers[rank_in_need % len(workers)]],
-            allow_other_workers=True, pure=False, priority=source.num_blocks - rank_in_need,
-        )
-    return futures
-
-
-def release(client: Client, spec: Spec) -> None:
-    """Drop the cluster's cache of `spec.source` (its blocks leave RAM and SSD once no
-    iterator holds them) and this process's listing of a folder source."""
-    source = open_source(spec)
-    forget_listing(source.url, spec.storage_options)
-    try:
-        client.unpublish_dataset(_published_name(source))
-    except KeyError:
-        pass
-
-
-def _first_needed(source: Source, order: np.ndarray) -> np.ndarray:
-    """Position in the epoch order at which each block is first needed."""
-    first = np.full(source.num_blocks, len(order), dtype=np.int64)
-    blocks = source.block_of(order)
-    np.minimum.at(first, blocks, np.arange(len(order)))
-    return first
 
 
 def _host(address: str) -> str:
@@ -146,34 +75,41 @@ class BatchIterator:
         self.client = client
         self.spec = spec
         self.epoch = epoch
-        self.source = open_source(spec)
-        if self.source.num_samples < spec.world_size:
-            raise SpecError("world_size", f"at most the {self.source.num_samples} samples of {spec.source}",
+        self.info = info = open_dataset(client, spec, epoch)
+        if info.num_samples < spec.world_size:
+            raise SpecError("world_size", f"at most the {info.num_samples} samples of {spec.source}",
                             spec.world_size)
-        order = epoch_order(self.source.bounds, epoch, spec.shuffle, spec.seed, spec.shuffle_window)
-        self._batches = rank_batches(order, spec.rank, spec.world_size, spec.batch_size, spec.drop_last)
-        if spec.drop_last and not self._batches:
-            raise SpecError("batch_size", f"at most {self.source.num_samples // spec.world_size} with "
+        order = EpochOrder(info.num_samples, info.block_len, shuffle=spec.shuffle, seed=spec.seed, epoch=epoch,
+                           shuffle_window=spec.shuffle_window)
+        self._batches = RankShare(order, spec.rank, spec.world_size, spec.batch_size, spec.drop_last)
+        if spec.drop_last and not len(self._batches):
+            raise SpecError("batch_size", f"at most {info.num_samples // spec.world_size} with "
                             f"drop_last=True and world_size={spec.world_size}", spec.batch_size)
-        self._futures = block_futures(client, self.source, _first_needed(self.source, order))
         self._position = 0
         if resume is not None:
             self._position = self._check_resume(resume)
         self._next_request = self._position
         self._in_flight: Deque = deque()  # concurrent futures, each of a list of batches
         self._ready_batches: Deque = deque()
-        self._holders: Dict[int, str] = {}
+        self._holders: Dict[str, str] = {}  # block key -> a worker holding it
         self._worker: Optional[str] = None
         self._transform = dumps_transform(spec.transform)
         self._loop = client.loop.asyncio_loop
         self.wait_seconds = 0.0  # time the consumer spent waiting for batches
         self.requests = 0  # requests sent to the local worker
-        batch_bytes = spec.batch_size * self.source.nbytes / max(1, self.source.num_samples)
         # several batches a request, up to REQUEST_BYTES, keeping two requests in flight
-        self.group = int(max(1, min(spec.prefetch // 2, REQUEST_BYTES // max(1, batch_bytes))))
+        self.group = max(1, spec.prefetch // 2)
+        if info.nbytes is not None:
+            batch_bytes = spec.batch_size * info.nbytes / max(1, info.num_samples)
+            self.group = int(max(1, min(self.group, REQUEST_BYTES // max(1, batch_bytes))))
         self._progress = _make_progress(self, progress)  # None unless a bar is shown
 
     # -- the iterator ------------------------------------------------------------------
+    @property
+    def position(self) -> int:
+        """Batches handed out so far in this epoch."""
+        return self._position
+
     def __len__(self) -> int:
         return len(self._batches)
 
@@ -235,7 +171,7 @@ class BatchIterator:
     def state_dict(self) -> dict:
         """The whole position: pass it as `resume=` to continue after the last batch handed out."""
         spec = self.spec
-        return {"identity": self.source.identity, "epoch": self.epoch, "seed": spec.seed,
+        return {"identity": self.info.identity, "epoch": self.epoch, "seed": spec.seed,
                 "shuffle": spec.shuffle, "shuffle_window": spec.shuffle_window, "rank": spec.rank,
                 "world_size": spec.world_size, "batch_size": spec.batch_size,
                 "drop_last": spec.drop_last, "position": self._position}
@@ -249,7 +185,9 @@ class BatchIterator:
                 raise SpecError("resume", f"a state of the same dataset and spec ({name} is "
                                 f"{current[name]!r} here but {state.get(name)!r} in the state)", state.get(name))
         position = state["position"]
-        if not isinstance(position, int) or not 0 <= position <= len(self._batches):
+        if isinstance(position, np.integer):
+            position = int(position)
+        if isinstance(position, bool) or not isinstance(position, int) or not 0 <= position <= len(self._batches):
             raise SpecError("resume", f"a position in 0..{len(self._batches)}", position)
         return position
 
@@ -265,24 +203,22 @@ class BatchIterator:
 
     async def _fetch_group(self, first: int, stop: int) -> List[Dict[str, np.ndarray]]:
         """Batches first..stop-1, fetched through one request to the local worker."""
-        group = self._batches[first:stop]
+        group = self._batches.batches(first, stop)
         ids = np.concatenate(group)
-        blocks = self.source.block_of(ids)
-        offsets = ids - self.source.bounds[blocks]
-        needed = np.unique(blocks).tolist()
+        blocks = self.info.block_of(ids)
+        offsets = ids - blocks * self.info.block_len
+        keys = {int(k): self.info.block_key(int(k)) for k in np.unique(blocks)}
         last_error: Optional[BaseException] = None
         deadline = time.monotonic() + RECOVERY_SECONDS
         attempt = 0
         while time.monotonic() < deadline:
             attempt += 1
-            await self._ready(needed)
-            holders = await self._holders_of(needed)
-            if any(k not in holders for k in needed):  # finished but not yet registered
-                await asyncio.sleep(min(1.0, 0.05 * attempt))
+            holders = await self._holders_of(list(keys.values()))
+            if len(holders) < len(keys):  # still loading, or being recomputed after a loss
                 continue
-            plan, positions = self._plan(blocks, offsets, holders)
+            plan, positions = self._plan(blocks, offsets, keys, holders)
             msg = {"requests": plan, "positions": positions, "index": ids, "sizes": [len(b) for b in group],
-                   "fields": list(self.source.fields), "transform": self._transform}
+                   "fields": list(self.info.fields), "transform": self._transform}
             worker = await self._local_worker()
             try:
                 reply = await self.client.rpc(worker).dmdask_batch(msg=to_serialize(msg))
@@ -314,28 +250,25 @@ class BatchIterator:
                 return out
         return out  # the group's error did not come back one batch at a time
 
-    async def _ready(self, blocks: List[int]) -> None:
-        for k in blocks:
-            fut = self._futures[k]
-            if fut.status != "finished":
-                await fut._state.wait()
-                if fut.status == "error":
-                    raise fut._state.exception
-
-    async def _holders_of(self, blocks: List[int]) -> Dict[int, str]:
-        unknown = [k for k in blocks if k not in self._holders]
+    async def _holders_of(self, keys: List[str]) -> Dict[str, str]:
+        """Holders of the given blocks, asking the scheduler plugin for those not known yet
+        (it waits up to LOCATE_SECONDS while they load). Raises the load's error for a
+        block that failed to load, `NotADmdaskWorker` if the dataset was released."""
+        unknown = [k for k in keys if k not in self._holders]
         if unknown:
-            who_has = await self.client.scheduler.who_has(keys=[self._futures[k].key for k in unknown])
+            if self.client.scheduler is None:
+                raise NotADmdaskWorker(f"the client lost its scheduler (status {self.client.status})")
             mine = _host(await self._local_worker())
-            for k in unknown:
-                addresses = who_has.get(self._futures[k].key) or []
-                if not addresses:
-                    continue
-                local = [a for a in addresses if _host(a) == mine]
-                self._holders[k] = (local or addresses)[0]
-        return self._holders
+            reply = await self.client.scheduler.dmdask_locate(keys=unknown, host=mine, timeout=LOCATE_SECONDS)
+            for key, exception in reply["erred"].items():
+                raise clean_exception(exception)[1]
+            if reply["unknown"]:
+                raise NotADmdaskWorker(f"the cluster no longer has the blocks of {self.spec.source} "
+                                       f"(released by dmdask.release?): {reply['unknown'][:2]}")
+            self._holders.update(reply["holders"])
+        return {k: self._holders[k] for k in keys if k in self._holders}
 
-    def _plan(self, blocks: np.ndarray, offsets: np.ndarray, holders: Dict[int, str]):
+    def _plan(self, blocks: np.ndarray, offsets: np.ndarray, keys: Dict[int, str], holders: Dict[str, str]):
         """holder -> block key -> rows to take, and holder -> the positions in the group
         where those rows go (in the same order)."""
         by_block = np.argsort(blocks, kind="stable")
@@ -344,8 +277,9 @@ class BatchIterator:
         plan: Dict[str, Dict[str, np.ndarray]] = {}
         positions: Dict[str, List[np.ndarray]] = {}
         for k, members in zip(uniq.tolist(), groups):
-            holder = holders[k]
-            plan.setdefault(holder, {})[self._futures[k].key] = offsets[members]
+            key = keys[k]
+            holder = holders[key]
+            plan.setdefault(holder, {})[key] = offsets[members]
             positions.setdefault(holder, []).append(members)
         return plan, {h: np.concatenate(p) for h, p in positions.items()}
 

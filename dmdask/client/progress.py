@@ -100,14 +100,14 @@ class EpochProgress:
 
         spec = iterator.spec
         desc = f"epoch {iterator.epoch}" + (f" rank {spec.rank}" if spec.world_size > 1 else "")
-        kwargs = dict(total=len(iterator), initial=iterator._position, desc=desc, unit="batch",
+        kwargs = dict(total=len(iterator), initial=iterator.position, desc=desc, unit="batch",
                       dynamic_ncols=True, file=sys.stderr, leave=True, smoothing=0.1)
         kwargs.update(options or {})
         if "ncols" not in kwargs and "nrows" not in kwargs and not _terminal_size(kwargs["file"]):
             kwargs.update(dynamic_ncols=False, ncols=100, nrows=50)  # a terminal reporting 0x0 (bare pty)
         self.bar = tqdm(**kwargs)
         self.client = iterator.client
-        self._loop = iterator._loop
+        self._loop = iterator.client.loop.asyncio_loop
         self._baseline: Optional[dict] = None
         self._pending = None  # concurrent future of the request in flight
         self._next_ask = 0.0

@@ -54,7 +54,7 @@ def kvstore_spec(spec: dmdask.Spec, kvstore=None) -> dmdask.Spec:
     """`spec` with rank and world size from a distributed `mx.kv.KVStore` (`kv.rank`,
     `kv.num_workers`, as with kvstore "dist_sync"); None or a local store: unchanged.
 
-    As in `integrations.torch.distributed_spec`: a spec at the defaults rank=0,
+    As in `dmdask.integrations.torch.distributed_spec`: a spec at the defaults rank=0,
     world_size=1 takes the store's values; explicit values must agree (ValueError).
     """
     if kvstore is None:

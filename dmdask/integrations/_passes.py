@@ -2,7 +2,7 @@
 
 A loader over `dmdask.batches` that goes epoch after epoch (handing out an epoch's last
 batch moves it on to the next), keeps a resumable position (`state_dict` /
-`load_state_dict`) and closes the batches in flight. `integrations.torch` keeps its own
+`load_state_dict`) and closes the batches in flight. `dmdask.integrations.torch` keeps its own
 bookkeeping: its passes do not move the epoch on (`set_epoch` does, as with
 `DistributedSampler`).
 

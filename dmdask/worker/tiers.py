@@ -16,13 +16,13 @@ import shutil
 import tempfile
 import threading
 from collections.abc import MutableMapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, Optional
 
 import numpy as np
 
-from .block import Arrays, Block, FillingBlock, Streamed
-from .sources import is_block_key
+from ..source import is_block_key
+from .holdings import Block, FillingBlock, SsdBlock, Streamed
 
 
 @dataclass
@@ -33,6 +33,7 @@ class TierStats:
     bytes: int = 0
     blocks: int = 0
     reserved: int = 0
+    samples: int = 0  # samples held (or with room reserved)
     hits: int = 0  # samples served from this tier
     hit_bytes: int = 0
     full: bool = False  # set when the device refused a write (SSD out of space)
@@ -41,66 +42,8 @@ class TierStats:
         return self.capacity - self.bytes - self.reserved
 
     def as_dict(self) -> dict:
-        return {"capacity": self.capacity, "bytes": self.bytes, "blocks": self.blocks,
+        return {"capacity": self.capacity, "bytes": self.bytes, "blocks": self.blocks, "samples": self.samples,
                 "hits": self.hits, "hit_bytes": self.hit_bytes, "full": self.full}
-
-
-class SsdBlock:
-    """A block kept on local disk: one `.npy` file per fixed-size field (read by memory
-    map, so a take reads only the wanted rows) and values + offsets for ragged fields."""
-
-    __slots__ = ("path", "start", "stop", "nbytes", "ragged")
-
-    def __init__(self, path: str, start: int, stop: int, nbytes: int, ragged: tuple):
-        self.path, self.start, self.stop, self.nbytes, self.ragged = path, start, stop, nbytes, ragged
-
-    @classmethod
-    def write(cls, directory: str, block: Block) -> "SsdBlock":
-        """Write `block` under a new folder of `directory`; on error nothing is left behind."""
-        path = tempfile.mkdtemp(dir=directory, prefix=f"b{block.start}-")
-        ragged = []
-        try:
-            for name, arr in block.arrays.items():
-                if arr.dtype == object:
-                    sizes = np.fromiter((len(v) for v in arr), dtype=np.int64, count=len(arr))
-                    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-                    values = np.concatenate(list(arr)) if len(arr) else np.zeros(0, np.uint8)
-                    np.save(os.path.join(path, f"{name}.values.npy"), values)
-                    np.save(os.path.join(path, f"{name}.offsets.npy"), offsets)
-                    ragged.append(name)
-                else:
-                    np.save(os.path.join(path, f"{name}.npy"), arr)
-        except BaseException:
-            shutil.rmtree(path, ignore_errors=True)
-            raise
-        names = tuple(block.arrays)
-        return cls(path, block.start, block.stop, block.nbytes, (names, tuple(ragged)))
-
-    def take(self, rows: np.ndarray) -> Arrays:
-        names, ragged = self.ragged
-        out = {}
-        for name in names:
-            if name in ragged:
-                values = np.load(os.path.join(self.path, f"{name}.values.npy"), mmap_mode="r")
-                offsets = np.load(os.path.join(self.path, f"{name}.offsets.npy"))
-                col = np.empty(len(rows), dtype=object)
-                for i, r in enumerate(rows):
-                    col[i] = np.array(values[offsets[r]:offsets[r + 1]])
-                out[name] = col
-            else:
-                out[name] = np.asarray(np.load(os.path.join(self.path, f"{name}.npy"), mmap_mode="r")[rows])
-        return out
-
-    def load(self) -> Block:
-        return Block(self.take(np.arange(self.stop - self.start)), self.start, self.stop)
-
-    def __reduce__(self):
-        # Leaving this worker (a graceful retire, a gather): travel as the data itself.
-        block = self.load()
-        return (Block, (block.arrays, block.start, block.stop))
-
-    def __sizeof__(self) -> int:
-        return 256
 
 
 class TieredStore(MutableMapping):
@@ -122,6 +65,7 @@ class TieredStore(MutableMapping):
         self._other: Dict[str, object] = {}
         self._reservations: Dict[str, tuple] = {}  # key -> (tier, bytes) placed, not yet stored
         self._lock = threading.Lock()
+        self._closed_to_growth: set = set()  # tiers that refused a sample charged as read
 
     # -- placement (called from the task that reads a block) -------------------------
     def reserve(self, nbytes: int) -> Optional[str]:
@@ -132,6 +76,27 @@ class TieredStore(MutableMapping):
                     tier.reserved += nbytes
                     return name
         return None
+
+    def charge(self, tier: str, sizes: np.ndarray) -> int:
+        """Charge the first samples of `sizes` (bytes each) that fit to `tier`, for a block
+        whose size is learnt as it is read; returns how many were charged. Once a sample
+        did not fit, the tier takes no more this way (MinIO: what missed the cache in
+        the first epoch stays out, so later epochs read exactly the same bytes)."""
+        with self._lock:
+            stats = getattr(self, tier)
+            if tier in self._closed_to_growth:
+                return 0
+            k = int(np.searchsorted(np.cumsum(sizes), stats.room(), side="right"))
+            if k < len(sizes):
+                self._closed_to_growth.add(tier)
+            stats.bytes += int(np.sum(sizes[:k]))
+            stats.samples += k
+            return k
+
+    def has_room(self, tier: str) -> bool:
+        with self._lock:
+            stats = getattr(self, tier)
+            return not stats.full and stats.room() > 0
 
     def unreserve(self, tier: str, nbytes: int) -> None:
         with self._lock:
@@ -156,6 +121,11 @@ class TieredStore(MutableMapping):
         with self._lock:
             self._reservations[key] = (tier, reserved)
         return block
+
+    def default_ssd_root(self, root: str) -> None:
+        """Where the SSD tier goes when no `ssd_dir` was given (the worker's local directory)."""
+        with self._lock:
+            self._ssd_root = self._ssd_root or root
 
     def ssd_dir(self) -> str:
         with self._lock:
@@ -193,6 +163,7 @@ class TieredStore(MutableMapping):
                 stats = getattr(self, tier)
                 stats.bytes += value.nbytes
                 stats.blocks += 1
+                stats.samples += value.samples
         else:
             self._discard_block(key)
             self._other[key] = value
@@ -217,6 +188,7 @@ class TieredStore(MutableMapping):
             stats = getattr(self, tier)
             stats.bytes -= value.nbytes
             stats.blocks -= 1
+            stats.samples -= value.samples
         if isinstance(value, SsdBlock):
             shutil.rmtree(value.path, ignore_errors=True)
 

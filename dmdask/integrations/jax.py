@@ -31,7 +31,7 @@ def process_spec(spec: dmdask.Spec) -> dmdask.Spec:
     """`spec` with rank and world size from a multi-process JAX run (`jax.process_index()`,
     `jax.process_count()`, after `jax.distributed.initialize()`); one process: unchanged.
 
-    As in `integrations.torch.distributed_spec`: a spec at the defaults rank=0,
+    As in `dmdask.integrations.torch.distributed_spec`: a spec at the defaults rank=0,
     world_size=1 takes JAX's values; explicit values must agree (ValueError).
     """
     rank, world_size = jax.process_index(), jax.process_count()

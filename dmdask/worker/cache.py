@@ -1,4 +1,4 @@
-"""The dmdask worker: Dask's worker with tiered block storage and two RPC handlers.
+"""`BlockCache`: dmdask's state on one worker, its block loads and its two RPC handlers.
 
 - `load_block` (a Dask task, one per block, stable key): reads the block from the
   shared store once and admits it into the fastest tier with room, or leaves a
@@ -10,41 +10,25 @@
 - `dmdask_batch` (RPC, called by a rank on its own node): gathers one batch's rows from
   the holders (itself without a copy, peers over Dask's comms), puts them in batch
   order, runs the spec's transform and returns the batch.
-
-Start it with `dask worker SCHEDULER --worker-class dmdask.Worker`; capacities come
-from the `dmdask.worker` config namespace (or keyword arguments).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import threading
-from collections import OrderedDict
-from typing import Dict, Optional
+from typing import Dict
 
-import dask
 import distributed
 import numpy as np
-from dask.utils import parse_bytes
 from distributed.protocol.serialize import to_serialize
 
-from .block import Arrays, Block, FillingBlock, Streamed
-from .errors import NotADmdaskWorker, SpecError, TransformError
-from .spec import loads_transform
-from .tiers import SsdBlock, TieredStore
+from ..errors import TransformError
+from ..spec import loads_transform
+from .holdings import Arrays, Block, FillingBlock, SsdBlock, Streamed, sample_nbytes
+from .stream import StreamBuffer
+from .tiers import TieredStore
 
 logger = logging.getLogger(__name__)
-
-
-def capacity(value, name: str) -> int:
-    """Bytes from an int or a string such as "4 GiB"; a clear error otherwise."""
-    try:
-        result = parse_bytes(value) if isinstance(value, str) else int(value)
-    except (TypeError, ValueError):
-        result = -1
-    if result < 0:
-        raise SpecError(name, 'a size in bytes or a string such as "4 GiB"', value)
-    return result
 
 
 class StoreCounters:
@@ -61,69 +45,8 @@ class StoreCounters:
             self.bytes += nbytes
 
 
-class StreamBuffer:
-    """Blocks beyond the cache, kept briefly while the ranks take their rows of them.
-
-    A block leaves as soon as as many rows were served as it holds (every sample is
-    asked for once per epoch), or earlier when the buffer is full (least recently used
-    first), so it never acts as a cache across epochs. One read per block at a time:
-    concurrent askers wait for the same read. Used only from the worker's event loop.
-    """
-
-    def __init__(self, capacity_bytes: int, read):
-        self.capacity = capacity_bytes
-        self.bytes = 0
-        self._read = read
-        self._blocks: "OrderedDict[str, Block]" = OrderedDict()
-        self._served: Dict[str, int] = {}
-        self._loading: Dict[str, asyncio.Future] = {}
-
-    async def get(self, reader) -> Block:
-        key = reader.key
-        if key in self._blocks:
-            self._blocks.move_to_end(key)
-            return self._blocks[key]
-        if key in self._loading:
-            return await asyncio.shield(self._loading[key])
-        loop = asyncio.get_running_loop()
-        fut = self._loading[key] = loop.create_future()
-        try:
-            block = await loop.run_in_executor(None, self._read, reader)
-        except BaseException as exc:
-            fut.set_exception(exc)
-            fut.exception()  # mark retrieved: the awaiting callers re-raise it
-            raise
-        finally:
-            del self._loading[key]
-        self.put(key, block)
-        fut.set_result(block)
-        return block
-
-    def put(self, key: str, block: Block) -> None:
-        if block.nbytes > self.capacity or key in self._blocks:
-            return
-        while self.bytes + block.nbytes > self.capacity and self._blocks:
-            self._drop(next(iter(self._blocks)))
-        self._blocks[key] = block
-        self._served[key] = 0
-        self.bytes += block.nbytes
-
-    def served(self, key: str, rows: int) -> None:
-        """Count rows handed out; drop the block once all of its rows were."""
-        if key not in self._blocks:
-            return
-        self._served[key] += rows
-        if self._served[key] >= len(self._blocks[key]):
-            self._drop(key)
-
-    def _drop(self, key: str) -> None:
-        block = self._blocks.pop(key)
-        self._served.pop(key, None)
-        self.bytes -= block.nbytes
-
-
 class BlockCache:
-    """dmdask's state on one worker: tiers, stream buffer, counters and handlers."""
+    """dmdask's state on one worker: tiers, stream buffer, counters and handlers (registered here)."""
 
     def __init__(self, worker: distributed.Worker, store: TieredStore, stream_buffer: int):
         self.worker = worker
@@ -139,7 +62,7 @@ class BlockCache:
 
     # -- reading from the shared store -------------------------------------------------
     def read(self, reader) -> Block:
-        block = reader.read()
+        block = Block(reader.read(), reader.start, reader.stop)
         self.store_reads.add(block.nbytes)
         return block
 
@@ -149,7 +72,12 @@ class BlockCache:
         return arrays
 
     def load(self, reader):
-        """Body of the `load_block` task: read once, keep in the fastest tier with room."""
+        """Body of the `load_block` task: read once, keep in the fastest tier with room.
+
+        Room is reserved before the read when the block's size is known; a block whose
+        size only the read tells (an HTTP folder lists no sizes) is charged once read."""
+        if reader.nbytes is None:
+            return self._load_unsized(reader)
         tier = self.store.reserve(reader.nbytes)
         if tier is None:
             return Streamed(reader)
@@ -160,7 +88,21 @@ class BlockCache:
         except BaseException:
             self.store.unreserve(tier, reader.nbytes)
             raise
-        value = self.store.place(reader.key, tier, block, reader.nbytes)
+        return self._place(reader, tier, block, reader.nbytes)
+
+    def _load_unsized(self, reader):
+        if reader.row_granular and self.store.has_room("ram"):  # charged sample by sample as ranks ask
+            return self.store.place(reader.key, "ram", FillingBlock(reader, sized=False), 0)
+        block = self.read(reader)
+        tier = self.store.reserve(block.nbytes)
+        if tier is None:
+            if not reader.row_granular:
+                self.worker.loop.add_callback(self.stream.put, reader.key, block)
+            return Streamed(reader)
+        return self._place(reader, tier, block, block.nbytes)
+
+    def _place(self, reader, tier: str, block: Block, reserved: int):
+        value = self.store.place(reader.key, tier, block, reserved)
         if value is None:  # the SSD refused the write: keep what was read for this epoch
             if not reader.row_granular:
                 self.worker.loop.add_callback(self.stream.put, reader.key, block)
@@ -176,12 +118,19 @@ class BlockCache:
             tier = "ram"
         elif isinstance(value, FillingBlock):
             missing = value.missing(rows)
+            arrays = None
             if len(missing):
                 arrays = await asyncio.get_running_loop().run_in_executor(
                     None, self.read_rows, value.reader, missing)
-                value.fill(missing, arrays)
                 self.streamed_hits += len(missing)
-            out = value.take(rows)
+                kept = len(missing)
+                if not value.sized:
+                    sizes = sample_nbytes(arrays)
+                    kept = self.store.charge("ram", sizes)
+                    value.samples += kept
+                    value.nbytes += int(sizes[:kept].sum())
+                value.fill(missing[:kept], {f: a[:kept] for f, a in arrays.items()})
+            out = value.take(rows, missing, arrays)
             hits = len(rows) - len(missing)
             if hits:
                 self.store.count_hit("ram", hits, _nbytes(out) * hits // len(rows))
@@ -316,53 +265,3 @@ def _nbytes(arrays: Arrays) -> int:
     return total
 
 
-def load_block(reader):
-    """Dask task: the value of a block's key on the worker that runs it."""
-    worker = distributed.get_worker()
-    cache: Optional[BlockCache] = getattr(worker, "dmdask", None)
-    if cache is None:
-        raise NotADmdaskWorker(
-            f"worker {worker.address} has no dmdask tiers; start workers with "
-            "`dask worker ADDR --worker-class dmdask.Worker` or use dmdask.LocalCluster"
-        )
-    return cache.load(reader)
-
-
-class Worker(distributed.Worker):
-    """A Dask worker whose storage holds dmdask blocks in a RAM and an SSD tier.
-
-    ram, ssd: per-worker capacities (bytes or "4 GiB"); ssd=0 disables the SSD tier.
-    ssd_dir: folder of the SSD tier (default: the worker's local directory).
-    stream_buffer: bytes for blocks beyond the cache while ranks take their rows.
-    Unset values come from the `dmdask.worker` dask config namespace.
-    """
-
-    def __init__(self, *args, ram=None, ssd=None, ssd_dir=None, stream_buffer=None, **kwargs):
-        def config(name, value):
-            return value if value is not None else dask.config.get(f"dmdask.worker.{name}")
-
-        store = TieredStore(
-            ram=capacity(config("ram", ram), "ram"),
-            ssd=capacity(config("ssd", ssd), "ssd"),
-            ssd_dir=config("ssd-dir", ssd_dir),
-        )
-        kwargs["data"] = store
-        super().__init__(*args, **kwargs)
-        if store._ssd_root is None:
-            store._ssd_root = self.local_directory
-        buffer = capacity(config("stream-buffer", stream_buffer), "stream_buffer")
-        self.dmdask = BlockCache(self, store, buffer)
-
-    async def close(self, *args, **kwargs):
-        try:
-            return await super().close(*args, **kwargs)
-        finally:
-            self.dmdask.store.close()
-
-
-class Nanny(distributed.Nanny):
-    """A Dask nanny that starts a dmdask `Worker` (keyword arguments pass through)."""
-
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("worker_class", Worker)
-        super().__init__(*args, **kwargs)

@@ -75,7 +75,7 @@ def strategy_spec(spec: dmdask.Spec, strategy=None, input_context=None) -> dmdas
     """`spec` with rank and world size from `input_context` or `strategy` (see `rank_of_strategy`).
 
     With neither, the strategy in scope (`tf.distribute.get_strategy()`) is used. As
-    in `integrations.torch.distributed_spec`: a spec at the defaults rank=0,
+    in `dmdask.integrations.torch.distributed_spec`: a spec at the defaults rank=0,
     world_size=1 takes the strategy's values; explicit values must agree with them
     (ValueError naming both otherwise).
     """

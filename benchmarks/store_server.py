@@ -1,0 +1,266 @@
+"""A counting HTTP server on loopback that stands in for a shared parallel file system.
+
+``StoreServer`` serves one folder read-only, counts every request and body byte it
+sends, and can emulate a contended store: a latency before each request and one
+bandwidth cap shared by all clients.  It speaks what fsspec's ``HTTPFileSystem`` (and
+so zarr's ``FsspecStore``) needs: ``GET``/``HEAD`` with ``Content-Length`` and
+``Accept-Ranges``, single ``Range`` requests (``206``, ``416``), ``404`` for missing
+files and an HTML index of ``<a href="name">`` links (``name/`` for folders) for a
+folder, which is what fsspec's ``ls``/``find``/``glob`` scrape.  It runs on aiohttp in
+a background thread with its own event loop::
+
+    with StoreServer("/data", latency=0.005, bandwidth="200MB") as store:
+        fsspec.filesystem("http").cat_file(store.url + "/ds.zarr/zarr.json")
+        store.stats()  # {"requests": 1, "bytes": ..., "head_requests": 0, "by_path": {...}}
+
+As a process (prints ``URL http://HOST:PORT``, serves until SIGINT/SIGTERM;
+``GET /__stats__`` returns the counters as JSON, ``?reset=1`` also zeroes them)::
+
+    python -m benchmarks.store_server ROOT --port 0 --latency 0.005 --bandwidth 200MB
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import html
+import io
+import ipaddress
+import os
+import signal
+import threading
+import time
+import urllib.parse
+
+from aiohttp import web
+from dask.utils import parse_bytes
+
+CHUNK = 64 * 1024  # body chunk (and token-bucket burst) when throttled
+STATS_PATH = "/__stats__"
+
+
+class _Bucket:
+    """A token bucket (tokens are bytes) shared by every response of one server, so
+    the bytes sent in any interval T are at most CHUNK + rate * T.  Used only from the
+    server's event loop, so it needs no lock."""
+
+    def __init__(self, rate: float):
+        self.rate, self.tokens, self.last = rate, float(CHUNK), time.monotonic()
+
+    async def take(self, n: int) -> None:
+        now = time.monotonic()
+        self.tokens = min(CHUNK, self.tokens + (now - self.last) * self.rate) - n
+        self.last = now
+        if self.tokens < 0:
+            await asyncio.sleep(-self.tokens / self.rate)
+
+
+class StoreServer:
+    """Serve ``root`` read-only over HTTP on a loopback address, counting traffic.
+
+    latency: seconds to wait before answering each request (not ``/__stats__``).
+    bandwidth: cap in bytes/s over all clients together (a number, or a string such
+        as ``"200MB"``); ``None`` for none.
+    host: a loopback address or ``"localhost"``; anything else is a ``ValueError``.
+    port: ``0`` picks a free port.
+
+    Guarantees: paths never leave ``root`` (403; symlinks inside ``root`` are
+    followed).  ``stats()["requests"]`` counts every GET but ``/__stats__``: files,
+    folder listings and errors; ``"bytes"`` the bytes of file and listing bodies sent
+    (not of error messages); ``"head_requests"`` the HEADs; ``"by_path"`` the GETs and
+    bytes by path relative to ``root`` (``""`` for ``root`` itself).  A request is
+    counted when it arrives and body bytes just before they are handed to the
+    connection, so a client that has its response sees it in ``stats()`` (a client
+    that hangs up mid-answer may be counted one chunk more).
+    """
+
+    def __init__(self, root, latency: float = 0.0, bandwidth=None, host: str = "127.0.0.1", port: int = 0):
+        self.root = os.path.abspath(os.fspath(root))
+        if not os.path.isdir(self.root):
+            raise NotADirectoryError(f"StoreServer root is not a directory: {self.root!r}")
+        if latency < 0:
+            raise ValueError(f"latency must be >= 0 seconds, got {latency!r}")
+        self.latency = float(latency)
+        if isinstance(bandwidth, str):
+            bandwidth = parse_bytes(bandwidth)  # ValueError if it is not a size
+        if bandwidth is not None and not bandwidth > 0:
+            raise ValueError(f"bandwidth must be positive bytes/s or None, got {bandwidth!r}")
+        self.bandwidth = None if bandwidth is None else float(bandwidth)
+        try:
+            loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback:
+            raise ValueError(f"StoreServer binds only to a loopback address, got {host!r}")
+        self.host, self.port = host, port
+        self._lock = threading.Lock()
+        self.reset_stats()
+        self._url = self._loop = self._thread = self._runner = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> "StoreServer":
+        """Bind and serve from a daemon thread; returns ``self``.  ``RuntimeError`` if
+        already running; may be started again after ``stop()``."""
+        if self._loop is not None:
+            raise RuntimeError("StoreServer is already running")
+        self._bucket = _Bucket(self.bandwidth) if self.bandwidth else None
+        app = web.Application()
+        app.router.add_get(STATS_PATH, self._stats_page)
+        app.router.add_get("/{path:.*}", self._serve)  # HEAD too; other methods get 405
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+
+        async def bind():
+            await runner.setup()
+            await web.TCPSite(runner, self.host, self.port).start()
+            return runner.addresses[0][:2]
+
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, name="store-server", daemon=True)
+        thread.start()
+
+        try:
+            host, port = asyncio.run_coroutine_threadsafe(bind(), loop).result()
+        except BaseException:
+            self._close(loop, thread, runner)
+            raise
+        self._url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        self._loop, self._thread, self._runner = loop, thread, runner
+        return self
+
+    def stop(self) -> None:
+        """Close the listening socket and every connection (answers in progress are cut
+        off), then end the thread.  Idempotent."""
+        if self._loop is not None:
+            self._close(self._loop, self._thread, self._runner)
+            self._url = self._loop = self._thread = self._runner = None
+
+    @staticmethod
+    def _close(loop, thread, runner) -> None:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
+
+    def __enter__(self) -> "StoreServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        """``http://HOST:PORT``, no trailing slash; ``RuntimeError`` when not running."""
+        if self._url is None:
+            raise RuntimeError("StoreServer is not running: call start() or use it in a `with` block")
+        return self._url
+
+    # -- counters ----------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """A copy of the counters (see the class docstring)."""
+        with self._lock:
+            return dict(self._stats, by_path={p: dict(v) for p, v in self._stats["by_path"].items()})
+
+    def reset_stats(self) -> None:
+        with self._lock:
+            self._stats = {"requests": 0, "bytes": 0, "head_requests": 0, "by_path": {}}
+
+    def _count(self, path: str, requests: int = 0, nbytes: int = 0) -> None:
+        with self._lock:
+            self._stats["requests"] += requests
+            self._stats["bytes"] += nbytes
+            entry = self._stats["by_path"].setdefault(path, {"requests": 0, "bytes": 0})
+            entry["requests"] += requests
+            entry["bytes"] += nbytes
+
+    # -- handlers ----------------------------------------------------------------------------
+    async def _stats_page(self, request: web.Request) -> web.Response:
+        stats = self.stats()
+        if request.query.get("reset") in ("1", "true"):
+            self.reset_stats()
+        return web.json_response(stats)
+
+    async def _serve(self, request: web.Request) -> web.StreamResponse:
+        rel = request.match_info["path"]
+        key = "/".join(p for p in rel.split("/") if p not in ("", "."))
+        head = request.method == "HEAD"
+        if head:
+            with self._lock:
+                self._stats["head_requests"] += 1
+        else:
+            self._count(key, requests=1)
+        if self.latency:
+            await asyncio.sleep(self.latency)
+        full = os.path.normpath(os.path.join(self.root, rel))
+        if full != self.root and not full.startswith(self.root + os.sep):
+            raise web.HTTPForbidden()
+        if os.path.isdir(full):
+            return await self._listing(request, key, full, head)
+        if not os.path.isfile(full) or rel.endswith("/"):
+            raise web.HTTPNotFound()
+        size = os.path.getsize(full)
+        try:
+            rng = request.http_range
+        except ValueError:  # malformed or several ranges: send the whole file (RFC 9110 allows it)
+            rng = slice(None)
+        if rng.start is not None and rng.start >= size > 0:
+            raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{size}"})
+        start, stop, _ = rng.indices(size)
+        response = web.StreamResponse(status=200, headers={"Accept-Ranges": "bytes"})
+        if (rng.start, rng.stop) != (None, None) and size:
+            response.set_status(206)
+            response.headers["Content-Range"] = f"bytes {start}-{stop - 1}/{size}"
+        response.content_type = "application/octet-stream"
+        with open(full, "rb") as f:
+            f.seek(start)
+            return await self._send(request, response, key, stop - start, head, f.read)
+
+    async def _listing(self, request, key: str, folder: str, head: bool) -> web.StreamResponse:
+        names = sorted(e.name + "/" if e.is_dir() else e.name for e in os.scandir(folder))
+        links = "".join(f'<li><a href="{urllib.parse.quote(n)}">{html.escape(n)}</a></li>\n' for n in names)
+        body = f"<!DOCTYPE html>\n<html><body><ul>\n{links}</ul></body></html>\n".encode()
+        response = web.StreamResponse(headers={"Content-Type": "text/html; charset=utf-8"})
+        return await self._send(request, response, key, len(body), head, io.BytesIO(body).read)
+
+    async def _send(self, request, response, key: str, length: int, head: bool, read) -> web.StreamResponse:
+        """Send ``length`` bytes from ``read(n)``, counting each chunk before it goes out
+        and waiting for the bandwidth cap; for HEAD only the headers."""
+        response.content_length = length
+        await response.prepare(request)
+        chunk = CHUNK if self._bucket else 1 << 20
+        while not head and length > 0:
+            data = read(min(chunk, length))
+            if not data:
+                raise ConnectionAbortedError("file shrank while being served")
+            if self._bucket:
+                await self._bucket.take(len(data))
+            self._count(key, nbytes=len(data))
+            await response.write(data)
+            length -= len(data)
+        await response.write_eof()
+        return response
+
+
+def main(argv=None) -> int:
+    """Serve ROOT until SIGINT/SIGTERM, after printing ``URL http://HOST:PORT``."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.store_server", description=__doc__.splitlines()[0])
+    parser.add_argument("root", help="folder to serve")
+    parser.add_argument("--host", default="127.0.0.1", help="loopback address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=0, help="0 for a free port (default)")
+    parser.add_argument("--latency", type=float, default=0.0, help="seconds before each answer (default 0)")
+    parser.add_argument("--bandwidth", default=None, help="cap in bytes/s over all clients, e.g. 200MB")
+    args = parser.parse_args(argv)
+    try:
+        server = StoreServer(args.root, args.latency, args.bandwidth, args.host, args.port)
+    except (NotADirectoryError, ValueError) as exc:
+        parser.error(str(exc))
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    with server:
+        print(f"URL {server.url}", flush=True)
+        while not done.wait(0.5):
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

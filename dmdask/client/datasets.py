@@ -1,0 +1,69 @@
+"""A rank's side of the registry: open a dataset (creating its blocks once per cluster)
+and release it. The scheduler side is `dmdask.scheduler.DatasetsPlugin`."""
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+from distributed import Client
+
+from ..errors import NotADmdaskWorker
+from ..plan.order import EpochOrder
+from ..scheduler import DatasetsPlugin
+from ..source import DatasetInfo, Source, locate
+from ..worker import load_block
+
+NEED_ORDER_POSITIONS = 8  # positions per block looked at to find the order blocks are first needed
+
+
+def ensure_plugin(client: Client) -> None:
+    """Register the scheduler plugin unless the scheduler has it (idempotent, race-free)."""
+    client.register_plugin(DatasetsPlugin())
+
+
+def _call(client: Client, op: str, **msg):
+    """One call to the scheduler plugin, from the caller's thread."""
+    return client.sync(getattr(client.scheduler, op), **msg)
+
+
+def open_dataset(client: Client, spec, epoch: int) -> DatasetInfo:
+    """The dataset of `spec`, created once per cluster: the first rank to ask lists the
+    source and submits every block load in one graph; the others wait for it and get
+    the same blocks."""
+    ensure_plugin(client)
+    ref = locate(spec)
+    claimant = uuid.uuid4().hex
+    while True:
+        reply = _call(client, "dmdask_get_or_claim", name=ref.name, claimant=claimant)
+        if reply["status"] == "ready":
+            return DatasetInfo.from_dict(reply["info"])
+        try:
+            source = ref.open()
+            _create(client, source, spec, epoch, claimant)
+        except BaseException:
+            _call(client, "dmdask_abandon", name=ref.name, claimant=claimant)
+            raise
+
+
+def _create(client: Client, source: Source, spec, epoch: int, claimant: str) -> None:
+    info = source.info
+    order = EpochOrder(info.num_samples, info.block_len, shuffle=spec.shuffle, seed=spec.seed, epoch=epoch,
+                       shuffle_window=spec.shuffle_window)
+    need = order.blocks_first_needed(limit=NEED_ORDER_POSITIONS * info.num_blocks)
+    reply = _call(client, "dmdask_register", name=info.name, claimant=claimant, info=info.as_dict(),
+                  order=np.asarray(need).tolist())
+    if reply["status"] == "no-workers":
+        raise NotADmdaskWorker("the cluster has no workers; start `dask worker ... --worker-class dmdask.Worker`")
+    if reply["status"] != "OK":
+        return  # the claim passed to another rank: ask again
+    readers = [source.reader(k) for k in range(info.num_blocks)]
+    futures = client.map(load_block, readers, key=[r.key for r in readers], pure=False)
+    del futures  # the scheduler plugin wants the blocks from now on
+
+
+def release(client: Client, spec) -> bool:
+    """Drop the cluster's cache of `spec.source`: its blocks leave RAM and SSD once no
+    iterator reads them, and the next `batches` lists and reads the source afresh.
+    True if the cluster held it."""
+    ensure_plugin(client)
+    return _call(client, "dmdask_release", name=locate(spec).name)

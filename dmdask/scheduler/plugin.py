@@ -1,0 +1,315 @@
+"""`DatasetsPlugin`: dmdask's scheduler side, the one owner of every dataset's blocks.
+
+It keeps a registry (dataset name -> description, blocks, planned worker of each block),
+hands out get-or-create claims so a dataset is listed and created once per cluster
+whatever the number of ranks and jobs, pins each block load to its planned worker, keeps
+the blocks alive for the cluster (a pseudo-client wants them, as Dask's published
+datasets do) and releases them.
+
+Guarantees:
+- get-or-create is race-free: all handlers run on the scheduler's event loop; one caller
+  at a time holds the claim to create a dataset, the others wait for it (a claim whose
+  holder vanished is handed on after `CLAIM_SECONDS`).
+- a block's load runs on its planned worker: the task is restricted to that worker
+  (strict restrictions, which Dask's work stealing never moves), set before the task is
+  first scheduled; when that worker leaves, its unfinished and lost blocks are planned
+  again over the workers present, and blocks left with no live planned worker (every
+  worker gone at once) are planned over the next worker that joins.
+- blocks outlive the jobs that read them until `release`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from typing import Dict, List, Optional
+
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+from ..source.base import block_key, parse_block_key
+
+logger = logging.getLogger(__name__)
+
+CLAIM_SECONDS = 120  # a creator that sent nothing for this long is presumed gone
+
+
+class DatasetState:
+    """One dataset on the scheduler."""
+
+    def __init__(self, name: str, claimant: str):
+        self.name = name
+        self.claimant = claimant
+        self.claimed_at = time.monotonic()
+        self.info: Optional[dict] = None
+        self.planned: List[Optional[str]] = []  # worker address per block
+        self.priority: List[int] = []  # higher loads first
+        self.ready = asyncio.Event()  # set once the blocks exist on the scheduler (or the claim is dropped)
+        self.loaded = 0  # blocks in memory somewhere
+        self.erred: set = set()  # block indices whose load failed
+
+    @property
+    def identity(self) -> Optional[str]:
+        return None if self.info is None else self.info["identity"]
+
+    @property
+    def holder_client(self) -> str:
+        """The pseudo-client that keeps the blocks alive."""
+        return f"dmdask-dataset-{self.name}"
+
+    def keys(self) -> List[str]:
+        return [block_key(self.identity, k) for k in range(len(self.planned))]
+
+    def summary(self) -> dict:
+        info = self.info or {}
+        return {"name": self.name, "url": info.get("url"), "identity": info.get("identity"),
+                "samples": info.get("num_samples"), "blocks": len(self.planned), "nbytes": info.get("nbytes"),
+                "loaded": self.loaded, "erred": len(self.erred), "ready": self.ready.is_set()}
+
+
+class DatasetsPlugin(SchedulerPlugin):
+    """The `dmdask` scheduler plugin; see the module docstring. Register it with
+    `dask scheduler --preload dmdask.dashboard` (page and plugin) or let the first
+    `dmdask.batches` call register it (idempotent)."""
+
+    name = "dmdask"
+    idempotent = True
+
+    def __init__(self):
+        self.scheduler = None
+        self.datasets: Dict[str, DatasetState] = {}
+        self.by_identity: Dict[str, DatasetState] = {}
+        self._waiters: Dict[str, List[asyncio.Future]] = defaultdict(list)
+
+    async def start(self, scheduler) -> None:
+        """Install the handlers. Two clients registering the plugin at once may both start
+        one: the later one then shares the registry of the one already installed."""
+        if self.scheduler is not None:
+            return
+        installed = scheduler.extensions.get("dmdask")
+        if isinstance(installed, DatasetsPlugin):
+            self.datasets, self.by_identity, self._waiters = installed.datasets, installed.by_identity, installed._waiters
+        self.scheduler = scheduler
+        scheduler.handlers.update({
+            "dmdask_get_or_claim": self.get_or_claim,
+            "dmdask_register": self.register,
+            "dmdask_abandon": self.abandon,
+            "dmdask_locate": self.locate,
+            "dmdask_release": self.release,
+            "dmdask_datasets": self.summaries,
+        })
+        scheduler.extensions["dmdask"] = self
+
+    # -- get or create ---------------------------------------------------------------
+    async def get_or_claim(self, name: str, claimant: str) -> dict:
+        """{"status": "ready", "info": ...} when the dataset exists (erred blocks are
+        retried, so a repaired file is read again), else {"status": "claimed"}: the
+        caller must list the source, `register` it and submit its blocks."""
+        while True:
+            ds = self.datasets.get(name)
+            if ds is None:
+                self.datasets[name] = DatasetState(name, claimant)
+                return {"status": "claimed"}
+            if ds.ready.is_set() and not self._lost(ds):
+                self._retry_erred(ds)
+                return {"status": "ready", "info": ds.info}
+            if ds.ready.is_set():  # its blocks were forgotten (`client.restart()`): create them again
+                self._forget(ds)
+                continue
+            left = CLAIM_SECONDS - (time.monotonic() - ds.claimed_at)
+            if left <= 0:  # its creator is gone: the caller takes the claim over
+                ds.claimant, ds.claimed_at = claimant, time.monotonic()
+                return {"status": "claimed", "info": ds.info}
+            try:
+                await asyncio.wait_for(asyncio.shield(ds.ready.wait()), timeout=left)
+            except asyncio.TimeoutError:
+                pass
+            if self.datasets.get(name) is not ds:  # abandoned: claim it afresh
+                continue
+
+    def register(self, name: str, claimant: str, info: dict, order: List[int]) -> dict:
+        """Plan the blocks of a claimed dataset: the i-th block of `order` (the order the
+        blocks are first needed) goes to worker i mod W and loads with priority -i."""
+        ds = self.datasets.get(name)
+        if ds is None or ds.claimant != claimant:
+            return {"status": "not-claimed"}
+        workers = sorted(self.scheduler.workers)
+        if not workers:
+            return {"status": "no-workers"}
+        n = len(order)
+        ds.info = info
+        ds.planned = [None] * n
+        ds.priority = [0] * n
+        for i, k in enumerate(order):
+            ds.planned[k] = workers[i % len(workers)]
+            ds.priority[k] = n - i
+        self.by_identity[info["identity"]] = ds
+        ds.claimed_at = time.monotonic()
+        return {"status": "OK"}
+
+    def abandon(self, name: str, claimant: str) -> None:
+        """Drop a claim whose holder could not create the dataset (waiters claim it next)."""
+        ds = self.datasets.get(name)
+        if ds is not None and ds.claimant == claimant and not ds.ready.is_set():
+            self._forget(ds)
+            ds.ready.set()
+
+    def update_graph(self, scheduler, *, client: str, keys, tasks=(), stimulus_id=None, **kwargs) -> None:
+        """Pin the new block tasks of a registered dataset to their planned workers before
+        they are first scheduled, and have the dataset's pseudo-client want them."""
+        wanted: Dict[DatasetState, list] = defaultdict(list)
+        restrictions = {}
+        for key in tasks:
+            parsed = parse_block_key(key)
+            ds = parsed and self.by_identity.get(parsed[0])
+            if not ds:
+                continue
+            k = parsed[1]
+            wanted[ds].append(key)
+            ts = scheduler.tasks[key]
+            if ts.state == "released" and not ts.worker_restrictions:
+                restrictions[key] = {self._live_planned(ds, k)}
+                ts.priority = (-ds.priority[k],) + tuple(ts.priority[1:])
+        if restrictions:
+            scheduler.set_restrictions(restrictions)
+        for ds, ds_keys in wanted.items():
+            scheduler.client_desires_keys(keys=ds_keys, client=ds.holder_client)
+            if len(ds_keys) == len(ds.planned):
+                ds.ready.set()
+
+    def _live_planned(self, ds: DatasetState, k: int) -> str:
+        worker = ds.planned[k]
+        if worker not in self.scheduler.workers:
+            live = sorted(self.scheduler.workers)
+            if live:
+                worker = ds.planned[k] = live[k % len(live)]
+        return worker
+
+    # -- where the blocks are ----------------------------------------------------------
+    async def locate(self, keys: List[str], host: Optional[str] = None, timeout: float = 2.0) -> dict:
+        """{"holders": {key: address}, "erred": {key: exception}, "unknown": [keys]} once every
+        key is held or erred, or after `timeout` seconds with what is known then. A holder on
+        `host` is preferred. Never raises for a missing key: it is reported as unknown."""
+        deadline = time.monotonic() + timeout
+        while True:
+            holders, erred, pending, unknown = {}, {}, [], []
+            for key in keys:
+                ts = self.scheduler.tasks.get(key)
+                if ts is None:
+                    unknown.append(key)
+                elif ts.state == "memory" and ts.who_has:
+                    addresses = sorted(ws.address for ws in ts.who_has)
+                    local = [a for a in addresses if host and _host(a) == host]
+                    holders[key] = (local or addresses)[0]
+                elif ts.state == "erred":
+                    blame = ts.exception_blame or ts
+                    erred[key] = blame.exception
+                else:
+                    pending.append(key)
+            left = deadline - time.monotonic()
+            if not pending or left <= 0:
+                return {"holders": holders, "erred": erred, "unknown": unknown, "pending": pending}
+            waiters = []
+            for key in pending:
+                fut = asyncio.get_running_loop().create_future()
+                self._waiters[key].append(fut)
+                waiters.append(fut)
+            await asyncio.wait(waiters, timeout=left, return_when=asyncio.ALL_COMPLETED)
+            for key, fut in zip(pending, waiters):
+                if not fut.done():
+                    fut.cancel()
+                    if fut in self._waiters.get(key, ()):
+                        self._waiters[key].remove(fut)
+                        if not self._waiters[key]:
+                            del self._waiters[key]
+
+    def transition(self, key, start, finish, *args, **kwargs) -> None:
+        parsed = parse_block_key(key)
+        if parsed is None:
+            return
+        ds = self.by_identity.get(parsed[0])
+        if ds is not None:
+            if finish == "memory":
+                ds.loaded += 1
+            elif start == "memory":
+                ds.loaded -= 1
+            if finish == "erred":
+                ds.erred.add(parsed[1])
+            elif start == "erred":
+                ds.erred.discard(parsed[1])
+        if finish in ("memory", "erred", "forgotten", "released"):
+            for fut in self._waiters.pop(key, ()):
+                if not fut.done():
+                    fut.set_result(finish)
+
+    def _lost(self, ds: DatasetState) -> bool:
+        """Whether the scheduler forgot any block of a ready dataset."""
+        tasks = self.scheduler.tasks
+        return ds.info is not None and any(key not in tasks for key in ds.keys())
+
+    def _forget(self, ds: DatasetState) -> None:
+        self.datasets.pop(ds.name, None)
+        if ds.identity and self.by_identity.get(ds.identity) is ds:
+            del self.by_identity[ds.identity]
+
+    def _retry_erred(self, ds: DatasetState) -> None:
+        keys = [block_key(ds.identity, k) for k in ds.erred
+                if self.scheduler.tasks.get(block_key(ds.identity, k)) is not None]
+        if keys:
+            self.scheduler.stimulus_retry(keys=keys, client=ds.holder_client)
+
+    # -- workers come and go -----------------------------------------------------------
+    def remove_worker(self, scheduler, worker: str, *, stimulus_id: str, **kwargs) -> None:
+        """Plan the blocks of a worker that left over the workers present."""
+        self._replan(lambda address: address == worker, stimulus_id)
+
+    def add_worker(self, scheduler, worker: str) -> None:
+        """Blocks whose planned worker is gone (every worker left at once) go to the workers present."""
+        live = scheduler.workers
+        self._replan(lambda address: address not in live, f"dmdask-add-worker-{time.time()}")
+
+    def _replan(self, orphaned, stimulus_id: str) -> None:
+        live = sorted(self.scheduler.workers)
+        if not live:
+            return
+        restrictions, recommendations = {}, {}
+        i = 0
+        for ds in self.datasets.values():
+            for k, worker in enumerate(ds.planned):
+                if worker is None or not orphaned(worker):
+                    continue
+                ds.planned[k] = worker = live[i % len(live)]
+                i += 1
+                key = block_key(ds.identity, k)
+                ts = self.scheduler.tasks.get(key)
+                if ts is None or ts.state == "memory":
+                    continue
+                restrictions[key] = {worker}
+                if ts.state == "no-worker":
+                    recommendations[key] = "processing"
+        if restrictions:
+            self.scheduler.set_restrictions(restrictions)
+        if recommendations:
+            self.scheduler.transitions(recommendations, stimulus_id)
+
+    # -- release and the registry --------------------------------------------------------
+    def release(self, name: str) -> bool:
+        """Forget a dataset: its blocks leave every tier once no iterator reads them."""
+        ds = self.datasets.get(name)
+        if ds is None:
+            return False
+        self._forget(ds)
+        if ds.identity:
+            keys = [k for k in ds.keys() if k in self.scheduler.tasks]
+            self.scheduler.client_releases_keys(keys=keys, client=ds.holder_client,
+                                                stimulus_id=f"dmdask-release-{time.time()}")
+        ds.ready.set()
+        return True
+
+    def summaries(self) -> List[dict]:
+        """One summary per dataset (name, url, samples, blocks, loaded, erred, ...)."""
+        return [ds.summary() for ds in self.datasets.values()]
+
+
+def _host(address: str) -> str:
+    return address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")

@@ -1,0 +1,144 @@
+"""Folders of per-sample files in class-per-subfolder layout (ImageNet style).
+
+Field "data" holds each sample's bytes as a uint8 array (an object array of them per
+batch), field "label" the int64 class index in sorted subfolder order. Sample ids run
+over the sorted class folders, then the sorted file names. Blocks are runs of files.
+
+The listing costs one request per class folder, never one per file: sizes come from
+the listing where the protocol gives them (local, s3, gcs); where it does not (HTTP),
+a block's size is learnt when it is first read. The listing is made by the process that
+creates the dataset's blocks, once per cluster, and travels with the block readers.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import threading
+from typing import Dict, List, Optional
+
+import fsspec
+import numpy as np
+from dask.base import tokenize
+
+from ..errors import SourceError, SourceNotFoundError, SpecError
+from .base import BlockReader, DatasetInfo, Source, block_key, options_json
+
+DEFAULT_FILES_PER_BLOCK = 256
+FIELDS = ("data", "label")
+
+
+def folder_fields(spec) -> tuple:
+    fields = tuple(sorted(spec.keys or FIELDS))
+    if any(f not in FIELDS for f in fields):
+        raise SpecError("keys", f"names among {list(FIELDS)} for a folder source", list(spec.keys))
+    return fields
+
+
+def folder_name(url: str, options: dict, spec) -> str:
+    """The registry name of a folder dataset: known before listing it."""
+    block_len = spec.block_size or DEFAULT_FILES_PER_BLOCK
+    return f"folder-{tokenize(url, options_json(options), folder_fields(spec), block_len)[:16]}"
+
+
+class FolderSource(Source):
+    def __init__(self, info: DatasetInfo, protocol: str, options: str, files: List[str], labels: np.ndarray,
+                 sizes: Optional[np.ndarray]):
+        self.info, self.protocol, self.options = info, protocol, options
+        self.files, self.labels, self.sizes = files, labels, sizes
+
+    def reader(self, k: int) -> "FolderBlockReader":
+        a, b = self.info.block_range(k)
+        nbytes = None if self.sizes is None else block_nbytes(self.sizes[a:b], self.info.fields)
+        return FolderBlockReader(self.info.url, self.protocol, self.options, self.files[a:b],
+                                 self.labels[a:b], self.info.fields, self.info.identity, k, a, b, nbytes)
+
+
+def open_folder(fs, path: str, url: str, options: dict, spec) -> FolderSource:
+    """List the folder (a request per class folder) and describe its blocks."""
+    files, labels, sizes = _list(fs, path, url)
+    fields = folder_fields(spec)
+    block_len = spec.block_size or DEFAULT_FILES_PER_BLOCK
+    root = path.rstrip("/")
+    relative = [f[len(root) + 1:] if f.startswith(root + "/") else f for f in files]
+    identity = tokenize("folder", url, fields, block_len, relative, sizes)[:16]
+    size_array = None if any(s is None for s in sizes) else np.asarray(sizes, dtype=np.int64)
+    nbytes = None if size_array is None else block_nbytes(size_array, fields)
+    info = DatasetInfo(name=folder_name(url, options, spec), identity=identity, url=url, fields=fields,
+                       num_samples=len(files), block_len=block_len, nbytes=nbytes)
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return FolderSource(info, protocol, options_json(options), files, np.asarray(labels, dtype=np.int64), size_array)
+
+
+def _list(fs, path: str, url: str):
+    try:
+        entries = fs.ls(path, detail=True)
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        raise SourceNotFoundError(f"dataset {url} is neither a Zarr v3 store nor a folder: {exc}") from exc
+    classes = sorted(e["name"].rstrip("/") for e in entries if e["type"] == "directory")
+    if not classes:
+        raise SourceError(
+            f"{url} is neither a Zarr v3 group (no zarr.json) nor a folder of class "
+            "subfolders holding one file per sample"
+        )
+    files: List[str] = []
+    labels: List[int] = []
+    sizes: List[Optional[int]] = []
+    for label, cls in enumerate(classes):
+        for e in sorted(fs.ls(cls, detail=True), key=lambda e: e["name"]):
+            if e["type"] == "file":
+                files.append(e["name"])
+                labels.append(label)
+                sizes.append(e.get("size"))
+    if not files:
+        raise SourceError(f"the class subfolders of {url} hold no files")
+    return files, labels, sizes
+
+
+def block_nbytes(sizes, fields) -> int:
+    """Bytes a run of these files takes in memory: the files plus an object pointer per
+    sample ("data"), and 8 bytes a label ("label")."""
+    n = len(sizes)
+    return (int(np.sum(sizes)) + 8 * n if "data" in fields else 0) + (8 * n if "label" in fields else 0)
+
+
+_fs_lock = threading.Lock()
+
+
+@functools.lru_cache(maxsize=16)
+def _filesystem(protocol: str, options: str):
+    with _fs_lock:
+        return fsspec.filesystem(protocol, **json.loads(options))
+
+
+class FolderBlockReader(BlockReader):
+    """Reads the files of one block, all of them or only some (row-granular)."""
+
+    row_granular = True
+
+    def __init__(self, url, protocol, options, files, labels, fields, identity, index, start, stop, nbytes):
+        self.url, self.protocol, self.options = url, protocol, options
+        self.files, self.labels, self.fields = list(files), np.asarray(labels, dtype=np.int64), fields
+        self.index, self.start, self.stop, self.nbytes = index, start, stop, nbytes
+        self.key = block_key(identity, index)
+
+    def read(self) -> Dict[str, np.ndarray]:
+        return self.read_rows(np.arange(self.stop - self.start))
+
+    def read_rows(self, rows) -> Dict[str, np.ndarray]:
+        """The given rows; the files are fetched concurrently where the protocol allows."""
+        arrays = {}
+        if "data" in self.fields:
+            try:
+                files = [self.files[r] for r in rows]
+                contents = _filesystem(self.protocol, self.options).cat_ranges(files, None, None, on_error="return")
+                data = np.empty(len(files), dtype=object)
+                for i, content in enumerate(contents):
+                    if isinstance(content, BaseException):
+                        raise content
+                    data[i] = np.frombuffer(content, dtype=np.uint8)
+            except Exception as exc:
+                raise self.fail(exc) from exc
+            arrays["data"] = data
+        if "label" in self.fields:
+            arrays["label"] = self.labels[np.asarray(rows, dtype=np.int64)]
+        return arrays

@@ -1,0 +1,81 @@
+"""The dmdask worker: Dask's worker with tiered block storage and dmdask's handlers.
+
+Start it with `dask worker SCHEDULER --worker-class dmdask.Worker`; capacities come
+from the `dmdask.worker` config namespace (or keyword arguments).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import dask
+import distributed
+from dask.utils import parse_bytes
+
+from ..errors import NotADmdaskWorker, SpecError
+from .cache import BlockCache
+from .tiers import TieredStore
+
+
+def capacity(value, name: str) -> int:
+    """Bytes from an int or a string such as "4 GiB"; a clear error otherwise."""
+    try:
+        result = parse_bytes(value) if isinstance(value, str) else int(value)
+    except (TypeError, ValueError):
+        result = -1
+    if result < 0:
+        raise SpecError(name, 'a size in bytes or a string such as "4 GiB"', value)
+    return result
+
+
+def load_block(reader):
+    """Dask task: the value of a block's key on the worker that runs it."""
+    worker = distributed.get_worker()
+    cache: Optional[BlockCache] = getattr(worker, "dmdask", None)
+    if cache is None:
+        raise NotADmdaskWorker(
+            f"worker {worker.address} has no dmdask tiers; start workers with "
+            "`dask worker ADDR --worker-class dmdask.Worker` or use dmdask.LocalCluster"
+        )
+    return cache.load(reader)
+
+
+class Worker(distributed.Worker):
+    """A Dask worker whose storage holds dmdask blocks in a RAM and an SSD tier.
+
+    ram, ssd: per-worker capacities (bytes or "4 GiB"); ssd=0 disables the SSD tier.
+    ssd_dir: folder of the SSD tier (default: the worker's local directory).
+    stream_buffer: bytes for blocks beyond the cache while ranks take their rows.
+    Unset values come from the `dmdask.worker` dask config namespace.
+    """
+
+    def __init__(self, *args, ram=None, ssd=None, ssd_dir=None, stream_buffer=None, **kwargs):
+        def config(name, value):
+            return value if value is not None else dask.config.get(f"dmdask.worker.{name}")
+
+        store = TieredStore(
+            ram=capacity(config("ram", ram), "ram"),
+            ssd=capacity(config("ssd", ssd), "ssd"),
+            ssd_dir=config("ssd-dir", ssd_dir),
+        )
+        kwargs["data"] = store
+        super().__init__(*args, **kwargs)
+        store.default_ssd_root(self.local_directory)
+        buffer = capacity(config("stream-buffer", stream_buffer), "stream_buffer")
+        self.dmdask = BlockCache(self, store, buffer)
+
+    async def close(self, *args, **kwargs):
+        try:
+            return await super().close(*args, **kwargs)
+        finally:
+            self.dmdask.store.close()
+
+
+class Nanny(distributed.Nanny):
+    """A Dask nanny that starts a dmdask `Worker` (keyword arguments pass through)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("worker_class", Worker)
+        super().__init__(*args, **kwargs)
+
+
+__all__ = ["BlockCache", "Nanny", "TieredStore", "Worker", "capacity", "load_block"]

@@ -1,0 +1,69 @@
+"""`StreamBuffer`: blocks beyond the cache, held briefly while ranks take their rows."""
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from typing import Dict
+
+from .holdings import Block
+
+
+class StreamBuffer:
+    """Blocks beyond the cache, kept briefly while the ranks take their rows of them.
+
+    A block leaves as soon as as many rows were served as it holds (every sample is
+    asked for once per epoch), or earlier when the buffer is full (least recently used
+    first), so it never acts as a cache across epochs. One read per block at a time:
+    concurrent askers wait for the same read. Used only from the worker's event loop.
+    """
+
+    def __init__(self, capacity_bytes: int, read):
+        self.capacity = capacity_bytes
+        self.bytes = 0
+        self._read = read
+        self._blocks: "OrderedDict[str, Block]" = OrderedDict()
+        self._served: Dict[str, int] = {}
+        self._loading: Dict[str, asyncio.Future] = {}
+
+    async def get(self, reader) -> Block:
+        key = reader.key
+        if key in self._blocks:
+            self._blocks.move_to_end(key)
+            return self._blocks[key]
+        if key in self._loading:
+            return await asyncio.shield(self._loading[key])
+        loop = asyncio.get_running_loop()
+        fut = self._loading[key] = loop.create_future()
+        try:
+            block = await loop.run_in_executor(None, self._read, reader)
+        except BaseException as exc:
+            fut.set_exception(exc)
+            fut.exception()  # mark retrieved: the awaiting callers re-raise it
+            raise
+        finally:
+            del self._loading[key]
+        self.put(key, block)
+        fut.set_result(block)
+        return block
+
+    def put(self, key: str, block: Block) -> None:
+        if block.nbytes > self.capacity or key in self._blocks:
+            return
+        while self.bytes + block.nbytes > self.capacity and self._blocks:
+            self._drop(next(iter(self._blocks)))
+        self._blocks[key] = block
+        self._served[key] = 0
+        self.bytes += block.nbytes
+
+    def served(self, key: str, rows: int) -> None:
+        """Count rows handed out; drop the block once all of its rows were."""
+        if key not in self._blocks:
+            return
+        self._served[key] += rows
+        if self._served[key] >= len(self._blocks[key]):
+            self._drop(key)
+
+    def _drop(self, key: str) -> None:
+        block = self._blocks.pop(key)
+        self._served.pop(key, None)
+        self.bytes -= block.nbytes
