@@ -12,7 +12,7 @@ from benchmarks.__main__ import run
 
 @pytest.mark.slow
 def test_harness_runs_every_scenario_and_writes_the_page(tmp_path):
-    results = run("tiny", ["traffic", "throughput", "control_plane"], out_dir=str(tmp_path), write_doc=False)
+    results = run("tiny", ["traffic", "throughput", "control_plane", "scale"], out_dir=str(tmp_path), write_doc=False)
     assert os.path.exists(tmp_path / "tiny-latest.json")
     scenarios = results["scenarios"]
     assert not [n for n, s in scenarios.items() if "error" in s], scenarios
@@ -28,7 +28,12 @@ def test_harness_runs_every_scenario_and_writes_the_page(tmp_path):
     for row in scenarios["control_plane"]["rows"]:
         assert row["epochs"][0]["tasks"] == row["blocks"]
         assert all(e["tasks"] == 0 for e in row["epochs"][1:])
+    scale = scenarios["scale"]
+    assert scale["work_stealing"] is True  # a stock scheduler
+    for row in scale["planning"]:
+        assert row["loaded"] and row["batch_ok"] and row["peak_mib"] > 0 and row["first_batch_s"] > 0
+    assert [r["blocks"] for r in scale["creation"]] == scale["config"]["blocks"]
     page = report.write(results, path=str(tmp_path / "benchmarks.md"), plots_dir=str(tmp_path / "plots"))
     text = open(page).read()
     assert "## Goals" in text and "| 1 |" in text and "| 4 |" in text
-    assert sorted(os.listdir(tmp_path / "plots")) == ["control_plane.png", "throughput.png", "traffic.png"]
+    assert sorted(os.listdir(tmp_path / "plots")) == ["control_plane.png", "scale.png", "throughput.png", "traffic.png"]
