@@ -1,5 +1,4 @@
 """Bad input: a clear error naming what was wrong, and nothing cached is lost."""
-import json
 import os
 import shutil
 import subprocess

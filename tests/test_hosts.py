@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from dmdask.testing.datasets import write_zarr, zarr_sample
+from dmdask.testing.datasets import write_zarr
 
 PY = sys.executable
 HOSTS = {"a": "127.100.0.1", "b": "127.100.0.2"}

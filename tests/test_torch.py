@@ -17,8 +17,8 @@ zarr = pytest.importorskip("zarr")
 import dmdask  # noqa: E402
 from framework_cases import (BATCH, FEATURES, N, REPO_ROOT, assert_accurate, assert_loss_falls,  # noqa: E402
                              assert_resumed, cat, check_exactly_once, check_folder_batches,
-                             check_other_epoch_and_spec, env_fixture, folder_spec, free_port, take,
-                             zarr_spec)
+                             check_other_epoch_and_spec, env_fixture, folder_spec, free_port,
+                             imported_modules, take, zarr_spec)
 from dmdask.integrations.torch import TorchLoader, distributed_spec, to_torch  # noqa: E402
 
 env = env_fixture("torchdata")
@@ -55,6 +55,13 @@ def test_integrations_package_imports_no_framework():
     code = ("import sys, dmdask.integrations; bad = {'torch', 'tensorflow', 'mxnet', 'jax'} & set(sys.modules); "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT, timeout=60)
+
+
+def test_imports_only_torch():
+    frameworks = {"torch", "tensorflow", "mxnet", "jax", "jaxlib"}
+    assert frameworks & imported_modules("dmdask/integrations/torch.py") == {"torch"}
+    for shared in ("_passes.py", "_rank.py"):  # what the four adapters share imports none
+        assert not frameworks & imported_modules(f"dmdask/integrations/{shared}")
 
 
 def test_distributed_spec_unchanged_without_process_group():
@@ -130,6 +137,20 @@ def test_resume_continues_exactly(env):
 
     # another epoch drops the loaded position; a state of another spec is refused when loaded
     check_other_epoch_and_spec(env, lambda s: TorchLoader(env["client"], s), spec, state, 2, to_numpy=_np)
+
+
+@pytest.mark.slow
+def test_epoch_moves_only_with_set_epoch(env):
+    loader = TorchLoader(env["client"], _spec(env, seed=2))
+    assert len(cat(list(loader), "index", _np)) == N
+    done = loader.state_dict()  # a finished pass stays at its epoch, reported as done
+    assert done["epoch"] == 0 and done["iterator"]["position"] == len(loader)
+    assert len(cat(list(loader), "index", _np)) == N  # the next pass: the same epoch again
+
+    resumed = TorchLoader(env["client"], _spec(env, seed=2))
+    resumed.load_state_dict(done)
+    assert list(resumed) == []  # nothing of epoch 0 is left
+    assert len(cat(list(resumed), "index", _np)) == N  # a loaded position serves one pass
 
 
 @pytest.mark.slow

@@ -12,7 +12,11 @@ importing this package imports none:
 - `dmdask.integrations.jax`: `JaxLoader`, an iterable of dicts of `jax.Array`, optionally
   sharded over devices.
 
-The TensorFlow, MXNet and JAX loaders share their epoch and resume bookkeeping
-(`dmdask.integrations._passes`, which imports no framework): handing out an epoch's last
-batch moves them on to the next epoch.
+What the adapters share lives in modules that import no framework:
+`dmdask.integrations._passes` holds the epoch and resume bookkeeping of all four loaders,
+with one epoch-advance policy per loader (the TensorFlow, MXNet and JAX loaders move on
+to the next epoch when they hand out an epoch's last batch; `TorchLoader` waits for
+`set_epoch`); `dmdask.integrations._rank` holds the rank rule (a spec at the defaults
+rank=0, world_size=1 takes the rank and world size the framework reports; explicit
+values must agree).
 """

@@ -1,17 +1,18 @@
-"""The epoch bookkeeping the JAX, MXNet and TensorFlow adapters share: `_EpochPasses`.
+"""The epoch bookkeeping all four adapters share: `_EpochPasses`.
 
-A loader over `dmdask.batches` that goes epoch after epoch (handing out an epoch's last
-batch moves it on to the next), keeps a resumable position (`state_dict` /
-`load_state_dict`) and closes the batches in flight. `dmdask.integrations.torch` keeps its own
-bookkeeping: its passes do not move the epoch on (`set_epoch` does, as with
-`DistributedSampler`).
+A loader over `dmdask.batches` that goes through passes of its current epoch, keeps a
+resumable position (`state_dict` / `load_state_dict`) and closes the batches in flight.
+What happens when an epoch's last batch is handed out is the loader's epoch-advance
+policy, given once to `_init_passes`: the TensorFlow, MXNet and JAX loaders move on to
+the next epoch by themselves; `TorchLoader` stays at its epoch until `set_epoch`, as a
+`DistributedSampler` does.
 
 This module imports numpy and dmdask, and no framework.
 """
 from __future__ import annotations
 
 import threading
-from typing import Optional
+from typing import Iterator, Optional
 
 import numpy as np
 
@@ -23,19 +24,29 @@ __all__ = ["_EpochPasses"]
 class _EpochPasses:
     """The epoch bookkeeping of a loader over `dmdask.batches`.
 
-    A pass yields the batches of the current epoch from its start point (the epoch's
-    first batch, or the position given to `load_state_dict`). Handing out the last batch
-    of the epoch moves the loader to the next epoch at once (a consumer that stops
-    after a known number of steps still moves on); a pass abandoned part-way leaves the
-    epoch and its start point as they were. `set_epoch` picks an epoch explicitly.
+    A pass yields the batches of the current epoch from its start point: the epoch's
+    first batch, or the position given to `load_state_dict`. `set_epoch` picks an epoch
+    explicitly. The epoch-advance policy (`moves_on`) decides the rest:
+
+    - moves_on=True: handing out the last batch of the epoch moves the loader to the
+      next epoch at once (a consumer that stops after a known number of steps still
+      moves on), starting at its first batch; a pass abandoned part-way leaves the
+      epoch and its start point as they were.
+    - moves_on=False: the epoch changes only with `set_epoch`. A loaded position serves
+      the next pass only; every later pass starts the epoch at its first batch. After
+      the last batch, `state_dict()` keeps reporting the finished pass (so a loader
+      resumed from it hands out nothing more of that epoch).
+
+    A new pass closes the previous one.
     """
 
-    def _init_passes(self, client, spec: dmdask.Spec, epoch: int) -> None:
+    def _init_passes(self, client, spec: dmdask.Spec, epoch: int, *, moves_on: bool = True) -> None:
         self.client = client
         self.spec = spec
         self.epoch = _check_epoch(epoch)
+        self._moves_on = moves_on  # the epoch-advance policy (see the class)
         self._lock = threading.RLock()
-        self._start: Optional[dict] = None  # inner state each pass of this epoch starts from
+        self._start: Optional[dict] = None  # inner state the next pass starts from
         self._fresh: Optional[dmdask.BatchIterator] = None  # built (by len/load) but not started
         self._current: Optional[dmdask.BatchIterator] = None  # the latest pass of this epoch
 
@@ -61,31 +72,37 @@ class _EpochPasses:
     def _make(self) -> dmdask.BatchIterator:
         return dmdask.batches(self.client, self.spec, epoch=self.epoch, resume=self._start)
 
-    def _pass(self, repeat: bool = False):
-        """One pass: numpy batches of the current epoch; repeat=True goes on with the
-        following epochs without end."""
+    def _pass(self, repeat: bool = False) -> Iterator[dict]:
+        """Start a pass now (closing the previous one): an iterator of the numpy batches
+        of the current epoch. repeat=True goes on with the following epochs without end
+        (where the loader moves on by itself)."""
         with self._lock:
             it = self._fresh if self._fresh is not None else self._make()
             self._fresh = None
             if self._current is not None and self._current is not it:
                 self._current.close()
             self._current = it
+            if not self._moves_on:
+                self._start = None  # a loaded position serves this pass only
+        return self._batches(it, repeat)
+
+    def _batches(self, it: dmdask.BatchIterator, repeat: bool):
         try:
             while True:
-                count, owner = 0, True
+                count, moved = 0, False
                 for batch in it:
                     count += 1
                     last = it.state_dict()["position"] >= len(it)
                     if last:  # the epoch is done once its last batch is handed out
-                        owner = self._advance(it)
+                        moved = self._end_epoch(it)
                     yield batch
                     if last:
                         break
                 else:
                     if it.state_dict()["position"] < len(it):  # closed part-way
                         return
-                    owner = self._advance(it)  # a pass that started at the end of its epoch
-                if not owner or not (repeat or count == 0):
+                    moved = self._end_epoch(it)  # a pass that started at the end of its epoch
+                if not moved or not (repeat or count == 0):
                     return
                 with self._lock:
                     if self._current is not None:  # another pass or set_epoch took over
@@ -94,10 +111,11 @@ class _EpochPasses:
         finally:
             it.close()  # cancels prefetched batches; the position stays at the last one handed out
 
-    def _advance(self, it: dmdask.BatchIterator) -> bool:
-        """Move on to the next epoch after `it`, if `it` is still this loader's pass."""
+    def _end_epoch(self, it: dmdask.BatchIterator) -> bool:
+        """`it` has handed out the last batch of its epoch. Moves the loader on to the next
+        epoch if the policy says so and `it` is still this loader's pass; True if it did."""
         with self._lock:
-            if self._current is not it:
+            if not self._moves_on or self._current is not it:
                 return False
             self.epoch += 1
             self._start = None

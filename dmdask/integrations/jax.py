@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 import dmdask
 from ._passes import _EpochPasses
+from ._rank import spec_for_rank
 
 __all__ = ["JaxLoader", "to_jax", "local_batch_sharding", "process_spec"]
 
@@ -31,21 +32,13 @@ def process_spec(spec: dmdask.Spec) -> dmdask.Spec:
     """`spec` with rank and world size from a multi-process JAX run (`jax.process_index()`,
     `jax.process_count()`, after `jax.distributed.initialize()`); one process: unchanged.
 
-    As in `dmdask.integrations.torch.distributed_spec`: a spec at the defaults rank=0,
-    world_size=1 takes JAX's values; explicit values must agree (ValueError).
+    Several processes: the adapters' shared rule (`dmdask.integrations._rank.spec_for_rank`),
+    a spec at the defaults rank=0, world_size=1 takes JAX's values; explicit values must
+    agree (ValueError naming both).
     """
-    rank, world_size = jax.process_index(), jax.process_count()
-    if world_size == 1:
+    if jax.process_count() == 1:
         return spec
-    if (spec.rank, spec.world_size) == (0, 1):
-        return spec.replace(rank=rank, world_size=world_size)
-    if (spec.rank, spec.world_size) != (rank, world_size):
-        raise ValueError(
-            f"Spec(rank={spec.rank}, world_size={spec.world_size}) disagrees with JAX "
-            f"(process {rank} of {world_size}); leave the spec's rank and world_size at "
-            "their defaults to take them from jax.process_index()/process_count()"
-        )
-    return spec
+    return spec_for_rank(spec, jax.process_index(), jax.process_count(), "JAX processes")
 
 
 def local_batch_sharding(axis: str = "batch") -> NamedSharding:

@@ -41,6 +41,7 @@ with warnings.catch_warnings():  # MXNet's import-time noise: distutils, numpy f
 
 import dmdask  # noqa: E402
 from ._passes import _EpochPasses  # noqa: E402
+from ._rank import spec_for_rank  # noqa: E402
 
 __all__ = ["MXNetLoader", "DmdaskDataIter", "to_mxnet", "kvstore_spec"]
 
@@ -52,23 +53,16 @@ _WIDEN = {np.dtype("int16"): np.dtype("int32"), np.dtype("uint16"): np.dtype("in
 
 def kvstore_spec(spec: dmdask.Spec, kvstore=None) -> dmdask.Spec:
     """`spec` with rank and world size from a distributed `mx.kv.KVStore` (`kv.rank`,
-    `kv.num_workers`, as with kvstore "dist_sync"); None or a local store: unchanged.
+    `kv.num_workers`, as with kvstore "dist_sync"); None or a store of one worker (a
+    local store): unchanged.
 
-    As in `dmdask.integrations.torch.distributed_spec`: a spec at the defaults rank=0,
-    world_size=1 takes the store's values; explicit values must agree (ValueError).
+    Several workers: the adapters' shared rule (`dmdask.integrations._rank.spec_for_rank`),
+    a spec at the defaults rank=0, world_size=1 takes the store's values; explicit values
+    must agree (ValueError naming both).
     """
-    if kvstore is None:
+    if kvstore is None or int(kvstore.num_workers) == 1:
         return spec
-    rank, world_size = int(kvstore.rank), int(kvstore.num_workers)
-    if (spec.rank, spec.world_size) == (0, 1):
-        return spec if (rank, world_size) == (0, 1) else spec.replace(rank=rank, world_size=world_size)
-    if (rank, world_size) != (0, 1) and (spec.rank, spec.world_size) != (rank, world_size):
-        raise ValueError(
-            f"Spec(rank={spec.rank}, world_size={spec.world_size}) disagrees with the kvstore "
-            f"(rank={rank}, world_size={world_size}); leave the spec's rank and world_size at "
-            "their defaults to take them from the kvstore"
-        )
-    return spec
+    return spec_for_rank(spec, kvstore.rank, kvstore.num_workers, "the kvstore")
 
 
 def _ndarray(arr: np.ndarray, ctx):

@@ -25,6 +25,7 @@ import tensorflow as tf
 
 import dmdask
 from ._passes import _EpochPasses
+from ._rank import spec_for_rank
 
 __all__ = ["TFLoader", "to_tensorflow", "strategy_spec", "rank_of_strategy", "signature_of"]
 
@@ -74,23 +75,18 @@ def rank_of_strategy(strategy=None, input_context=None) -> tuple:
 def strategy_spec(spec: dmdask.Spec, strategy=None, input_context=None) -> dmdask.Spec:
     """`spec` with rank and world size from `input_context` or `strategy` (see `rank_of_strategy`).
 
-    With neither, the strategy in scope (`tf.distribute.get_strategy()`) is used. As
-    in `dmdask.integrations.torch.distributed_spec`: a spec at the defaults rank=0,
+    With neither, the strategy in scope (`tf.distribute.get_strategy()`) is used. One
+    input pipeline (world size 1): `spec` unchanged. Several: the adapters' shared rule
+    (`dmdask.integrations._rank.spec_for_rank`), a spec at the defaults rank=0,
     world_size=1 takes the strategy's values; explicit values must agree with them
     (ValueError naming both otherwise).
     """
     if strategy is None and input_context is None and tf.distribute.has_strategy():
         strategy = tf.distribute.get_strategy()
     rank, world_size = rank_of_strategy(strategy, input_context)
-    if (spec.rank, spec.world_size) == (0, 1):
-        return spec if (rank, world_size) == (0, 1) else spec.replace(rank=rank, world_size=world_size)
-    if (rank, world_size) != (0, 1) and (spec.rank, spec.world_size) != (rank, world_size):
-        raise ValueError(
-            f"Spec(rank={spec.rank}, world_size={spec.world_size}) disagrees with tf.distribute "
-            f"(rank={rank}, world_size={world_size}); leave the spec's rank and world_size at "
-            "their defaults to take them from the strategy"
-        )
-    return spec
+    if world_size == 1:
+        return spec
+    return spec_for_rank(spec, rank, world_size, "tf.distribute")
 
 
 # --- conversion -----------------------------------------------------------------------------
