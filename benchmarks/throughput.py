@@ -128,7 +128,7 @@ def _dmdask_and_ceiling(path: str, dataset_bytes: int, cfg) -> dict:
 
         mine = _timed(cfg["epochs"], dmdask_epoch)
         # futures of the cached blocks: the same keys again return the blocks already held
-        source = dmdask.source.locate(spec).open()
+        source = dmdask.source.open_source(spec)
         readers = [source.reader(k) for k in range(source.info.num_blocks)]
         futures = client.map(load_block, readers, key=[r.key for r in readers], pure=False)
 

@@ -69,8 +69,9 @@ def _torch_run(store, datasets, nodes: int, epochs: int) -> dict:
 
 
 def _dmdask_run(store, nodes: int, capacity: int, cfg: dict) -> dict:
-    # A block in the cache costs its files plus 16 bytes a sample (label, pointer).
-    per_worker = int(capacity / nodes * (1 + 16 / cfg["sample_bytes"]))
+    # A sample in the cache costs its file plus 16 bytes (label, pointer); integer
+    # arithmetic, so the workers hold exactly `capacity` bytes of files between them.
+    per_worker = capacity * (cfg["sample_bytes"] + 16) // (nodes * cfg["sample_bytes"])
     with dmdask_cluster(nodes, ram=per_worker, stream_buffer=0) as cluster, distributed.Client(cluster) as client:
         store.reset_stats()
         spec = dmdask.Spec(store.url + "/files", batch_size=BATCH, block_size=cfg["block"])

@@ -12,21 +12,23 @@ DASHBOARD_PRELOAD = "dmdask.dashboard"
 class LocalCluster(distributed.LocalCluster):
     """A `distributed.LocalCluster` whose workers carry dmdask's RAM and SSD tiers.
 
-    ram, ssd, ssd_dir, stream_buffer: per-worker cache capacities (bytes or strings such
-    as "4 GiB"; ssd=0 means no SSD tier) and the parent folder of the workers' SSD tiers
-    (each worker takes its own subfolder, removed when it closes); unset ones come from
+    ram, ssd, ssd_dir, shm_dir, stream_buffer: per-worker cache capacities (bytes or
+    strings such as "4 GiB"; ssd=0 means no SSD tier) and the parent folders of the
+    workers' SSD and shared-memory RAM tiers (each worker takes its own subfolder,
+    removed when it closes); unset ones come from
     the `dmdask.worker` config namespace (`DASK_DMDASK__WORKER__RAM=...`). The scheduler
     runs the `dmdask.dashboard` preload: dmdask's scheduler plugin, the `/dmdask`
     dashboard page, `/dmdask/tiers.json` and the `dmdask_*` Prometheus metrics. Other keyword arguments go to
     `distributed.LocalCluster` (n_workers, processes, dashboard_address, scheduler_kwargs, ...).
     """
 
-    def __init__(self, n_workers: int = 2, ram=None, ssd=None, ssd_dir=None,
+    def __init__(self, n_workers: int = 2, ram=None, ssd=None, ssd_dir=None, shm_dir=None,
                  stream_buffer=None, threads_per_worker: int = 1, processes: bool = True, **kwargs):
         given = {"ram": ram, "ssd": ssd, "stream_buffer": stream_buffer}
         worker_options = {name: capacity(value, name) for name, value in given.items() if value is not None}
-        if ssd_dir is not None:
-            worker_options["ssd_dir"] = ssd_dir
+        for name, value in (("ssd_dir", ssd_dir), ("shm_dir", shm_dir)):
+            if value is not None:
+                worker_options[name] = value
         kwargs.setdefault("dashboard_address", ":0")
         kwargs["scheduler_kwargs"] = with_dashboard_preload(kwargs.get("scheduler_kwargs"))
         super().__init__(n_workers=n_workers, threads_per_worker=threads_per_worker,

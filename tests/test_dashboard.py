@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import dmdask
-from dmdask.source import locate
+from dmdask.source import dataset_name, open_source
 from dmdask.testing.datasets import write_zarr, zarr_sample
 
 from conftest import all_ids, run_epoch
@@ -145,7 +145,7 @@ def large(cluster, small, tmp_path_factory):
 @pytest.mark.slow
 def test_json_and_metrics_exact_for_a_dataset_that_fits(cluster, small):
     _, client = cluster
-    info = locate(small).open().info
+    info = open_source(small).info
     decoded = info.nbytes
     assert decoded == 3000 * ROW_BYTES
 
@@ -228,7 +228,7 @@ def test_status_command_prints_the_stats(cluster, small, large, capsys):
         assert [int(x) for x in row[5:11]] == [s["ram"]["blocks"], s["ssd"]["blocks"], s["streamed_blocks"],
                                               s["ram"]["hits"], s["ssd"]["hits"], s["stream"]["hits"]]
         assert row[12] == f"{s['shared_store']['bytes'] / MiB:.1f}" and int(row[13]) == s["shared_store"]["requests"]
-    datasets = {line.split()[0]: line.split() for line in rest.splitlines()[1:] if line.startswith(("zarr-", "folder-"))}
+    datasets = {line.split()[0]: line.split() for line in rest.splitlines()[1:] if line.startswith("ds-")}
     assert set(datasets) == {d["name"] for d in stats["datasets"]} and len(datasets) == 2
     for d in stats["datasets"]:
         assert datasets[d["name"]][1:5] == [f"{d['samples']:,}", f"{d['blocks']:,}", f"{d['loaded']:,}", "0"]
@@ -492,7 +492,7 @@ def test_preload_on_the_dask_scheduler_cli(tmp_path):
                 if tiers["total"]["ram"]["blocks"] == 10 or time.monotonic() > deadline:
                     break
                 time.sleep(0.25)
-            assert tiers["total"]["ram"]["bytes"] == locate(spec).open().info.nbytes == 500 * 24
+            assert tiers["total"]["ram"]["bytes"] == open_source(spec).info.nbytes == 500 * 24
             assert tiers["cluster"]["cached_share"] == 1.0
             page = http(base + "/dmdask")
             assert "Bokeh" in page and 'href="dmdask"' in page  # the Bokeh app, and the link

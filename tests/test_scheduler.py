@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import dmdask
-from dmdask.source import locate
+from dmdask.source import dataset_name
 from dmdask.testing.datasets import write_zarr, zarr_sample
 
 from conftest import all_ids, run_epoch
@@ -43,7 +43,7 @@ def test_blocks_load_on_their_planned_workers_with_work_stealing_on(zarr_path):
         for epoch in range(2):
             ids = all_ids(run_epoch(client, spec, epoch=epoch, world_size=2))
             assert np.array_equal(np.sort(ids), np.arange(N))
-        placement = client.run_on_scheduler(_placement, name=locate(spec).name)
+        placement = client.run_on_scheduler(_placement, name=dataset_name(spec))
         assert len(placement) == 61
         assert all(holders == [planned] for planned, holders in placement), placement
         per_worker = {w: sum(1 for p, _ in placement if p == w) for w in client.scheduler_info()["workers"]}
@@ -71,7 +71,7 @@ def test_concurrent_get_or_create_from_several_jobs_creates_once(zarr_path):
         assert len(ids) == N and np.array_equal(np.sort(ids), np.arange(N))
         with distributed.Client(cluster) as client:
             stats = dmdask.stats(client)
-            assert [d["name"] for d in stats["datasets"]] == [locate(spec).name]
+            assert [d["name"] for d in stats["datasets"]] == [dataset_name(spec)]
             assert stats["datasets"][0]["blocks"] == stats["datasets"][0]["loaded"] == 61
             assert stats["total"]["shared_store"]["requests"] == 61
 

@@ -3,10 +3,9 @@ import os
 
 import distributed
 import numpy as np
-import pytest
 
 import dmdask
-from dmdask.worker.holdings import Block, SsdBlock, Streamed
+from dmdask.worker.holdings import Block, FileBlock, Streamed
 from dmdask.testing.datasets import write_folder, write_zarr, zarr_sample
 from dmdask.worker.tiers import TieredStore
 
@@ -32,7 +31,7 @@ def test_placement_fastest_tier_with_room_and_never_over_capacity(tmp_path):
             store[key] = store.place(key, tier, make_block(10 * k, 10), one)
         assert store.ram.bytes <= store.ram.capacity and store.ssd.bytes <= store.ssd.capacity
     assert placed == ["ram", "ram", "ssd", None]
-    assert isinstance(store["dmdask-block-t-2"], SsdBlock)
+    assert isinstance(store["dmdask-block-t-2"], FileBlock) and store["dmdask-block-t-2"].tier == "ssd"
     assert store.stats()["ram"]["blocks"] == 2 and store.stats()["ssd"]["blocks"] == 1
     # a released block frees its tier and its files
     path = store["dmdask-block-t-2"].path
@@ -43,7 +42,7 @@ def test_placement_fastest_tier_with_room_and_never_over_capacity(tmp_path):
 
 def test_ssd_block_serves_the_same_rows_as_memory(tmp_path):
     block = make_block(100, 37)
-    on_disk = SsdBlock.write(str(tmp_path), block)
+    on_disk = FileBlock.write(str(tmp_path), block, "ssd")
     rows = np.array([36, 0, 5, 5, 17])
     a, b = block.take(rows), on_disk.take(rows)
     np.testing.assert_array_equal(a["x"], b["x"])
@@ -63,7 +62,7 @@ def test_ssd_reads_from_many_threads_parse_no_header(tmp_path, monkeypatch):
     import ast
     import concurrent.futures
 
-    blocks = [SsdBlock.write(str(tmp_path), make_block(100 * k, 60)) for k in range(8)]
+    blocks = [FileBlock.write(str(tmp_path), make_block(100 * k, 60), "ssd") for k in range(8)]
 
     def no_parse(*args, **kwargs):
         raise AssertionError("an SSD read parsed a file header")
@@ -82,7 +81,7 @@ def test_ssd_reads_from_many_threads_parse_no_header(tmp_path, monkeypatch):
 def test_ssd_tier_keeps_numpy_strings(tmp_path):
     strings = np.array(["", "a", "päivää", "x" * 300, "z"], dtype=np.dtypes.StringDType())
     block = Block({"s": strings, "n": np.arange(5)}, 0, 5)
-    on_disk = SsdBlock.write(str(tmp_path), block)
+    on_disk = FileBlock.write(str(tmp_path), block, "ssd")
     out = on_disk.take(np.array([3, 0, 2, 2]))
     assert out["s"].dtype == np.dtypes.StringDType()
     assert out["s"].tolist() == ["x" * 300, "", "päivää", "päivää"]

@@ -3,6 +3,7 @@ and release it. The scheduler side is `dmdask.scheduler.DatasetsPlugin`."""
 from __future__ import annotations
 
 import uuid
+import weakref
 
 import numpy as np
 from distributed import Client
@@ -10,15 +11,19 @@ from distributed import Client
 from ..errors import NotADmdaskWorker
 from ..plan.order import EpochOrder
 from ..scheduler import DatasetsPlugin
-from ..source import DatasetInfo, Source, locate
+from ..source import DatasetInfo, Source, dataset_name, open_source
 from ..worker import load_block
 
+_registered: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # client -> scheduler address
 NEED_ORDER_POSITIONS = 8  # positions per block looked at to find the order blocks are first needed
 
 
 def ensure_plugin(client: Client) -> None:
-    """Register the scheduler plugin unless the scheduler has it (idempotent, race-free)."""
-    client.register_plugin(DatasetsPlugin())
+    """Register the scheduler plugin unless the scheduler has it (idempotent, race-free;
+    asked once per client and scheduler)."""
+    if _registered.get(client) != client.scheduler.address:
+        client.register_plugin(DatasetsPlugin())
+        _registered[client] = client.scheduler.address
 
 
 def _call(client: Client, op: str, **msg):
@@ -31,26 +36,25 @@ def open_dataset(client: Client, spec, epoch: int) -> DatasetInfo:
     source and submits every block load in one graph; the others wait for it and get
     the same blocks."""
     ensure_plugin(client)
-    ref = locate(spec)
+    name = dataset_name(spec)
     claimant = uuid.uuid4().hex
     while True:
-        reply = _call(client, "dmdask_get_or_claim", name=ref.name, claimant=claimant)
+        reply = _call(client, "dmdask_get_or_claim", name=name, claimant=claimant)
         if reply["status"] == "ready":
             return DatasetInfo.from_dict(reply["info"])
         try:
-            source = ref.open()
-            _create(client, source, spec, epoch, claimant)
+            _create(client, name, open_source(spec), spec, epoch, claimant)
         except BaseException:
-            _call(client, "dmdask_abandon", name=ref.name, claimant=claimant)
+            _call(client, "dmdask_abandon", name=name, claimant=claimant)
             raise
 
 
-def _create(client: Client, source: Source, spec, epoch: int, claimant: str) -> None:
+def _create(client: Client, name: str, source: Source, spec, epoch: int, claimant: str) -> None:
     info = source.info
     order = EpochOrder(info.num_samples, info.block_len, shuffle=spec.shuffle, seed=spec.seed, epoch=epoch,
                        shuffle_window=spec.shuffle_window)
     need = order.blocks_first_needed(limit=NEED_ORDER_POSITIONS * info.num_blocks)
-    reply = _call(client, "dmdask_register", name=info.name, claimant=claimant, info=info.as_dict(),
+    reply = _call(client, "dmdask_register", name=name, claimant=claimant, info=info.as_dict(),
                   order=np.asarray(need).tolist())
     if reply["status"] == "no-workers":
         raise NotADmdaskWorker("the cluster has no workers; start `dask worker ... --worker-class dmdask.Worker`")
@@ -66,4 +70,4 @@ def release(client: Client, spec) -> bool:
     iterator reads them, and the next `batches` lists and reads the source afresh.
     True if the cluster held it."""
     ensure_plugin(client)
-    return _call(client, "dmdask_release", name=locate(spec).name)
+    return _call(client, "dmdask_release", name=dataset_name(spec))

@@ -31,6 +31,7 @@ from ..errors import BlockReadError, NotADmdaskWorker, SpecError
 from ..plan.order import EpochOrder, RankShare
 from ..spec import Spec, dumps_transform
 from .datasets import open_dataset
+from .gather import Gatherer, Moved
 from .progress import make as _make_progress
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ STATE_FIELDS = ("identity", "epoch", "seed", "shuffle", "shuffle_window", "rank"
 REQUEST_BYTES = 8 << 20  # small batches are fetched several per request, up to about this size
 RECOVERY_SECONDS = 60  # how long a batch keeps retrying while the cluster recovers from a lost worker
 LOCATE_SECONDS = 2.0  # one wait on the scheduler for blocks still loading
+HITS_SECONDS = 1.0  # how often workers hear of the rows taken from their files (progress bar, dashboard)
 
 
 def batches(client: Client, spec: Spec, epoch: int = 0, resume: Optional[dict] = None,
@@ -59,6 +61,18 @@ def batches(client: Client, spec: Spec, epoch: int = 0, resume: Optional[dict] =
 
 def _host(address: str) -> str:
     return address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+
+
+def _my_host(client: Client) -> Optional[str]:
+    """The address this process reaches the scheduler from: its host on the cluster's network."""
+    comm = client.scheduler_comm.comm if client.scheduler_comm is not None else None
+    return _host(comm.local_address) if comm is not None else None
+
+
+def _split(arrays: Dict[str, np.ndarray], ids: np.ndarray, sizes: List[int]) -> List[Dict[str, np.ndarray]]:
+    """A group's arrays cut into its batches (views), each with its "index"."""
+    bounds = np.cumsum([0] + sizes)
+    return [{**{f: v[a:b] for f, v in arrays.items()}, "index": ids[a:b]} for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 class BatchIterator:
@@ -92,6 +106,7 @@ class BatchIterator:
         self._in_flight: Deque = deque()  # concurrent futures, each of a list of batches
         self._ready_batches: Deque = deque()
         self._holders: Dict[str, str] = {}  # block key -> a worker holding it
+        self._gatherer = Gatherer(client, _my_host(client))
         self._worker: Optional[str] = None
         self._transform = dumps_transform(spec.transform)
         self._loop = client.loop.asyncio_loop
@@ -163,9 +178,17 @@ class BatchIterator:
         self._next_request = len(self._batches)
 
     def _end_progress(self) -> None:
+        """At the end of the epoch or on close: the bar closes, and the workers learn how
+        many rows this process took from their files (their hit counters)."""
         if self._progress is not None:
             self._progress.close()
             self._progress = None
+        if self._gatherer.has_hits():
+            report = asyncio.run_coroutine_threadsafe(self._gatherer.flush_hits(), self._loop)
+            try:
+                report.result(timeout=10)
+            except Exception:  # noqa: BLE001 - counters only; never fails an epoch
+                pass
 
     # -- resume ------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -217,26 +240,32 @@ class BatchIterator:
             if len(holders) < len(keys):  # still loading, or being recomputed after a loss
                 continue
             plan, positions = self._plan(blocks, offsets, keys, holders)
-            msg = {"requests": plan, "positions": positions, "index": ids, "sizes": [len(b) for b in group],
-                   "fields": list(self.info.fields), "transform": self._transform}
-            worker = await self._local_worker()
             try:
-                reply = await self.client.rpc(worker).dmdask_batch(msg=to_serialize(msg))
+                if self._transform is None:  # assembled here: local rows straight from the files
+                    arrays = await self._gatherer.gather(plan, positions, len(ids))
+                    self._gatherer.flush_hits_every(HITS_SECONDS)
+                    return _split(arrays, ids, [len(b) for b in group])
+                return await self._from_local_worker(plan, positions, ids, group)
             except BlockReadError:
                 raise
             except (OSError, CommClosedError) as exc:  # a worker left: ask again
                 last_error = exc
                 self._worker = None
-                self._holders.clear()
-                await asyncio.sleep(min(1.0, 0.1 * attempt))
-                continue
-            if reply["status"] == "OK":
-                return reply["batches"]
-            last_error = KeyError(f"blocks moved: {reply['keys'][:3]}")
+            except Moved as exc:
+                last_error = exc
             self._holders.clear()
             await asyncio.sleep(min(1.0, 0.05 * attempt))
         raise RuntimeError(f"batches {first}..{stop - 1} of rank {self.spec.rank} still failing after {RECOVERY_SECONDS} s "
                            f"({attempt} tries); is the cluster losing workers?") from last_error
+
+    async def _from_local_worker(self, plan, positions, ids, group) -> list:
+        """Batches gathered and transformed by a worker on this node (`dmdask_batch`)."""
+        msg = {"requests": plan, "positions": positions, "index": ids, "sizes": [len(b) for b in group],
+               "fields": list(self.info.fields), "transform": self._transform}
+        reply = await self.client.rpc(await self._local_worker()).dmdask_batch(msg=to_serialize(msg))
+        if reply["status"] != "OK":
+            raise Moved(reply["keys"])
+        return reply["batches"]
 
     async def _fetch_one_by_one(self, first: int, stop: int) -> list:
         """After a failed group: its batches one at a time, up to the failing one, then
@@ -290,8 +319,7 @@ class BatchIterator:
             workers = sorted(info["workers"])
             if not workers:
                 raise NotADmdaskWorker("the cluster has no workers left")
-            comm = self.client.scheduler_comm.comm
-            my_host = _host(comm.local_address) if comm is not None else None
+            my_host = _my_host(self.client)
             local = [w for w in workers if _host(w) == my_host]
             if not local:
                 warnings.warn(f"no dmdask worker on this node ({my_host}); batches will cross the network",

@@ -1,35 +1,35 @@
 """Datasets on the shared store: their description and how a block is read.
 
-`locate(spec)` tells what a spec points at with a request or two (for Zarr, its
-metadata); `SourceRef.open()` reads what creating the blocks needs (for a folder, its
-listing), which only the process that creates a dataset's blocks does.
+`dataset_name(spec)` names the dataset a spec reads, with no I/O: the cluster's
+registry knows a dataset by it, so a rank that joins a dataset already created reads
+nothing from the shared store to plan its epoch. `open_source(spec)` reads what creating
+the blocks needs (Zarr metadata, a folder's listing); only the process that creates a
+dataset's blocks calls it, once per cluster. The cluster keeps a dataset as it was
+when first opened: after changing it in place, `dmdask.release` it.
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import Callable
-
 import fsspec
+from dask.base import tokenize
 
 from ..errors import SourceNotFoundError, SpecError
-from .base import BlockReader, DatasetInfo, Source, block_key, is_block_key, parse_block_key
-from .folder import folder_fields, folder_name, open_folder
+from .base import BlockReader, DatasetInfo, Source, block_key, is_block_key, options_json, parse_block_key
+from .folder import folder_fields, open_folder
 from .zarr import open_zarr
 
-__all__ = ["BlockReader", "DatasetInfo", "Source", "SourceRef", "block_key", "is_block_key", "locate",
+__all__ = ["BlockReader", "DatasetInfo", "Source", "block_key", "dataset_name", "is_block_key", "open_source",
            "parse_block_key"]
 
 
-@dataclasses.dataclass(frozen=True)
-class SourceRef:
-    """A located dataset: its registry `name`, and `open()` to read what creating its blocks needs."""
+def dataset_name(spec) -> str:
+    """The registry name of the dataset `spec` reads: its URL, storage options, fields
+    and block size (no I/O)."""
+    keys = None if spec.keys is None else sorted(spec.keys)
+    return f"ds-{tokenize(spec.source.rstrip('/'), options_json(spec.storage_options), keys, spec.block_size)[:16]}"
 
-    name: str
-    open: Callable[[], Source]
 
-
-def locate(spec) -> SourceRef:
-    """What `spec.source` is, without listing it.
+def open_source(spec) -> Source:
+    """Open `spec.source`: a Zarr v3 group or array, or a folder of class subfolders.
 
     Raises `SourceNotFoundError` if nothing is there, `SourceError` if the layout is
     unusable, `SpecError` if the spec does not fit the source.
@@ -49,8 +49,12 @@ def locate(spec) -> SourceRef:
             f"dataset {url} does not exist; pass a Zarr v3 group or array, or a folder "
             "of class subfolders, as Spec(source=...)"
         )
+    name = dataset_name(spec)
     if fs.exists(path.rstrip("/") + "/zarr.json"):
-        source = open_zarr(url, options, spec)
-        return SourceRef(source.info.name, lambda: source)
+        source = open_zarr(url, options, spec, name)
+        missing = [k for k in spec.keys or () if k not in source.info.fields]
+        if missing:
+            raise SpecError("keys", f"names among the source's arrays {list(source.info.fields)}", list(spec.keys))
+        return source
     folder_fields(spec)  # a clear error now, before any listing
-    return SourceRef(folder_name(url, options, spec), lambda: open_folder(fs, path, url, options, spec))
+    return open_folder(fs, path, url, options, spec, name)

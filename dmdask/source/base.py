@@ -22,9 +22,9 @@ BLOCK_KEY_PREFIX = "dmdask-block-"
 class DatasetInfo:
     """A dataset as the training process sees it. Small (no per-block or per-sample arrays).
 
-    name: the registry name, a function of the spec alone (URL, options, fields, block size)
-        plus, for Zarr, the metadata; identity: a token of the data itself, part of every
-        block key, so a changed dataset gets new blocks; nbytes: decoded bytes of the
+    name: the registry name, a function of the spec alone (URL, options, fields, block
+        size); identity: a token of the data as opened (Zarr metadata, a folder's
+        listing), part of every block key, so a dataset changed and released gets new blocks; nbytes: decoded bytes of the
         whole dataset, None when the store's listing gives no sizes (HTTP folders).
     """
 

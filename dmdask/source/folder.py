@@ -34,12 +34,6 @@ def folder_fields(spec) -> tuple:
     return fields
 
 
-def folder_name(url: str, options: dict, spec) -> str:
-    """The registry name of a folder dataset: known before listing it."""
-    block_len = spec.block_size or DEFAULT_FILES_PER_BLOCK
-    return f"folder-{tokenize(url, options_json(options), folder_fields(spec), block_len)[:16]}"
-
-
 class FolderSource(Source):
     def __init__(self, info: DatasetInfo, protocol: str, options: str, files: List[str], labels: np.ndarray,
                  sizes: Optional[np.ndarray]):
@@ -53,7 +47,7 @@ class FolderSource(Source):
                                  self.labels[a:b], self.info.fields, self.info.identity, k, a, b, nbytes)
 
 
-def open_folder(fs, path: str, url: str, options: dict, spec) -> FolderSource:
+def open_folder(fs, path: str, url: str, options: dict, spec, registry_name: str) -> FolderSource:
     """List the folder (a request per class folder) and describe its blocks."""
     files, labels, sizes = _list(fs, path, url)
     fields = folder_fields(spec)
@@ -63,7 +57,7 @@ def open_folder(fs, path: str, url: str, options: dict, spec) -> FolderSource:
     identity = tokenize("folder", url, fields, block_len, relative, sizes)[:16]
     size_array = None if any(s is None for s in sizes) else np.asarray(sizes, dtype=np.int64)
     nbytes = None if size_array is None else block_nbytes(size_array, fields)
-    info = DatasetInfo(name=folder_name(url, options, spec), identity=identity, url=url, fields=fields,
+    info = DatasetInfo(name=registry_name, identity=identity, url=url, fields=fields,
                        num_samples=len(files), block_len=block_len, nbytes=nbytes)
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     return FolderSource(info, protocol, options_json(options), files, np.asarray(labels, dtype=np.int64), size_array)

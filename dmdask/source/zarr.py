@@ -44,7 +44,7 @@ class ZarrSource(Source):
         return ZarrBlockReader(self.layout, k, start, stop, self.row_bytes * (stop - start))
 
 
-def open_zarr(url: str, options: dict, spec) -> ZarrSource:
+def open_zarr(url: str, options: dict, spec, registry_name: str) -> ZarrSource:
     """Read the metadata of a Zarr v3 node (a few small requests) and describe its blocks."""
     import zarr
 
@@ -82,7 +82,7 @@ def open_zarr(url: str, options: dict, spec) -> ZarrSource:
     metadata = json.dumps({name: arrays[name].metadata.to_dict() for name in fields}, sort_keys=True, default=str)
     identity = tokenize("zarr", url, fields, block_len, metadata)[:16]
     row_bytes = sum(int(np.prod(arrays[f].shape[1:], dtype=np.int64)) * arrays[f].dtype.itemsize for f in fields)
-    info = DatasetInfo(name=f"zarr-{tokenize(identity, opts)[:16]}", identity=identity, url=url, fields=fields,
+    info = DatasetInfo(name=registry_name, identity=identity, url=url, fields=fields,
                        num_samples=int(n), block_len=int(block_len), nbytes=row_bytes * int(n))
     layout = ZarrLayout(url, opts, tuple((f, paths[f]) for f in fields), identity)
     return ZarrSource(info, layout, row_bytes)

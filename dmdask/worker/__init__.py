@@ -5,6 +5,7 @@ from the `dmdask.worker` config namespace (or keyword arguments).
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import dask
@@ -14,6 +15,8 @@ from dask.utils import parse_bytes
 from ..errors import NotADmdaskWorker, SpecError
 from .cache import BlockCache
 from .tiers import TieredStore
+
+DEFAULT_SHM = "/dev/shm"
 
 
 def capacity(value, name: str) -> int:
@@ -44,11 +47,13 @@ class Worker(distributed.Worker):
 
     ram, ssd: per-worker capacities (bytes or "4 GiB"); ssd=0 disables the SSD tier.
     ssd_dir: folder of the SSD tier (default: the worker's local directory).
+    shm_dir: shared-memory folder of the RAM tier (default /dev/shm; "" keeps RAM blocks
+    in the worker's own memory, readable only through it).
     stream_buffer: bytes for blocks beyond the cache while ranks take their rows.
     Unset values come from the `dmdask.worker` dask config namespace.
     """
 
-    def __init__(self, *args, ram=None, ssd=None, ssd_dir=None, stream_buffer=None, **kwargs):
+    def __init__(self, *args, ram=None, ssd=None, ssd_dir=None, shm_dir=None, stream_buffer=None, **kwargs):
         def config(name, value):
             return value if value is not None else dask.config.get(f"dmdask.worker.{name}")
 
@@ -56,10 +61,12 @@ class Worker(distributed.Worker):
             ram=capacity(config("ram", ram), "ram"),
             ssd=capacity(config("ssd", ssd), "ssd"),
             ssd_dir=config("ssd-dir", ssd_dir),
+            shm_dir=_shm_folder(config("shm-dir", shm_dir)),
         )
         kwargs["data"] = store
         super().__init__(*args, **kwargs)
         store.default_ssd_root(self.local_directory)
+        store.remove_stale()  # what crashed workers of this node left behind
         buffer = capacity(config("stream-buffer", stream_buffer), "stream_buffer")
         self.dmdask = BlockCache(self, store, buffer)
 
@@ -68,6 +75,13 @@ class Worker(distributed.Worker):
             return await super().close(*args, **kwargs)
         finally:
             self.dmdask.store.close()
+
+
+def _shm_folder(value):
+    """The shared-memory root: the default /dev/shm only where the system has one."""
+    if value == DEFAULT_SHM and not os.path.isdir(value):
+        return None
+    return value or None
 
 
 class Nanny(distributed.Nanny):

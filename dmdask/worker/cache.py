@@ -24,7 +24,7 @@ from distributed.protocol.serialize import to_serialize
 
 from ..errors import TransformError
 from ..spec import loads_transform
-from .holdings import Arrays, Block, FillingBlock, SsdBlock, Streamed, sample_nbytes
+from .holdings import Arrays, Block, FileBlock, FillingBlock, Streamed, sample_nbytes
 from .stream import StreamBuffer
 from .tiers import TieredStore
 
@@ -58,6 +58,8 @@ class BlockCache:
         self.peer_bytes_in = 0
         worker.handlers["dmdask_rows"] = self.rows_handler
         worker.handlers["dmdask_batch"] = self.batch_handler
+        worker.handlers["dmdask_describe"] = self.describe_handler
+        worker.handlers["dmdask_count_hits"] = self.count_hits_handler
         worker.metrics["dmdask"] = lambda worker: self.stats()
 
     # -- reading from the shared store -------------------------------------------------
@@ -135,9 +137,9 @@ class BlockCache:
             if hits:
                 self.store.count_hit("ram", hits, _nbytes(out) * hits // len(rows))
             return out
-        elif isinstance(value, SsdBlock):
+        elif isinstance(value, FileBlock):
             out = await asyncio.get_running_loop().run_in_executor(None, value.take, rows)
-            tier = "ssd"
+            tier = value.tier
         elif isinstance(value, Streamed) and value.reader.row_granular:
             # one file per sample: read just these samples, nothing is held afterwards
             out = await asyncio.get_running_loop().run_in_executor(None, self.read_rows, value.reader, rows)
@@ -172,6 +174,21 @@ class BlockCache:
             return {"status": "missing", "keys": exc.keys}
         self.peer_bytes_out += _nbytes(rows)
         return {"status": "OK", "rows": to_serialize(rows)}
+
+    def describe_handler(self, keys):
+        """RPC `dmdask_describe`: {key: how to map the block's files, or None} for held
+        blocks; a block held in files can be read by any process on this host."""
+        out = {}
+        for key in keys:
+            value = self.store[key] if key in self.store else None
+            out[key] = value.describe() if isinstance(value, FileBlock) else None
+        return out
+
+    def count_hits_handler(self, hits):
+        """RPC `dmdask_count_hits`: {tier: [samples, bytes]} that training processes on this
+        host took from this worker's files themselves, counted like any other hit."""
+        for tier, (samples, nbytes) in hits.items():
+            self.store.count_hit(tier, int(samples), int(nbytes))
 
     async def batch_handler(self, msg):
         """RPC `dmdask_batch`: gather consecutive batches from their holders, in batch order.

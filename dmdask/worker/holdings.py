@@ -1,12 +1,13 @@
 """What a worker holds under a block's key, each with `take(rows)`.
 
-- `Block`: the samples in RAM, one array per field;
+- `Block`: the samples in the worker's memory, one array per field;
 - `FillingBlock`: a RAM block of a one-file-per-sample source, filled as ranks ask;
-- `SsdBlock`: the samples in files on the node's SSD, mapped to take rows;
+- `FileBlock`: the samples in files (shared memory for RAM, the SSD), mapped to take rows;
 - `Streamed`: a marker for a block that fits no tier (read from the store when asked).
 """
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 import tempfile
@@ -163,24 +164,28 @@ def sample_nbytes(arrays: Arrays) -> np.ndarray:
     return sizes
 
 
-class SsdBlock:
-    """A block kept on local disk: one raw file per field, read by memory map, so a take
-    reads only the wanted rows. Variable-size fields (object arrays of per-sample uint8
-    arrays, and numpy string arrays) are stored as values plus offsets.
+class FileBlock:
+    """A block kept in files: one raw file per field, read by memory map, so a take reads
+    only the wanted rows. Variable-size fields (object arrays of per-sample uint8 arrays,
+    and numpy string arrays) are stored as values plus offsets. The RAM tier keeps its
+    blocks in shared memory (a folder in `/dev/shm`), the SSD tier on the node's disk:
+    either way a training process on the same host maps the files read-only
+    (`describe`, `map_arrays`) and takes its rows without asking the worker.
 
     Every dtype and shape is kept in this object when the block is written, so reads
     parse no file header (`np.load` parses `.npy` headers with `ast.literal_eval`, which
     is not thread-safe on CPython 3.11: python/cpython#106905).
     """
 
-    __slots__ = ("path", "start", "stop", "nbytes", "layout")
+    __slots__ = ("path", "start", "stop", "nbytes", "layout", "tier")
 
-    def __init__(self, path: str, start: int, stop: int, nbytes: int, layout: tuple):
+    def __init__(self, path: str, start: int, stop: int, nbytes: int, layout: tuple, tier: str):
         self.path, self.start, self.stop, self.nbytes = path, start, stop, nbytes
         self.layout = layout  # (name, kind, dtype, shape): kind "fixed", "ragged" or "strings"
+        self.tier = tier
 
     @classmethod
-    def write(cls, directory: str, block: Block) -> "SsdBlock":
+    def write(cls, directory: str, block: Block, tier: str) -> "FileBlock":
         """Write `block` under a new folder of `directory`; on error nothing is left behind."""
         path = tempfile.mkdtemp(dir=directory, prefix=f"b{block.start}-")
         layout = []
@@ -202,35 +207,22 @@ class SsdBlock:
         except BaseException:
             shutil.rmtree(path, ignore_errors=True)
             raise
-        return cls(path, block.start, block.stop, block.nbytes, tuple(layout))
+        return cls(path, block.start, block.stop, block.nbytes, tuple(layout), tier)
 
     @property
     def samples(self) -> int:
         return self.stop - self.start
 
-    def _map(self, name: str, dtype: str, shape: tuple) -> np.ndarray:
-        if 0 in shape:
-            return np.zeros(shape, dtype=dtype)
-        return np.memmap(os.path.join(self.path, name), dtype=dtype, mode="r", shape=shape)
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def describe(self) -> dict:
+        """What a process on the same host needs to map this block (`map_arrays`)."""
+        return {"path": self.path, "layout": self.layout, "tier": self.tier}
 
     def take(self, rows: np.ndarray) -> Arrays:
         """The given rows, copied out of the files. Thread-safe."""
-        out = {}
-        for name, kind, dtype, shape in self.layout:
-            if kind == "fixed":
-                out[name] = np.array(self._map(name, dtype, shape)[rows])
-                continue
-            values = self._map(f"{name}.values", dtype, shape)
-            offsets = np.fromfile(os.path.join(self.path, f"{name}.offsets"), dtype=np.int64)
-            if kind == "strings":
-                out[name] = np.array([bytes(values[offsets[r]:offsets[r + 1]]).decode() for r in rows],
-                                     dtype=np.dtypes.StringDType())
-            else:
-                col = np.empty(len(rows), dtype=object)
-                for i, r in enumerate(rows):
-                    col[i] = np.array(values[offsets[r]:offsets[r + 1]])
-                out[name] = col
-        return out
+        return take_rows(map_arrays(self.describe()), rows)
 
     def load(self) -> Block:
         return Block(self.take(np.arange(self.stop - self.start)), self.start, self.stop)
@@ -242,6 +234,49 @@ class SsdBlock:
 
     def __sizeof__(self) -> int:
         return 256
+
+
+def map_arrays(description: dict) -> dict:
+    """The fields of a `FileBlock` mapped read-only: an array per fixed field, and
+    (values, offsets) per variable-size field. Raises FileNotFoundError once the block
+    was released."""
+    path, out = description["path"], {}
+    for name, kind, dtype, shape in description["layout"]:
+        if kind == "fixed":
+            out[name] = (kind, _map(os.path.join(path, name), dtype, shape))
+        else:
+            offsets = np.fromfile(os.path.join(path, f"{name}.offsets"), dtype=np.int64)
+            out[name] = (kind, (_map(os.path.join(path, f"{name}.values"), dtype, shape), offsets))
+    return out
+
+
+def take_rows(mapped: dict, rows: np.ndarray) -> Arrays:
+    """Rows of a mapped block (`map_arrays`), copied into new arrays."""
+    out = {}
+    for name, (kind, data) in mapped.items():
+        if kind == "fixed":
+            out[name] = data[rows]
+            continue
+        values, offsets = data
+        if kind == "strings":
+            out[name] = np.array([bytes(values[offsets[r]:offsets[r + 1]]).decode() for r in rows],
+                                 dtype=np.dtypes.StringDType())
+        else:
+            col = np.empty(len(rows), dtype=object)
+            for i, r in enumerate(rows.tolist()):
+                col[i] = np.array(values[offsets[r]:offsets[r + 1]])
+            out[name] = col
+    return out
+
+
+def _map(path: str, dtype: str, shape: tuple) -> np.ndarray:
+    """A read-only array over the file's pages (a plain ndarray: indexing it costs what
+    indexing memory costs, without `np.memmap`'s per-call Python overhead)."""
+    if 0 in shape:
+        return np.zeros(shape, dtype=dtype)
+    with open(path, "rb") as f:
+        pages = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    return np.frombuffer(pages, dtype=dtype).reshape(shape)
 
 
 def _write(directory: str, name: str, arr: np.ndarray) -> None:

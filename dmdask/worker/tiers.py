@@ -11,7 +11,6 @@ mapping it never drops a key on its own.
 from __future__ import annotations
 
 import errno
-import os
 import shutil
 import tempfile
 import threading
@@ -22,7 +21,8 @@ from typing import Dict, Optional
 import numpy as np
 
 from ..source import is_block_key
-from .holdings import Block, FillingBlock, SsdBlock, Streamed
+from .folders import make_folder, remove_stale
+from .holdings import Block, FileBlock, FillingBlock, Streamed
 
 
 @dataclass
@@ -55,11 +55,11 @@ class TieredStore(MutableMapping):
     worker's event loop.
     """
 
-    def __init__(self, ram: int, ssd: int = 0, ssd_dir: Optional[str] = None):
+    def __init__(self, ram: int, ssd: int = 0, ssd_dir: Optional[str] = None, shm_dir: Optional[str] = None):
         self.ram = TierStats(int(ram))
         self.ssd = TierStats(int(ssd))
-        self._ssd_root = ssd_dir
-        self._ssd_dir: Optional[str] = None
+        self._roots = {"ram": shm_dir or None, "ssd": ssd_dir}
+        self._folders: Dict[str, str] = {}
         self._blocks: Dict[str, object] = {}
         self._tier_of: Dict[str, str] = {}
         self._other: Dict[str, object] = {}
@@ -102,21 +102,24 @@ class TieredStore(MutableMapping):
         with self._lock:
             getattr(self, tier).reserved -= nbytes
 
-    def place(self, key: str, tier: str, block: Block, reserved: int):
+    def place(self, key: str, tier: str, block, reserved: int):
         """Turn a reserved read block into the value the worker will store under `key`.
 
-        Returns the `Block` (RAM), an `SsdBlock`, or None when the SSD refused the write
-        (the SSD tier then stops growing; the caller streams the block instead). The
-        reservation turns into held bytes when the worker stores the value.
+        Returns a `FileBlock` (in shared memory for RAM, on the SSD), the block itself
+        for RAM when it is a `FillingBlock` or the worker has no shared-memory folder, or
+        None when the device
+        refused the write (the tier then stops growing; the caller streams the block
+        instead). The reservation turns into held bytes when the worker stores the value.
         """
-        if tier == "ssd":
+        if isinstance(block, Block) and (tier == "ssd" or self._roots["ram"]):
             try:
-                block = SsdBlock.write(self.ssd_dir(), block)
+                block = FileBlock.write(self.folder(tier), block, tier)
             except OSError as exc:
                 with self._lock:
-                    self.ssd.reserved -= reserved
+                    stats = getattr(self, tier)
+                    stats.reserved -= reserved
                     if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                        self.ssd.full = True
+                        stats.full = True
                 return None
         with self._lock:
             self._reservations[key] = (tier, reserved)
@@ -125,15 +128,14 @@ class TieredStore(MutableMapping):
     def default_ssd_root(self, root: str) -> None:
         """Where the SSD tier goes when no `ssd_dir` was given (the worker's local directory)."""
         with self._lock:
-            self._ssd_root = self._ssd_root or root
+            self._roots["ssd"] = self._roots["ssd"] or root
 
-    def ssd_dir(self) -> str:
+    def folder(self, tier: str) -> str:
+        """This worker's folder of a tier, made on first use (`dmdask.worker.folders`)."""
         with self._lock:
-            if self._ssd_dir is None:
-                root = self._ssd_root or tempfile.gettempdir()
-                os.makedirs(root, exist_ok=True)
-                self._ssd_dir = tempfile.mkdtemp(dir=root, prefix="dmdask-ssd-")
-            return self._ssd_dir
+            if tier not in self._folders:
+                self._folders[tier] = make_folder(self._roots[tier] or tempfile.gettempdir(), tier)
+            return self._folders[tier]
 
     # -- reads ------------------------------------------------------------------------
     def tier_of(self, key: str) -> Optional[str]:
@@ -147,7 +149,7 @@ class TieredStore(MutableMapping):
 
     # -- MutableMapping ---------------------------------------------------------------
     def __setitem__(self, key, value):
-        if is_block_key(key) and isinstance(value, (Block, FillingBlock, SsdBlock, Streamed)):
+        if is_block_key(key) and isinstance(value, (Block, FillingBlock, FileBlock, Streamed)):
             self._discard_block(key)
             self._blocks[key] = value
             self._other.pop(key, None)
@@ -155,7 +157,7 @@ class TieredStore(MutableMapping):
                 return
             # Charged here, whether placed by `load_block` (its reservation is released)
             # or brought by Dask itself (a graceful retirement moving blocks: RAM).
-            tier = "ssd" if isinstance(value, SsdBlock) else "ram"
+            tier = value.tier if isinstance(value, FileBlock) else "ram"
             self._tier_of[key] = tier
             with self._lock:
                 placed_tier, reserved = self._reservations.pop(key, (tier, 0))
@@ -189,7 +191,7 @@ class TieredStore(MutableMapping):
             stats.bytes -= value.nbytes
             stats.blocks -= 1
             stats.samples -= value.samples
-        if isinstance(value, SsdBlock):
+        if isinstance(value, FileBlock):
             shutil.rmtree(value.path, ignore_errors=True)
 
     def __contains__(self, key) -> bool:
@@ -202,10 +204,18 @@ class TieredStore(MutableMapping):
     def __len__(self) -> int:
         return len(self._blocks) + len(self._other)
 
+    def remove_stale(self) -> None:
+        """Remove the tier folders of this node's worker processes that no longer run."""
+        for root in self._roots.values():
+            if root:
+                remove_stale(root)
+
     def close(self) -> None:
-        """Remove the SSD folder (its blocks die with the worker anyway)."""
-        if self._ssd_dir:
-            shutil.rmtree(self._ssd_dir, ignore_errors=True)
+        """Remove the tiers' folders (their blocks die with the worker anyway), and those
+        of dead workers of this node."""
+        for folder in self._folders.values():
+            shutil.rmtree(folder, ignore_errors=True)
+        self.remove_stale()
 
     def stats(self) -> dict:
         with self._lock:
