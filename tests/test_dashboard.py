@@ -446,7 +446,7 @@ def test_page_renders_without_workers_or_datasets():
     empty["other_workers"] = ["tcp://10.0.0.1:1234"]
     tiers = page.TiersPage(FakeMonitor(empty))
     tiers.update()
-    assert "no dataset published yet" in tiers.summary.text and "1 without dmdask tiers" in tiers.summary.text
+    assert "no dataset registered yet" in tiers.summary.text and "1 without dmdask tiers" in tiers.summary.text
     assert "10.0.0.1:1234" in tiers.table.text
     busy = figures.snapshot_of_nothing()
     s = figures.empty_stats()

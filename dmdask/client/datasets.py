@@ -66,8 +66,8 @@ def _create(client: Client, name: str, source: Source, spec, epoch: int, claiman
 
 
 def release(client: Client, spec) -> bool:
-    """Drop the cluster's cache of `spec.source`: its blocks leave RAM and SSD once no
-    iterator reads them, and the next `batches` lists and reads the source afresh.
-    True if the cluster held it."""
+    """Drop the cluster's cache of `spec.source`: its blocks leave RAM and SSD now (an
+    iterator still reading it fails with `NotADmdaskWorker`), and the next `batches`
+    lists and reads the source afresh. True if the cluster held it."""
     ensure_plugin(client)
     return _call(client, "dmdask_release", name=dataset_name(spec))

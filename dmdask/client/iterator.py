@@ -28,7 +28,7 @@ from distributed.core import clean_exception
 from distributed.protocol.serialize import to_serialize
 
 from ..errors import BlockReadError, NotADmdaskWorker, SpecError
-from ..plan.order import EpochOrder, RankShare
+from ..plan.order import ORDER_VERSION, EpochOrder, RankShare
 from ..spec import Spec, dumps_transform
 from .datasets import open_dataset
 from .gather import Gatherer, Moved
@@ -36,7 +36,7 @@ from .progress import make as _make_progress
 
 logger = logging.getLogger(__name__)
 
-STATE_FIELDS = ("identity", "epoch", "seed", "shuffle", "shuffle_window", "rank",
+STATE_FIELDS = ("order", "identity", "epoch", "seed", "shuffle", "shuffle_window", "rank",
                 "world_size", "batch_size", "drop_last")
 REQUEST_BYTES = 8 << 20  # small batches are fetched several per request, up to about this size
 RECOVERY_SECONDS = 60  # how long a batch keeps retrying while the cluster recovers from a lost worker
@@ -106,7 +106,7 @@ class BatchIterator:
         self._in_flight: Deque = deque()  # concurrent futures, each of a list of batches
         self._ready_batches: Deque = deque()
         self._holders: Dict[str, str] = {}  # block key -> a worker holding it
-        self._gatherer = Gatherer(client, _my_host(client))
+        self._gatherer = Gatherer(client, _my_host(client), info.num_blocks)
         self._worker: Optional[str] = None
         self._transform = dumps_transform(spec.transform)
         self._loop = client.loop.asyncio_loop
@@ -194,7 +194,7 @@ class BatchIterator:
     def state_dict(self) -> dict:
         """The whole position: pass it as `resume=` to continue after the last batch handed out."""
         spec = self.spec
-        return {"identity": self.info.identity, "epoch": self.epoch, "seed": spec.seed,
+        return {"order": ORDER_VERSION, "identity": self.info.identity, "epoch": self.epoch, "seed": spec.seed,
                 "shuffle": spec.shuffle, "shuffle_window": spec.shuffle_window, "rank": spec.rank,
                 "world_size": spec.world_size, "batch_size": spec.batch_size,
                 "drop_last": spec.drop_last, "position": self._position}
@@ -203,6 +203,10 @@ class BatchIterator:
         if not isinstance(state, dict) or "position" not in state:
             raise SpecError("resume", "a dict from BatchIterator.state_dict()", state)
         current = self.state_dict()
+        if state.get("order") != ORDER_VERSION:
+            raise SpecError("resume", f"a state of this dmdask's epoch order (version {ORDER_VERSION}); this one "
+                            "comes from another order (dmdask 0.1?): resume at the next epoch's start instead",
+                            state.get("order"))
         for name in STATE_FIELDS:
             if state.get(name) != current[name]:
                 raise SpecError("resume", f"a state of the same dataset and spec ({name} is "
@@ -230,6 +234,13 @@ class BatchIterator:
         ids = np.concatenate(group)
         blocks = self.info.block_of(ids)
         offsets = ids - blocks * self.info.block_len
+        if self._transform is None and self._gatherer.knows(blocks):  # warm, same host: no request at all
+            try:
+                arrays = await self._gatherer.gather_known(blocks, offsets)
+                self._gatherer.flush_hits_every(HITS_SECONDS)
+                return _split(arrays, ids, [len(b) for b in group])
+            except Moved:
+                self._holders.clear()
         keys = {int(k): self.info.block_key(int(k)) for k in np.unique(blocks)}
         last_error: Optional[BaseException] = None
         deadline = time.monotonic() + RECOVERY_SECONDS
@@ -253,6 +264,7 @@ class BatchIterator:
                 self._worker = None
             except Moved as exc:
                 last_error = exc
+                self._gatherer.forget_arenas()
             self._holders.clear()
             await asyncio.sleep(min(1.0, 0.05 * attempt))
         raise RuntimeError(f"batches {first}..{stop - 1} of rank {self.spec.rank} still failing after {RECOVERY_SECONDS} s "

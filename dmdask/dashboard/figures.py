@@ -69,7 +69,7 @@ def datasets(scheduler) -> Dict[str, dict]:
 
 
 def cluster_summary(total: dict, sets: Dict[str, dict]) -> dict:
-    """Whole-cluster figures: how much of the published datasets the tiers hold and
+    """Whole-cluster figures: how much of the registered datasets the tiers hold and
     what was read from the shared store so far."""
     cached_bytes = total["ram"]["bytes"] + total["ssd"]["bytes"]
     cached_blocks = total["ram"]["blocks"] + total["ssd"]["blocks"]

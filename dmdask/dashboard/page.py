@@ -187,7 +187,7 @@ class TiersPage:
         bytes_line = fig.line("time", "bytes", source=self.history, color=STREAM, line_width=3,
                               legend_label="bytes read")
         dataset_line = fig.line("time", "dataset", source=self.history, color="#888", line_width=1.5,
-                                line_dash="dashed", legend_label="size of the published datasets (decoded)")
+                                line_dash="dashed", legend_label="size of the registered datasets (decoded)")
         fig.y_range = DataRange1d(start=0, renderers=[bytes_line, dataset_line], range_padding=0.08)
         fig.extra_y_ranges = {"requests": DataRange1d(start=0, range_padding=0.08)}
         requests_line = fig.line("time", "requests", source=self.history, color="#222", line_width=1.5,
@@ -331,7 +331,7 @@ def summary_html(snap: dict) -> str:
         note += f'<br><span style="color:#b94a48">{len(others)} without dmdask tiers</span>'
     parts.append(_card("workers", str(c["workers"]), note))
     if c["cached_share"] is None:
-        parts.append(_card("dataset cached", "–", "no dataset published yet"))
+        parts.append(_card("dataset cached", "–", "no dataset registered yet"))
     else:
         size = fmt_bytes(c["dataset_bytes"]) if c["dataset_bytes"] is not None else "?"
         parts.append(_card(
@@ -343,7 +343,7 @@ def summary_html(snap: dict) -> str:
     parts.append(_card(
         "shared-store reads", fmt_bytes(c["shared_store_bytes"]),
         f"in {c['shared_store_requests']:,} requests"
-        + (f"<br>{ratio:.2f}× the published datasets" if ratio is not None else "")))
+        + (f"<br>{ratio:.2f}× the registered datasets" if ratio is not None else "")))
     shares = c["hit_shares"]
     if shares is None:
         parts.append(_card("hit rate", "–", "no sample served yet"))
@@ -398,7 +398,7 @@ def workers_html(snap: dict) -> str:
 
 def datasets_html(snap: dict) -> str:
     sets = snap["datasets"]
-    heads = ["published dataset", "samples", "blocks", "blocks loaded", "decoded size"]
+    heads = ["dataset", "samples", "blocks", "blocks loaded", "decoded size"]
     head = "".join(f'<th style="{TH}{"text-align:left;" if i == 0 else ""}">{h}</th>' for i, h in enumerate(heads))
     rows = []
     for name, d in sets.items():

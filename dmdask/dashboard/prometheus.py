@@ -90,7 +90,7 @@ class DmdaskCollector:
                     store_requests, peer, buffer_bytes, buffer_capacity)
 
         D = ["dataset"]
-        ds_blocks = gauge("dmdask_dataset_blocks", "Blocks of a published dmdask dataset", D)
+        ds_blocks = gauge("dmdask_dataset_blocks", "Blocks of a dmdask dataset", D)
         ds_loaded = gauge("dmdask_dataset_loaded_blocks", "Blocks of the dataset loaded (cached or streamed)", D)
         ds_bytes = gauge("dmdask_dataset_bytes", "Decoded size of the dataset, from its metadata", D)
         ds_samples = gauge("dmdask_dataset_samples", "Samples of the dataset", D)
@@ -100,7 +100,7 @@ class DmdaskCollector:
             if d["bytes"] is not None:
                 ds_bytes.add_metric([name], d["bytes"])
                 ds_samples.add_metric([name], d["samples"])
-        share = gauge("dmdask_cached_share", "Share of the published datasets' blocks held in RAM or SSD")
+        share = gauge("dmdask_cached_share", "Share of the registered datasets' blocks held in RAM or SSD")
         cluster = snap["cluster"]
         if cluster["cached_share"] is not None:
             share.add_metric([], cluster["cached_share"])

@@ -26,6 +26,7 @@ from typing import List, Optional
 
 import numpy as np
 
+ORDER_VERSION = 2  # the order's algorithm; a resume state records it (1: dmdask 0.1's materialised permutation)
 ROUNDS = 6  # Feistel rounds; 4 already make a strong pseudo-random permutation (Luby-Rackoff)
 _ORDER_SALT = 0x6F72646572  # "order": keys of the whole-epoch permutation
 _BLOCK_SALT = 0x626C6F636B  # "block": keys of the block permutation (window mode)

@@ -116,6 +116,8 @@ class DatasetsPlugin(SchedulerPlugin):
             if ds.ready.is_set():  # its blocks were forgotten (`client.restart()`): create them again
                 self._forget(ds)
                 continue
+            if ds.claimant == claimant and ds.info is None:  # its holder asks again before registering
+                return {"status": "claimed"}
             left = CLAIM_SECONDS - (time.monotonic() - ds.claimed_at)
             if left <= 0:  # its creator is gone: the caller takes the claim over
                 ds.claimant, ds.claimed_at = claimant, time.monotonic()
@@ -294,7 +296,8 @@ class DatasetsPlugin(SchedulerPlugin):
 
     # -- release and the registry --------------------------------------------------------
     def release(self, name: str) -> bool:
-        """Forget a dataset: its blocks leave every tier once no iterator reads them."""
+        """Forget a dataset: its blocks leave every tier now; an iterator still reading it
+        fails with `NotADmdaskWorker` (released)."""
         ds = self.datasets.get(name)
         if ds is None:
             return False

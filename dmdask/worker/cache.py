@@ -24,6 +24,7 @@ from distributed.protocol.serialize import to_serialize
 
 from ..errors import TransformError
 from ..spec import loads_transform
+from .arena import ArenaBlock
 from .holdings import Arrays, Block, FileBlock, FillingBlock, Streamed, sample_nbytes
 from .stream import StreamBuffer
 from .tiers import TieredStore
@@ -95,6 +96,8 @@ class BlockCache:
     def _load_unsized(self, reader):
         if reader.row_granular and self.store.has_room("ram"):  # charged sample by sample as ranks ask
             return self.store.place(reader.key, "ram", FillingBlock(reader, sized=False), 0)
+        if reader.row_granular and not self.store.has_room("ssd"):  # streamed file by file when asked
+            return Streamed(reader)
         block = self.read(reader)
         tier = self.store.reserve(block.nbytes)
         if tier is None:
@@ -137,7 +140,7 @@ class BlockCache:
             if hits:
                 self.store.count_hit("ram", hits, _nbytes(out) * hits // len(rows))
             return out
-        elif isinstance(value, FileBlock):
+        elif isinstance(value, (FileBlock, ArenaBlock)):
             out = await asyncio.get_running_loop().run_in_executor(None, value.take, rows)
             tier = value.tier
         elif isinstance(value, Streamed) and value.reader.row_granular:
@@ -181,7 +184,7 @@ class BlockCache:
         out = {}
         for key in keys:
             value = self.store[key] if key in self.store else None
-            out[key] = value.describe() if isinstance(value, FileBlock) else None
+            out[key] = value.describe() if isinstance(value, (FileBlock, ArenaBlock)) else None
         return out
 
     def count_hits_handler(self, hits):

@@ -15,7 +15,9 @@ def make_folder(root: str, tier: str) -> str:
     """A new folder of this process under `root`, after removing those of dead processes."""
     os.makedirs(root, exist_ok=True)
     remove_stale(root)
-    return tempfile.mkdtemp(dir=root, prefix=f"dmdask-{tier}-{os.getpid()}-")
+    path = tempfile.mkdtemp(dir=root, prefix=f"dmdask-{tier}-{os.getpid()}-")
+    os.chmod(path, 0o755)  # training processes of other users on the node map its files read-only
+    return path
 
 
 def remove_stale(root: str) -> list:

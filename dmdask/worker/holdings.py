@@ -188,6 +188,7 @@ class FileBlock:
     def write(cls, directory: str, block: Block, tier: str) -> "FileBlock":
         """Write `block` under a new folder of `directory`; on error nothing is left behind."""
         path = tempfile.mkdtemp(dir=directory, prefix=f"b{block.start}-")
+        os.chmod(path, 0o755)  # mapped read-only by training processes on the node
         layout = []
         try:
             for name, arr in block.arrays.items():

@@ -20,7 +20,8 @@ from typing import Dict, Optional
 
 import numpy as np
 
-from ..source import is_block_key
+from ..source import is_block_key, parse_block_key
+from .arena import Arena, ArenaBlock, all_fixed
 from .folders import make_folder, remove_stale
 from .holdings import Block, FileBlock, FillingBlock, Streamed
 
@@ -60,6 +61,7 @@ class TieredStore(MutableMapping):
         self.ssd = TierStats(int(ssd))
         self._roots = {"ram": shm_dir or None, "ssd": ssd_dir}
         self._folders: Dict[str, str] = {}
+        self._arenas: Dict[str, Arena] = {}  # dataset identity -> its RAM blocks' arena
         self._blocks: Dict[str, object] = {}
         self._tier_of: Dict[str, str] = {}
         self._other: Dict[str, object] = {}
@@ -113,7 +115,10 @@ class TieredStore(MutableMapping):
         """
         if isinstance(block, Block) and (tier == "ssd" or self._roots["ram"]):
             try:
-                block = FileBlock.write(self.folder(tier), block, tier)
+                if tier == "ram" and all_fixed(block):
+                    block = self._into_arena(key, block)
+                else:
+                    block = FileBlock.write(self.folder(tier), block, tier)
             except OSError as exc:
                 with self._lock:
                     stats = getattr(self, tier)
@@ -124,6 +129,18 @@ class TieredStore(MutableMapping):
         with self._lock:
             self._reservations[key] = (tier, reserved)
         return block
+
+    def _into_arena(self, key: str, block: Block) -> ArenaBlock:
+        """`block` copied into its dataset's shared-memory arena (made on first use)."""
+        identity, index = parse_block_key(key)
+        with self._lock:
+            arena = self._arenas.get(identity)
+        if arena is None or not arena.fits(block):
+            block_len = block.start // index if index else len(block)
+            arena = Arena(self.folder("ram"), identity, block_len, block)
+            with self._lock:
+                arena = self._arenas.setdefault(identity, arena)
+        return ArenaBlock(arena, arena.write(block), block.start, block.stop, block.nbytes)
 
     def default_ssd_root(self, root: str) -> None:
         """Where the SSD tier goes when no `ssd_dir` was given (the worker's local directory)."""
@@ -149,7 +166,7 @@ class TieredStore(MutableMapping):
 
     # -- MutableMapping ---------------------------------------------------------------
     def __setitem__(self, key, value):
-        if is_block_key(key) and isinstance(value, (Block, FillingBlock, FileBlock, Streamed)):
+        if is_block_key(key) and isinstance(value, (Block, FillingBlock, FileBlock, ArenaBlock, Streamed)):
             self._discard_block(key)
             self._blocks[key] = value
             self._other.pop(key, None)
@@ -157,7 +174,7 @@ class TieredStore(MutableMapping):
                 return
             # Charged here, whether placed by `load_block` (its reservation is released)
             # or brought by Dask itself (a graceful retirement moving blocks: RAM).
-            tier = value.tier if isinstance(value, FileBlock) else "ram"
+            tier = value.tier if isinstance(value, (FileBlock, ArenaBlock)) else "ram"
             self._tier_of[key] = tier
             with self._lock:
                 placed_tier, reserved = self._reservations.pop(key, (tier, 0))
@@ -193,6 +210,8 @@ class TieredStore(MutableMapping):
             stats.samples -= value.samples
         if isinstance(value, FileBlock):
             shutil.rmtree(value.path, ignore_errors=True)
+        elif isinstance(value, ArenaBlock):
+            value.arena.free(value.slot)
 
     def __contains__(self, key) -> bool:
         return key in self._blocks or key in self._other
@@ -213,6 +232,8 @@ class TieredStore(MutableMapping):
     def close(self) -> None:
         """Remove the tiers' folders (their blocks die with the worker anyway), and those
         of dead workers of this node."""
+        for arena in self._arenas.values():
+            arena.close()
         for folder in self._folders.values():
             shutil.rmtree(folder, ignore_errors=True)
         self.remove_stale()

@@ -1,0 +1,105 @@
+"""The RAM tier in shared memory, read by training processes on the same host without
+asking the workers: content, exactly-once from several processes at once, hit counts,
+and no segment left behind by a killed worker or trainer."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import distributed
+import numpy as np
+import pytest
+
+import dmdask
+from dmdask.testing.datasets import write_zarr, zarr_label, zarr_sample
+
+N = 2503  # divisible by neither the chunk nor the batch size
+RANK_SCRIPT = """
+import sys, numpy as np, distributed, dmdask
+address, path, rank, world, out = sys.argv[1:6]
+with distributed.Client(address) as client:
+    spec = dmdask.Spec(path, batch_size=40, seed=5, rank=int(rank), world_size=int(world))
+    ids = []
+    for b in dmdask.batches(client, spec, epoch=1, progress=False):
+        from dmdask.testing.datasets import zarr_sample
+        assert np.array_equal(b["x"], zarr_sample(b["index"], (16,))), "wrong rows"
+        ids.append(b["index"])
+    np.save(out, np.concatenate(ids))
+"""
+
+
+@pytest.fixture(scope="module")
+def zarr_path(tmp_path_factory):
+    return write_zarr(str(tmp_path_factory.mktemp("shared") / "d.zarr"), N, sample_shape=(16,), chunk=100)
+
+
+def _folders(shm):
+    return sorted(name for name in os.listdir(shm) if name.startswith("dmdask-"))
+
+
+def test_ranks_in_other_processes_read_shared_memory_at_once(zarr_path, tmp_path):
+    shm = tmp_path / "shm"
+    with dmdask.LocalCluster(n_workers=2, ram="64 MiB", shm_dir=str(shm)) as cluster, \
+            distributed.Client(cluster) as client:
+        spec = dmdask.Spec(zarr_path, batch_size=40, seed=5)
+        warm = list(dmdask.batches(client, spec))  # epoch 0 loads every block into shared memory
+        np.testing.assert_array_equal(warm[0]["label"], zarr_label(warm[0]["index"]))
+        assert len(_folders(shm)) == 2  # one per worker process
+        before = dmdask.stats(client)["total"]
+        procs = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, cluster.scheduler_address, zarr_path,
+                                   str(r), "3", str(tmp_path / f"r{r}.npy")]) for r in range(3)]
+        assert [p.wait(120) for p in procs] == [0, 0, 0]
+        ids = np.concatenate([np.load(tmp_path / f"r{r}.npy") for r in range(3)])
+        assert np.array_equal(np.sort(ids), np.arange(N))
+        after = dmdask.stats(client)["total"]
+        # every row came from the mapped files: counted as RAM hits, nothing crossed a socket
+        assert after["ram"]["hits"] - before["ram"]["hits"] == N
+        assert after["peer"]["bytes_out"] == before["peer"]["bytes_out"]
+        assert after["shared_store"]["requests"] == before["shared_store"]["requests"] == 26
+    assert _folders(shm) == []  # the workers removed their folders when they closed
+
+
+def test_a_killed_worker_leaves_no_segment_once_restarted(zarr_path, tmp_path):
+    shm = tmp_path / "shm"
+    with dmdask.LocalCluster(n_workers=2, ram="64 MiB", shm_dir=str(shm)) as cluster, \
+            distributed.Client(cluster) as client:
+        spec = dmdask.Spec(zarr_path, batch_size=40)
+        assert len(list(dmdask.batches(client, spec))) == -(-N // 40)
+        pids = client.run(os.getpid)
+        victim = pids[sorted(pids)[0]]
+        assert any(f"-{victim}-" in name for name in _folders(shm))
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            time.sleep(0.2)
+            try:
+                live = set(client.run(os.getpid).values())
+            except OSError:  # the dead worker is still listed for a moment
+                continue
+            if len(live) == 2 and victim not in live:
+                break
+        assert not any(f"-{victim}-" in name for name in _folders(shm))  # the new worker removed it
+        ids = np.concatenate([b["index"] for b in dmdask.batches(client, spec, epoch=1)])
+        assert np.array_equal(np.sort(ids), np.arange(N))
+    assert _folders(shm) == []
+
+
+def test_a_killed_trainer_leaves_nothing_and_the_others_go_on(zarr_path, tmp_path):
+    shm = tmp_path / "shm"
+    with dmdask.LocalCluster(n_workers=2, ram="64 MiB", shm_dir=str(shm)) as cluster, \
+            distributed.Client(cluster) as client:
+        spec = dmdask.Spec(zarr_path, batch_size=40)
+        list(dmdask.batches(client, spec))
+        folders = _folders(shm)
+        slow = RANK_SCRIPT.replace('ids.append(b["index"])', 'ids.append(b["index"]); __import__("time").sleep(0.5)')
+        trainer = subprocess.Popen([sys.executable, "-c", slow, cluster.scheduler_address, zarr_path, "0", "1",
+                                    str(tmp_path / "never.npy")])
+        time.sleep(6)
+        trainer.kill()
+        trainer.wait(30)
+        assert _folders(shm) == folders  # trainers map the workers' files; they create none
+        again = np.concatenate([b["index"] for b in dmdask.batches(client, spec, epoch=1)])
+        assert np.array_equal(np.sort(again), np.arange(N))
+        for b in dmdask.batches(client, spec.replace(batch_size=500), epoch=2):
+            np.testing.assert_array_equal(b["x"], zarr_sample(b["index"], (16,)))
