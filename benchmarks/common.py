@@ -5,7 +5,6 @@ import concurrent.futures
 import contextlib
 import os
 import platform
-import resource
 import shutil
 import tempfile
 import threading
@@ -81,7 +80,13 @@ def dmdask_cluster(n_workers: int, ram, ssd=0, stream_buffer=None, **kwargs):
 
 
 def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's own peak resident memory (`VmHWM`), in MiB. Not `ru_maxrss`: a
+    spawned process inherits its parent's."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 class Stopwatch:

@@ -8,7 +8,6 @@ Also records peak memory (scenario 5): trainer and workers against the capacitie
 from __future__ import annotations
 
 import os
-import resource
 import time
 
 import distributed
@@ -17,7 +16,7 @@ import numpy as np
 import dmdask
 from dmdask.worker import load_block
 
-from .common import dmdask_cluster, workdir
+from .common import dmdask_cluster, peak_rss_mib, workdir
 
 PRESETS = {
     "tiny": {"sizes": {"3KB": (3072, 600, 100)}, "batch": 64, "epochs": 2},
@@ -163,7 +162,7 @@ def _rss_mib() -> float:
 
 
 def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return peak_rss_mib()
 
 
 def report(result: dict, plots_dir: str) -> str:

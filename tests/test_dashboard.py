@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import dmdask
-from dmdask.source import dataset_name, open_source
+from dmdask.source import open_source
 from dmdask.testing.datasets import write_zarr, zarr_sample
 
 from conftest import all_ids, run_epoch
