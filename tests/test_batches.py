@@ -1,5 +1,6 @@
 """dmdask.batches on real worker processes: exactly-once, content, determinism, resume."""
 import os
+import time
 
 import distributed
 import numpy as np
@@ -137,3 +138,49 @@ def test_rank_r_is_served_by_local_worker_r_mod_n(client, zarr_path):
         spec = dmdask.Spec(zarr_path, batch_size=100, rank=rank, world_size=4, transform=record_pid)
         pids = {int(p) for b in dmdask.batches(client, spec) for p in b["pid"]}
         assert pids == {pid_of[workers[rank % 2]]}
+
+
+def _wait_for(gate: str):
+    """A transform that blocks until the file `gate` exists (60 s at most)."""
+    def transform(batch):
+        import os
+        import time
+        deadline = time.monotonic() + 60
+        while not os.path.exists(gate):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{gate} never appeared")
+            time.sleep(0.02)
+        return batch
+    return transform
+
+
+def test_a_slow_transform_does_not_starve_another_jobs_reads(zarr_path, tmp_path):
+    """Job A's transforms block every thread they may use; job B, reading a folder on the
+    same worker, still gets every sample (reads have a pool of their own)."""
+    import threading
+
+    folder = write_folder(str(tmp_path / "files"), classes=2, per_class=30)
+    gate = str(tmp_path / "gate")
+    with dmdask.LocalCluster(n_workers=1, ram="16 MiB") as cluster, distributed.Client(cluster) as client:
+        slow = dmdask.Spec(zarr_path, batch_size=10, transform=_wait_for(gate), world_size=4)
+        got, errors = [[] for _ in range(4)], []
+
+        def rank(r):
+            try:
+                got[r] = [b["index"] for b in dmdask.batches(client, slow.replace(rank=r))]
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(2)  # 4 ranks x 2 requests in flight: more blocked transforms than any pool has threads
+        fast = dmdask.Spec(folder, batch_size=7, block_size=8)
+        ids = np.concatenate([b["index"] for b in dmdask.batches(client, fast)])
+        assert np.array_equal(np.sort(ids), np.arange(60))
+        assert not os.path.exists(gate) and not any(got)  # A was blocked all along
+        open(gate, "w").close()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        assert np.array_equal(np.sort(np.concatenate([i for g in got for i in g])), np.arange(N))

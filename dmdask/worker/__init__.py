@@ -68,12 +68,14 @@ class Worker(distributed.Worker):
         store.default_ssd_root(self.local_directory)
         store.remove_stale()  # what crashed workers of this node left behind
         buffer = capacity(config("stream-buffer", stream_buffer), "stream_buffer")
-        self.dmdask = BlockCache(self, store, buffer)
+        self.dmdask = BlockCache(self, store, buffer, read_threads=int(dask.config.get("dmdask.worker.read-threads")),
+                                 transform_threads=int(dask.config.get("dmdask.worker.transform-threads")))
 
     async def close(self, *args, **kwargs):
         try:
             return await super().close(*args, **kwargs)
         finally:
+            self.dmdask.close()
             self.dmdask.store.close()
 
 

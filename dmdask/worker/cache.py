@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Dict
 
 import distributed
@@ -49,11 +50,16 @@ class StoreCounters:
 class BlockCache:
     """dmdask's state on one worker: tiers, stream buffer, counters and handlers (registered here)."""
 
-    def __init__(self, worker: distributed.Worker, store: TieredStore, stream_buffer: int):
+    def __init__(self, worker: distributed.Worker, store: TieredStore, stream_buffer: int,
+                 read_threads: int = 16, transform_threads: int = 2):
         self.worker = worker
         self.store = store
+        # Two pools of their own: one job's slow transform never holds up another's reads
+        # (and neither waits behind Dask's or other extensions' use of the default executor).
+        self.reads = ThreadPoolExecutor(read_threads, thread_name_prefix="dmdask-read")
+        self.transforms = ThreadPoolExecutor(transform_threads, thread_name_prefix="dmdask-transform")
         self.store_reads = StoreCounters()
-        self.stream = StreamBuffer(stream_buffer, self.read)
+        self.stream = StreamBuffer(stream_buffer, self.read, self.reads)
         self.streamed_hits = 0  # samples served from blocks streamed from the store
         self.peer_bytes_out = 0
         self.peer_bytes_in = 0
@@ -126,7 +132,7 @@ class BlockCache:
             arrays = None
             if len(missing):
                 arrays = await asyncio.get_running_loop().run_in_executor(
-                    None, self.read_rows, value.reader, missing)
+                    self.reads, self.read_rows, value.reader, missing)
                 self.streamed_hits += len(missing)
                 kept = len(missing)
                 if not value.sized:
@@ -141,11 +147,11 @@ class BlockCache:
                 self.store.count_hit("ram", hits, _nbytes(out) * hits // len(rows))
             return out
         elif isinstance(value, (FileBlock, ArenaBlock)):
-            out = await asyncio.get_running_loop().run_in_executor(None, value.take, rows)
+            out = await asyncio.get_running_loop().run_in_executor(self.reads, value.take, rows)
             tier = value.tier
         elif isinstance(value, Streamed) and value.reader.row_granular:
             # one file per sample: read just these samples, nothing is held afterwards
-            out = await asyncio.get_running_loop().run_in_executor(None, self.read_rows, value.reader, rows)
+            out = await asyncio.get_running_loop().run_in_executor(self.reads, self.read_rows, value.reader, rows)
             self.streamed_hits += len(rows)
             return out
         elif isinstance(value, Streamed):
@@ -228,8 +234,12 @@ class BlockCache:
         transform = loads_transform(msg["transform"])
         if transform is not None:
             batches = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: [_apply(transform, b) for b in batches])
+                self.transforms, lambda: [_apply(transform, b) for b in batches])
         return {"status": "OK", "batches": to_serialize(batches)}
+
+    def close(self) -> None:
+        self.reads.shutdown(wait=False, cancel_futures=True)
+        self.transforms.shutdown(wait=False, cancel_futures=True)
 
     # -- accounting --------------------------------------------------------------------
     def stats(self) -> dict:

@@ -17,10 +17,11 @@ class StreamBuffer:
     concurrent askers wait for the same read. Used only from the worker's event loop.
     """
 
-    def __init__(self, capacity_bytes: int, read):
+    def __init__(self, capacity_bytes: int, read, executor=None):
         self.capacity = capacity_bytes
         self.bytes = 0
         self._read = read
+        self._executor = executor
         self._blocks: "OrderedDict[str, Block]" = OrderedDict()
         self._served: Dict[str, int] = {}
         self._loading: Dict[str, asyncio.Future] = {}
@@ -35,7 +36,7 @@ class StreamBuffer:
         loop = asyncio.get_running_loop()
         fut = self._loading[key] = loop.create_future()
         try:
-            block = await loop.run_in_executor(None, self._read, reader)
+            block = await loop.run_in_executor(self._executor, self._read, reader)
         except BaseException as exc:
             fut.set_exception(exc)
             fut.exception()  # mark retrieved: the awaiting callers re-raise it
