@@ -128,19 +128,20 @@ class BlockCache:
             out = value.take(rows)
             tier = "ram"
         elif isinstance(value, FillingBlock):
-            missing = value.missing(rows)
-            arrays = None
-            if len(missing):
-                arrays = await asyncio.get_running_loop().run_in_executor(
-                    self.reads, self.read_rows, value.reader, missing)
-                self.streamed_hits += len(missing)
-                kept = len(missing)
-                if not value.sized:
-                    sizes = sample_nbytes(arrays)
-                    kept = self.store.charge("ram", sizes)
-                    value.samples += kept
-                    value.nbytes += int(sizes[:kept].sum())
-                value.fill(missing[:kept], {f: a[:kept] for f, a in arrays.items()})
+            async with value.filling:  # a retried request must not read rows still being read
+                missing = value.missing(rows)
+                arrays = None
+                if len(missing):
+                    arrays = await asyncio.get_running_loop().run_in_executor(
+                        self.reads, self.read_rows, value.reader, missing)
+                    self.streamed_hits += len(missing)
+                    kept = len(missing)
+                    if not value.sized:
+                        sizes = sample_nbytes(arrays)
+                        kept = self.store.charge("ram", sizes)
+                        value.samples += kept
+                        value.nbytes += int(sizes[:kept].sum())
+                    value.fill(missing[:kept], {f: a[:kept] for f, a in arrays.items()})
             out = value.take(rows, missing, arrays)
             hits = len(rows) - len(missing)
             if hits:

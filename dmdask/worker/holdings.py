@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import asyncio
 import mmap
 import os
 import shutil
@@ -91,7 +92,7 @@ class FillingBlock:
     the loop).
     """
 
-    __slots__ = ("reader", "arrays", "have", "nbytes", "samples", "sized", "start", "stop")
+    __slots__ = ("reader", "arrays", "have", "nbytes", "samples", "sized", "start", "stop", "filling")
 
     def __init__(self, reader, sized: bool = True):
         n = reader.stop - reader.start
@@ -102,6 +103,7 @@ class FillingBlock:
         self.nbytes = reader.nbytes if sized else 0
         self.samples = n if sized else 0  # samples charged to the tier
         self.start, self.stop = reader.start, reader.stop
+        self.filling = asyncio.Lock()  # one fill at a time: a row asked twice at once is read once
 
     def __len__(self) -> int:
         return self.stop - self.start
