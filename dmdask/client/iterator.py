@@ -229,7 +229,8 @@ class BatchIterator:
             return await self._fetch_one_by_one(first, stop)
 
     async def _fetch_group(self, first: int, stop: int) -> List[Dict[str, np.ndarray]]:
-        """Batches first..stop-1, fetched through one request to the local worker."""
+        """Batches first..stop-1: without a transform, assembled here (same-host rows from
+        the mapped files, others one request per holder); with one, by the local worker."""
         group = self._batches.batches(first, stop)
         ids = np.concatenate(group)
         blocks = self.info.block_of(ids)
