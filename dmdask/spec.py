@@ -28,10 +28,11 @@ class Spec:
         goes to exactly one rank.
     drop_last: drop the tail so every rank gets the same number of full batches.
     shuffle_window: None shuffles all samples of the dataset together (an exact
-        global permutation). An integer k permutes the blocks, then shuffles the
-        samples of each run of k blocks together: memory for blocks beyond the
-        cluster cache stays bounded and such blocks leave the shared store once
-        per epoch.
+        global permutation, `dmdask.plan.order`). An integer k permutes the blocks,
+        then shuffles the samples of each run of k blocks together: blocks beyond
+        the cluster cache are then wanted a window at a time, so they leave the
+        shared store once per epoch as long as the workers' stream buffers hold a
+        window's streamed blocks and the ranks move through the epoch together.
     keys: the arrays of the source to read (None: all).
     transform: a picklable function `dict[str, ndarray] -> dict[str, ndarray]`
         applied to each batch on the workers, after the cache (see `per_sample`).
