@@ -141,10 +141,13 @@ def test_rank_r_is_served_by_local_worker_r_mod_n(client, zarr_path):
 
 
 def _wait_for(gate: str):
-    """A transform that blocks until the file `gate` exists (60 s at most)."""
+    """A transform that blocks until the file `gate` exists (60 s at most), leaving a
+    file `<gate>.entered-*` for each call it blocks."""
     def transform(batch):
         import os
         import time
+        import uuid
+        open(f"{gate}.entered-{uuid.uuid4().hex}", "w").close()
         deadline = time.monotonic() + 60
         while not os.path.exists(gate):
             if time.monotonic() > deadline:
@@ -174,7 +177,10 @@ def test_a_slow_transform_does_not_starve_another_jobs_reads(zarr_path, tmp_path
         threads = [threading.Thread(target=rank, args=(r,)) for r in range(4)]
         for t in threads:
             t.start()
-        time.sleep(2)  # 4 ranks x 2 requests in flight: more blocked transforms than any pool has threads
+        deadline = time.monotonic() + 120
+        while len([f for f in os.listdir(tmp_path) if f.startswith("gate.entered-")]) < 2:
+            assert time.monotonic() < deadline and not errors, "job A's transforms never started"
+            time.sleep(0.05)  # then: every transform thread is blocked, 8 requests want one
         fast = dmdask.Spec(folder, batch_size=7, block_size=8)
         ids = np.concatenate([b["index"] for b in dmdask.batches(client, fast)])
         assert np.array_equal(np.sort(ids), np.arange(60))

@@ -92,10 +92,16 @@ def test_a_killed_trainer_leaves_nothing_and_the_others_go_on(zarr_path, tmp_pat
         spec = dmdask.Spec(zarr_path, batch_size=40)
         list(dmdask.batches(client, spec))
         folders = _folders(shm)
-        slow = RANK_SCRIPT.replace('ids.append(b["index"])', 'ids.append(b["index"]); __import__("time").sleep(0.5)')
+        started = tmp_path / "started"
+        slow = RANK_SCRIPT.replace('ids.append(b["index"])',
+                                   f'ids.append(b["index"]); open({str(started)!r}, "w").close(); '
+                                   '__import__("time").sleep(0.5)')
         trainer = subprocess.Popen([sys.executable, "-c", slow, cluster.scheduler_address, zarr_path, "0", "1",
                                     str(tmp_path / "never.npy")])
-        time.sleep(6)
+        deadline = time.monotonic() + 120
+        while not started.exists():  # killed mid-epoch: after its first batch
+            assert time.monotonic() < deadline and trainer.poll() is None, "the trainer never got a batch"
+            time.sleep(0.05)
         trainer.kill()
         trainer.wait(30)
         assert _folders(shm) == folders  # trainers map the workers' files; they create none
