@@ -2,11 +2,13 @@
 
 dmdask against, in the same run: the raw ceiling of the transport (gathering the whole
 cached blocks from the workers and shuffling them in the trainer), numpy fancy indexing
-of arrays already in memory, and PyTorch's DataLoader(num_workers=2) over local files.
+of arrays already in memory, and PyTorch's DataLoader(num_workers=2) over local files;
+then the aggregate throughput of 1, 2, 4, 8 rank processes on the node.
 Also records peak memory (scenario 5): trainer and workers against the capacities.
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
 import time
 
@@ -19,9 +21,11 @@ from dmdask.worker import load_block
 from .common import dmdask_cluster, peak_rss_mib, workdir
 
 PRESETS = {
-    "tiny": {"sizes": {"3KB": (3072, 600, 100)}, "batch": 64, "epochs": 2},
-    "quick": {"sizes": {"3KB": (3072, 40000, 500), "110KB": (112640, 2000, 20)}, "batch": 256, "epochs": 3},
-    "full": {"sizes": {"3KB": (3072, 200000, 1000), "110KB": (112640, 10000, 25)}, "batch": 256, "epochs": 5},
+    "tiny": {"sizes": {"3KB": (3072, 600, 100)}, "batch": 64, "epochs": 2, "ranks": [1, 2]},
+    "quick": {"sizes": {"3KB": (3072, 40000, 500), "110KB": (112640, 2000, 20)}, "batch": 256, "epochs": 3,
+              "ranks": [1, 2, 4, 8]},
+    "full": {"sizes": {"3KB": (3072, 200000, 1000), "110KB": (112640, 10000, 25)}, "batch": 256, "epochs": 5,
+             "ranks": [1, 2, 4, 8]},
 }
 
 
@@ -42,10 +46,25 @@ def run(preset: str) -> dict:
             row = {"size": name, "sample_bytes": sample_bytes, "samples": n, "chunk": chunk}
             row["numpy"] = _numpy(data, cfg)
             row["torch_dataloader"] = _torch_files(folder, cfg)
-            row.update(_dmdask_and_ceiling(path, n * (sample_bytes + 8), cfg))
+            with_ranks = name == next(iter(cfg["sizes"]))  # the rank curve at the smallest samples only
+            row.update(_dmdask_and_ceiling(path, n * (sample_bytes + 8), cfg, with_ranks))
             rows.append(row)
             del data
     goals = [{
+        "goal": f"a warm epoch of one rank runs at >= {want}x numpy fancy indexing in the trainer's memory "
+                f"({r['size']} samples)",
+        "met": r["dmdask"]["samples_per_s"] >= want * r["numpy"]["samples_per_s"],
+        "measured": f"dmdask / numpy = {r['dmdask']['samples_per_s'] / r['numpy']['samples_per_s']:.2f}",
+    } for r in rows for want in [NUMPY_GOALS.get(r["size"], 0.5)]]
+    first = rows[0]
+    four = next((p for p in first["ranks"] if p["ranks"] == 4), None)
+    if four is not None:
+        one = first["ranks"][0]["samples_per_s"]
+        goals.append({"goal": f"4 rank processes on the node together reach >= 1.5x one rank ({first['size']})",
+                      "met": four["samples_per_s"] >= 1.5 * one,
+                      "measured": " / ".join(f"{p['ranks']} ranks {p['samples_per_s'] / one:.2f}x"
+                                             for p in first["ranks"])})
+    goals += [{
         "goal": f"dmdask reaches at least half the transport ceiling ({r['size']} samples)",
         "met": r["dmdask"]["samples_per_s"] >= 0.5 * r["ceiling"]["samples_per_s"],
         "measured": f"dmdask / ceiling = {r['dmdask']['samples_per_s'] / r['ceiling']['samples_per_s']:.2f}",
@@ -57,6 +76,9 @@ def run(preset: str) -> dict:
                     f"worker peak RSS {r['memory']['worker_peak_rss_mib']:.0f} MiB",
     } for r in rows]
     return {"config": cfg, "rows": rows, "goals": goals}
+
+
+NUMPY_GOALS = {"3KB": 0.5, "110KB": 0.8}
 
 
 def _timed(epochs: int, one_epoch) -> dict:
@@ -116,7 +138,7 @@ def _torch_files(folder: str, cfg) -> dict:
     return _timed(cfg["epochs"], epoch)
 
 
-def _dmdask_and_ceiling(path: str, dataset_bytes: int, cfg) -> dict:
+def _dmdask_and_ceiling(path: str, dataset_bytes: int, cfg, with_ranks: bool) -> dict:
     capacity = int(dataset_bytes * 0.6) + (64 << 20)  # per worker: both together hold the dataset
     with dmdask_cluster(2, ram=capacity) as cluster, distributed.Client(cluster) as client:
         rss_empty = max(client.run(_rss_mib).values())
@@ -140,6 +162,7 @@ def _dmdask_and_ceiling(path: str, dataset_bytes: int, cfg) -> dict:
             return len(order)
 
         ceiling = _timed(cfg["epochs"], ceiling_epoch)
+        ranks = [_ranks(cluster.scheduler_address, path, world, cfg) for world in cfg["ranks"] if with_ranks]
         stats = dmdask.stats(client)
         peak = client.run(_peak_rss_mib)
         memory = {
@@ -152,7 +175,41 @@ def _dmdask_and_ceiling(path: str, dataset_bytes: int, cfg) -> dict:
             "dataset_mib": dataset_bytes / 2**20,
         }
         dmdask.release(client, spec)
-    return {"dmdask": mine, "ceiling": ceiling, "memory": memory}
+    return {"dmdask": mine, "ceiling": ceiling, "memory": memory, "ranks": ranks}
+
+
+def _ranks(address: str, path: str, world: int, cfg) -> dict:
+    """`world` rank processes on this node, each reading its share of warm epochs; the
+    epochs start together (a barrier). Aggregate samples/s of the best epoch."""
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(world), ctx.Queue()
+    procs = [ctx.Process(target=_rank_process, args=(address, path, rank, world, cfg, barrier, results))
+             for rank in range(world)]
+    for p in procs:
+        p.start()
+    reports = [results.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    rates = []
+    for epoch in range(1, cfg["epochs"] + 1):
+        spans = [r["epochs"][epoch] for r in reports]
+        samples = sum(n for _, _, n in spans)
+        rates.append(samples / (max(end for _, end, _ in spans) - min(start for start, _, _ in spans)))
+    return {"ranks": world, "samples_per_s": max(rates), "all": rates,
+            "rank_peak_rss_mib": max(r["peak_rss_mib"] for r in reports)}
+
+
+def _rank_process(address, path, rank, world, cfg, barrier, results) -> None:
+    client = distributed.Client(address)
+    spec = dmdask.Spec(path, batch_size=cfg["batch"], prefetch=16, rank=rank, world_size=world)
+    epochs = {}
+    for epoch in range(cfg["epochs"] + 1):  # epoch 0 maps the arenas, not timed
+        barrier.wait()
+        started = time.time()
+        count = sum(len(b["index"]) for b in dmdask.batches(client, spec, epoch=epoch))
+        epochs[epoch] = (started, time.time(), count)
+    results.put({"rank": rank, "epochs": epochs, "peak_rss_mib": peak_rss_mib()})
+    client.close()
 
 
 def _rss_mib() -> float:
@@ -201,10 +258,18 @@ def report(result: dict, plots_dir: str) -> str:
     fig.tight_layout()
     fig.savefig(f"{plots_dir}/throughput.png", dpi=110)
     plt.close(fig)
+    one = rows[0]["ranks"][0]["samples_per_s"]
+    scaling = ["| rank processes | aggregate samples/s | vs one rank | peak RSS of a rank |", "|---:|---:|---:|---:|"]
+    for p in rows[0]["ranks"]:
+        scaling.append(f"| {p['ranks']} | {p['samples_per_s']:,.0f}/s | {p['samples_per_s'] / one:.2f}x "
+                       f"| {p['rank_peak_rss_mib']:.0f} MiB |")
     return ("Warm cache (epoch 0 loads it and is not timed), batch "
             f"{result['config']['batch']}, one trainer, 2 worker processes, best of "
             f"{result['config']['epochs']} epochs. The ceiling gathers every cached block to the trainer "
             "and permutes there (needs the whole dataset in the trainer's memory).\n\n"
             + "\n".join(lines) + "\n\n![throughput](benchmarks/throughput.png)\n\n"
+            f"**Ranks on one node** ({rows[0]['size']} samples, the same cluster): each rank a process of its own "
+            "reading its share (rank r of world_size), the epochs started together; aggregate = the samples of all "
+            "ranks / (last end - first start), best of the epochs.\n\n" + "\n".join(scaling) + "\n\n"
             "**Memory** (scenario 5): peak resident memory against the configured capacities.\n\n"
             + "\n".join(mem) + "\n")

@@ -109,3 +109,73 @@ def test_a_killed_trainer_leaves_nothing_and_the_others_go_on(zarr_path, tmp_pat
         assert np.array_equal(np.sort(again), np.arange(N))
         for b in dmdask.batches(client, spec.replace(batch_size=500), epoch=2):
             np.testing.assert_array_equal(b["x"], zarr_sample(b["index"], (16,)))
+
+
+def test_warm_batches_keep_the_epoch_order_with_two_arenas(zarr_path):
+    """Warm batches come from both workers' arenas through one window, in the epoch's
+    exact order (as planned by `RankShare`), the same as the cold epoch's batches."""
+    from dmdask.plan.order import EpochOrder, RankShare
+
+    with dmdask.LocalCluster(n_workers=2, ram="64 MiB") as cluster, distributed.Client(cluster) as client:
+        spec = dmdask.Spec(zarr_path, batch_size=40, seed=3, rank=1, world_size=2)
+        cold = list(dmdask.batches(client, spec, epoch=2))
+        it = dmdask.batches(client, spec, epoch=2)
+        warm = list(it)
+        assert len({holder for holder, _ in it._local.arenas}) == 2  # the rows came from two arenas
+        planned = RankShare(EpochOrder(N, 100, shuffle=True, seed=3, epoch=2), 1, 2, 40, False)
+        assert len(warm) == len(cold) == len(planned)
+        for i, (a, b) in enumerate(zip(cold, warm)):
+            np.testing.assert_array_equal(a["index"], planned.batch(i))
+            np.testing.assert_array_equal(b["index"], planned.batch(i))
+            np.testing.assert_array_equal(b["x"], zarr_sample(b["index"], (16,)))
+            np.testing.assert_array_equal(b["label"], zarr_label(b["index"]))
+
+
+def test_a_reused_slot_is_never_read_as_the_block_it_held(tmp_path):
+    """The window's knowledge goes stale when a worker frees a slot and writes another
+    block there: the take notices from the row labels and raises Moved, never returning
+    the other block's rows."""
+    from dmdask.client.gather import LocalArenas, Moved
+    from dmdask.worker.arena import Arena, ArenaBlock
+    from dmdask.worker.holdings import Block
+
+    def block(k):
+        ids = np.arange(10 * k, 10 * k + 10)
+        return Block({"x": np.repeat(ids[:, None], 4, axis=1).astype(np.float32)}, 10 * k, 10 * k + 10)
+
+    arena = Arena(str(tmp_path), "ds", 10, block(0))
+    held = ArenaBlock(arena, arena.write(block(0)), 0, 10, 160)
+    local = LocalArenas(num_samples=30, block_len=10)
+    local.remember("tcp://w:1", 0, held.describe())
+    hits = []
+    batches = local.take([np.array([3, 1, 7]), np.array([2])], lambda *a: hits.append(a))
+    np.testing.assert_array_equal(batches[0]["x"][:, 0], [3, 1, 7])
+    np.testing.assert_array_equal(batches[0]["index"], [3, 1, 7])
+    np.testing.assert_array_equal(batches[1]["x"][:, 0], [2])
+    assert hits == [("tcp://w:1", "ram", 4, 64)]
+    arena.free(held.slot)
+    assert arena.write(block(2)) == held.slot  # block 2 now lives where block 0 was
+    with pytest.raises(Moved):
+        local.take([np.array([3])], lambda *a: None)
+    assert not local.knows(np.array([0]))  # forgotten: the next take locates it again
+    arena.close()
+
+
+def test_pooled_batch_memory_is_reused_only_after_the_batch_is_dropped():
+    from dmdask.client.memory import empty_batch
+
+    layout = (("x", "<f4", (3,)), ("y", "<i8", ()))
+    kept = empty_batch(layout, 5)
+    kept["x"][:] = 1.5
+    kept["y"][:] = 7
+    address = kept["x"].__array_interface__["data"][0]
+    others = [empty_batch(layout, 5) for _ in range(20)]  # more than a slab's worth while `kept` lives
+    assert address not in {o["x"].__array_interface__["data"][0] for o in others}
+    assert (kept["x"] == 1.5).all() and (kept["y"] == 7).all()
+    assert kept["x"].shape == (5, 3) and kept["y"].shape == (5,) and kept["x"].flags.writeable
+    del others
+    x = kept["x"]
+    del kept  # one array of the batch still alive: its memory stays taken
+    assert all(empty_batch(layout, 5)["x"].__array_interface__["data"][0] != address for _ in range(20))
+    del x
+    assert any(empty_batch(layout, 5)["x"].__array_interface__["data"][0] == address for _ in range(20))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import threading
 import time
 from collections import OrderedDict, defaultdict
@@ -22,11 +23,17 @@ import numpy as np
 from distributed.protocol.serialize import to_serialize
 
 from ..source import parse_block_key
-from ..worker.arena import ArenaMaps
+from ..worker.arena import ID_FIELD, ArenaMaps
 from ..worker.holdings import map_arrays, take_rows
+from .memory import empty_batch
+from .window import MAX_ARENAS, Window
 
 MAPPED_BLOCKS = 4096  # blocks kept mapped per process (each costs a mapping per field)
 _pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="dmdask-gather")
+# Warm batches of every iterator in this process are copied by this one thread: one core's
+# worth of copying per training process, overlapping the training step (numpy releases
+# the GIL while it copies), leaving the node's other cores to the other ranks.
+copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dmdask-copy")
 
 
 class Moved(Exception):
@@ -63,92 +70,155 @@ class _Mapped:
         with self.lock:
             for key in keys:
                 description = self.described.pop((holder, key), None)
-                if description:
+                if description and "path" in description:
                     self.maps.pop(description["path"], None)
 
 
 _mapped = _Mapped()
 
 
+class LocalArenas:
+    """Per process and dataset: the blocks held in arenas on this host, and their rows.
+
+    Filled as the slow path learns where blocks are (`Gatherer.gather`), shared by every
+    iterator of the dataset in the process, so a warm epoch takes its rows with no
+    request at all: every arena of a field is mapped into one `Window`, so a group of
+    batches is one `np.take` per field, in the epoch's order, straight into pooled
+    memory (`dmdask.client.memory`). Knowledge may go stale (a block released, moved, its
+    slot reused): every take checks the arenas' row labels and raises `Moved` instead of
+    returning rows of another block. Thread-safe.
+    """
+
+    _of: Dict[str, "LocalArenas"] = {}
+    _registry = threading.Lock()
+
+    @classmethod
+    def of(cls, identity: str, num_samples: int, block_len: int) -> "LocalArenas":
+        with cls._registry:
+            found = cls._of.get(identity)
+            if found is None or (found.num_samples, found.block_len) != (num_samples, block_len):
+                found = cls._of[identity] = cls(num_samples, block_len)
+        return found
+
+    def __init__(self, num_samples: int, block_len: int):
+        self.num_samples, self.block_len = num_samples, block_len
+        num_blocks = -(-num_samples // block_len)
+        self._lock = threading.Lock()
+        self.arena_of = np.full(num_blocks, -1, dtype=np.int32)  # block -> index into self.arenas
+        self.first_row = np.zeros(num_blocks, dtype=np.int64)  # block -> its first row in that arena
+        self.arenas: List[Tuple[str, dict]] = []  # (holder, arena fields)
+        self._index: Dict[Tuple[str, str], int] = {}
+        self._windows: Optional[Dict[str, Window]] = None  # field -> its window; {} when none can be made
+
+    def knows(self, blocks: np.ndarray) -> bool:
+        """Whether every block is in a known arena (`take` applies)."""
+        return bool(len(blocks)) and bool((self.arena_of[blocks] >= 0).all())
+
+    def remember(self, holder: str, block: int, description: dict) -> None:
+        """Block `block` is in `holder`'s arena (`ArenaBlock.describe`); ignored when its
+        arena cannot be mapped (the slow path keeps serving it)."""
+        fields = description["arena"]
+        ident = (holder, fields[ID_FIELD][0])
+        rows = description["first_row"] + min(self.block_len, self.num_samples - block * self.block_len)
+        with self._lock:
+            if self._windows is None:
+                self._windows = self._open_windows(fields)
+            arena = self._index.get(ident, len(self.arenas))
+            if not self._windows or arena >= MAX_ARENAS:
+                return
+            try:
+                for name, window in self._windows.items():
+                    window.map(arena, fields[name][0], rows)
+            except (OSError, KeyError):  # gone already, or another layout: not known here
+                return
+            if arena == len(self.arenas):
+                self._index[ident] = arena
+                self.arenas.append((holder, fields))
+            self.first_row[block] = description["first_row"]
+            self.arena_of[block] = arena
+
+    def _open_windows(self, fields: dict) -> Dict[str, Window]:
+        windows = {}
+        for name, (_, dtype, shape) in fields.items():
+            window = Window.open(self.num_samples, dtype, tuple(shape))
+            if window is None:
+                for opened in windows.values():
+                    opened.close()
+                return {}
+            windows[name] = window
+        return windows
+
+    def forget(self) -> None:
+        """After a move: find every block's place again (and stop mapping gone workers' files)."""
+        with self._lock:
+            for window in (self._windows or {}).values():
+                window.close()
+            self._windows = None
+            self.arena_of[:] = -1
+            self.arenas.clear()
+            self._index.clear()
+
+    def forget_if_gone(self) -> None:
+        """Forget everything if a known arena's worker is gone (its files removed): its
+        mapped rows would still read right, but would keep its memory alive."""
+        with self._lock:
+            gone = any(not os.path.exists(fields[ID_FIELD][0]) for _, fields in self.arenas)
+        if gone:
+            self.forget()
+
+    def take(self, group: List[np.ndarray], count) -> List[Dict[str, np.ndarray]]:
+        """Batches of sample ids `group` (all in known arenas), each with its "index", in
+        the epoch's order. `count(holder, tier, rows, bytes)` records the hits. Raises
+        `Moved` when a block is no longer where it was known."""
+        ids = np.concatenate(group)
+        blocks = ids // self.block_len
+        with self._lock:  # held through the copy: nothing is unmapped while it reads
+            arena = self.arena_of[blocks]
+            if not self._windows or (arena < 0).any():
+                raise Moved([int(b) for b in blocks[arena < 0][:3]])
+            rows = self.first_row[blocks] + (ids - blocks * self.block_len)
+            layout = tuple((name, w.rows.dtype.str, w.rows.shape[1:]) for name, w in self._windows.items()
+                           if name != ID_FIELD)
+            out = empty_batch(layout, len(ids))
+            for name, window in self._windows.items():
+                where = arena * np.int64(window.stride) + rows
+                if name == ID_FIELD:
+                    held = window.rows[where]
+                else:  # mode="clip" avoids a buffered copy; every row is mapped
+                    np.take(window.rows, where, axis=0, out=out[name], mode="clip")
+            holders = [holder for holder, _ in self.arenas]
+        if not np.array_equal(held, ids):  # after the copy: were those rows still the right ones?
+            self.forget()
+            raise Moved([holders[a] for a in np.unique(arena[held != ids]).tolist()])
+        row_bytes = sum(values[:1].nbytes for values in out.values())
+        for a, n in enumerate(np.bincount(arena).tolist()):
+            if n:
+                count(holders[a], "ram", n, n * row_bytes)
+        return split_batches(out, ids, [len(b) for b in group])
+
+
 class Gatherer:
     """Assembles groups of batches for one iterator; counts the rows it took from
     workers' files itself and reports them to those workers (`flush_hits`)."""
 
-    def __init__(self, client, my_host: Optional[str], num_blocks: int):
+    def __init__(self, client, my_host: Optional[str], local: LocalArenas):
         self.client = client
         self.my_host = my_host
-        # The steady state: blocks held in arenas on this host, found without a per-block step.
-        self._arena_of = np.full(num_blocks, -1, dtype=np.int32)  # block -> index into self._arenas
-        self._first_row = np.zeros(num_blocks, dtype=np.int64)  # block -> its first row in the arena
-        self._arenas: List[Tuple[str, dict]] = []  # (holder, description without first_row)
-        self._arena_index: Dict[tuple, int] = {}
+        self.local = local
         self.hits: Dict[str, Dict[str, List[int]]] = _counters()
         self._hits_lock = threading.Lock()
         self._last_flush = time.monotonic()
 
-    def knows(self, blocks: np.ndarray) -> bool:
-        """Whether every block is in a known arena on this host (`gather_known` applies)."""
-        return bool(len(blocks)) and bool((self._arena_of[blocks] >= 0).all())
-
-    async def gather_known(self, blocks: np.ndarray, offsets: np.ndarray) -> Dict[str, np.ndarray]:
-        """The group's rows when `knows(blocks)`: one take per field and arena."""
-        arena = self._arena_of[blocks]
-        rows = self._first_row[blocks] + offsets
-        return await asyncio.get_running_loop().run_in_executor(_pool, self._assemble_known, arena, rows)
-
-    def _assemble_known(self, arena: np.ndarray, rows: np.ndarray) -> Dict[str, np.ndarray]:
-        out: Dict[str, np.ndarray] = {}
-        arenas = np.unique(arena).tolist()
-        if len(arenas) == 1:  # one worker holds them all (one worker per node): one copy, into place
-            holder, description = self._arenas[arenas[0]]
-            try:
-                out = ArenaMaps.shared.take(description, rows)
-            except FileNotFoundError:
-                self.forget_arenas()
-                raise Moved([holder]) from None
-            with self._hits_lock:
-                count = self.hits[holder]["ram"]
-                count[0] += len(rows)
-                count[1] += sum(a.nbytes for a in out.values())
-            return out
-        for a in arenas:
-            where = np.flatnonzero(arena == a)
-            holder, description = self._arenas[a]
-            try:
-                arrays = ArenaMaps.shared.take(description, rows[where])
-            except FileNotFoundError:
-                self.forget_arenas()
-                raise Moved([holder]) from None
-            for name, values in arrays.items():
-                if name not in out:
-                    out[name] = np.empty((len(rows),) + values.shape[1:], dtype=values.dtype)
-                out[name][where] = values
-            with self._hits_lock:
-                count = self.hits[holder]["ram"]
-                count[0] += len(where)
-                count[1] += sum(a.nbytes for a in arrays.values())
-        return out
-
-    def forget_arenas(self) -> None:
-        """After a move: find every block's place again."""
-        for _, description in self._arenas:
-            for path, _, _ in description["arena"].values():
-                ArenaMaps.shared.forget(path)
-        self._arena_of[:] = -1
-        self._arenas.clear()
-        self._arena_index.clear()
+    def count(self, holder: str, tier: str, samples: int, nbytes: int) -> None:
+        with self._hits_lock:
+            counts = self.hits[holder][tier]
+            counts[0] += samples
+            counts[1] += nbytes
 
     def _remember(self, holder: str, key: str, description: dict) -> None:
         parsed = parse_block_key(key)
-        if parsed is None or parsed[1] >= len(self._arena_of):
-            return
-        arena = {**description, "first_row": 0}
-        ident = (holder, next(iter(description["arena"].values()))[0])
-        if ident not in self._arena_index:
-            self._arena_index[ident] = len(self._arenas)
-            self._arenas.append((holder, arena))
-        self._arena_of[parsed[1]] = self._arena_index[ident]
-        self._first_row[parsed[1]] = description["first_row"]
+        if parsed is not None and parsed[1] < len(self.local.arena_of):
+            self.local.remember(holder, parsed[1], description)
 
     async def gather(self, plan: Dict[str, Dict[str, np.ndarray]], positions: Dict[str, np.ndarray],
                      n: int) -> Dict[str, np.ndarray]:
@@ -156,8 +226,8 @@ class Gatherer:
         rows; `positions`: holder -> where those rows go (in the same order)."""
         local = [h for h in plan if _host(h) == self.my_host]
         await asyncio.gather(*(self._describe(h, list(plan[h])) for h in local))
-        from_files: List[tuple] = []  # (description, rows, positions, holder, key)
-        from_arenas: Dict[tuple, tuple] = {}  # (holder, arena) -> (description, [rows], [positions], [keys])
+        from_files: List[tuple] = []  # (description, rows, positions, holder, key, ids or None)
+        from_arenas: Dict[tuple, tuple] = {}  # (holder, arena) -> (fields, [rows], [positions], [keys], [ids])
         remote: Dict[str, Tuple[Dict[str, np.ndarray], List[np.ndarray]]] = {}
         for holder, wanted in plan.items():
             offset = 0
@@ -166,14 +236,16 @@ class Gatherer:
                 offset += len(rows)
                 description = _mapped.described.get((holder, key)) if holder in local else None
                 if description is not None and "arena" in description:  # one take per arena, not per block
-                    arena = (holder, next(iter(description["arena"].values()))[0])
-                    _, arena_rows, places, arena_keys = from_arenas.setdefault(arena, (description, [], [], []))
+                    arena = (holder, description["arena"][ID_FIELD][0])
+                    _, arena_rows, places, arena_keys, ids = from_arenas.setdefault(
+                        arena, (description["arena"], [], [], [], []))
                     arena_rows.append(description["first_row"] + rows)
+                    ids.append(description["start"] + rows)
                     places.append(where)
                     arena_keys.append(key)
                     self._remember(holder, key, description)
                 elif description is not None:
-                    from_files.append((description, rows, where, holder, key))
+                    from_files.append((description, rows, where, holder, key, None))
                 else:
                     asked, places = remote.setdefault(holder, ({}, []))
                     asked[key] = rows
@@ -181,9 +253,9 @@ class Gatherer:
         replies = await asyncio.gather(*(self._rows(h, asked) for h, (asked, _) in remote.items()))
         parts = [(np.concatenate(places), rows) for (_, places), rows in zip(remote.values(), replies)]
         loop = asyncio.get_running_loop()
-        for (holder, _), (description, arena_rows, places, arena_keys) in from_arenas.items():
-            from_files.append(({**description, "first_row": 0}, np.concatenate(arena_rows), np.concatenate(places),
-                               holder, arena_keys))
+        for (holder, _), (fields, arena_rows, places, arena_keys, ids) in from_arenas.items():
+            from_files.append(({"arena": fields, "tier": "ram"}, np.concatenate(arena_rows), np.concatenate(places),
+                               holder, arena_keys, np.concatenate(ids)))
         return await loop.run_in_executor(_pool, self._assemble, from_files, parts, n)
 
     async def _describe(self, holder: str, keys: List[str]) -> None:
@@ -202,23 +274,23 @@ class Gatherer:
 
     def _assemble(self, from_files, parts, n: int) -> Dict[str, np.ndarray]:
         """Runs in a thread: take the rows of mapped blocks and put every row in place."""
-        for description, rows, where, holder, keys in from_files:
+        for description, rows, where, holder, keys, ids in from_files:
             try:
                 if "arena" in description:
-                    arrays = ArenaMaps.shared.take(description, rows)
+                    arrays = ArenaMaps.shared.take_rows(description["arena"], rows, ids)
                 else:
                     arrays = take_rows(_mapped.arrays(description), rows)
-            except FileNotFoundError:
+            except FileNotFoundError:  # released, moved, or its worker is gone
                 keys = keys if isinstance(keys, list) else [keys]
                 _mapped.forget(holder, keys)
-                for path, _, _ in (description.get("arena") or {}).values():
-                    ArenaMaps.shared.forget(path)
+                if "arena" in description:
+                    for path, _, _ in description["arena"].values():
+                        ArenaMaps.shared.forget(path)
+                    self.local.forget()
                 raise Moved(keys) from None
             parts.append((where, arrays))
-            with self._hits_lock:
-                count = self.hits[holder][description["tier"]]
-                count[0] += len(rows)
-                count[1] += sum(a.nbytes for a in arrays.values() if a.dtype != object)
+            self.count(holder, description["tier"], len(rows),
+                       sum(a.nbytes for a in arrays.values() if a.dtype != object))
         out: Dict[str, np.ndarray] = {}
         for where, arrays in parts:
             for name, values in arrays.items():
@@ -245,6 +317,12 @@ class Gatherer:
                 await self.client.rpc(holder).dmdask_count_hits(hits={t: list(c) for t, c in tiers.items()})
             except Exception:  # noqa: BLE001 - a worker that left has nothing to count
                 pass
+
+
+def split_batches(arrays: Dict[str, np.ndarray], ids: np.ndarray, sizes: List[int]) -> List[Dict[str, np.ndarray]]:
+    """A group's arrays cut into its batches (views), each with its "index"."""
+    bounds = np.cumsum([0] + sizes).tolist()
+    return [{**{f: v[a:b] for f, v in arrays.items()}, "index": ids[a:b]} for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def _counters():

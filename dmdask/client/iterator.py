@@ -31,7 +31,7 @@ from ..errors import BlockReadError, NotADmdaskWorker, SpecError
 from ..plan.order import ORDER_VERSION, EpochOrder, RankShare
 from ..spec import Spec, dumps_transform
 from .datasets import open_dataset
-from .gather import Gatherer, Moved
+from .gather import Gatherer, LocalArenas, Moved, split_batches, copier
 from .progress import make as _make_progress
 
 logger = logging.getLogger(__name__)
@@ -69,12 +69,6 @@ def _my_host(client: Client) -> Optional[str]:
     return _host(comm.local_address) if comm is not None else None
 
 
-def _split(arrays: Dict[str, np.ndarray], ids: np.ndarray, sizes: List[int]) -> List[Dict[str, np.ndarray]]:
-    """A group's arrays cut into its batches (views), each with its "index"."""
-    bounds = np.cumsum([0] + sizes)
-    return [{**{f: v[a:b] for f, v in arrays.items()}, "index": ids[a:b]} for a, b in zip(bounds[:-1], bounds[1:])]
-
-
 class BatchIterator:
     """One epoch of one rank's batches, with bounded prefetch and `state_dict()`.
 
@@ -106,7 +100,9 @@ class BatchIterator:
         self._in_flight: Deque = deque()  # concurrent futures, each of a list of batches
         self._ready_batches: Deque = deque()
         self._holders: Dict[str, str] = {}  # block key -> a worker holding it
-        self._gatherer = Gatherer(client, _my_host(client), info.num_blocks)
+        self._local = LocalArenas.of(info.identity, info.num_samples, info.block_len)
+        self._local.forget_if_gone()
+        self._gatherer = Gatherer(client, _my_host(client), self._local)
         self._worker: Optional[str] = None
         self._transform = dumps_transform(spec.transform)
         self._loop = client.loop.asyncio_loop
@@ -163,10 +159,28 @@ class BatchIterator:
             if pending + group > max(self.spec.prefetch, group):
                 break
             stop = min(len(self._batches), self._next_request + group)
-            coro = self._fetch(self._next_request, stop)
-            self._in_flight.append(asyncio.run_coroutine_threadsafe(coro, self._loop))
+            self._in_flight.append(self._request(self._next_request, stop))
             self._next_request = stop
             self.requests += 1
+
+    def _request(self, first: int, stop: int):
+        """A future of batches first..stop-1. Warm, without a transform, with every block in
+        an arena on this host: copied by this process's copier thread, no request at all;
+        otherwise fetched on the client's event loop (`_fetch`)."""
+        if self._transform is None:
+            group = self._batches.batches(first, stop)
+            if self._local.knows(self.info.block_of(np.concatenate(group))):
+                return copier.submit(self._copy_known, first, stop, group)
+        return asyncio.run_coroutine_threadsafe(self._fetch(first, stop), self._loop)
+
+    def _copy_known(self, first: int, stop: int, group: List[np.ndarray]) -> list:
+        """In the copier thread: each batch taken from the arenas into its own arrays."""
+        try:
+            out = self._local.take(group, self._gatherer.count)
+        except Moved:  # released or moved since it was known: locate the blocks again
+            return asyncio.run_coroutine_threadsafe(self._fetch(first, stop), self._loop).result()
+        self._loop.call_soon_threadsafe(self._gatherer.flush_hits_every, HITS_SECONDS)
+        return out
 
     def close(self) -> None:
         """Cancel batches in flight; the iterator is exhausted afterwards."""
@@ -235,13 +249,6 @@ class BatchIterator:
         ids = np.concatenate(group)
         blocks = self.info.block_of(ids)
         offsets = ids - blocks * self.info.block_len
-        if self._transform is None and self._gatherer.knows(blocks):  # warm, same host: no request at all
-            try:
-                arrays = await self._gatherer.gather_known(blocks, offsets)
-                self._gatherer.flush_hits_every(HITS_SECONDS)
-                return _split(arrays, ids, [len(b) for b in group])
-            except Moved:
-                self._holders.clear()
         keys = {int(k): self.info.block_key(int(k)) for k in np.unique(blocks)}
         last_error: Optional[BaseException] = None
         deadline = time.monotonic() + RECOVERY_SECONDS
@@ -256,7 +263,7 @@ class BatchIterator:
                 if self._transform is None:  # assembled here: local rows straight from the files
                     arrays = await self._gatherer.gather(plan, positions, len(ids))
                     self._gatherer.flush_hits_every(HITS_SECONDS)
-                    return _split(arrays, ids, [len(b) for b in group])
+                    return split_batches(arrays, ids, [len(b) for b in group])
                 return await self._from_local_worker(plan, positions, ids, group)
             except BlockReadError:
                 raise
@@ -265,7 +272,6 @@ class BatchIterator:
                 self._worker = None
             except Moved as exc:
                 last_error = exc
-                self._gatherer.forget_arenas()
             self._holders.clear()
             await asyncio.sleep(min(1.0, 0.05 * attempt))
         raise RuntimeError(f"batches {first}..{stop - 1} of rank {self.spec.rank} still failing after {RECOVERY_SECONDS} s "

@@ -5,24 +5,35 @@ with one indexing operation per field instead of one per block.
 Block k of a dataset with blocks of L samples occupies a slot of L rows; slots of
 released blocks are reused. A block is written once (when it is loaded) and never
 changed while held, so readers need no lock: they map the file and index rows
-slot * L + offset. The file only grows while the worker lives; it is removed with the
-worker's shared-memory folder.
+slot * L + offset. Beside the fields, a file of int64 row labels (`ID_FIELD`) says which
+sample each row holds (-1: none); a writer clears a slot's labels before it writes the
+slot's rows and labels them after, so a reader that checks the labels after taking the
+rows never returns rows of a released or reused slot (`NotHeld`), however stale its idea of
+where a block lives. The files only grow while the worker lives; they are removed with
+the worker's shared-memory folder.
 """
 from __future__ import annotations
 
 import mmap
 import os
 import threading
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from .holdings import Arrays, Block
 
+ID_FIELD = "__id__"  # the arena file that labels each row with the sample id it holds
+
+
+class NotHeld(FileNotFoundError):
+    """The rows asked for no longer hold the samples expected (released, moved, reused)."""
+
 
 def all_fixed(block: Block) -> bool:
     """Whether every field of `block` has fixed-size rows (an arena can hold it)."""
-    return all(arr.dtype != object and arr.dtype.kind not in "TOUS" for arr in block.arrays.values())
+    return ID_FIELD not in block.arrays and all(
+        arr.dtype != object and arr.dtype.kind not in "TOUS" for arr in block.arrays.values())
 
 
 class Arena:
@@ -32,16 +43,17 @@ class Arena:
         self.block_len = block_len
         self.fields: Dict[str, Tuple[str, str, tuple]] = {}  # name -> (path, dtype, row shape)
         self._fds: Dict[str, int] = {}
-        for name, arr in block.arrays.items():
+        layouts = {name: (arr.dtype.str, tuple(arr.shape[1:])) for name, arr in block.arrays.items()}
+        for name, (dtype, row_shape) in {**layouts, ID_FIELD: ("<i8", ())}.items():
             path = os.path.join(folder, f"{identity}.{name}")
-            self.fields[name] = (path, arr.dtype.str, tuple(arr.shape[1:]))
+            self.fields[name] = (path, dtype, row_shape)
             self._fds[name] = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         self._free: List[int] = []
         self._slots = 0
         self._lock = threading.Lock()
 
     def fits(self, block: Block) -> bool:
-        return set(block.arrays) == set(self.fields) and all(
+        return set(block.arrays) | {ID_FIELD} == set(self.fields) and all(
             arr.dtype.str == self.fields[n][1] and tuple(arr.shape[1:]) == self.fields[n][2]
             for n, arr in block.arrays.items()) and len(block) <= self.block_len
 
@@ -52,22 +64,38 @@ class Arena:
             slot = self._free.pop() if self._free else self._slots
             self._slots = max(self._slots, slot + 1)
         try:
+            self._label(slot, None)
             for name, arr in block.arrays.items():
-                data = np.ascontiguousarray(arr)
-                row_bytes = data.itemsize * int(np.prod(data.shape[1:], dtype=np.int64))
-                offset = slot * self.block_len * row_bytes
-                view = memoryview(data).cast("B")
-                while view:
-                    written = os.pwrite(self._fds[name], view, offset)
-                    view, offset = view[written:], offset + written
+                self._write(name, slot, arr)
+            self._label(slot, block)
         except BaseException:
             self.free(slot)
             raise
         return slot
 
     def free(self, slot: int) -> None:
+        """Give the slot back; its rows read as held by no sample from now on."""
+        try:
+            self._label(slot, None)
+        except OSError:  # shared memory gone: nothing left to read anyway
+            pass
         with self._lock:
             self._free.append(slot)
+
+    def _label(self, slot: int, block) -> None:
+        ids = np.full(self.block_len, -1, dtype=np.int64)
+        if block is not None:
+            ids[:len(block)] = np.arange(block.start, block.stop, dtype=np.int64)
+        self._write(ID_FIELD, slot, ids)
+
+    def _write(self, name: str, slot: int, arr: np.ndarray) -> None:
+        data = np.ascontiguousarray(arr)
+        row_bytes = data.itemsize * int(np.prod(data.shape[1:], dtype=np.int64))
+        offset = slot * self.block_len * row_bytes
+        view = memoryview(data).cast("B")
+        while view:
+            written = os.pwrite(self._fds[name], view, offset)
+            view, offset = view[written:], offset + written
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -93,7 +121,8 @@ class ArenaBlock:
 
     def describe(self) -> dict:
         """What a process on the same host needs to take this block's rows (`ArenaMaps`)."""
-        return {"arena": self.arena.fields, "first_row": self.slot * self.arena.block_len, "tier": "ram"}
+        return {"arena": self.arena.fields, "first_row": self.slot * self.arena.block_len, "start": self.start,
+                "tier": "ram"}
 
     def take(self, rows: np.ndarray) -> Arrays:
         return ArenaMaps.shared.take(self.describe(), rows)
@@ -136,12 +165,42 @@ class ArenaMaps:
             self._maps[path] = array
         return array
 
-    def take(self, description: dict, rows: np.ndarray) -> Arrays:
-        """Rows (offsets in the block) of an arena block."""
-        global_rows = description["first_row"] + np.asarray(rows, dtype=np.int64)
-        needed = int(global_rows.max()) + 1 if len(global_rows) else 0
-        return {name: self.rows(path, dtype, shape, needed)[global_rows]
-                for name, (path, dtype, shape) in description["arena"].items()}
+    def take(self, description: dict, offsets: np.ndarray) -> Arrays:
+        """Rows (offsets in the block) of an arena block (`ArenaBlock.describe`)."""
+        offsets = np.asarray(offsets, dtype=np.int64)
+        return self.take_rows(description["arena"], description["first_row"] + offsets,
+                              description["start"] + offsets)
+
+    def take_rows(self, fields: dict, rows: np.ndarray, ids: np.ndarray) -> Arrays:
+        """Arena rows `rows` (int64), which must hold samples `ids`: the fields' values.
+        NotHeld when a row holds another sample (its block was released or its slot
+        reused), FileNotFoundError when the worker is gone."""
+        taken = self.copy_rows(fields, rows)
+        self.check(fields, rows, ids)
+        return taken
+
+    def copy_rows(self, fields: dict, rows: np.ndarray, out: Optional[Arrays] = None) -> Arrays:
+        """The fields' values at arena rows `rows`, into `out` when given (arrays of
+        len(rows) rows), unchecked: call `check` after the copy."""
+        needed = int(rows.max()) + 1 if len(rows) else 0
+        taken: Arrays = {}
+        for name, (path, dtype, shape) in fields.items():
+            if name == ID_FIELD:
+                continue
+            source = self.rows(path, dtype, shape, needed)
+            if out is None:
+                taken[name] = source[rows]
+            else:  # mode="clip" avoids a buffered copy; the mapping has every row
+                taken[name] = np.take(source, rows, axis=0, out=out[name], mode="clip")
+        return taken
+
+    def check(self, fields: dict, rows: np.ndarray, ids: np.ndarray) -> None:
+        """NotHeld unless arena rows `rows` hold samples `ids`. Called after a copy, it
+        proves the copy right: a writer clears a slot's labels before touching its rows."""
+        needed = int(rows.max()) + 1 if len(rows) else 0
+        held = self.rows(*fields[ID_FIELD], needed)[rows]
+        if not np.array_equal(held, ids):
+            raise NotHeld(f"rows of {fields[ID_FIELD][0]} no longer hold samples {ids[held != ids][:3].tolist()}")
 
     def forget(self, path: str) -> None:
         with self._lock:

@@ -1,0 +1,89 @@
+"""One field's arenas on this host, mapped side by side into one range of address space.
+
+Each worker of a node keeps its RAM blocks of a dataset in an arena file of its own
+(`dmdask.worker.arena`). A training process maps every such file of a field next to the
+others, at fixed strides inside one reservation, so a single `np.take` reads a group's
+rows from all of them, in the epoch's order, with one copy: row r of arena a is row
+a * stride + r of the window.
+
+Guarantees: a mapping only grows while the window lives, so a row index that was valid
+once stays readable; rows never mapped are never read (callers index only rows of
+blocks they know, `LocalArenas`). Linux and macOS (mmap with MAP_FIXED into a reserved
+range); `Window.open` returns None where the range cannot be reserved.
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from typing import List, Optional
+
+import numpy as np
+
+MAX_ARENAS = 16  # arenas (workers of one host) a window can hold
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_FAILED = ctypes.c_void_p(-1).value
+_MAP_FIXED = 0x10
+_MAP_ANONYMOUS = getattr(mmap, "MAP_ANONYMOUS", 0x20)
+_MAP_NORESERVE = 0x4000 if os.uname().sysname == "Linux" else 0
+_PROT_NONE = 0
+
+
+def _physical_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class Window:
+    """Arena files of one field, mapped read-only at strides of `stride` rows. Not
+    thread-safe: its owner serialises `map`, `rows` and `close`."""
+
+    def __init__(self, base: int, stride: int, row_bytes: int, dtype: str, row_shape: tuple):
+        self._base, self.stride, self._row_bytes = base, stride, row_bytes
+        self._dtype, self._row_shape = np.dtype(dtype), tuple(row_shape)
+        self._mapped: List[int] = [0] * MAX_ARENAS  # rows mapped per arena
+        total = stride * row_bytes * MAX_ARENAS
+        memory = (ctypes.c_char * total).from_address(base)
+        self.rows = np.frombuffer(memory, dtype=self._dtype).reshape((stride * MAX_ARENAS,) + self._row_shape)
+
+    @classmethod
+    def open(cls, max_rows: int, dtype: str, row_shape: tuple) -> Optional["Window"]:
+        """A window for arenas of up to `max_rows` rows each (capped by this host's
+        memory, which bounds any file in shared memory); None if the address space
+        cannot be reserved."""
+        row_bytes = np.dtype(dtype).itemsize * int(np.prod(row_shape, dtype=np.int64))
+        if row_bytes == 0:
+            return None
+        page = mmap.PAGESIZE
+        unit = int(np.lcm(row_bytes, page)) // row_bytes  # rows per stride step, so arenas start on pages
+        stride = int(-(-min(max_rows, _physical_memory() // row_bytes + 1) // unit) * unit)
+        base = _libc.mmap(None, stride * row_bytes * MAX_ARENAS, _PROT_NONE,
+                          mmap.MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+        if base in (None, _FAILED):
+            return None
+        return cls(base, stride, row_bytes, dtype, row_shape)
+
+    def map(self, arena: int, path: str, rows: int) -> None:
+        """Arena `arena`'s file mapped with at least `rows` rows. FileNotFoundError when
+        the file is gone or holds fewer rows."""
+        if rows <= self._mapped[arena]:
+            return
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            have = min(size // self._row_bytes, self.stride)
+            if have < rows:
+                raise FileNotFoundError(f"{path} holds fewer rows than {rows}")
+            length = have * self._row_bytes
+            at = self._base + arena * self.stride * self._row_bytes
+            got = _libc.mmap(at, length, mmap.PROT_READ, mmap.MAP_SHARED | _MAP_FIXED, f.fileno(), 0)
+            if got != at:
+                raise OSError(ctypes.get_errno(), f"cannot map {path}: {os.strerror(ctypes.get_errno())}")
+        self._mapped[arena] = have
+
+    def close(self) -> None:
+        """Unmap everything. The caller guarantees no array of `rows` is in use."""
+        _libc.munmap(self._base, self.stride * self._row_bytes * MAX_ARENAS)
+        self.rows = None
