@@ -105,6 +105,7 @@ class BatchIterator:
         self._gatherer = Gatherer(client, _my_host(client), self._local)
         self._worker: Optional[str] = None
         self._transform = dumps_transform(spec.transform)
+        self._warm = self._transform is None and self._local.knows(np.arange(info.num_blocks))
         self._loop = client.loop.asyncio_loop
         self.wait_seconds = 0.0  # time the consumer spent waiting for batches
         self.requests = 0  # requests sent to the local worker
@@ -152,9 +153,10 @@ class BatchIterator:
 
     def _fill(self) -> None:
         """Keep up to `spec.prefetch` batches requested or ready, in groups of `self.group`
-        batches (one request per group amortises its fixed cost)."""
-        group = self.group
+        batches (one request per group amortises its fixed cost); the first request is
+        of one batch, so that it comes as early as it can."""
         while self._next_request < len(self._batches):
+            group = self.group if self.requests else 1
             pending = self._next_request - self._position
             if pending + group > max(self.spec.prefetch, group):
                 break
@@ -164,20 +166,20 @@ class BatchIterator:
             self.requests += 1
 
     def _request(self, first: int, stop: int):
-        """A future of batches first..stop-1. Warm, without a transform, with every block in
-        an arena on this host: copied by this process's copier thread, no request at all;
-        otherwise fetched on the client's event loop (`_fetch`)."""
-        if self._transform is None:
-            group = self._batches.batches(first, stop)
-            if self._local.knows(self.info.block_of(np.concatenate(group))):
-                return copier.submit(self._copy_known, first, stop, group)
+        """A future of batches first..stop-1. Warm (no transform, every block of the
+        dataset in an arena on this host when the epoch started): copied by this
+        process's copier thread, no request at all; otherwise fetched on the client's
+        event loop (`_fetch`)."""
+        if self._warm:
+            return copier.submit(self._copy_known, first, stop)
         return asyncio.run_coroutine_threadsafe(self._fetch(first, stop), self._loop)
 
-    def _copy_known(self, first: int, stop: int, group: List[np.ndarray]) -> list:
-        """In the copier thread: each batch taken from the arenas into its own arrays."""
+    def _copy_known(self, first: int, stop: int) -> list:
+        """In the copier thread: the group's ids, then its rows from the arenas."""
         try:
-            out = self._local.take(group, self._gatherer.count)
+            out = self._local.take(self._batches.batches(first, stop), self._gatherer.count)
         except Moved:  # released or moved since it was known: locate the blocks again
+            self._warm = False
             return asyncio.run_coroutine_threadsafe(self._fetch(first, stop), self._loop).result()
         self._loop.call_soon_threadsafe(self._gatherer.flush_hits_every, HITS_SECONDS)
         return out

@@ -355,11 +355,13 @@ class RankShare:
         return [ids[i:i + self.batch_size] for i in range(0, len(ids), self.batch_size)]
 
     def _ids(self, first: int, end: int) -> np.ndarray:
-        """Ids of share samples first..end-1, computed CHUNK_SAMPLES at a time: a call on a
-        few batches costs a fixed ~0.1 ms per cycle-walking pass, a chunk amortises it."""
+        """Ids of share samples first..end-1, computed in chunks: a call on a few batches
+        costs a fixed ~0.1 ms per cycle-walking pass, a chunk amortises it. Chunks double
+        from the size asked up to CHUNK_SAMPLES, so the first batch waits for its own ids only."""
         at, ids = self._chunk
         if not (at <= first and end <= at + len(ids)):
-            stop = min(self.num_samples, max(end, first + CHUNK_SAMPLES))
+            size = min(CHUNK_SAMPLES, max(end - first, 2 * len(ids)))
+            stop = min(self.num_samples, max(end, first + size))
             ids = self.order.ids(self.rank + self.world_size * np.arange(first, stop, dtype=np.int64))
             at, self._chunk = first, (first, ids)
         return ids[first - at:end - at]
