@@ -22,11 +22,11 @@ from .common import dmdask_cluster, peak_rss_mib, workdir
 
 PRESETS = {
     "tiny": {"sizes": {"3KB": (3072, 600, 100)}, "batch": 64, "epochs": 2, "rounds": 2, "ranks": [1, 2],
-             "rank_epochs": 2},
+             "rank_epochs": 2, "sweeps": 1},
     "quick": {"sizes": {"3KB": (3072, 40000, 500), "110KB": (112640, 2000, 20)}, "batch": 256, "epochs": 3,
-              "rounds": 6, "ranks": [1, 2, 4, 8], "rank_epochs": 10},
+              "rounds": 6, "ranks": [1, 2, 4, 8], "rank_epochs": 10, "sweeps": 2},
     "full": {"sizes": {"3KB": (3072, 200000, 1000), "110KB": (112640, 10000, 25)}, "batch": 256, "epochs": 5,
-             "rounds": 8, "ranks": [1, 2, 4, 8], "rank_epochs": 10},
+             "rounds": 8, "ranks": [1, 2, 4, 8], "rank_epochs": 10, "sweeps": 3},
 }
 
 
@@ -179,7 +179,7 @@ def _dmdask_and_ceiling(path: str, dataset_bytes: int, cfg, with_ranks: bool, nu
             return len(order)
 
         ceiling = _timed(cfg["epochs"], ceiling_epoch)
-        ranks = [_ranks(cluster.scheduler_address, path, world, cfg) for world in cfg["ranks"] if with_ranks]
+        ranks = _rank_curve(cluster.scheduler_address, path, cfg) if with_ranks else []
         stats = dmdask.stats(client)
         peak = client.run(_peak_rss_mib)
         memory = {
@@ -195,6 +195,22 @@ def _dmdask_and_ceiling(path: str, dataset_bytes: int, cfg, with_ranks: bool, nu
     return {**side_by_side, "ceiling": ceiling, "memory": memory, "ranks": ranks}
 
 
+RUNS = 2  # timed runs per set of rank processes
+
+
+def _rank_curve(address: str, path: str, cfg) -> list:
+    """The aggregate rate of each number of ranks, measured in sweeps over all of them
+    (1, 2, 4, 8, 1, 2, 4, 8, ...) so that a noisy spell hits every point alike; the best
+    of each point's runs counts."""
+    sweeps = [[_ranks(address, path, world, cfg) for world in cfg["ranks"]] for _ in range(cfg["sweeps"])]
+    best = []
+    for points in zip(*sweeps):
+        rates = [rate for point in points for rate in point["all"]]
+        best.append({**points[0], "samples_per_s": max(rates), "all": rates,
+                     "rank_peak_rss_mib": max(p["rank_peak_rss_mib"] for p in points)})
+    return best
+
+
 def _ranks(address: str, path: str, world: int, cfg) -> dict:
     """`world` rank processes on this node, each reading its share of warm epochs; the
     epochs start together (a barrier). Aggregate samples/s of the best epoch."""
@@ -208,7 +224,7 @@ def _ranks(address: str, path: str, world: int, cfg) -> dict:
     for p in procs:
         p.join(timeout=60)
     rates = []
-    for run in range(2):
+    for run in range(RUNS):
         spans = [r["runs"][run] for r in reports]
         samples = sum(n for _, _, n in spans)
         rates.append(samples / (max(end for _, end, _ in spans) - min(start for start, _, _ in spans)))
@@ -218,10 +234,10 @@ def _ranks(address: str, path: str, world: int, cfg) -> dict:
 
 def _rank_process(address, path, rank, world, cfg, barrier, results) -> None:
     client = distributed.Client(address)
-    spec = dmdask.Spec(path, batch_size=cfg["batch"], prefetch=16, rank=rank, world_size=world)
+    spec = dmdask.Spec(path, batch_size=cfg["batch"], prefetch=cfg.get("rank_prefetch", 16), rank=rank, world_size=world)
     sum(len(b["index"]) for b in dmdask.batches(client, spec, epoch=0))  # maps the arenas, not timed
     runs = []
-    for run in range(2):  # each: rank_epochs epochs back to back, started together
+    for run in range(RUNS):  # each: rank_epochs epochs back to back, started together
         barrier.wait()
         started = time.time()
         count = sum(len(b["index"]) for epoch in range(1, cfg["rank_epochs"] + 1)
@@ -292,7 +308,8 @@ def report(result: dict, plots_dir: str) -> str:
             + "\n".join(lines) + "\n\n![throughput](benchmarks/throughput.png)\n\n"
             f"**Ranks on one node** ({rows[0]['size']} samples, the same cluster): each rank a process of its own "
             f"reading its share (rank r of world_size) for {result['config']['rank_epochs']} epochs back to back, "
-            "started together; aggregate = the samples of all ranks / (last end - first start), best of 2 runs."
+            "started together; aggregate = the samples of all ranks / (last end - first start), best of "
+            f"{RUNS * result['config']['sweeps']} runs, taken in sweeps over the numbers of ranks."
             "\n\n" + "\n".join(scaling) + "\n\n"
             "**Memory** (scenario 5): peak resident memory against the configured capacities.\n\n"
             + "\n".join(mem) + "\n")

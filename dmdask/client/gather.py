@@ -302,9 +302,13 @@ class Gatherer:
     def has_hits(self) -> bool:
         return bool(self.hits)
 
+    def due(self, seconds: float) -> bool:
+        """Whether hits wait to be reported and the last report is `seconds` old."""
+        return bool(self.hits) and time.monotonic() - self._last_flush >= seconds
+
     def flush_hits_every(self, seconds: float) -> None:
         """On the event loop: report the hits in the background, at most every `seconds`."""
-        if self.hits and time.monotonic() - self._last_flush >= seconds:
+        if self.due(seconds):
             self._last_flush = time.monotonic()
             asyncio.ensure_future(self.flush_hits())
 

@@ -181,7 +181,8 @@ class BatchIterator:
         except Moved:  # released or moved since it was known: locate the blocks again
             self._warm = False
             return asyncio.run_coroutine_threadsafe(self._fetch(first, stop), self._loop).result()
-        self._loop.call_soon_threadsafe(self._gatherer.flush_hits_every, HITS_SECONDS)
+        if self._gatherer.due(HITS_SECONDS):  # wakes the event loop only when a report is due
+            self._loop.call_soon_threadsafe(self._gatherer.flush_hits_every, HITS_SECONDS)
         return out
 
     def close(self) -> None:
