@@ -1,9 +1,10 @@
 """A training process assembles its batches itself: rows of blocks held in files on its
 own host (shared memory for the RAM tier, the SSD) are taken by indexing the mapped
-files, with no request, pickle or worker event loop (one indexing per field and worker
-for the RAM blocks of a dataset, which share an arena); only rows held on other hosts, or
+files, with no request, pickle or worker event loop; only rows held on other hosts, or
 in no file (blocks filling or streamed), are asked for, one request per holder per
-group of batches.
+group of batches. Warm groups whose blocks all sit in arenas on this host take the
+shortest path: `LocalArenas.take`, one `np.take` per field over a `Window` that maps
+every arena of the host side by side.
 
 Guarantees: every row comes from the block that holds it, placed at its position in
 the group; a block released (or whose worker went away) while mapped raises `Moved`,
