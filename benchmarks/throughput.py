@@ -220,9 +220,13 @@ def _ranks(address: str, path: str, world: int, cfg) -> dict:
              for rank in range(world)]
     for p in procs:
         p.start()
-    reports = [results.get(timeout=600) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
+    try:
+        reports = [results.get(timeout=600) for _ in procs]
+    finally:  # a rank that failed or hung must not outlive the measurement
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.terminate()
     rates = []
     for run in range(RUNS):
         spans = [r["runs"][run] for r in reports]
@@ -234,11 +238,11 @@ def _ranks(address: str, path: str, world: int, cfg) -> dict:
 
 def _rank_process(address, path, rank, world, cfg, barrier, results) -> None:
     client = distributed.Client(address)
-    spec = dmdask.Spec(path, batch_size=cfg["batch"], prefetch=cfg.get("rank_prefetch", 16), rank=rank, world_size=world)
+    spec = dmdask.Spec(path, batch_size=cfg["batch"], prefetch=16, rank=rank, world_size=world)
     sum(len(b["index"]) for b in dmdask.batches(client, spec, epoch=0))  # maps the arenas, not timed
     runs = []
     for run in range(RUNS):  # each: rank_epochs epochs back to back, started together
-        barrier.wait()
+        barrier.wait(timeout=300)  # a rank that died breaks the barrier: the others stop too
         started = time.time()
         count = sum(len(b["index"]) for epoch in range(1, cfg["rank_epochs"] + 1)
                     for b in dmdask.batches(client, spec, epoch=epoch))

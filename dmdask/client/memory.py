@@ -7,7 +7,8 @@ in flight indexes 3 KB rows at 0.65x the speed of one that drops each at once). 
 batch's arrays live in a chunk of a long-lived slab (huge pages where the kernel allows);
 the chunk returns to its pool when the last array viewing it is garbage collected,
 however long the user keeps the batch. A pool holds at most `MAX_POOL_BYTES`; beyond
-that (a user keeping many batches), batches get ordinary numpy memory.
+that (a user keeping many batches), and for batches so large that a slab of them would
+exceed it, batches get ordinary numpy memory.
 
 Guarantees: a chunk is never handed out while any array of its batch is alive; the
 arrays are ordinary writable numpy arrays (torch.from_numpy shares them).
@@ -34,7 +35,7 @@ class _Pool:
 
     def __init__(self, chunk_bytes: int):
         self.chunk_bytes = chunk_bytes
-        self.max_chunks = max(SLAB_CHUNKS, MAX_POOL_BYTES // chunk_bytes)
+        self.max_chunks = MAX_POOL_BYTES // chunk_bytes
         self._slabs: List[mmap.mmap] = []
         self._free: List[Tuple[int, int]] = []  # (slab, chunk)
         self._lock = threading.Lock()
@@ -72,16 +73,22 @@ def empty_batch(layout: Layout, rows: int) -> Dict[str, np.ndarray]:
     """Uninitialised arrays of `rows` rows, one per field of `layout`, in pooled memory."""
     nbytes = [rows * np.dtype(dtype).itemsize * int(np.prod(shape, dtype=np.int64)) for _, dtype, shape in layout]
     total = sum(_aligned(n) for n in nbytes)
+    if total * SLAB_CHUNKS > MAX_POOL_BYTES:
+        return _plain(layout, rows)
     with _pools_lock:
         pool = _pools.get(total)
         if pool is None:
             pool = _pools[total] = _Pool(total)
     holder = pool.take()
     if holder is None:
-        return {name: np.empty((rows,) + tuple(shape), dtype=dtype) for name, dtype, shape in layout}
+        return _plain(layout, rows)
     memory = np.frombuffer(holder, dtype=np.uint8)
     out, at = {}, 0
     for (name, dtype, shape), size in zip(layout, nbytes):
         out[name] = memory[at:at + size].view(dtype).reshape((rows,) + tuple(shape))
         at += _aligned(size)
     return out
+
+
+def _plain(layout: Layout, rows: int) -> Dict[str, np.ndarray]:
+    return {name: np.empty((rows,) + tuple(shape), dtype=dtype) for name, dtype, shape in layout}

@@ -17,7 +17,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import numpy as np
 
@@ -174,33 +174,16 @@ class ArenaMaps:
     def take_rows(self, fields: dict, rows: np.ndarray, ids: np.ndarray) -> Arrays:
         """Arena rows `rows` (int64), which must hold samples `ids`: the fields' values.
         NotHeld when a row holds another sample (its block was released or its slot
-        reused), FileNotFoundError when the worker is gone."""
-        taken = self.copy_rows(fields, rows)
-        self.check(fields, rows, ids)
-        return taken
-
-    def copy_rows(self, fields: dict, rows: np.ndarray, out: Optional[Arrays] = None) -> Arrays:
-        """The fields' values at arena rows `rows`, into `out` when given (arrays of
-        len(rows) rows), unchecked: call `check` after the copy."""
+        reused), FileNotFoundError when the worker is gone. The labels are read after the
+        rows: a writer clears a slot's labels before touching its rows, so a match proves
+        the copy right."""
         needed = int(rows.max()) + 1 if len(rows) else 0
-        taken: Arrays = {}
-        for name, (path, dtype, shape) in fields.items():
-            if name == ID_FIELD:
-                continue
-            source = self.rows(path, dtype, shape, needed)
-            if out is None:
-                taken[name] = source[rows]
-            else:  # mode="clip" avoids a buffered copy; the mapping has every row
-                taken[name] = np.take(source, rows, axis=0, out=out[name], mode="clip")
-        return taken
-
-    def check(self, fields: dict, rows: np.ndarray, ids: np.ndarray) -> None:
-        """NotHeld unless arena rows `rows` hold samples `ids`. Called after a copy, it
-        proves the copy right: a writer clears a slot's labels before touching its rows."""
-        needed = int(rows.max()) + 1 if len(rows) else 0
+        taken = {name: self.rows(path, dtype, shape, needed)[rows]
+                 for name, (path, dtype, shape) in fields.items() if name != ID_FIELD}
         held = self.rows(*fields[ID_FIELD], needed)[rows]
         if not np.array_equal(held, ids):
             raise NotHeld(f"rows of {fields[ID_FIELD][0]} no longer hold samples {ids[held != ids][:3].tolist()}")
+        return taken
 
     def forget(self, path: str) -> None:
         with self._lock:
