@@ -1,6 +1,7 @@
 """The RAM tier in shared memory, read by training processes on the same host without
 asking the workers: content, exactly-once from several processes at once, hit counts,
 and no segment left behind by a killed worker or trainer."""
+import mmap
 import os
 import signal
 import subprocess
@@ -109,6 +110,56 @@ def test_a_killed_trainer_leaves_nothing_and_the_others_go_on(zarr_path, tmp_pat
         assert np.array_equal(np.sort(again), np.arange(N))
         for b in dmdask.batches(client, spec.replace(batch_size=500), epoch=2):
             np.testing.assert_array_equal(b["x"], zarr_sample(b["index"], (16,)))
+
+
+def scaled(batch):
+    return dict(batch, x=batch["x"].astype(np.float64) * 3, pid=np.full(len(batch["index"]), os.getpid()))
+
+
+def _mapped_pages(arr) -> bool:
+    """Whether `arr` is a view of a memory map (not of a buffer received from a socket)."""
+    base = arr
+    while isinstance(base, np.ndarray):
+        base = base.base
+    return isinstance(getattr(base, "obj", base), mmap.mmap)
+
+
+def test_transformed_batches_come_back_through_shared_memory(zarr_path, tmp_path):
+    """A transform runs on the node's workers; its batches reach the trainer as views of
+    a shared-memory file that is gone once mapped, with the same rows as ever."""
+    shm = tmp_path / "shm"
+    with dmdask.LocalCluster(n_workers=2, ram="64 MiB", shm_dir=str(shm)) as cluster, \
+            distributed.Client(cluster) as client:
+        spec = dmdask.Spec(zarr_path, batch_size=40, seed=2, transform=scaled)
+        batches = list(dmdask.batches(client, spec))
+        assert np.array_equal(np.sort(np.concatenate([b["index"] for b in batches])), np.arange(N))
+        worker_pids = set(client.run(os.getpid).values())
+        for b in batches:
+            np.testing.assert_array_equal(b["x"], 3 * zarr_sample(b["index"], (16,)))
+            assert set(b["pid"].tolist()) <= worker_pids
+            assert _mapped_pages(b["x"]) and _mapped_pages(b["index"])
+        b["x"][0] = -1  # the trainer's own copy-on-write pages: writable, the worker's file untouched
+        results = [f for folder in _folders(shm) for f in os.listdir(shm / folder) if f.startswith("result-")]
+        assert results == []  # each result file was unlinked as soon as the trainer mapped it
+
+
+def test_stale_result_files_are_swept(tmp_path):
+    """A trainer that died between a worker's write and its own mapping leaves a file:
+    the worker's next write removes it once older than STALE_SECONDS."""
+    from dmdask.worker import results
+
+    batch = {"x": np.arange(6, dtype=np.float32).reshape(2, 3), "index": np.arange(2)}
+    orphan = results.write_batches(str(tmp_path), [batch])["path"]
+    old = time.time() - results.STALE_SECONDS - 1
+    os.utime(orphan, (old, old))
+    results._last_sweep.clear()
+    fresh = results.write_batches(str(tmp_path), [batch, batch])
+    assert not os.path.exists(orphan) and os.path.exists(fresh["path"])
+    mapped = results.map_batches(fresh)
+    assert not os.path.exists(fresh["path"])
+    for b in mapped:
+        np.testing.assert_array_equal(b["x"], batch["x"])
+        np.testing.assert_array_equal(b["index"], batch["index"])
 
 
 def test_warm_batches_keep_the_epoch_order_with_two_arenas(zarr_path):

@@ -30,8 +30,9 @@ from distributed.protocol.serialize import to_serialize
 from ..errors import BlockReadError, NotADmdaskWorker, SpecError
 from ..plan.order import ORDER_VERSION, EpochOrder, RankShare
 from ..spec import Spec, dumps_transform
+from ..worker.results import map_batches
 from .datasets import open_dataset
-from .gather import Gatherer, LocalArenas, Moved, split_batches, copier
+from .gather import Gatherer, LocalArenas, Moved, copier, split_batches
 from .progress import make as _make_progress
 
 logger = logging.getLogger(__name__)
@@ -282,11 +283,15 @@ class BatchIterator:
 
     async def _from_local_worker(self, plan, positions, ids, group) -> list:
         """Batches gathered and transformed by a worker on this node (`dmdask_batch`)."""
+        worker = await self._local_worker()
         msg = {"requests": plan, "positions": positions, "index": ids, "sizes": [len(b) for b in group],
-               "fields": list(self.info.fields), "transform": self._transform}
-        reply = await self.client.rpc(await self._local_worker()).dmdask_batch(msg=to_serialize(msg))
+               "fields": list(self.info.fields), "transform": self._transform,
+               "same_host": _host(worker) == _my_host(self.client)}
+        reply = await self.client.rpc(worker).dmdask_batch(msg=to_serialize(msg))
         if reply["status"] != "OK":
             raise Moved(reply["keys"])
+        if "shared" in reply:  # written into the worker's shared memory: mapped, not copied
+            return map_batches(reply["shared"])
         return reply["batches"]
 
     async def _fetch_one_by_one(self, first: int, stop: int) -> list:

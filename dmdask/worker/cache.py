@@ -9,7 +9,8 @@
   the ranks take their rows of it.
 - `dmdask_batch` (RPC, called by a rank on its own node): gathers one batch's rows from
   the holders (itself without a copy, peers over Dask's comms), puts them in batch
-  order, runs the spec's transform and returns the batch.
+  order, runs the spec's transform and returns the batches: to a trainer on its own
+  host through a file in shared memory (`dmdask.worker.results`), to others over TCP.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from ..errors import TransformError
 from ..spec import loads_transform
 from .arena import ArenaBlock
 from .holdings import Arrays, Block, FileBlock, FillingBlock, Streamed, sample_nbytes
+from .results import shareable, write_batches
 from .stream import StreamBuffer
 from .tiers import TieredStore
 
@@ -233,10 +235,17 @@ class BlockCache:
         bounds = np.cumsum([0] + list(msg["sizes"]))
         batches = [{f: v[a:b] for f, v in group.items()} for a, b in zip(bounds[:-1], bounds[1:])]
         transform = loads_transform(msg["transform"])
-        if transform is not None:
-            batches = await asyncio.get_running_loop().run_in_executor(
-                self.transforms, lambda: [_apply(transform, b) for b in batches])
-        return {"status": "OK", "batches": to_serialize(batches)}
+        if transform is None:
+            return {"status": "OK", "batches": to_serialize(batches)}
+        folder = self.store.shared_folder() if msg.get("same_host") else None
+
+        def run():
+            out = [_apply(transform, b) for b in batches]
+            if folder is not None and shareable(out):  # the trainer maps them: no pickle, no socket
+                return {"status": "OK", "shared": write_batches(folder, out)}
+            return {"status": "OK", "batches": to_serialize(out)}
+
+        return await asyncio.get_running_loop().run_in_executor(self.transforms, run)
 
     def close(self) -> None:
         self.reads.shutdown(wait=False, cancel_futures=True)

@@ -154,6 +154,11 @@ class TieredStore(MutableMapping):
                 self._folders[tier] = make_folder(self._roots[tier] or tempfile.gettempdir(), tier)
             return self._folders[tier]
 
+    def shared_folder(self) -> Optional[str]:
+        """This worker's shared-memory folder (made on first use); None when it keeps RAM
+        blocks in its own memory."""
+        return self.folder("ram") if self._roots["ram"] else None
+
     # -- reads ------------------------------------------------------------------------
     def tier_of(self, key: str) -> Optional[str]:
         return self._tier_of.get(key)
