@@ -97,7 +97,7 @@ class BatchIterator:
         self._position = 0
         if resume is not None:
             self._position = self._check_resume(resume)
-        self._next_request = self._position
+        self._next_request = self._first_position = self._position
         self._in_flight: Deque = deque()  # concurrent futures, each of a list of batches
         self._ready_batches: Deque = deque()
         self._holders: Dict[str, str] = {}  # block key -> a worker holding it
@@ -154,9 +154,12 @@ class BatchIterator:
 
     def _fill(self) -> None:
         """Keep up to `spec.prefetch` batches requested or ready, in groups of `self.group`
-        batches (one request per group amortises its fixed cost); the first request is
-        of one batch, so that it comes as early as it can."""
+        batches (one request per group amortises its fixed cost). The first request is
+        of one batch and goes out alone, so that it comes as early as it can (cold, its
+        reads would otherwise share the store with those of the batches behind it)."""
         while self._next_request < len(self._batches):
+            if self.requests and self._position == self._first_position:
+                break
             group = self.group if self.requests else 1
             pending = self._next_request - self._position
             if pending + group > max(self.spec.prefetch, group):
