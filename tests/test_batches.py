@@ -190,3 +190,22 @@ def test_a_slow_transform_does_not_starve_another_jobs_reads(zarr_path, tmp_path
             t.join(120)
         assert not errors, errors
         assert np.array_equal(np.sort(np.concatenate([i for g in got for i in g])), np.arange(N))
+
+
+def test_zarr_sharded_array_blocks_are_its_inner_chunks(client, tmp_path):
+    """A Zarr v3 array stored in shards of small inner chunks: blocks follow the inner
+    chunks (so a cold batch waits for a few small range reads, not whole shards)."""
+    import zarr
+
+    values = np.arange(1000 * 8, dtype=np.float32).reshape(1000, 8)
+    path = str(tmp_path / "sharded.zarr")
+    zarr.create_array(path, shape=values.shape, chunks=(10, 8), shards=(500, 8), dtype="f4")[:] = values
+    spec = dmdask.Spec(path, batch_size=64, seed=1)
+    it = dmdask.batches(client, spec)
+    assert (it.info.block_len, it.info.num_blocks) == (10, 100)
+    batches = list(it)
+    ids = np.concatenate([b["index"] for b in batches])
+    assert np.array_equal(np.sort(ids), np.arange(1000))
+    for b in batches:
+        field = next(f for f in b if f != "index")
+        np.testing.assert_array_equal(b[field], values[b["index"]])
