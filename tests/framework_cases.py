@@ -183,6 +183,30 @@ def assert_resumed(head, tail, reference, per_epoch: int, to_numpy=np.asarray) -
         np.testing.assert_array_equal(cat(head + tail, field, to_numpy), cat(reference, field, to_numpy))
 
 
+def check_elastic_resume(env, make_loader, save=lambda state: state, to_numpy=np.asarray,
+                         worlds=((3, 2), (2, 4)), epoch: int = 1) -> None:
+    """Ranks of one world size stop part-way (rank r after 2 + r batches), every rank's
+    state goes through the framework's checkpoint idiom (`save`: state -> state read
+    back), and loaders of another world size load the list and finish the epoch:
+    over both runs every sample of the epoch comes exactly once, with its own x and y.
+
+    make_loader(spec): a new loader at `epoch` (set_epoch done by the caller's idiom)."""
+    for before, after in worlds:
+        seen, states = [], []
+        for rank in range(before):
+            loader = make_loader(zarr_spec(env, rank=rank, world_size=before, seed=21, drop_last=False))
+            seen += take(loader, 2 + rank)
+            states.append(save(loader.state_dict()))
+        for rank in range(after):
+            loader = make_loader(zarr_spec(env, rank=rank, world_size=after, seed=21, drop_last=False))
+            loader.load_state_dict(states)
+            seen += take(loader, len(loader))
+        index = cat(seen, "index", to_numpy)
+        assert len(index) == N and np.array_equal(np.sort(index), np.arange(N)), (before, after)
+        np.testing.assert_array_equal(cat(seen, "x", to_numpy), env["x"][index])
+        np.testing.assert_array_equal(cat(seen, "y", to_numpy), env["y"][index])
+
+
 def check_other_epoch_and_spec(env, make_loader, spec: dmdask.Spec, state: dict, epoch: int,
                                batches_of=list, to_numpy=np.asarray) -> None:
     """A `state` of `spec`, loaded, is dropped by `set_epoch` to another `epoch` (which
@@ -248,6 +272,6 @@ def check_worker_results(env, results) -> None:
 
 __all__ = ["REPO_ROOT", "N", "FEATURES", "BATCH", "write_zarr", "write_folder", "env_fixture", "zarr_spec",
            "folder_spec", "cat", "ids", "dmdask_ids", "take", "imported_modules", "assert_loss_falls",
-           "assert_accurate", "assert_content", "check_exactly_once", "assert_resumed",
+           "assert_accurate", "assert_content", "check_exactly_once", "assert_resumed", "check_elastic_resume",
            "check_other_epoch_and_spec", "check_folder_batches", "free_port", "wait_all",
            "check_worker_results"]

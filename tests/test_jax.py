@@ -22,13 +22,31 @@ except (AttributeError, RuntimeError):  # an older JAX, or a backend some other 
     pass
 
 import jax.numpy as jnp  # noqa: E402
+from framework_cases import (  # noqa: E402
+    FEATURES,
+    N,
+    assert_accurate,
+    assert_loss_falls,
+    assert_resumed,
+    check_elastic_resume,
+    check_exactly_once,
+    check_folder_batches,
+    check_other_epoch_and_spec,
+    env_fixture,
+    folder_spec,
+    imported_modules,
+    take,
+    zarr_spec,
+)
 from jax.sharding import NamedSharding  # noqa: E402
 
 import dmdask  # noqa: E402
-from framework_cases import (FEATURES, N, assert_accurate, assert_loss_falls, assert_resumed,  # noqa: E402
-                             check_exactly_once, check_folder_batches, check_other_epoch_and_spec,
-                             env_fixture, folder_spec, imported_modules, take, zarr_spec)
-from dmdask.integrations.jax import JaxLoader, local_batch_sharding, process_spec, to_jax  # noqa: E402
+from dmdask.integrations.jax import (  # noqa: E402
+    JaxLoader,
+    local_batch_sharding,
+    process_spec,
+    to_jax,
+)
 
 env = env_fixture("jaxdata")
 _spec = zarr_spec
@@ -135,6 +153,14 @@ def test_exactly_once_across_three_ranks(env):
         return batches
 
     check_exactly_once(env, rank_batches)
+
+
+@pytest.mark.slow
+def test_elastic_resume_3_to_2_and_2_to_4_ranks(env):
+    """Every rank's state_dict() as JSON (next to the params a launcher saves); a run of
+    another world size loads the list and finishes the epoch: each sample exactly once."""
+    check_elastic_resume(env, lambda spec: JaxLoader(env["client"], spec, epoch=1),
+                         lambda state: json.loads(json.dumps(state)), np.asarray)
 
 
 @pytest.mark.slow

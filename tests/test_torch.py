@@ -14,11 +14,28 @@ torch = pytest.importorskip("torch")
 distributed = pytest.importorskip("distributed")
 zarr = pytest.importorskip("zarr")
 
+from framework_cases import (  # noqa: E402
+    BATCH,
+    FEATURES,
+    REPO_ROOT,
+    N,
+    assert_accurate,
+    assert_loss_falls,
+    assert_resumed,
+    cat,
+    check_elastic_resume,
+    check_exactly_once,
+    check_folder_batches,
+    check_other_epoch_and_spec,
+    env_fixture,
+    folder_spec,
+    free_port,
+    imported_modules,
+    take,
+    zarr_spec,
+)
+
 import dmdask  # noqa: E402
-from framework_cases import (BATCH, FEATURES, N, REPO_ROOT, assert_accurate, assert_loss_falls,  # noqa: E402
-                             assert_resumed, cat, check_exactly_once, check_folder_batches,
-                             check_other_epoch_and_spec, env_fixture, folder_spec, free_port,
-                             imported_modules, take, zarr_spec)
 from dmdask.integrations.torch import TorchLoader, distributed_spec, to_torch  # noqa: E402
 
 env = env_fixture("torchdata")
@@ -108,6 +125,24 @@ def test_exactly_once_across_three_ranks(env):
         return batches
 
     check_exactly_once(env, rank_batches, _np)
+
+
+@pytest.mark.slow
+def test_elastic_resume_3_to_2_and_2_to_4_ranks(env):
+    """Every rank's state_dict() through torch.save/torch.load; a run of another world
+    size loads the list and finishes the epoch: each sample exactly once."""
+    def save(state):
+        buf = io.BytesIO()
+        torch.save({"loader": state}, buf)
+        buf.seek(0)
+        return torch.load(buf)["loader"]  # weights_only: plain values only
+
+    def make(spec):
+        loader = TorchLoader(env["client"], spec)
+        loader.set_epoch(1)
+        return loader
+
+    check_elastic_resume(env, make, save, _np)
 
 
 @pytest.mark.slow

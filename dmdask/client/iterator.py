@@ -28,6 +28,7 @@ from distributed.core import clean_exception
 from distributed.protocol.serialize import to_serialize
 
 from ..errors import BlockReadError, NotADmdaskWorker, SpecError
+from ..plan.elastic import remaining
 from ..plan.order import ORDER_VERSION, EpochOrder, RankShare
 from ..spec import Spec, dumps_transform
 from ..worker.results import map_batches
@@ -37,8 +38,8 @@ from .progress import make as _make_progress
 
 logger = logging.getLogger(__name__)
 
-STATE_FIELDS = ("order", "identity", "epoch", "seed", "shuffle", "shuffle_window", "rank",
-                "world_size", "batch_size", "drop_last")
+# what a resume state must share with the iterator it resumes (rank, world and batch size may differ)
+STATE_FIELDS = ("identity", "epoch", "seed", "shuffle", "shuffle_window", "drop_last")
 REQUEST_BYTES = 8 << 20  # small batches are fetched several per request, up to about this size
 RECOVERY_SECONDS = 60  # how long a batch keeps retrying while the cluster recovers from a lost worker
 LOCATE_SECONDS = 2.0  # one wait on the scheduler for blocks still loading
@@ -52,7 +53,10 @@ def batches(client: Client, spec: Spec, epoch: int = 0, resume: Optional[dict] =
     Each batch is a dict of numpy arrays, one per field of the source, plus "index": the
     global sample ids (int64) of its rows. Across `spec.world_size` ranks every sample of
     the epoch is delivered exactly once. `resume` takes a `state_dict()` of an earlier
-    iterator of the same spec and epoch and continues right after its last batch.
+    iterator of the same spec and epoch and continues right after its last batch; or
+    the list of every rank's `state_dict()` from a run of another world size (or batch
+    size): the samples none of those ranks handed out are dealt to this run's ranks,
+    and over both runs every sample of the epoch is delivered exactly once.
     `progress`: a tqdm bar for the epoch with batches/s and the cluster's hit rate; True,
     False, or None (default: when stderr is an interactive terminal, on rank 0); see
     `dmdask.client.progress`.
@@ -88,15 +92,16 @@ class BatchIterator:
         if info.num_samples < spec.world_size:
             raise SpecError("world_size", f"at most the {info.num_samples} samples of {spec.source}",
                             spec.world_size)
-        order = EpochOrder(info.num_samples, info.block_len, shuffle=spec.shuffle, seed=spec.seed, epoch=epoch,
-                           shuffle_window=spec.shuffle_window)
-        self._batches = RankShare(order, spec.rank, spec.world_size, spec.batch_size, spec.drop_last)
-        if spec.drop_last and not len(self._batches):
-            raise SpecError("batch_size", f"at most {info.num_samples // spec.world_size} with "
-                            f"drop_last=True and world_size={spec.world_size}", spec.batch_size)
+        self._order = EpochOrder(info.num_samples, info.block_len, shuffle=spec.shuffle, seed=spec.seed,
+                                 epoch=epoch, shuffle_window=spec.shuffle_window)
+        self._history: List[dict] = []  # generations of ranks before this one in the epoch (elastic resume)
         self._position = 0
         if resume is not None:
-            self._position = self._check_resume(resume)
+            self._history, self._position = self._resume_point(resume)
+        self._batches = self._share(spec.rank, spec.world_size, spec.batch_size, self._history)
+        if spec.drop_last and not len(self._batches) and not self._history:
+            raise SpecError("batch_size", f"at most {info.num_samples // spec.world_size} with "
+                            f"drop_last=True and world_size={spec.world_size}", spec.batch_size)
         self._next_request = self._first_position = self._position
         self._in_flight: Deque = deque()  # concurrent futures, each of a list of batches
         self._ready_batches: Deque = deque()
@@ -213,30 +218,79 @@ class BatchIterator:
 
     # -- resume ------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """The whole position: pass it as `resume=` to continue after the last batch handed out."""
+        """The whole position, plain values (JSON, pickle): pass it as `resume=` to continue
+        after the last batch handed out; or, with another world size, pass every rank's."""
         spec = self.spec
         return {"order": ORDER_VERSION, "identity": self.info.identity, "epoch": self.epoch, "seed": spec.seed,
                 "shuffle": spec.shuffle, "shuffle_window": spec.shuffle_window, "rank": spec.rank,
                 "world_size": spec.world_size, "batch_size": spec.batch_size,
-                "drop_last": spec.drop_last, "position": self._position}
+                "drop_last": spec.drop_last, "position": self._position,
+                "history": [dict(g) for g in self._history]}
 
-    def _check_resume(self, state: dict) -> int:
-        if not isinstance(state, dict) or "position" not in state:
-            raise SpecError("resume", "a dict from BatchIterator.state_dict()", state)
-        current = self.state_dict()
+    def _share(self, rank: int, world_size: int, batch_size: int, history: List[dict]) -> RankShare:
+        """A rank's share of what the generations in `history` left of the epoch."""
+        left = remaining(self.info.num_samples, history) if history else None
+        return RankShare(self._order, rank, world_size, batch_size, self.spec.drop_last, left)
+
+    def _resume_point(self, resume) -> tuple:
+        """(history, position) to start from. One state (or every rank's, world size
+        unchanged): this rank's own position, the batches an uninterrupted run would give.
+        Every rank's states from another world size or batch size: the positions none of
+        them handed out, dealt anew to this world (position 0 of a new generation)."""
+        states = [resume] if isinstance(resume, dict) else list(resume) if isinstance(resume, (list, tuple)) else []
+        if not states or not all(isinstance(s, dict) and "position" in s for s in states):
+            raise SpecError("resume", "a dict from BatchIterator.state_dict(), or the list of every rank's "
+                            "state_dict() (for another world size)", resume)
+        for state in states:
+            self._check_state(state)
+        spec = self.spec
+        worlds = {(s.get("world_size"), s.get("batch_size")) for s in states}
+        if isinstance(resume, dict) or worlds == {(spec.world_size, spec.batch_size)}:
+            mine = [s for s in states if s.get("rank") == spec.rank]
+            if len(mine) != 1 or (mine[0].get("world_size"), mine[0].get("batch_size")) != \
+                    (spec.world_size, spec.batch_size):
+                theirs = states[0]
+                raise SpecError("resume", f"the state of rank {spec.rank} of {spec.world_size} with batch_size="
+                                f"{spec.batch_size} (this state is of rank {theirs.get('rank')!r} of "
+                                f"{theirs.get('world_size')!r}, batch_size={theirs.get('batch_size')!r}); to "
+                                "resume with another world or batch size pass the list of every rank's state",
+                                f"{len(states)} state(s)")
+            state = mine[0]
+            history = state.get("history", [])
+            return history, self._check_position(state, self._share(spec.rank, spec.world_size, spec.batch_size,
+                                                                      history))
+        if len(worlds) != 1:
+            raise SpecError("resume", "the states of one run: they disagree on world_size/batch_size", sorted(worlds))
+        (world, batch), = worlds
+        ranks = sorted(s.get("rank") for s in states)
+        if ranks != list(range(world)) or any(s.get("history", []) != states[0].get("history", []) for s in states):
+            raise SpecError("resume", f"every rank's state of one run: ranks 0..{world - 1} once each, taken at the "
+                            "same checkpoint", f"ranks {ranks}")
+        history = states[0].get("history", [])
+        consumed = []
+        for state in sorted(states, key=lambda s: s["rank"]):
+            share = self._share(state["rank"], world, batch, history)
+            consumed.append(min(self._check_position(state, share) * batch, share.num_samples))
+        return history + [{"world_size": world, "consumed": consumed}], 0
+
+    def _check_state(self, state: dict) -> None:
         if state.get("order") != ORDER_VERSION:
             raise SpecError("resume", f"a state of this dmdask's epoch order (version {ORDER_VERSION}); this one "
                             "comes from another order (dmdask 0.1?): resume at the next epoch's start instead",
                             state.get("order"))
+        current = self.state_dict()
         for name in STATE_FIELDS:
             if state.get(name) != current[name]:
                 raise SpecError("resume", f"a state of the same dataset and spec ({name} is "
                                 f"{current[name]!r} here but {state.get(name)!r} in the state)", state.get(name))
+
+    @staticmethod
+    def _check_position(state: dict, share: RankShare) -> int:
         position = state["position"]
         if isinstance(position, np.integer):
             position = int(position)
-        if isinstance(position, bool) or not isinstance(position, int) or not 0 <= position <= len(self._batches):
-            raise SpecError("resume", f"a position in 0..{len(self._batches)}", position)
+        if isinstance(position, bool) or not isinstance(position, int) or not 0 <= position <= len(share):
+            raise SpecError("resume", f"a position in 0..{len(share)}", position)
         return position
 
     # -- fetching one batch (runs on the client's event loop) --------------------------

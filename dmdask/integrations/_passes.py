@@ -131,26 +131,39 @@ class _EpochPasses:
                 inner = dict(self._start) if self._start is not None else None
             return {"epoch": self.epoch, "iterator": inner}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Continue from `state` (of a loader of the same dataset, spec and rank): sets the
-        epoch, and each pass of that epoch starts right after the batches handed out
-        when the state was taken. Another dataset, spec or rank raises
-        `dmdask.SpecError` (a ValueError) here."""
-        if not isinstance(state, dict) or "epoch" not in state or "iterator" not in state:
-            raise ValueError(f"state must be a dict from {type(self).__name__}.state_dict()")
-        epoch = _check_epoch(state["epoch"])
-        inner = state["iterator"]
-        if inner is not None:
-            if not isinstance(inner, dict):
+    def load_state_dict(self, state) -> None:
+        """Continue from `state`: sets the epoch, and each pass of that epoch starts right
+        after the batches handed out when the state was taken. `state` is this loader's
+        `state_dict()` from a run of the same world size, or the list of every rank's
+        `state_dict()`, in rank order, from a run of any world size (elastic restart:
+        the batches none of those ranks handed out are dealt to this run's ranks). Another
+        dataset or spec raises `dmdask.SpecError` (a ValueError) here."""
+        states = state if isinstance(state, (list, tuple)) else [state]
+        for one in states:
+            if not isinstance(one, dict) or "epoch" not in one or "iterator" not in one:
+                raise ValueError(f"state must be a dict from {type(self).__name__}.state_dict(), or the list of "
+                                 "every rank's")
+            if one["iterator"] is not None and not isinstance(one["iterator"], dict):
                 raise ValueError("state['iterator'] must be None or a dmdask BatchIterator state")
-            if inner.get("epoch") != epoch:
-                raise ValueError(f"inconsistent state: epoch {epoch} but iterator epoch {inner.get('epoch')!r}")
-            inner = dict(inner)
+        epochs = sorted({_check_epoch(one["epoch"]) for one in states})
+        if len(epochs) > 1:
+            raise ValueError(f"the states are of epochs {epochs}: take every rank's state at the same step "
+                             "(with drop_last=True ranks step together)")
+        epoch = epochs[0]
+        inner = [None if one["iterator"] is None else dict(one["iterator"]) for one in states]
+        for one in inner:
+            if one is not None and one.get("epoch") != epoch:
+                raise ValueError(f"inconsistent state: epoch {epoch} but iterator epoch {one.get('epoch')!r}")
+        known = next((one for one in inner if one is not None), None)
+        if known is not None:  # a rank that had handed out nothing of the epoch yet
+            inner = [dict(known, rank=r, position=0) if one is None else one for r, one in enumerate(inner)]
         with self._lock:
             self._close_all()
             self.epoch = epoch
-            self._start = inner
+            self._start = known if known is None or not isinstance(state, (list, tuple)) else inner
             self._fresh = self._make()  # validates the state against this loader's spec now
+            if self._start is not None:
+                self._start = self._fresh.state_dict()  # this rank's own start, whatever was given
 
     def _close_all(self) -> None:
         for it in (self._current, self._fresh):

@@ -312,21 +312,27 @@ class EpochOrder:
 class RankShare:
     """One rank's share of an epoch: positions rank, rank + world_size, rank + 2*world_size, ... cut into batches.
 
+    `remaining` (a `dmdask.plan.elastic.Remaining`): deal only the positions earlier
+    generations of ranks left (elastic resume); the same rules apply to its length.
+
     Interleaving keeps all ranks at the same point of the epoch. With drop_last=True every
     rank gets (n // (world_size*batch_size)) * batch_size samples in full batches and the
     tail goes to no one; with drop_last=False the last batch may be short and, over all
     ranks, every sample is delivered exactly once. Batches are computed on demand.
     """
 
-    def __init__(self, order: EpochOrder, rank: int, world_size: int, batch_size: int, drop_last: bool):
+    def __init__(self, order: EpochOrder, rank: int, world_size: int, batch_size: int, drop_last: bool,
+                 remaining=None):
         self.order = order
+        # the positions dealt: all of the epoch's, or what earlier generations left (elastic resume)
+        self.remaining = remaining
         self.world_size = _check_int("world_size", world_size, 1)
         self.rank = _check_int("rank", rank, 0)
         if self.rank >= self.world_size:
             raise ValueError(f"rank must be below world_size={self.world_size}, got {rank!r}")
         self.batch_size = _check_int("batch_size", batch_size, 1)
         self.drop_last = bool(drop_last)
-        n = order.num_samples
+        n = order.num_samples if remaining is None else len(remaining)
         if self.drop_last:
             self.num_samples = (n // (self.world_size * self.batch_size)) * self.batch_size
         else:
@@ -362,6 +368,9 @@ class RankShare:
         if not (at <= first and end <= at + len(ids)):
             size = min(CHUNK_SAMPLES, max(end - first, 2 * len(ids)))
             stop = min(self.num_samples, max(end, first + size))
-            ids = self.order.ids(self.rank + self.world_size * np.arange(first, stop, dtype=np.int64))
+            positions = self.rank + self.world_size * np.arange(first, stop, dtype=np.int64)
+            if self.remaining is not None:
+                positions = self.remaining.at(positions)
+            ids = self.order.ids(positions)
             at, self._chunk = first, (first, ids)
         return ids[first - at:end - at]
