@@ -279,3 +279,35 @@ def test_blocks_first_needed_in_stored_order_is_block_order():
     assert np.array_equal(order.blocks_first_needed(limit=5), np.arange(16))
     with pytest.raises(ValueError, match="limit"):
         order.blocks_first_needed(limit=-1)
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_elastic_generations_deliver_every_sample_at_most_once_and_all_without_drop_last(drop_last):
+    """Random chains of generations (world sizes, each rank stopping anywhere): over all
+    of them every sample comes once; with drop_last only the last generation's tail is
+    missing, and never more than world_size * batch_size - 1 samples."""
+    from dmdask.plan.elastic import remaining
+
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        n, batch = int(rng.integers(1, 300)), int(rng.integers(1, 9))
+        order = EpochOrder(n, 7, shuffle=True, seed=1, epoch=3)
+        history, delivered = [], []
+        for generation in range(4):
+            left = remaining(n, history)
+            world = int(rng.integers(1, 6))
+            shares = [RankShare(order, r, world, batch, drop_last, left) for r in range(world)]
+            last = generation == 3 or rng.random() < 0.3
+            stops = [len(s) if last else int(rng.integers(0, len(s) + 1)) for s in shares]
+            for share, stop in zip(shares, stops):
+                delivered += share.batches(0, stop)
+            if last:
+                break
+            history.append({"world_size": world, "consumed": [min(p * batch, s.num_samples)
+                                                              for s, p in zip(shares, stops)]})
+        ids = np.concatenate(delivered) if delivered else np.zeros(0, np.int64)
+        assert len(np.unique(ids)) == len(ids)
+        if drop_last:
+            assert len(ids) > n - world * batch
+        else:
+            assert np.array_equal(np.sort(ids), np.arange(n))
