@@ -13,8 +13,8 @@ preload the first `dmdask.batches` call registers it.
 from . import config as _config  # noqa: F401  (registers the dmdask config namespace)
 from .client import BatchIterator, batches, release
 from .cluster import LocalCluster
-from .errors import (BlockReadError, DmdaskError, NotADmdaskWorker, SourceError,
-                     SourceNotFoundError, SpecError, TransformError)
+from .errors import (BlockReadError, DmdaskError, NoWorkersError, NotADmdaskWorker, SchedulerLostError,
+                     SourceError, SourceNotFoundError, SpecError, TransformError)
 from .spec import Spec, per_sample
 from .stats import stats
 from .worker import Worker
@@ -22,8 +22,8 @@ from .worker import Worker
 __version__ = "0.1.0"
 
 __all__ = [
-    "BatchIterator", "BlockReadError", "DmdaskError", "LocalCluster", "NotADmdaskWorker",
-    "SourceError", "SourceNotFoundError", "Spec", "SpecError", "TransformError", "Worker", "batches",
+    "BatchIterator", "BlockReadError", "DmdaskError", "LocalCluster", "NoWorkersError", "NotADmdaskWorker",
+    "SchedulerLostError", "SourceError", "SourceNotFoundError", "Spec", "SpecError", "TransformError", "Worker", "batches",
     "per_sample", "release", "stats",
 ]
 

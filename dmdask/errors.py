@@ -53,3 +53,13 @@ class TransformError(DmdaskError, RuntimeError):
 
 class NotADmdaskWorker(DmdaskError, RuntimeError):
     """The cluster's workers do not carry dmdask's tiers."""
+
+
+class NoWorkersError(NotADmdaskWorker):
+    """The cluster had no workers for longer than `dmdask.client.recovery-seconds`."""
+
+
+class SchedulerLostError(DmdaskError, ConnectionError):
+    """The client lost its scheduler (it stopped, or cannot be reached) for longer than
+    `dmdask.client.scheduler-seconds`. Resume from the last `state_dict()` once a
+    scheduler runs again."""

@@ -4,8 +4,10 @@ import signal
 import threading
 import time
 
+import dask.config
 import distributed
 import numpy as np
+import pytest
 
 import dmdask
 from dmdask.testing.datasets import write_zarr, zarr_sample
@@ -52,3 +54,52 @@ def test_killed_worker_mid_epoch_loses_and_repeats_nothing(tmp_path):
         assert len(ids) == n
         assert np.array_equal(np.sort(ids), np.arange(n))
         assert victim_address not in client.scheduler_info()["workers"]
+
+
+def identity_transform(batch):
+    return batch
+
+
+@pytest.mark.parametrize("through_workers", [False, True])
+def test_every_worker_killed_at_once_recovers_when_the_nannies_restart_them(tmp_path, through_workers):
+    """A node reboot: all workers SIGKILLed mid-epoch, restarted by their nannies. The
+    epoch goes on (blocks planned anew over the new workers, read again from the store)
+    and every sample comes once; the next epoch too."""
+    n = 1000
+    path = write_zarr(str(tmp_path / "d.zarr"), n, sample_shape=(8,), chunk=50)
+    with dmdask.LocalCluster(n_workers=2, ram="8 MiB") as cluster, distributed.Client(cluster) as client:
+        spec = dmdask.Spec(path, batch_size=20, seed=4, prefetch=4,
+                           transform=identity_transform if through_workers else None)
+        list(dmdask.batches(client, spec))
+        pids = client.run(os.getpid)
+        it = dmdask.batches(client, spec, epoch=1)
+        got = [next(it)["index"] for _ in range(5)]
+        for pid in pids.values():
+            os.kill(pid, signal.SIGKILL)
+        for b in it:
+            np.testing.assert_array_equal(b["x"], zarr_sample(b["index"]))
+            got.append(b["index"])
+        assert np.array_equal(np.sort(np.concatenate(got)), np.arange(n))
+        assert not set(client.run(os.getpid).values()) & set(pids.values())  # new worker processes
+        again = np.concatenate([b["index"] for b in dmdask.batches(client, spec, epoch=2)])
+        assert np.array_equal(np.sort(again), np.arange(n))
+
+
+def test_no_worker_left_is_a_clear_error_within_the_configured_time(tmp_path):
+    n = 400
+    path = write_zarr(str(tmp_path / "d.zarr"), n, sample_shape=(8,), chunk=50)
+    with dmdask.LocalCluster(n_workers=2, ram="8 MiB") as cluster, distributed.Client(cluster) as client, \
+            dask.config.set({"dmdask.client.recovery-seconds": 2}):
+        spec = dmdask.Spec(path, batch_size=20, transform=identity_transform)
+        it = dmdask.batches(client, spec)
+        first = next(it)
+        cluster.scale(0)
+        deadline = time.monotonic() + 60
+        while client.scheduler_info()["workers"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with pytest.raises(dmdask.NoWorkersError, match="no workers for 2 s"):
+            for _ in it:
+                pass
+        with pytest.raises(dmdask.NoWorkersError, match="recovery-seconds"):
+            next(iter(dmdask.batches(client, spec, epoch=1)))
+        assert len(first["index"]) == 20

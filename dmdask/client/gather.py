@@ -29,6 +29,7 @@ from ..worker.holdings import map_arrays, take_rows
 from .memory import empty_batch
 from .window import MAX_ARENAS, Window
 
+HITS_TIMEOUT = 2.0  # seconds a hit report may take (a worker that left does not answer)
 MAPPED_BLOCKS = 4096  # blocks kept mapped per process (each costs a mapping per field)
 _pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="dmdask-gather")
 # Warm batches of every iterator in this process are copied by this one thread: one core's
@@ -317,11 +318,15 @@ class Gatherer:
         """Report the rows taken from workers' files to those workers (best effort)."""
         with self._hits_lock:
             hits, self.hits = self.hits, _counters()
-        for holder, tiers in hits.items():
-            try:
-                await self.client.rpc(holder).dmdask_count_hits(hits={t: list(c) for t, c in tiers.items()})
-            except Exception:  # noqa: BLE001 - a worker that left has nothing to count
+
+        async def report(holder, tiers):
+            try:  # a worker that left has nothing to count: never wait long for it
+                await asyncio.wait_for(self.client.rpc(holder).dmdask_count_hits(
+                    hits={t: list(c) for t, c in tiers.items()}), HITS_TIMEOUT)
+            except Exception:  # noqa: BLE001 - counters only
                 pass
+
+        await asyncio.gather(*(report(holder, tiers) for holder, tiers in hits.items()))
 
 
 def split_batches(arrays: Dict[str, np.ndarray], ids: np.ndarray, sizes: List[int]) -> List[Dict[str, np.ndarray]]:

@@ -21,13 +21,14 @@ import warnings
 from collections import deque
 from typing import Deque, Dict, List, Optional
 
+import dask.config
 import numpy as np
 from distributed import Client
 from distributed.comm.core import CommClosedError
 from distributed.core import clean_exception
 from distributed.protocol.serialize import to_serialize
 
-from ..errors import BlockReadError, NotADmdaskWorker, SpecError
+from ..errors import BlockReadError, NotADmdaskWorker, NoWorkersError, SchedulerLostError, SpecError
 from ..plan.elastic import remaining
 from ..plan.order import ORDER_VERSION, EpochOrder, RankShare
 from ..spec import Spec, dumps_transform
@@ -41,7 +42,6 @@ logger = logging.getLogger(__name__)
 # what a resume state must share with the iterator it resumes (rank, world and batch size may differ)
 STATE_FIELDS = ("identity", "epoch", "seed", "shuffle", "shuffle_window", "drop_last")
 REQUEST_BYTES = 8 << 20  # small batches are fetched several per request, up to about this size
-RECOVERY_SECONDS = 60  # how long a batch keeps retrying while the cluster recovers from a lost worker
 LOCATE_SECONDS = 2.0  # one wait on the scheduler for blocks still loading
 HITS_SECONDS = 1.0  # how often workers hear of the rows taken from their files (progress bar, dashboard)
 
@@ -62,6 +62,11 @@ def batches(client: Client, spec: Spec, epoch: int = 0, resume: Optional[dict] =
     `dmdask.client.progress`.
     """
     return BatchIterator(client, spec, epoch, resume, progress=progress)
+
+
+def _no_workers(seconds: float) -> NoWorkersError:
+    return NoWorkersError(f"the cluster has had no workers for {seconds:.0f} s (dmdask.client.recovery-seconds): "
+                          "start `dask worker SCHEDULER --worker-class dmdask.Worker` on the nodes")
 
 
 def _host(address: str) -> str:
@@ -312,10 +317,12 @@ class BatchIterator:
         offsets = ids - blocks * self.info.block_len
         keys = {int(k): self.info.block_key(int(k)) for k in np.unique(blocks)}
         last_error: Optional[BaseException] = None
-        deadline = time.monotonic() + RECOVERY_SECONDS
+        recovery = float(dask.config.get("dmdask.client.recovery-seconds"))
+        deadline = time.monotonic() + recovery
         attempt = 0
         while time.monotonic() < deadline:
             attempt += 1
+            await self._check_scheduler()
             holders = await self._holders_of(list(keys.values()))
             if len(holders) < len(keys):  # still loading, or being recomputed after a loss
                 continue
@@ -335,8 +342,24 @@ class BatchIterator:
                 last_error = exc
             self._holders.clear()
             await asyncio.sleep(min(1.0, 0.05 * attempt))
-        raise RuntimeError(f"batches {first}..{stop - 1} of rank {self.spec.rank} still failing after {RECOVERY_SECONDS} s "
-                           f"({attempt} tries); is the cluster losing workers?") from last_error
+        if not (await self.client.scheduler.identity())["workers"]:
+            raise _no_workers(recovery) from last_error
+        raise RuntimeError(f"batches {first}..{stop - 1} of rank {self.spec.rank} still failing after {recovery:.0f} s "
+                           f"({attempt} tries, dmdask.client.recovery-seconds); is the cluster losing workers?") \
+            from last_error
+
+    async def _check_scheduler(self) -> None:
+        """Wait while the client reconnects to its scheduler; `SchedulerLostError` once it
+        was unreachable for `dmdask.client.scheduler-seconds`."""
+        limit = float(dask.config.get("dmdask.client.scheduler-seconds"))
+        deadline = time.monotonic() + limit
+        while self.client.status != "running" or self.client.scheduler is None:
+            if self.client.status in ("closing", "closed") or time.monotonic() > deadline:
+                raise SchedulerLostError(
+                    f"rank {self.spec.rank} lost the scheduler of its client (status {self.client.status!r} for "
+                    f"{limit:.0f} s, dmdask.client.scheduler-seconds): resume from the last state_dict() once a "
+                    "scheduler runs again")
+            await asyncio.sleep(0.2)
 
     async def _from_local_worker(self, plan, positions, ids, group) -> list:
         """Batches gathered and transformed by a worker on this node (`dmdask_batch`)."""
@@ -369,8 +392,6 @@ class BatchIterator:
         block that failed to load, `NotADmdaskWorker` if the dataset was released."""
         unknown = [k for k in keys if k not in self._holders]
         if unknown:
-            if self.client.scheduler is None:
-                raise NotADmdaskWorker(f"the client lost its scheduler (status {self.client.status})")
             mine = _host(await self._local_worker())
             reply = await self.client.scheduler.dmdask_locate(keys=unknown, host=mine, timeout=LOCATE_SECONDS)
             for key, exception in reply["erred"].items():
@@ -399,10 +420,7 @@ class BatchIterator:
     async def _local_worker(self) -> str:
         """A worker on this rank's own node: rank r takes local worker r mod n."""
         if self._worker is None:
-            info = await self.client.scheduler.identity()
-            workers = sorted(info["workers"])
-            if not workers:
-                raise NotADmdaskWorker("the cluster has no workers left")
+            workers = await self._workers()
             my_host = _my_host(self.client)
             local = [w for w in workers if _host(w) == my_host]
             if not local:
@@ -411,3 +429,17 @@ class BatchIterator:
                 local = workers
             self._worker = local[self.spec.rank % len(local)]
         return self._worker
+
+    async def _workers(self) -> List[str]:
+        """The cluster's workers, waiting up to `dmdask.client.recovery-seconds` while it
+        has none (say, every worker restarting); then `NoWorkersError`."""
+        limit = float(dask.config.get("dmdask.client.recovery-seconds"))
+        deadline = time.monotonic() + limit
+        while True:
+            await self._check_scheduler()
+            workers = sorted((await self.client.scheduler.identity())["workers"])
+            if workers:
+                return workers
+            if time.monotonic() > deadline:
+                raise _no_workers(limit)
+            await asyncio.sleep(0.5)
