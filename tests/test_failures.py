@@ -1,6 +1,8 @@
 """A worker process killed mid-epoch: no sample lost, none repeated."""
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -103,3 +105,67 @@ def test_no_worker_left_is_a_clear_error_within_the_configured_time(tmp_path):
         with pytest.raises(dmdask.NoWorkersError, match="recovery-seconds"):
             next(iter(dmdask.batches(client, spec, epoch=1)))
         assert len(first["index"]) == 20
+
+
+def _start_cluster(port: int, tmp_path, tag: str) -> list:
+    """A stock `dask scheduler` on `port` and two `dask worker --worker-class dmdask.Worker`."""
+    dask_bin = os.path.join(os.path.dirname(sys.executable), "dask")
+    address = f"tcp://127.0.0.1:{port}"
+    here = os.path.dirname(os.path.abspath(__file__))  # the workers unpickle this module's transform
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "env": env}
+    procs = [subprocess.Popen([dask_bin, "scheduler", "--host", "127.0.0.1", "--port", str(port),
+                               "--dashboard-address", ":0", "--preload", "dmdask"], **quiet)]
+    for i in range(2):
+        procs.append(subprocess.Popen([dask_bin, "worker", address, "--worker-class", "dmdask.Worker",
+                                       "--nthreads", "1", "--host", "127.0.0.1", "--no-nanny",
+                                       "--local-directory", str(tmp_path / f"{tag}-w{i}")], **quiet))
+    return procs
+
+
+def _stop(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        p.wait(30)
+
+
+def test_a_lost_scheduler_is_a_clear_error_and_the_job_resumes_against_a_new_one(tmp_path):
+    """The scheduler is SIGKILLed mid-epoch: the rank gets SchedulerLostError within
+    dmdask.client.scheduler-seconds, and a job resumed from its state_dict() against a
+    restarted scheduler (and workers) delivers the rest of the epoch exactly once."""
+    from framework_cases import free_port
+
+    n = 1200
+    path = write_zarr(str(tmp_path / "d.zarr"), n, sample_shape=(8,), chunk=50)
+    port = free_port()
+    spec = dmdask.Spec(path, batch_size=20, seed=9, transform=identity_transform, prefetch=2)
+    first = _start_cluster(port, tmp_path, "a")
+    got = []
+    try:
+        with dask.config.set({"dmdask.client.scheduler-seconds": 3}), \
+                distributed.Client(f"tcp://127.0.0.1:{port}", timeout=60) as client:
+            client.wait_for_workers(2, timeout=60)
+            it = dmdask.batches(client, spec, epoch=1)
+            got += [next(it)["index"] for _ in range(5)]
+            first[0].kill()
+            first[0].wait(30)
+            with pytest.raises(dmdask.SchedulerLostError, match="scheduler-seconds"):
+                for b in it:
+                    got.append(b["index"])
+            state = it.state_dict()
+    finally:
+        _stop(first)
+    assert state["position"] == len(got) >= 5
+    second = _start_cluster(port, tmp_path, "b")
+    try:
+        with distributed.Client(f"tcp://127.0.0.1:{port}", timeout=60) as client:
+            client.wait_for_workers(2, timeout=60)
+            for b in dmdask.batches(client, spec, epoch=1, resume=state):
+                np.testing.assert_array_equal(b["x"], zarr_sample(b["index"]))
+                got.append(b["index"])
+    finally:
+        _stop(second)
+    ids = np.concatenate(got)
+    assert len(ids) == n and np.array_equal(np.sort(ids), np.arange(n))
