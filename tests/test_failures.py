@@ -169,3 +169,63 @@ def test_a_lost_scheduler_is_a_clear_error_and_the_job_resumes_against_a_new_one
         _stop(second)
     ids = np.concatenate(got)
     assert len(ids) == n and np.array_equal(np.sort(ids), np.arange(n))
+
+
+class Poison:
+    """A transform that fails on the batch holding sample `poison`: by raising `exc`, or by
+    killing its process (exc=None)."""
+
+    def __init__(self, poison: int, exc=None):
+        self.poison, self.exc = poison, exc
+
+    def __call__(self, batch):
+        if self.poison in batch["index"]:
+            if self.exc is None:
+                os._exit(3)
+            raise self.exc
+        return dict(batch, x=batch["x"] + 1)
+
+
+def _poisoned_batch(spec, n: int, epoch: int, i: int) -> int:
+    from dmdask.plan.order import EpochOrder, RankShare
+
+    share = RankShare(EpochOrder(n, 50, shuffle=True, seed=spec.seed, epoch=epoch), spec.rank, spec.world_size,
+                      spec.batch_size, spec.drop_last)
+    return int(share.batch(i)[7])
+
+
+@pytest.mark.parametrize("how", ["raises", "SystemExit", "kills its process"])
+def test_a_poisoned_transform_fails_its_batch_once_and_delivers_those_before(tmp_path, how):
+    """The transform fails on batch 6 of the epoch: batches 0..5 are delivered, then one
+    TransformError naming the batch's samples; state_dict() points at batch 6; a
+    transform that kills its process costs at most one worker, and is not replayed on
+    the others (they all live on)."""
+    n = 1000
+    path = write_zarr(str(tmp_path / "d.zarr"), n, sample_shape=(8,), chunk=50)
+    with dmdask.LocalCluster(n_workers=2, ram="8 MiB") as cluster, distributed.Client(cluster) as client:
+        spec = dmdask.Spec(path, batch_size=20, seed=3, prefetch=8)
+        poison = _poisoned_batch(spec, n, 1, 6)
+        exc = {"raises": ValueError("bad pixel"), "SystemExit": SystemExit(2), "kills its process": None}[how]
+        spec = spec.replace(transform=Poison(poison, exc))
+        list(dmdask.batches(client, spec.replace(transform=None)))  # the cache is warm
+        pids = set(client.run(os.getpid).values())
+        it = dmdask.batches(client, spec, epoch=1)
+        got = []
+        with pytest.raises(dmdask.TransformError) as info:
+            for b in it:
+                np.testing.assert_array_equal(b["x"], zarr_sample(b["index"]) + 1)
+                got.append(b["index"])
+        assert len(got) == 6 and it.state_dict()["position"] == 6
+        assert str(poison) in str(info.value) or "samples" in str(info.value)
+        assert {"raises": "bad pixel", "SystemExit": "SystemExit", "kills its process": "killed its process"}[how] \
+            in str(info.value)
+        deadline = time.monotonic() + 60
+        while len(client.scheduler_info()["workers"]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        survivors = pids & set(client.run(os.getpid).values())
+        assert len(survivors) >= (1 if how == "kills its process" else 2)  # at most one worker lost
+        # the cluster is usable after: the rest of the epoch from the failing batch, without the poison
+        rest = [b["index"] for b in dmdask.batches(client, spec.replace(transform=None), epoch=1,
+                                                  resume=it.state_dict())]
+        ids = np.concatenate(got + rest)
+        assert np.array_equal(np.sort(ids), np.arange(n))

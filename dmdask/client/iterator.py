@@ -320,6 +320,7 @@ class BatchIterator:
         recovery = float(dask.config.get("dmdask.client.recovery-seconds"))
         deadline = time.monotonic() + recovery
         attempt = 0
+        isolate = False  # set once a worker was lost while this group's transform ran
         while time.monotonic() < deadline:
             attempt += 1
             await self._check_scheduler()
@@ -332,11 +333,17 @@ class BatchIterator:
                     arrays = await self._gatherer.gather(plan, positions, len(ids))
                     self._gatherer.flush_hits_every(HITS_SECONDS)
                     return split_batches(arrays, ids, [len(b) for b in group])
-                return await self._from_local_worker(plan, positions, ids, group)
+                return await self._from_local_worker(plan, positions, ids, group, isolate)
             except BlockReadError:
                 raise
             except (OSError, CommClosedError) as exc:  # a worker left: ask again
                 last_error = exc
+                if self._transform is not None and not isolate:
+                    # the transform may have killed it: the next try runs it where it cannot kill a worker
+                    logger.warning("a worker was lost while it ran the transform of batches %d..%d of rank %d; "
+                                   "running them once more in a process of their own", first, stop - 1,
+                                   self.spec.rank)
+                    isolate = True
                 self._worker = None
             except Moved as exc:
                 last_error = exc
@@ -361,18 +368,21 @@ class BatchIterator:
                     "scheduler runs again")
             await asyncio.sleep(0.2)
 
-    async def _from_local_worker(self, plan, positions, ids, group) -> list:
-        """Batches gathered and transformed by a worker on this node (`dmdask_batch`)."""
+    async def _from_local_worker(self, plan, positions, ids, group, isolate: bool = False) -> list:
+        """Batches gathered and transformed by a worker on this node (`dmdask_batch`); when
+        the transform failed on one, the batches before it and its `TransformError`.
+        isolate: the worker runs the transform in a process of its own (after a worker
+        loss), so a transform that kills its process fails its batch, not another worker."""
         worker = await self._local_worker()
         msg = {"requests": plan, "positions": positions, "index": ids, "sizes": [len(b) for b in group],
                "fields": list(self.info.fields), "transform": self._transform,
-               "same_host": _host(worker) == _my_host(self.client)}
+               "same_host": _host(worker) == _my_host(self.client), "isolate": isolate}
         reply = await self.client.rpc(worker).dmdask_batch(msg=to_serialize(msg))
         if reply["status"] != "OK":
             raise Moved(reply["keys"])
-        if "shared" in reply:  # written into the worker's shared memory: mapped, not copied
-            return map_batches(reply["shared"])
-        return reply["batches"]
+        # written into the worker's shared memory: mapped, not copied
+        batches = map_batches(reply["shared"]) if "shared" in reply else list(reply["batches"])
+        return batches + [reply["error"]] if reply.get("error") is not None else batches
 
     async def _fetch_one_by_one(self, first: int, stop: int) -> list:
         """After a failed group: its batches one at a time, up to the failing one, then

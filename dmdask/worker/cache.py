@@ -24,13 +24,13 @@ import distributed
 import numpy as np
 from distributed.protocol.serialize import to_serialize
 
-from ..errors import TransformError
 from ..spec import loads_transform
 from .arena import ArenaBlock
 from .holdings import Arrays, Block, FileBlock, FillingBlock, Streamed, sample_nbytes
 from .results import shareable, write_batches
 from .stream import StreamBuffer
 from .tiers import TieredStore
+from .transforms import transform_in_order, transform_isolated
 
 logger = logging.getLogger(__name__)
 
@@ -234,18 +234,22 @@ class BlockCache:
         group["index"] = index
         bounds = np.cumsum([0] + list(msg["sizes"]))
         batches = [{f: v[a:b] for f, v in group.items()} for a, b in zip(bounds[:-1], bounds[1:])]
-        transform = loads_transform(msg["transform"])
-        if transform is None:
+        if msg["transform"] is None:
             return {"status": "OK", "batches": to_serialize(batches)}
+        if msg.get("isolate"):  # after a worker loss: in a process of its own, which may die
+            done, error = await asyncio.get_running_loop().run_in_executor(
+                self.transforms, transform_isolated, msg["transform"], batches)
+        else:
+            done, error = await asyncio.get_running_loop().run_in_executor(
+                self.transforms, transform_in_order, loads_transform(msg["transform"]), batches)
+        reply = {"status": "OK", "error": error}
         folder = self.store.shared_folder() if msg.get("same_host") else None
-
-        def run():
-            out = [_apply(transform, b) for b in batches]
-            if folder is not None and shareable(out):  # the trainer maps them: no pickle, no socket
-                return {"status": "OK", "shared": write_batches(folder, out)}
-            return {"status": "OK", "batches": to_serialize(out)}
-
-        return await asyncio.get_running_loop().run_in_executor(self.transforms, run)
+        if folder is not None and done and shareable(done):  # the trainer maps them: no pickle, no socket
+            reply["shared"] = await asyncio.get_running_loop().run_in_executor(
+                self.transforms, write_batches, folder, done)
+        else:
+            reply["batches"] = to_serialize(done)
+        return reply
 
     def close(self) -> None:
         self.reads.shutdown(wait=False, cancel_futures=True)
@@ -271,18 +275,6 @@ class MissingBlocks(Exception):
     def __init__(self, keys):
         self.keys = list(keys)
         super().__init__(f"blocks not held here: {self.keys[:3]}...")
-
-
-def _apply(transform, batch: dict) -> dict:
-    try:
-        out = transform(batch)
-    except Exception as exc:  # never mistaken for a lost worker (an OSError) by the client
-        raise TransformError(f"Spec.transform failed on the batch of samples {batch['index'][:4].tolist()}...: "
-                             f"{type(exc).__name__}: {exc}") from exc
-    if not isinstance(out, dict):
-        raise TypeError(f"Spec.transform must return a dict of arrays, got {type(out).__name__}")
-    out.setdefault("index", batch["index"])
-    return out
 
 
 def _concat(arrays):

@@ -1,0 +1,113 @@
+"""Applying `Spec.transform` on a worker, in its transform threads or in a child process.
+
+- `transform_in_order`: the batches of a group in order, stopping at the first that
+  fails, so the batches before a failure are still delivered.
+- `transform_isolated`: the same in a child process of its own, for a group whose
+  previous try lost a worker (the transform may have killed it: `os._exit`, a crash,
+  the OOM killer). The child sends back each result as it is done; if it dies, the
+  batches done before are kept and the batch it died on gets a `TransformError`
+  naming its samples; the worker lives on. The child inherits the worker's
+  `sys.path`, so it unpickles whatever the worker can; nothing is left behind when it
+  exits or dies. (Dask workers are daemonic processes, which multiprocessing does not
+  let have children: the child is a plain subprocess, `python -m dmdask.worker.transforms`,
+  fed through its pipes.)
+
+Every failure of the transform (any BaseException, SystemExit included) is a
+`TransformError`, never an OSError a client would take for a lost worker.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from typing import List, Tuple
+
+from ..errors import TransformError
+from ..spec import loads_transform
+
+
+def transform_in_order(transform, batches: list) -> tuple:
+    """(transformed batches, None), or those before the first that failed and its
+    `TransformError`: the batches before a failure are still delivered."""
+    done = []
+    for batch in batches:
+        try:
+            done.append(_apply(transform, batch))
+        except TransformError as exc:
+            return done, exc
+    return done, None
+
+
+def transform_one(blob: bytes, batch: dict) -> tuple:
+    """(the transformed batch, None) or (None, its TransformError)."""
+    try:
+        return _apply(loads_transform(blob), batch), None
+    except TransformError as exc:
+        return None, exc
+
+
+def describe_samples(batch: dict) -> str:
+    index = batch["index"]
+    return f"{index[:4].tolist()}{'...' if len(index) > 4 else ''} ({len(index)} samples)"
+
+
+def _apply(transform, batch: dict) -> dict:
+    try:
+        out = transform(batch)
+    except BaseException as exc:  # SystemExit too; never mistaken for a lost worker (an OSError) by the client
+        raise TransformError(f"Spec.transform failed on the batch of samples {describe_samples(batch)}: "
+                             f"{type(exc).__name__}: {exc}") from exc
+    if not isinstance(out, dict):
+        raise TransformError(f"Spec.transform must return a dict of arrays, got {type(out).__name__} on the "
+                             f"batch of samples {describe_samples(batch)}")
+    out.setdefault("index", batch["index"])
+    return out
+
+
+def transform_isolated(blob: bytes, batches: List[dict]) -> Tuple[list, object]:
+    """(transformed batches, None), or those before the first that failed or killed
+    the child, and that batch's `TransformError`."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    child = subprocess.Popen([sys.executable, "-m", "dmdask.worker.transforms"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, env=env)
+    done: list = []
+    try:
+        try:
+            pickle.dump((blob, batches), child.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+            child.stdin.close()
+        except BrokenPipeError:
+            pass
+        while len(done) < len(batches):
+            try:
+                out, error = pickle.load(child.stdout)
+            except (EOFError, pickle.UnpicklingError):
+                code = child.wait()
+                return done, TransformError(
+                    f"Spec.transform killed its process (exit code {code}: os._exit, a crash, out of memory?) on "
+                    f"the batch of samples {describe_samples(batches[len(done)])}; the batch is not retried")
+            if error is not None:
+                return done, error
+            done.append(out)
+        return done, None
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait()
+        child.stdout.close()
+
+
+def _main() -> None:
+    blob, batches = pickle.load(sys.stdin.buffer)
+    out = sys.stdout.buffer
+    sys.stdout = sys.stderr  # the transform's prints must not corrupt the results
+    for batch in batches:
+        result = transform_one(blob, batch)
+        pickle.dump(result, out, protocol=pickle.HIGHEST_PROTOCOL)
+        out.flush()
+        if result[1] is not None:
+            return
+
+
+if __name__ == "__main__":
+    _main()
