@@ -49,6 +49,35 @@ def test_arrays_of_unequal_length(client, tmp_path):
     assert set(batch) == {"x", "index"}
 
 
+def empty_zarr_group(path):
+    g = zarr.open_group(path, mode="w")
+    g.create_array("x", shape=(0, 8), chunks=(10, 8), dtype="f4")
+    g.create_array("label", shape=(0,), chunks=(10,), dtype="i8")
+    return path
+
+
+def empty_zarr_array(path):
+    zarr.open_array(path, mode="w", shape=(0,), chunks=(10,), dtype="i8")
+    return path
+
+
+def empty_folder(path):
+    for name in ("class-a", "class-b"):
+        os.makedirs(os.path.join(path, name))
+    return path
+
+
+@pytest.mark.parametrize("make", [empty_zarr_group, empty_zarr_array, empty_folder])
+def test_empty_dataset_says_it_has_no_samples(client, tmp_path, make):
+    path = make(str(tmp_path / "empty-set"))
+    spec = dmdask.Spec(path, batch_size=4, rank=1, world_size=2)
+    for _ in range(2):  # the failed creation left no claim behind: the next call fails the same way
+        with pytest.raises(dmdask.SourceError) as info:
+            dmdask.batches(client, spec)
+        assert not isinstance(info.value, dmdask.SpecError)  # not a world_size error
+        assert f"dataset {path} has no samples" in str(info.value)
+
+
 @pytest.mark.parametrize("changes,field", [
     ({"keys": ["nope"]}, "keys"),
     ({"block_size": 75}, "block_size"),

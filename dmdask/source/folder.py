@@ -84,7 +84,7 @@ def _list(fs, path: str, url: str):
                 labels.append(label)
                 sizes.append(e.get("size"))
     if not files:
-        raise SourceError(f"the class subfolders of {url} hold no files")
+        raise SourceError(f"dataset {url} has no samples: its class subfolders hold no files")
     return files, labels, sizes
 
 

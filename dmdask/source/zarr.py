@@ -73,6 +73,9 @@ def open_zarr(url: str, options: dict, spec, registry_name: str) -> ZarrSource:
         )
     fields = tuple(sorted(arrays))
     n = next(iter(lengths.values()))
+    if n == 0:
+        raise SourceError(f"dataset {url} has no samples: its arrays {list(fields)} have length 0 "
+                          "along the first axis")
     chunk = 1
     for name in fields:
         chunk = math.lcm(chunk, arrays[name].chunks[0])
