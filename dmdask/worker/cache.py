@@ -122,8 +122,12 @@ class BlockCache:
 
     # -- serving rows ------------------------------------------------------------------
     async def take(self, key: str, rows: np.ndarray) -> Arrays:
-        """Rows of a block this worker holds; KeyError if it holds no such block."""
+        """Rows of a block this worker holds; KeyError if it holds no such block,
+        ValueError naming the block and the bad offsets (before anything is read) unless
+        `rows` are offsets inside the block."""
         value = self.store[key]
+        if isinstance(value, (Block, FillingBlock, FileBlock, ArenaBlock, Streamed)):
+            rows = check_rows(key, rows, _length(value))
         if isinstance(value, Block):
             out = value.take(rows)
             tier = "ram"
@@ -177,7 +181,9 @@ class BlockCache:
         return {f: _concat([p[f] for p in parts]) for f in parts[0]} if parts else {}
 
     async def rows_handler(self, msg):
-        """RPC `dmdask_rows`: {key: rows} -> one array per field, or the missing keys."""
+        """RPC `dmdask_rows`: {key: rows} -> one array per field, or the missing keys.
+        Rows that are not offsets inside their block raise `ValueError` (`take`), which
+        the caller's RPC re-raises."""
         try:
             rows = await self.serve(msg)
         except MissingBlocks as exc:
@@ -262,6 +268,27 @@ class MissingBlocks(Exception):
     def __init__(self, keys):
         self.keys = list(keys)
         super().__init__(f"blocks not held here: {self.keys[:3]}...")
+
+
+def check_rows(key: str, rows, length: int) -> np.ndarray:
+    """`rows` as an int64 array when it holds offsets in 0..length-1 (numpy would take a
+    negative offset from the block's end); otherwise ValueError naming the block `key`
+    and the bad offsets."""
+    rows = np.asarray(rows)
+    if rows.ndim != 1 or (rows.size and rows.dtype.kind not in "iu"):
+        raise ValueError(f"rows of block {key} must be a 1-d array of integer offsets, "
+                         f"got {rows.dtype} of shape {rows.shape}")
+    bad = np.unique(rows[(rows < 0) | (rows >= length)])
+    if len(bad):
+        more = f" and {len(bad) - 8} more" if len(bad) > 8 else ""
+        raise ValueError(f"rows of block {key} must be offsets in 0..{length - 1}; "
+                         f"got {bad[:8].tolist()}{more}")
+    return rows.astype(np.int64, copy=False)
+
+
+def _length(value) -> int:
+    """Samples of a held block (a `Streamed` marker's from its reader)."""
+    return value.reader.stop - value.reader.start if isinstance(value, Streamed) else len(value)
 
 
 def _apply(transform, batch: dict) -> dict:
