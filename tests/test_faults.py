@@ -1,0 +1,98 @@
+"""Faults of a worker's own devices and of the shared store, on real worker processes:
+an unusable SSD folder, SSD blocks whose files vanish, transient store errors."""
+import logging
+import os
+import shutil
+import subprocess
+
+import distributed
+import numpy as np
+import pytest
+
+import dmdask
+from dmdask.testing.datasets import write_zarr, zarr_sample
+from dmdask.worker.holdings import Block
+from dmdask.worker.tiers import TieredStore
+
+from conftest import all_ids, run_epoch
+
+
+def can_mount():
+    return os.geteuid() == 0 and shutil.which("mount") is not None
+
+
+@pytest.fixture
+def unusable(tmp_path, request):
+    """An `ssd_dir` that cannot hold the tier's folder, and a fragment of the reason."""
+    kind = request.param
+    if kind == "a file":
+        path = tmp_path / "ssd-file"
+        path.write_bytes(b"not a folder")
+        yield str(path), "File exists"
+    elif kind == "under a file":
+        (tmp_path / "plain").write_bytes(b"not a folder")
+        yield str(tmp_path / "plain" / "ssd"), "Not a directory"
+    else:  # a read-only bind mount (as root, permissions alone would not stop the worker)
+        path = tmp_path / "read-only"
+        path.mkdir()
+        if not can_mount():
+            pytest.skip("needs root and mount for a read-only bind mount")
+        if subprocess.run(["mount", "--bind", str(path), str(path)]).returncode:
+            pytest.skip("bind mount refused here")
+        try:
+            if subprocess.run(["mount", "-o", "remount,ro,bind", str(path)]).returncode:
+                pytest.skip("read-only remount refused here")
+            yield str(path), "Read-only file system"
+        finally:
+            subprocess.run(["umount", "-l", str(path)])
+
+
+@pytest.mark.parametrize("unusable", ["a file", "under a file", "read-only"], indirect=True)
+def test_unusable_ssd_dir_is_reported_and_training_goes_on(tmp_path, unusable):
+    ssd_dir, reason = unusable
+    path = write_zarr(str(tmp_path / "d.zarr"), 400, chunk=50)
+    with dmdask.LocalCluster(n_workers=2, ram=0, ssd="1 MiB", ssd_dir=ssd_dir) as cluster, \
+            distributed.Client(cluster) as client:
+        stats = dmdask.stats(client)
+        for worker in stats["workers"].values():  # known from the start, before any block
+            assert ssd_dir in worker["ssd"]["error"] and reason in worker["ssd"]["error"]
+        assert stats["total"]["ssd"]["error"] == worker["ssd"]["error"]  # the same reason, once
+        assert stats["total"]["ram"]["error"] is None
+        ids = all_ids(run_epoch(client, dmdask.Spec(path, batch_size=32), world_size=2))
+        assert np.array_equal(np.sort(ids), np.arange(400))
+        total = dmdask.stats(client)["total"]
+        assert total["ssd"]["blocks"] == 0 and total["streamed_blocks"] == 8
+
+
+def test_usable_ssd_dir_has_no_error(tmp_path):
+    path = write_zarr(str(tmp_path / "d.zarr"), 400, chunk=50)
+    with dmdask.LocalCluster(n_workers=1, ram=0, ssd="1 MiB", ssd_dir=str(tmp_path / "ssd")) as cluster, \
+            distributed.Client(cluster) as client:
+        ids = all_ids(run_epoch(client, dmdask.Spec(path, batch_size=32)))
+        assert np.array_equal(np.sort(ids), np.arange(400))
+        total = dmdask.stats(client)["total"]
+        assert total["ssd"]["error"] is None and total["ssd"]["blocks"] == 8
+
+
+def test_unusable_ssd_folder_is_logged_and_closes_the_tier(tmp_path, caplog):
+    blocker = tmp_path / "ssd-file"
+    blocker.write_bytes(b"x")
+    assert TieredStore(ram=0, ssd=0, ssd_dir=str(blocker)).open_ssd() is None  # no SSD tier wanted
+    store = TieredStore(ram=0, ssd=10_000, ssd_dir=str(blocker))
+    with caplog.at_level(logging.WARNING, logger="dmdask.worker.tiers"):
+        reason = store.open_ssd()
+    assert str(blocker) in reason and store.stats()["ssd"]["error"] == reason
+    assert any(reason in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+    assert store.reserve(100) is None  # its blocks are streamed
+
+    # a folder that becomes unusable only when the first block is written: the same
+    later = tmp_path / "later"
+    store = TieredStore(ram=0, ssd=10_000, ssd_dir=str(later))
+    later.write_bytes(b"x")
+    assert store.reserve(100) == "ssd"
+    block = Block({"x": zarr_sample(np.arange(4))}, 0, 4)
+    with caplog.at_level(logging.WARNING, logger="dmdask.worker.tiers"):
+        assert store.place("dmdask-block-t-0", "ssd", block, 100) is None
+    assert str(later) in store.stats()["ssd"]["error"]
+    assert store.ssd.reserved == 0 and store.reserve(100) is None
+    assert sum(str(later) in r.getMessage() for r in caplog.records) == 1
