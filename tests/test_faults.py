@@ -13,6 +13,7 @@ import dmdask
 from dmdask.testing.datasets import write_zarr, zarr_sample
 from dmdask.worker.holdings import Block
 from dmdask.worker.tiers import TieredStore
+from benchmarks.store_server import StoreServer
 
 from conftest import all_ids, run_epoch
 
@@ -96,3 +97,68 @@ def test_unusable_ssd_folder_is_logged_and_closes_the_tier(tmp_path, caplog):
     assert str(later) in store.stats()["ssd"]["error"]
     assert store.ssd.reserved == 0 and store.reserve(100) is None
     assert sum(str(later) in r.getMessage() for r in caplog.records) == 1
+
+
+def keep(batch):
+    """An identity transform: batches are then assembled by a worker (`dmdask_batch`)."""
+    return batch
+
+
+@pytest.fixture
+def http_store(tmp_path):
+    """A dataset of 8 blocks (50 samples each) served by a counting HTTP store."""
+    root = tmp_path / "pfs"
+    write_zarr(str(root / "d.zarr"), 400, chunk=50)
+    with StoreServer(str(root)) as server:
+        yield server, root
+
+
+def chunk_requests(server, block):
+    """GETs of each chunk file of the dataset, by block ("x" and "label" chunks)."""
+    by_path = server.stats()["by_path"]
+    return {p: v["requests"] for p, v in by_path.items() if p in (f"d.zarr/x/c/{block}/0", f"d.zarr/label/c/{block}")}
+
+
+def all_chunk_requests(server):
+    return {p: v["requests"] for p, v in server.stats()["by_path"].items() if "/c/" in p}
+
+
+@pytest.mark.parametrize("path", ["worker", "mapped"])
+def test_ssd_block_whose_files_vanish_is_read_again_once(tmp_path, http_store, path):
+    """An SSD block's files deleted between epochs: the next epoch still delivers every
+    sample once, the block is read again from the store exactly once (and put back on
+    the SSD), and the drop is counted. "worker": rows taken by the workers (a
+    transform), ranks and requests concurrent; "mapped": after an epoch with a
+    transform, the training process maps the SSD files itself; the deleted block's
+    rows then come through `dmdask_rows`."""
+    server, _ = http_store
+    ssd = tmp_path / "ssd"
+    with dmdask.LocalCluster(n_workers=2, ram=0, ssd="1 MiB", ssd_dir=str(ssd)) as cluster, \
+            distributed.Client(cluster) as client:
+        spec = dmdask.Spec(server.url + "/d.zarr", batch_size=32, transform=keep)
+        ids = all_ids(run_epoch(client, spec, epoch=0, world_size=2))
+        assert np.array_equal(np.sort(ids), np.arange(400))
+        first = all_chunk_requests(server)
+        assert len(first) == 16 and set(first.values()) == {1}
+        assert dmdask.stats(client)["total"]["ssd"]["blocks"] == 8
+
+        (victim,) = ssd.glob("dmdask-ssd-*/b150-*")  # block 3: samples 150..199
+        shutil.rmtree(victim)
+        concurrent = path == "worker"  # requests for the block at once: still read once
+        if path == "mapped":  # one request at a time: no retry of one can help another
+            spec = spec.replace(transform=None, prefetch=1)
+        for epoch in (1, 2):
+            per_rank = run_epoch(client, spec, epoch=epoch, world_size=2, concurrent_ranks=concurrent)
+            ids = all_ids(per_rank)
+            assert np.array_equal(np.sort(ids), np.arange(400))
+            for batches in per_rank:
+                for b in batches:
+                    np.testing.assert_array_equal(b["x"], zarr_sample(b["index"]))
+        after = all_chunk_requests(server)
+        assert chunk_requests(server, 3) == {"d.zarr/x/c/3/0": 2, "d.zarr/label/c/3": 2}
+        assert {p: n for p, n in after.items() if n != 1} == chunk_requests(server, 3)
+        total = dmdask.stats(client)["total"]
+        assert total["ssd"]["read_errors"] == 1
+        assert total["ssd"]["blocks"] == 8  # back on the SSD
+        assert total["shared_store"]["requests"] == 9
+        assert not victim.exists()

@@ -63,6 +63,7 @@ class BlockCache:
         self.streamed_hits = 0  # samples served from blocks streamed from the store
         self.peer_bytes_out = 0
         self.peer_bytes_in = 0
+        self._rereads: Dict[str, asyncio.Future] = {}  # key -> (block, value) being read again (`_reread`)
         worker.handlers["dmdask_rows"] = self.rows_handler
         worker.handlers["dmdask_batch"] = self.batch_handler
         worker.handlers["dmdask_describe"] = self.describe_handler
@@ -113,7 +114,7 @@ class BlockCache:
         return self._place(reader, tier, block, block.nbytes)
 
     def _place(self, reader, tier: str, block: Block, reserved: int):
-        value = self.store.place(reader.key, tier, block, reserved)
+        value = self.store.place(reader.key, tier, block, reserved, reader)
         if value is None:  # the SSD refused the write: keep what was read for this epoch
             if not reader.row_granular:
                 self.worker.loop.add_callback(self.stream.put, reader.key, block)
@@ -128,6 +129,10 @@ class BlockCache:
         value = self.store[key]
         if isinstance(value, (Block, FillingBlock, FileBlock, ArenaBlock, Streamed)):
             rows = check_rows(key, rows, _length(value))
+        if key in self._rereads:  # its files failed and it is being read again: wait for that read
+            block, _ = await asyncio.shield(self._rereads[key])
+            self.streamed_hits += len(rows)
+            return block.take(rows)
         if isinstance(value, Block):
             out = value.take(rows)
             tier = "ram"
@@ -152,7 +157,14 @@ class BlockCache:
                 self.store.count_hit("ram", hits, _nbytes(out) * hits // len(rows))
             return out
         elif isinstance(value, (FileBlock, ArenaBlock)):
-            out = await asyncio.get_running_loop().run_in_executor(self.reads, value.take, rows)
+            try:
+                out = await asyncio.get_running_loop().run_in_executor(self.reads, value.take, rows)
+            except OSError as exc:  # its files were deleted or cannot be read
+                if not isinstance(value, FileBlock) or value.reader is None:
+                    raise
+                if self.store.get(key) is value:  # the first request to find out
+                    self._reread(key, value, exc)
+                return await self.take(key, rows)  # from the block read again
             tier = value.tier
         elif isinstance(value, Streamed) and value.reader.row_granular:
             # one file per sample: read just these samples, nothing is held afterwards
@@ -169,6 +181,34 @@ class BlockCache:
             raise KeyError(key)
         self.store.count_hit(tier, len(rows), _nbytes(out))
         return out
+
+    def _reread(self, key: str, broken: FileBlock, exc: OSError) -> None:
+        """Drop a block whose files cannot be read (counted in its tier's `read_errors`,
+        logged with the path) and read it again from the shared store, once: requests
+        for it wait for that read and take their rows from it, and the block goes back
+        into the fastest tier with room (else it is streamed from then on). A failed read
+        (`BlockReadError`) fails the waiting requests and leaves the block streamed."""
+        reader = broken.reader
+        self.store.count_read_error(broken.tier)
+        logger.warning("cannot read block %s from its %s files in %s (%s: %s); reading it again from %s",
+                       key, broken.tier, broken.path, type(exc).__name__, exc, reader.url)
+        marker = Streamed(reader)
+        self.store[key] = marker  # frees the tier's room and removes what is left of the files
+        loop = asyncio.get_running_loop()
+        pending = self._rereads[key] = loop.run_in_executor(self.reads, self._read_and_place, reader)
+
+        def done(fut):
+            del self._rereads[key]
+            if not fut.cancelled() and fut.exception() is None and self.store.get(key) is marker:
+                self.store[key] = fut.result()[1]
+
+        pending.add_done_callback(done)
+
+    def _read_and_place(self, reader):
+        """In a read thread: (the block read from the store, what to hold under its key)."""
+        block = self.read(reader)
+        tier = self.store.reserve(block.nbytes)
+        return block, Streamed(reader) if tier is None else self._place(reader, tier, block, block.nbytes)
 
     async def serve(self, requests: Dict[str, np.ndarray]) -> Arrays:
         """The rows of several held blocks, concatenated per field in request order.
@@ -197,6 +237,8 @@ class BlockCache:
         out = {}
         for key in keys:
             value = self.store[key] if key in self.store else None
+            if isinstance(value, FileBlock) and not value.files_exist():
+                value = None  # its files are gone: rows through `dmdask_rows`, which reads it again
             out[key] = value.describe() if isinstance(value, (FileBlock, ArenaBlock)) else None
         return out
 

@@ -42,6 +42,7 @@ class TierStats:
     hit_bytes: int = 0
     full: bool = False  # set when the device refused a write (SSD out of space)
     error: Optional[str] = None  # why the tier's folder cannot be used; the tier then takes no blocks
+    read_errors: int = 0  # blocks dropped because their files could not be read
 
     def room(self) -> int:
         return self.capacity - self.bytes - self.reserved
@@ -52,7 +53,8 @@ class TierStats:
 
     def as_dict(self) -> dict:
         return {"capacity": self.capacity, "bytes": self.bytes, "blocks": self.blocks, "samples": self.samples,
-                "hits": self.hits, "hit_bytes": self.hit_bytes, "full": self.full, "error": self.error}
+                "hits": self.hits, "hit_bytes": self.hit_bytes, "full": self.full, "error": self.error,
+                "read_errors": self.read_errors}
 
 
 class TieredStore(MutableMapping):
@@ -112,7 +114,7 @@ class TieredStore(MutableMapping):
         with self._lock:
             getattr(self, tier).reserved -= nbytes
 
-    def place(self, key: str, tier: str, block, reserved: int):
+    def place(self, key: str, tier: str, block, reserved: int, reader=None):
         """Turn a reserved read block into the value the worker will store under `key`.
 
         Returns a `FileBlock` (in shared memory for RAM, on the SSD), the block itself
@@ -121,6 +123,7 @@ class TieredStore(MutableMapping):
         refused the write (the tier then stops growing; the caller streams the block
         instead) or the tier's folder cannot be made (the tier then takes no more blocks,
         see `open_ssd`). The reservation turns into held bytes when the worker stores the value.
+        A `FileBlock` keeps `reader`, to read the block again should its files fail.
         """
         if isinstance(block, Block) and (tier == "ssd" or self._roots["ram"]):
             try:
@@ -133,7 +136,7 @@ class TieredStore(MutableMapping):
                 if tier == "ram" and all_fixed(block):
                     block = self._into_arena(key, block)
                 else:
-                    block = FileBlock.write(self.folder(tier), block, tier)
+                    block = FileBlock.write(self.folder(tier), block, tier, reader)
             except OSError as exc:
                 with self._lock:
                     stats = getattr(self, tier)
@@ -193,6 +196,11 @@ class TieredStore(MutableMapping):
     # -- reads ------------------------------------------------------------------------
     def tier_of(self, key: str) -> Optional[str]:
         return self._tier_of.get(key)
+
+    def count_read_error(self, tier: str) -> None:
+        """A block of `tier` whose files could not be read (it is then dropped)."""
+        with self._lock:
+            getattr(self, tier).read_errors += 1
 
     def count_hit(self, tier: str, samples: int, nbytes: int) -> None:
         with self._lock:
