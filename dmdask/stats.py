@@ -19,7 +19,7 @@ def stats(client: Client) -> Dict[str, dict]:
     "datasets": the cluster's registry, one summary per dataset (name, url, samples,
     blocks, nbytes, loaded, erred). Each worker: {"ram"|"ssd": {capacity, bytes, blocks, hits, hit_bytes, full,
     error (why the tier's folder is unusable, None when fine)},
-    "stream": {hits, ...}, "shared_store": {requests, bytes}, "peer": {bytes_out, bytes_in},
+    "stream": {hits, ...}, "shared_store": {requests, bytes, retries}, "peer": {bytes_out, bytes_in},
     "streamed_blocks"}. Hits count samples served from that tier; "stream" hits are
     samples of blocks beyond the cache, read from the shared store.
     """

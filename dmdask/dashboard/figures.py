@@ -31,7 +31,7 @@ def empty_stats() -> dict:
             "error": None, "read_errors": 0}
     return {"ram": dict(tier), "ssd": dict(tier), "streamed_blocks": 0,
             "stream": {"hits": 0, "buffer_bytes": 0, "buffer_capacity": 0},
-            "shared_store": {"requests": 0, "bytes": 0}, "peer": {"bytes_out": 0, "bytes_in": 0}}
+            "shared_store": {"requests": 0, "bytes": 0, "retries": 0}, "peer": {"bytes_out": 0, "bytes_in": 0}}
 
 
 def hit_shares(stats: dict) -> Optional[Dict[str, float]]:

@@ -99,12 +99,8 @@ class ZarrBlockReader(BlockReader):
         self.url = layout.url
         self.key = block_key(layout.identity, index)
 
-    def read(self) -> Dict[str, np.ndarray]:
-        try:
-            return {field: np.asarray(_array(self.layout, path)[self.start:self.stop])
-                    for field, path in self.layout.paths}
-        except Exception as exc:
-            raise self.fail(exc) from exc
+    def _read(self) -> Dict[str, np.ndarray]:
+        return {field: np.asarray(_array(self.layout, path)[self.start:self.stop]) for field, path in self.layout.paths}
 
 
 @functools.lru_cache(maxsize=64)

@@ -34,17 +34,23 @@ logger = logging.getLogger(__name__)
 
 
 class StoreCounters:
-    """Reads from the shared store made by this worker (blocks and decoded bytes)."""
+    """Reads from the shared store made by this worker (blocks and decoded bytes), and
+    the retries of reads that met a transient error."""
 
     def __init__(self):
         self.requests = 0
         self.bytes = 0
+        self.retries = 0
         self._lock = threading.Lock()
 
     def add(self, nbytes: int) -> None:
         with self._lock:
             self.requests += 1
             self.bytes += nbytes
+
+    def retried(self, exc: BaseException) -> None:
+        with self._lock:
+            self.retries += 1
 
 
 class BlockCache:
@@ -72,12 +78,12 @@ class BlockCache:
 
     # -- reading from the shared store -------------------------------------------------
     def read(self, reader) -> Block:
-        block = Block(reader.read(), reader.start, reader.stop)
+        block = Block(reader.read(on_retry=self.store_reads.retried), reader.start, reader.stop)
         self.store_reads.add(block.nbytes)
         return block
 
     def read_rows(self, reader, rows) -> Arrays:
-        arrays = reader.read_rows(rows)
+        arrays = reader.read_rows(rows, on_retry=self.store_reads.retried)
         self.store_reads.add(_nbytes(arrays))
         return arrays
 
@@ -299,7 +305,8 @@ class BlockCache:
             "streamed_blocks": tiers["streamed_blocks"],
             "stream": {"hits": self.streamed_hits, "buffer_bytes": self.stream.bytes,
                        "buffer_capacity": self.stream.capacity},
-            "shared_store": {"requests": self.store_reads.requests, "bytes": self.store_reads.bytes},
+            "shared_store": {"requests": self.store_reads.requests, "bytes": self.store_reads.bytes,
+                             "retries": self.store_reads.retries},
             "peer": {"bytes_out": self.peer_bytes_out, "bytes_in": self.peer_bytes_in},
         }
 
