@@ -183,8 +183,8 @@ class TieredStore(MutableMapping):
         reason = f"cannot use {root!r} for the {tier} tier: {exc.strerror or exc}"  # the same on every worker
         with self._lock:
             getattr(self, tier).error = reason
-        logger.warning("dmdask %s tier disabled, its blocks will be streamed from the shared store: %s",
-                       tier, reason)
+        logger.warning("dmdask %s tier takes no blocks from now on (they go to the next tier with room, "
+                       "or are streamed from the shared store): %s", tier, reason)
 
     def folder(self, tier: str) -> str:
         """This worker's folder of a tier, made on first use (`dmdask.worker.folders`)."""
