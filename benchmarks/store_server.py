@@ -13,6 +13,9 @@ a background thread with its own event loop::
         fsspec.filesystem("http").cat_file(store.url + "/ds.zarr/zarr.json")
         store.stats()  # {"requests": 1, "bytes": ..., "head_requests": 0, "by_path": {...}}
 
+``fail_first(n, pattern)`` makes it answer ``503 Service Unavailable`` to the first
+``n`` GETs of each matching path from then on, as a store under load would.
+
 As a process (prints ``URL http://HOST:PORT``, serves until SIGINT/SIGTERM;
 ``GET /__stats__`` returns the counters as JSON, ``?reset=1`` also zeroes them)::
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import fnmatch
 import html
 import io
 import ipaddress
@@ -67,7 +71,8 @@ class StoreServer:
     followed).  ``stats()["requests"]`` counts every GET but ``/__stats__``: files,
     folder listings and errors; ``"bytes"`` the bytes of file and listing bodies sent
     (not of error messages); ``"head_requests"`` the HEADs; ``"by_path"`` the GETs and
-    bytes by path relative to ``root`` (``""`` for ``root`` itself).  A request is
+    bytes by path relative to ``root`` (``""`` for ``root`` itself); ``"failed"`` the
+    GETs answered with an error status by ``fail_first``.  A request is
     counted when it arrives and body bytes just before they are handed to the
     connection, so a client that has its response sees it in ``stats()`` (a client
     that hangs up mid-answer may be counted one chunk more).
@@ -93,6 +98,7 @@ class StoreServer:
             raise ValueError(f"StoreServer binds only to a loopback address, got {host!r}")
         self.host, self.port = host, port
         self._lock = threading.Lock()
+        self.fail_first(0)
         self.reset_stats()
         self._url = self._loop = self._thread = self._runner = None
 
@@ -161,7 +167,28 @@ class StoreServer:
 
     def reset_stats(self) -> None:
         with self._lock:
-            self._stats = {"requests": 0, "bytes": 0, "head_requests": 0, "by_path": {}}
+            self._stats = {"requests": 0, "bytes": 0, "head_requests": 0, "failed": 0, "by_path": {}}
+
+    def fail_first(self, n: int, pattern: str = "*", status: int = 503) -> None:
+        """From now on, answer ``status`` (an HTTP error, default 503 Service Unavailable)
+        to the first ``n`` GETs of each path that matches ``pattern`` (``fnmatch`` on the
+        path relative to ``root``, where ``*`` matches ``/`` too), and serve the later
+        ones.  Each such answer counts as a GET (``requests``, ``by_path``) and in
+        ``"failed"``.  ``fail_first(0)`` stops failing."""
+        if n < 0 or not 400 <= status < 600:
+            raise ValueError(f"fail_first needs n >= 0 and an HTTP error status, got {n!r}, {status!r}")
+        with self._lock:
+            self._fail, self._failed_paths = (n, pattern, status), {}
+
+    def _should_fail(self, path: str):
+        """The status to answer this GET of ``path`` with, or None to serve it."""
+        with self._lock:
+            n, pattern, status = self._fail
+            if not n or self._failed_paths.get(path, 0) >= n or not fnmatch.fnmatchcase(path, pattern):
+                return None
+            self._failed_paths[path] = self._failed_paths.get(path, 0) + 1
+            self._stats["failed"] += 1
+            return status
 
     def _count(self, path: str, requests: int = 0, nbytes: int = 0) -> None:
         with self._lock:
@@ -189,6 +216,9 @@ class StoreServer:
             self._count(key, requests=1)
         if self.latency:
             await asyncio.sleep(self.latency)
+        status = None if head else self._should_fail(key)
+        if status is not None:
+            return web.Response(status=status, text=f"failing on purpose: {key}\n")
         full = os.path.normpath(os.path.join(self.root, rel))
         if full != self.root and not full.startswith(self.root + os.sep):
             raise web.HTTPForbidden()

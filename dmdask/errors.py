@@ -25,13 +25,14 @@ class SourceError(DmdaskError, ValueError):
 class BlockReadError(DmdaskError, OSError):
     """A block could not be read or decoded from the shared store.
 
-    The message names the URL and the sample range; nothing already cached is affected.
+    The message names the URL and the sample range (and `detail`, such as the retries
+    made); nothing already cached is affected.
     """
 
-    def __init__(self, url: str, block: int, start: int, stop: int, cause: BaseException):
+    def __init__(self, url: str, block: int, start: int, stop: int, cause: BaseException, detail: str = ""):
         self.url, self.block, self.start, self.stop = url, block, start, stop
         super().__init__(
-            f"cannot read block {block} (samples {start}..{stop - 1}) of {url}: "
+            f"cannot read block {block} (samples {start}..{stop - 1}) of {url}{detail}: "
             f"{type(cause).__name__}: {cause}"
         )
 

@@ -6,6 +6,8 @@ import os
 import pickle
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+import numpy as np
+
 from .errors import SpecError
 
 Transform = Callable[[dict], dict]
@@ -17,6 +19,8 @@ class Spec:
 
     Guarantees: a `Spec` is immutable and picklable, and every field is checked on
     construction (`SpecError`, a `ValueError`, names the field and the allowed range).
+    Integer fields accept Python and numpy integers (stored as `int`), never bools or
+    floats.
 
     source: a Zarr v3 group or array, or a folder of per-sample files in
         class-per-subfolder layout; a local path or any fsspec URL.
@@ -63,16 +67,13 @@ class Spec:
             object.__setattr__(self, "source", source)
         if not isinstance(source, str) or not source:
             raise SpecError("source", "a non-empty path or fsspec URL", self.source)
-        _check_int("batch_size", self.batch_size, low=1)
-        _check_int("seed", self.seed, low=0)
-        _check_int("world_size", self.world_size, low=1)
-        _check_int("rank", self.rank, low=0, high=self.world_size - 1,
-                   hint=f"0 <= rank < world_size={self.world_size}")
-        _check_int("prefetch", self.prefetch, low=1)
-        if self.shuffle_window is not None:
-            _check_int("shuffle_window", self.shuffle_window, low=1)
-        if self.block_size is not None:
-            _check_int("block_size", self.block_size, low=1)
+        for name, low in (("batch_size", 1), ("seed", 0), ("world_size", 1), ("prefetch", 1),
+                          ("shuffle_window", 1), ("block_size", 1)):
+            if name in ("shuffle_window", "block_size") and getattr(self, name) is None:
+                continue
+            object.__setattr__(self, name, as_int(name, getattr(self, name), low=low))
+        object.__setattr__(self, "rank", as_int("rank", self.rank, low=0, high=self.world_size - 1,
+                                                hint=f"0 <= rank < world_size={self.world_size}"))
         for name in ("shuffle", "drop_last"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecError(name, "True or False", getattr(self, name))
@@ -99,11 +100,14 @@ class Spec:
         return dataclasses.replace(self, **changes)
 
 
-def _check_int(name: str, value, low: int, high: Optional[int] = None, hint: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+def as_int(name: str, value, low: int, high: Optional[int] = None, hint: str = "") -> int:
+    """`value` as an `int` when it is a Python or numpy integer in low..high; otherwise
+    `SpecError` naming `name` (bools and floats are refused, even integral ones)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise SpecError(name, hint or f"an integer >= {low}", value)
     if value < low or (high is not None and value > high):
         raise SpecError(name, hint or f"an integer >= {low}", value)
+    return int(value)
 
 
 def per_sample(fn: Callable[[dict], dict]) -> Transform:
@@ -120,8 +124,6 @@ class _PerSample:
         self.fn = fn
 
     def __call__(self, batch: dict) -> dict:
-        import numpy as np
-
         n = len(batch["index"])
         rows = [self.fn({k: v[i] for k, v in batch.items()}) for i in range(n)]
         out = {}

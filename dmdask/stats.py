@@ -17,8 +17,9 @@ def stats(client: Client) -> Dict[str, dict]:
     """Per-worker counters and their sum under "total".
 
     "datasets": the cluster's registry, one summary per dataset (name, url, samples,
-    blocks, nbytes, loaded, erred). Each worker: {"ram"|"ssd": {capacity, bytes, blocks, hits, hit_bytes, full},
-    "stream": {hits, ...}, "shared_store": {requests, bytes}, "peer": {bytes_out, bytes_in},
+    blocks, nbytes, loaded, erred). Each worker: {"ram"|"ssd": {capacity, bytes, blocks, hits, hit_bytes, full,
+    error (why the tier's folder is unusable, None when fine)},
+    "stream": {hits, ...}, "shared_store": {requests, bytes, retries}, "peer": {bytes_out, bytes_in},
     "streamed_blocks"}. Hits count samples served from that tier; "stream" hits are
     samples of blocks beyond the cache, read from the shared store.
     """
@@ -34,7 +35,8 @@ def stats(client: Client) -> Dict[str, dict]:
 
 
 def total(items) -> dict:
-    """Sum of nested numeric counters (booleans become any())."""
+    """Sum of nested numeric counters (booleans become any(); strings, such as a tier's
+    error, the distinct ones joined by "; ", None when there is none)."""
     out: dict = {}
     for item in items:
         _add(out, item)
@@ -47,5 +49,11 @@ def _add(out: dict, item: dict) -> None:
             _add(out.setdefault(key, {}), value)
         elif isinstance(value, bool):
             out[key] = out.get(key, False) or value
+        elif value is None or isinstance(value, str):
+            seen = out.get(key)
+            if value and (seen is None or value not in seen.split("; ")):
+                out[key] = value if seen is None else f"{seen}; {value}"
+            else:
+                out[key] = seen
         else:
             out[key] = out.get(key, 0) + value

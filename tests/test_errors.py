@@ -2,6 +2,7 @@
 import os
 import shutil
 import subprocess
+import time
 
 import distributed
 import numpy as np
@@ -9,6 +10,8 @@ import pytest
 import zarr
 
 import dmdask
+from distributed.protocol.serialize import to_serialize
+from dmdask.source import block_key
 from dmdask.testing.datasets import write_folder, write_zarr, zarr_sample
 
 from conftest import all_ids, run_epoch
@@ -47,6 +50,35 @@ def test_arrays_of_unequal_length(client, tmp_path):
     # naming arrays of equal length is the documented way out
     batch = next(iter(dmdask.batches(client, dmdask.Spec(path, batch_size=4, keys=["x"]))))
     assert set(batch) == {"x", "index"}
+
+
+def empty_zarr_group(path):
+    g = zarr.open_group(path, mode="w")
+    g.create_array("x", shape=(0, 8), chunks=(10, 8), dtype="f4")
+    g.create_array("label", shape=(0,), chunks=(10,), dtype="i8")
+    return path
+
+
+def empty_zarr_array(path):
+    zarr.open_array(path, mode="w", shape=(0,), chunks=(10,), dtype="i8")
+    return path
+
+
+def empty_folder(path):
+    for name in ("class-a", "class-b"):
+        os.makedirs(os.path.join(path, name))
+    return path
+
+
+@pytest.mark.parametrize("make", [empty_zarr_group, empty_zarr_array, empty_folder])
+def test_empty_dataset_says_it_has_no_samples(client, tmp_path, make):
+    path = make(str(tmp_path / "empty-set"))
+    spec = dmdask.Spec(path, batch_size=4, rank=1, world_size=2)
+    for _ in range(2):  # the failed creation left no claim behind: the next call fails the same way
+        with pytest.raises(dmdask.SourceError) as info:
+            dmdask.batches(client, spec)
+        assert not isinstance(info.value, dmdask.SpecError)  # not a world_size error
+        assert f"dataset {path} has no samples" in str(info.value)
 
 
 @pytest.mark.parametrize("changes,field", [
@@ -143,3 +175,70 @@ def test_transform_error_surfaces_at_once(client, good):
         next(iter(dmdask.batches(client, dmdask.Spec(good, batch_size=10, transform=failing_transform))))
     assert "samples" in str(info.value)
     assert time.monotonic() - started < 30  # not retried as if a worker had died
+
+
+def holdings(client):
+    """{block key: the type of what the worker holds under it}, for every worker."""
+    def kinds(dask_worker):
+        return {k: type(v).__name__ for k, v in dask_worker.data.items() if k.startswith("dmdask-block-")}
+
+    return {k: kind for per_worker in client.run(kinds).values() for k, kind in per_worker.items()}
+
+
+def ask_rows(client, holder, key, rows):
+    return client.sync(client.rpc(holder).dmdask_rows, msg=to_serialize({key: np.asarray(rows)}))
+
+
+def store_requests(client):
+    return dmdask.stats(client)["total"]["shared_store"]["requests"]
+
+
+def identity_of(client, url):
+    return {d["url"]: d["identity"] for d in dmdask.stats(client)["datasets"]}[url]
+
+
+def test_rows_request_with_offsets_outside_the_block_is_refused(tmp_path):
+    """A raw `dmdask_rows` request never gets rows from the block's end for a negative
+    offset, nor anything for an offset past it: a ValueError names the block and the
+    offsets, whatever the block is held in, and nothing is read from the store."""
+    folder = write_folder(str(tmp_path / "files"), classes=2, per_class=10, min_size=16, max_size=16)
+    path = write_zarr(str(tmp_path / "d.zarr"), 300, chunk=50)  # 6 blocks of 50 * 40 bytes
+    folder_block = 10 * (16 + 8 + 8)
+    with dmdask.LocalCluster(n_workers=1, ram=2 * folder_block + 4500, ssd=4500, ssd_dir=str(tmp_path / "ssd")) \
+            as cluster, distributed.Client(cluster) as client:
+        (holder,) = client.scheduler_info()["workers"]
+        # folder blocks bound for RAM fill as ranks ask: an iterator that was never
+        # advanced created them and read nothing
+        dmdask.batches(client, dmdask.Spec(folder, batch_size=5, block_size=10)).close()
+        key = block_key(identity_of(client, folder), 1)
+        deadline = time.monotonic() + 60
+        while sorted(holdings(client).values()) != ["FillingBlock", "FillingBlock"]:
+            assert time.monotonic() < deadline, holdings(client)
+            time.sleep(0.1)
+        with pytest.raises(ValueError, match=rf"{key}.*\[-3, 10\]"):
+            ask_rows(client, holder, key, [0, -3, 10])
+        assert store_requests(client) == 0  # the good offset 0 was not read for the bad request
+        assert ask_rows(client, holder, key, [9, 0])["rows"]["label"].tolist() == [1, 1]
+        assert store_requests(client) == 1
+
+        # Zarr: 2 blocks in the RAM arena, 2 on the SSD, 2 streamed
+        ids = all_ids(run_epoch(client, dmdask.Spec(path, batch_size=32)))
+        assert np.array_equal(np.sort(ids), np.arange(300))
+        identity = identity_of(client, path)
+        kinds = {k: v for k, v in holdings(client).items() if identity in k}
+        assert sorted(kinds.values()) == ["ArenaBlock", "ArenaBlock", "FileBlock", "FileBlock",
+                                          "Streamed", "Streamed"]
+        reads = store_requests(client)
+        for k in range(6):
+            key = block_key(identity, k)
+            for rows, named in (([3, -1, 5], "[-1]"), ([50, 2], "[50]"), ([-50, 60, 1, -2], "[-50, -2, 60]")):
+                with pytest.raises(ValueError) as info:
+                    ask_rows(client, holder, key, rows)
+                message = str(info.value)
+                assert key in message and named in message and "0..49" in message, (kinds[key], message)
+            with pytest.raises(ValueError, match="integer offsets"):
+                ask_rows(client, holder, key, [1.5])
+        assert store_requests(client) == reads  # not even the streamed blocks were read
+        for k in range(6):  # while good offsets still get their rows
+            reply = ask_rows(client, holder, block_key(identity, k), [49, 0, 7])
+            np.testing.assert_array_equal(reply["rows"]["x"], zarr_sample(np.array([49, 0, 7]) + 50 * k))

@@ -341,3 +341,26 @@ def test_subprocess_mode(root):
             proc.stdout.close()
             proc.stderr.close()
     assert rc == 0
+
+
+def test_fail_first_answers_503_to_the_first_gets_of_matching_paths(root):
+    data = (root / "folder" / "sub" / "b.bin").read_bytes()
+    with StoreServer(root) as server:
+        server.fail_first(2, "folder/sub/*")
+        assert [_request(server, "GET", "/folder/sub/b.bin")[0] for _ in range(3)] == [503, 503, 200]
+        assert _request(server, "GET", "/folder/sub/b.bin")[2] == data
+        assert _request(server, "HEAD", "/folder/sub/deeper/c.bin")[0] == 200  # HEADs are never failed
+        assert [_request(server, "GET", "/folder/sub/deeper/c.bin")[0] for _ in range(3)] == [503, 503, 200]
+        assert _request(server, "GET", "/folder/a.txt")[0] == 200  # does not match
+        stats = server.stats()
+        assert stats["failed"] == 4 and stats["requests"] == 8
+        assert stats["by_path"]["folder/sub/b.bin"] == {"requests": 4, "bytes": 2 * len(data)}
+        server.fail_first(1, status=500)  # armed again: counts start afresh, every path matches
+        assert [_request(server, "GET", "/folder/sub/b.bin")[0] for _ in range(2)] == [500, 200]
+        server.fail_first(0)
+        assert _request(server, "GET", "/folder/a.txt")[0] == 200
+        assert server.stats()["failed"] == 5
+        with pytest.raises(ValueError):
+            server.fail_first(-1)
+        with pytest.raises(ValueError):
+            server.fail_first(1, status=200)

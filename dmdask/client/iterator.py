@@ -31,7 +31,7 @@ from distributed.protocol.serialize import to_serialize
 from ..errors import BlockReadError, NotADmdaskWorker, NoWorkersError, SchedulerLostError, SpecError
 from ..plan.elastic import remaining
 from ..plan.order import ORDER_VERSION, EpochOrder, RankShare
-from ..spec import Spec, dumps_transform
+from ..spec import Spec, as_int, dumps_transform
 from ..worker.results import map_batches
 from .datasets import open_dataset
 from .gather import Gatherer, LocalArenas, Moved, copier, split_batches
@@ -88,8 +88,7 @@ class BatchIterator:
 
     def __init__(self, client: Client, spec: Spec, epoch: int = 0, resume: Optional[dict] = None,
                  progress=None):
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise SpecError("epoch", "an integer >= 0", epoch)
+        epoch = as_int("epoch", epoch, low=0)
         self.client = client
         self.spec = spec
         self.epoch = epoch

@@ -249,6 +249,7 @@ class TiersPage:
                 text.append("no tier")
                 continue
             full = " · full" if s[tier]["full"] else ""
+            full += " · folder unusable" if s[tier].get("error") else ""
             text.append(f"{fmt_bytes(u)} / {fmt_bytes(c)} ({fmt_pct(u / c)}) · {b:,} blocks{full}")
         self.occupancy[tier].data = {
             "worker": labels, "bytes": used, "capacity": caps, "label": text, "blocks": blocks,

@@ -32,7 +32,7 @@ def open_source(spec) -> Source:
     """Open `spec.source`: a Zarr v3 group or array, or a folder of class subfolders.
 
     Raises `SourceNotFoundError` if nothing is there, `SourceError` if the layout is
-    unusable, `SpecError` if the spec does not fit the source.
+    unusable or holds no samples, `SpecError` if the spec does not fit the source.
     """
     url = spec.source.rstrip("/")
     options = dict(spec.storage_options or {})

@@ -4,18 +4,31 @@ A dataset is `num_samples` samples cut into blocks of `block_len` consecutive sa
 (the last block may be shorter): block k holds samples k*block_len .. min(n, (k+1)*block_len)-1.
 `DatasetInfo` is all a training process needs to plan an epoch; a `BlockReader` is
 the small picklable object a worker uses to read one block from the shared store.
+Every read from the store goes through `BlockReader.read` or `read_rows`, which retry
+transient errors (`is_transient`) for up to `dmdask.store.retry-seconds`.
 """
 from __future__ import annotations
 
 import dataclasses
+import errno
+import functools
 import json
-from typing import Optional, Tuple
+import logging
+import time
+from typing import Callable, Optional, Tuple
 
+import dask.config
 import numpy as np
 
 from ..errors import BlockReadError
 
+logger = logging.getLogger(__name__)
+
 BLOCK_KEY_PREFIX = "dmdask-block-"
+FIRST_RETRY_WAIT = 0.05  # seconds before the first retry of a read; doubled for each next one
+LONGEST_RETRY_WAIT = 5.0
+TRANSIENT_ERRNOS = frozenset({errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT,
+                              errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.ENETRESET, errno.EPIPE})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,12 +95,49 @@ def options_json(options) -> str:
     return json.dumps(options or {}, sort_keys=True, default=str)
 
 
+def is_transient(exc: BaseException) -> bool:
+    """Whether a store read that raised `exc` may succeed when tried again: a refused,
+    reset or timed-out connection, or an HTTP 5xx or 429 answer (as `exc` or as its
+    `__cause__`). Anything else is permanent: a missing file (404), data that does not
+    decode, a TLS certificate refused."""
+    retry, never = _client_errors()
+    while exc is not None:
+        if isinstance(exc, never):
+            return False
+        if isinstance(exc, (ConnectionError, TimeoutError) + retry) or getattr(exc, "errno", None) in TRANSIENT_ERRNOS:
+            return True
+        status = getattr(exc, "status", None)  # aiohttp.ClientResponseError (fsspec's HTTP)
+        if isinstance(status, int) and (500 <= status < 600 or status == 429):
+            return True
+        exc = exc.__cause__
+    return False
+
+
+@functools.lru_cache(maxsize=1)
+def _client_errors() -> Tuple[tuple, tuple]:
+    """aiohttp's (fsspec's HTTP client) transient connection errors, and its TLS errors
+    among them that are not transient; empty without aiohttp."""
+    try:
+        import aiohttp
+    except ImportError:
+        return (), ()
+    return (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError), \
+        (aiohttp.ClientSSLError,)
+
+
 class BlockReader:
     """Reads one block from the shared store. Picklable and small.
 
     nbytes: the block's decoded size, or None when it is known only once read.
     row_granular: True when `read_rows` reads only the wanted samples from the store
     (one file per sample); False when the store's unit is the whole block (Zarr chunks).
+
+    Guarantees of `read` and `read_rows`: a transient store error (`is_transient`) is
+    retried, waiting 0.05 s, then twice as long each time (at most 5 s), as long as the
+    read has run less than `dmdask.store.retry-seconds` (default 30); `on_retry(exc)` is
+    called before each retry. Any other error, or a transient one that outlasts that
+    time, raises `BlockReadError` naming the URL and the samples. Subclasses implement
+    `_read` and `_read_rows`, raising whatever the store raised.
     """
 
     key: str
@@ -98,16 +148,47 @@ class BlockReader:
     url: str
     row_granular = False
 
-    def read(self):  # pragma: no cover - interface
-        """The whole block as a `dmdask.worker.holdings.Block`; `BlockReadError` on failure."""
-        raise NotImplementedError
+    def read(self, on_retry: Optional[Callable] = None) -> dict:
+        """The whole block, one array per field; `BlockReadError` on failure."""
+        return self._retrying(self._read, on_retry)
 
-    def read_rows(self, rows):  # pragma: no cover - interface
+    def read_rows(self, rows, on_retry: Optional[Callable] = None) -> dict:
         """Only the given rows (offsets in the block), for row-granular readers."""
+        return self._retrying(lambda: self._read_rows(rows), on_retry)
+
+    def _read(self) -> dict:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def fail(self, exc: BaseException) -> BlockReadError:
-        return BlockReadError(self.url, self.index, self.start, self.stop, exc)
+    def _read_rows(self, rows) -> dict:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def _retrying(self, read: Callable[[], dict], on_retry: Optional[Callable]) -> dict:
+        budget = float(dask.config.get("dmdask.store.retry-seconds"))
+        started = time.monotonic()
+        wait, tries = FIRST_RETRY_WAIT, 1
+        while True:
+            try:
+                return read()
+            except BlockReadError:
+                raise
+            except Exception as exc:
+                error = exc
+            spent, transient = time.monotonic() - started, is_transient(error)
+            if not transient or spent + wait > budget:
+                detail = f" (after {tries} tries in {spent:.1f} s)" if tries > 1 or transient else ""
+                # Raised outside the `except`, so the store's exception does not travel
+                # with it (aiohttp's do not pickle, which would turn this into a plain
+                # Exception on the client); its type and text are in the message.
+                raise self.fail(error, detail)
+            logger.warning("transient error reading block %d of %s, try %d, next in %.2f s: %s: %s",
+                           self.index, self.url, tries, wait, type(error).__name__, error)
+            if on_retry is not None:
+                on_retry(error)
+            time.sleep(wait)
+            wait, tries = min(2 * wait, LONGEST_RETRY_WAIT), tries + 1
+
+    def fail(self, exc: BaseException, detail: str = "") -> BlockReadError:
+        return BlockReadError(self.url, self.index, self.start, self.stop, exc, detail)
 
 
 class Source:

@@ -84,7 +84,7 @@ def _list(fs, path: str, url: str):
                 labels.append(label)
                 sizes.append(e.get("size"))
     if not files:
-        raise SourceError(f"the class subfolders of {url} hold no files")
+        raise SourceError(f"dataset {url} has no samples: its class subfolders hold no files")
     return files, labels, sizes
 
 
@@ -115,23 +115,20 @@ class FolderBlockReader(BlockReader):
         self.index, self.start, self.stop, self.nbytes = index, start, stop, nbytes
         self.key = block_key(identity, index)
 
-    def read(self) -> Dict[str, np.ndarray]:
-        return self.read_rows(np.arange(self.stop - self.start))
+    def _read(self) -> Dict[str, np.ndarray]:
+        return self._read_rows(np.arange(self.stop - self.start))
 
-    def read_rows(self, rows) -> Dict[str, np.ndarray]:
+    def _read_rows(self, rows) -> Dict[str, np.ndarray]:
         """The given rows; the files are fetched concurrently where the protocol allows."""
         arrays = {}
         if "data" in self.fields:
-            try:
-                files = [self.files[r] for r in rows]
-                contents = _filesystem(self.protocol, self.options).cat_ranges(files, None, None, on_error="return")
-                data = np.empty(len(files), dtype=object)
-                for i, content in enumerate(contents):
-                    if isinstance(content, BaseException):
-                        raise content
-                    data[i] = np.frombuffer(content, dtype=np.uint8)
-            except Exception as exc:
-                raise self.fail(exc) from exc
+            files = [self.files[r] for r in rows]
+            contents = _filesystem(self.protocol, self.options).cat_ranges(files, None, None, on_error="return")
+            data = np.empty(len(files), dtype=object)
+            for i, content in enumerate(contents):
+                if isinstance(content, BaseException):
+                    raise content
+                data[i] = np.frombuffer(content, dtype=np.uint8)
             arrays["data"] = data
         if "label" in self.fields:
             arrays["label"] = self.labels[np.asarray(rows, dtype=np.int64)]

@@ -73,6 +73,9 @@ def open_zarr(url: str, options: dict, spec, registry_name: str) -> ZarrSource:
         )
     fields = tuple(sorted(arrays))
     n = next(iter(lengths.values()))
+    if n == 0:
+        raise SourceError(f"dataset {url} has no samples: its arrays {list(fields)} have length 0 "
+                          "along the first axis")
     chunk = 1
     for name in fields:
         chunk = math.lcm(chunk, arrays[name].chunks[0])
@@ -96,12 +99,8 @@ class ZarrBlockReader(BlockReader):
         self.url = layout.url
         self.key = block_key(layout.identity, index)
 
-    def read(self) -> Dict[str, np.ndarray]:
-        try:
-            return {field: np.asarray(_array(self.layout, path)[self.start:self.stop])
-                    for field, path in self.layout.paths}
-        except Exception as exc:
-            raise self.fail(exc) from exc
+    def _read(self) -> Dict[str, np.ndarray]:
+        return {field: np.asarray(_array(self.layout, path)[self.start:self.stop]) for field, path in self.layout.paths}
 
 
 @functools.lru_cache(maxsize=64)

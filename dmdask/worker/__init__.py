@@ -46,7 +46,8 @@ class Worker(distributed.Worker):
     """A Dask worker whose storage holds dmdask blocks in a RAM and an SSD tier.
 
     ram, ssd: per-worker capacities (bytes or "4 GiB"); ssd=0 disables the SSD tier.
-    ssd_dir: folder of the SSD tier (default: the worker's local directory).
+    ssd_dir: folder of the SSD tier (default: the worker's local directory). One that
+    cannot be used does not stop the worker: see `TieredStore.open_ssd`.
     shm_dir: shared-memory folder of the RAM tier (default /dev/shm; "" keeps RAM blocks
     in the worker's own memory, readable only through it).
     stream_buffer: bytes for blocks beyond the cache while ranks take their rows.
@@ -67,6 +68,7 @@ class Worker(distributed.Worker):
         super().__init__(*args, **kwargs)
         store.default_ssd_root(self.local_directory)
         store.remove_stale()  # what crashed workers of this node left behind
+        store.open_ssd()  # an unusable ssd_dir: a warning and stats()["ssd"]["error"], not a crash
         buffer = capacity(config("stream-buffer", stream_buffer), "stream_buffer")
         self.dmdask = BlockCache(self, store, buffer, read_threads=int(dask.config.get("dmdask.worker.read-threads")),
                                  transform_threads=int(dask.config.get("dmdask.worker.transform-threads")))

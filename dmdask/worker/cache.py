@@ -36,17 +36,23 @@ logger = logging.getLogger(__name__)
 
 
 class StoreCounters:
-    """Reads from the shared store made by this worker (blocks and decoded bytes)."""
+    """Reads from the shared store made by this worker (blocks and decoded bytes), and
+    the retries of reads that met a transient error."""
 
     def __init__(self):
         self.requests = 0
         self.bytes = 0
+        self.retries = 0
         self._lock = threading.Lock()
 
     def add(self, nbytes: int) -> None:
         with self._lock:
             self.requests += 1
             self.bytes += nbytes
+
+    def retried(self, exc: BaseException) -> None:
+        with self._lock:
+            self.retries += 1
 
 
 class BlockCache:
@@ -65,6 +71,7 @@ class BlockCache:
         self.streamed_hits = 0  # samples served from blocks streamed from the store
         self.peer_bytes_out = 0
         self.peer_bytes_in = 0
+        self._rereads: Dict[str, asyncio.Future] = {}  # key -> (block, value) being read again (`_reread`)
         worker.handlers["dmdask_rows"] = self.rows_handler
         worker.handlers["dmdask_batch"] = self.batch_handler
         worker.handlers["dmdask_describe"] = self.describe_handler
@@ -73,12 +80,12 @@ class BlockCache:
 
     # -- reading from the shared store -------------------------------------------------
     def read(self, reader) -> Block:
-        block = Block(reader.read(), reader.start, reader.stop)
+        block = Block(reader.read(on_retry=self.store_reads.retried), reader.start, reader.stop)
         self.store_reads.add(block.nbytes)
         return block
 
     def read_rows(self, reader, rows) -> Arrays:
-        arrays = reader.read_rows(rows)
+        arrays = reader.read_rows(rows, on_retry=self.store_reads.retried)
         self.store_reads.add(_nbytes(arrays))
         return arrays
 
@@ -115,7 +122,7 @@ class BlockCache:
         return self._place(reader, tier, block, block.nbytes)
 
     def _place(self, reader, tier: str, block: Block, reserved: int):
-        value = self.store.place(reader.key, tier, block, reserved)
+        value = self.store.place(reader.key, tier, block, reserved, reader)
         if value is None:  # the SSD refused the write: keep what was read for this epoch
             if not reader.row_granular:
                 self.worker.loop.add_callback(self.stream.put, reader.key, block)
@@ -124,8 +131,16 @@ class BlockCache:
 
     # -- serving rows ------------------------------------------------------------------
     async def take(self, key: str, rows: np.ndarray) -> Arrays:
-        """Rows of a block this worker holds; KeyError if it holds no such block."""
+        """Rows of a block this worker holds; KeyError if it holds no such block,
+        ValueError naming the block and the bad offsets (before anything is read) unless
+        `rows` are offsets inside the block."""
         value = self.store[key]
+        if isinstance(value, (Block, FillingBlock, FileBlock, ArenaBlock, Streamed)):
+            rows = check_rows(key, rows, _length(value))
+        if key in self._rereads:  # its files failed and it is being read again: wait for that read
+            block, _ = await asyncio.shield(self._rereads[key])
+            self.streamed_hits += len(rows)
+            return block.take(rows)
         if isinstance(value, Block):
             out = value.take(rows)
             tier = "ram"
@@ -150,7 +165,14 @@ class BlockCache:
                 self.store.count_hit("ram", hits, _nbytes(out) * hits // len(rows))
             return out
         elif isinstance(value, (FileBlock, ArenaBlock)):
-            out = await asyncio.get_running_loop().run_in_executor(self.reads, value.take, rows)
+            try:
+                out = await asyncio.get_running_loop().run_in_executor(self.reads, value.take, rows)
+            except OSError as exc:  # its files were deleted or cannot be read
+                if not isinstance(value, FileBlock) or value.reader is None:
+                    raise
+                if self.store.get(key) is value:  # the first request to find out
+                    self._reread(key, value, exc)
+                return await self.take(key, rows)  # from the block read again
             tier = value.tier
         elif isinstance(value, Streamed) and value.reader.row_granular:
             # one file per sample: read just these samples, nothing is held afterwards
@@ -168,6 +190,34 @@ class BlockCache:
         self.store.count_hit(tier, len(rows), _nbytes(out))
         return out
 
+    def _reread(self, key: str, broken: FileBlock, exc: OSError) -> None:
+        """Drop a block whose files cannot be read (counted in its tier's `read_errors`,
+        logged with the path) and read it again from the shared store, once: requests
+        for it wait for that read and take their rows from it, and the block goes back
+        into the fastest tier with room (else it is streamed from then on). A failed read
+        (`BlockReadError`) fails the waiting requests and leaves the block streamed."""
+        reader = broken.reader
+        self.store.count_read_error(broken.tier)
+        logger.warning("cannot read block %s from its %s files in %s (%s: %s); reading it again from %s",
+                       key, broken.tier, broken.path, type(exc).__name__, exc, reader.url)
+        marker = Streamed(reader)
+        self.store[key] = marker  # frees the tier's room and removes what is left of the files
+        loop = asyncio.get_running_loop()
+        pending = self._rereads[key] = loop.run_in_executor(self.reads, self._read_and_place, reader)
+
+        def done(fut):
+            del self._rereads[key]
+            if not fut.cancelled() and fut.exception() is None and self.store.get(key) is marker:
+                self.store[key] = fut.result()[1]
+
+        pending.add_done_callback(done)
+
+    def _read_and_place(self, reader):
+        """In a read thread: (the block read from the store, what to hold under its key)."""
+        block = self.read(reader)
+        tier = self.store.reserve(block.nbytes)
+        return block, Streamed(reader) if tier is None else self._place(reader, tier, block, block.nbytes)
+
     async def serve(self, requests: Dict[str, np.ndarray]) -> Arrays:
         """The rows of several held blocks, concatenated per field in request order.
 
@@ -179,7 +229,9 @@ class BlockCache:
         return {f: _concat([p[f] for p in parts]) for f in parts[0]} if parts else {}
 
     async def rows_handler(self, msg):
-        """RPC `dmdask_rows`: {key: rows} -> one array per field, or the missing keys."""
+        """RPC `dmdask_rows`: {key: rows} -> one array per field, or the missing keys.
+        Rows that are not offsets inside their block raise `ValueError` (`take`), which
+        the caller's RPC re-raises."""
         try:
             rows = await self.serve(msg)
         except MissingBlocks as exc:
@@ -193,6 +245,8 @@ class BlockCache:
         out = {}
         for key in keys:
             value = self.store[key] if key in self.store else None
+            if isinstance(value, FileBlock) and not value.files_exist():
+                value = None  # its files are gone: rows through `dmdask_rows`, which reads it again
             out[key] = value.describe() if isinstance(value, (FileBlock, ArenaBlock)) else None
         return out
 
@@ -264,7 +318,8 @@ class BlockCache:
             "streamed_blocks": tiers["streamed_blocks"],
             "stream": {"hits": self.streamed_hits, "buffer_bytes": self.stream.bytes,
                        "buffer_capacity": self.stream.capacity},
-            "shared_store": {"requests": self.store_reads.requests, "bytes": self.store_reads.bytes},
+            "shared_store": {"requests": self.store_reads.requests, "bytes": self.store_reads.bytes,
+                             "retries": self.store_reads.retries},
             "peer": {"bytes_out": self.peer_bytes_out, "bytes_in": self.peer_bytes_in},
         }
 
@@ -275,6 +330,27 @@ class MissingBlocks(Exception):
     def __init__(self, keys):
         self.keys = list(keys)
         super().__init__(f"blocks not held here: {self.keys[:3]}...")
+
+
+def check_rows(key: str, rows, length: int) -> np.ndarray:
+    """`rows` as an int64 array when it holds offsets in 0..length-1 (numpy would take a
+    negative offset from the block's end); otherwise ValueError naming the block `key`
+    and the bad offsets."""
+    rows = np.asarray(rows)
+    if rows.ndim != 1 or (rows.size and rows.dtype.kind not in "iu"):
+        raise ValueError(f"rows of block {key} must be a 1-d array of integer offsets, "
+                         f"got {rows.dtype} of shape {rows.shape}")
+    bad = np.unique(rows[(rows < 0) | (rows >= length)])
+    if len(bad):
+        more = f" and {len(bad) - 8} more" if len(bad) > 8 else ""
+        raise ValueError(f"rows of block {key} must be offsets in 0..{length - 1}; "
+                         f"got {bad[:8].tolist()}{more}")
+    return rows.astype(np.int64, copy=False)
+
+
+def _length(value) -> int:
+    """Samples of a held block (a `Streamed` marker's from its reader)."""
+    return value.reader.stop - value.reader.start if isinstance(value, Streamed) else len(value)
 
 
 def _concat(arrays):

@@ -177,17 +177,22 @@ class FileBlock:
     Every dtype and shape is kept in this object when the block is written, so reads
     parse no file header (`np.load` parses `.npy` headers with `ast.literal_eval`, which
     is not thread-safe on CPython 3.11: python/cpython#106905).
+
+    `reader`: the block's `BlockReader` when the block was read from the shared store
+    here (None when it came from another worker), so a block whose files can no longer
+    be read can be read again from the store.
     """
 
-    __slots__ = ("path", "start", "stop", "nbytes", "layout", "tier")
+    __slots__ = ("path", "start", "stop", "nbytes", "layout", "tier", "reader")
 
-    def __init__(self, path: str, start: int, stop: int, nbytes: int, layout: tuple, tier: str):
+    def __init__(self, path: str, start: int, stop: int, nbytes: int, layout: tuple, tier: str, reader=None):
         self.path, self.start, self.stop, self.nbytes = path, start, stop, nbytes
         self.layout = layout  # (name, kind, dtype, shape): kind "fixed", "ragged" or "strings"
         self.tier = tier
+        self.reader = reader
 
     @classmethod
-    def write(cls, directory: str, block: Block, tier: str) -> "FileBlock":
+    def write(cls, directory: str, block: Block, tier: str, reader=None) -> "FileBlock":
         """Write `block` under a new folder of `directory`; on error nothing is left behind."""
         path = tempfile.mkdtemp(dir=directory, prefix=f"b{block.start}-")
         os.chmod(path, 0o755)  # mapped read-only by training processes on the node
@@ -210,7 +215,7 @@ class FileBlock:
         except BaseException:
             shutil.rmtree(path, ignore_errors=True)
             raise
-        return cls(path, block.start, block.stop, block.nbytes, tuple(layout), tier)
+        return cls(path, block.start, block.stop, block.nbytes, tuple(layout), tier, reader)
 
     @property
     def samples(self) -> int:
@@ -222,6 +227,12 @@ class FileBlock:
     def describe(self) -> dict:
         """What a process on the same host needs to map this block (`map_arrays`)."""
         return {"path": self.path, "layout": self.layout, "tier": self.tier}
+
+    def files_exist(self) -> bool:
+        """Whether every file of the block is still there (they may have been deleted)."""
+        names = [n for name, kind, _, _ in self.layout
+                 for n in ([name] if kind == "fixed" else [f"{name}.values", f"{name}.offsets"])]
+        return all(os.path.exists(os.path.join(self.path, n)) for n in names)
 
     def take(self, rows: np.ndarray) -> Arrays:
         """The given rows, copied out of the files. Thread-safe."""

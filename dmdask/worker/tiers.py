@@ -11,6 +11,7 @@ mapping it never drops a key on its own.
 from __future__ import annotations
 
 import errno
+import logging
 import shutil
 import tempfile
 import threading
@@ -25,6 +26,8 @@ from .arena import Arena, ArenaBlock, all_fixed
 from .folders import make_folder, remove_stale
 from .holdings import Block, FileBlock, FillingBlock, Streamed
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class TierStats:
@@ -38,13 +41,20 @@ class TierStats:
     hits: int = 0  # samples served from this tier
     hit_bytes: int = 0
     full: bool = False  # set when the device refused a write (SSD out of space)
+    error: Optional[str] = None  # why the tier's folder cannot be used; the tier then takes no blocks
+    read_errors: int = 0  # blocks dropped because their files could not be read
 
     def room(self) -> int:
         return self.capacity - self.bytes - self.reserved
 
+    def open(self) -> bool:
+        """Whether the tier takes new blocks (not full, no error)."""
+        return not self.full and self.error is None
+
     def as_dict(self) -> dict:
         return {"capacity": self.capacity, "bytes": self.bytes, "blocks": self.blocks, "samples": self.samples,
-                "hits": self.hits, "hit_bytes": self.hit_bytes, "full": self.full}
+                "hits": self.hits, "hit_bytes": self.hit_bytes, "full": self.full, "error": self.error,
+                "read_errors": self.read_errors}
 
 
 class TieredStore(MutableMapping):
@@ -74,7 +84,7 @@ class TieredStore(MutableMapping):
         """Reserve room for a block in the fastest tier that has it: "ram", "ssd" or None."""
         with self._lock:
             for name, tier in (("ram", self.ram), ("ssd", self.ssd)):
-                if not tier.full and tier.room() >= nbytes:
+                if tier.open() and tier.room() >= nbytes:
                     tier.reserved += nbytes
                     return name
         return None
@@ -98,27 +108,35 @@ class TieredStore(MutableMapping):
     def has_room(self, tier: str) -> bool:
         with self._lock:
             stats = getattr(self, tier)
-            return not stats.full and stats.room() > 0
+            return stats.open() and stats.room() > 0
 
     def unreserve(self, tier: str, nbytes: int) -> None:
         with self._lock:
             getattr(self, tier).reserved -= nbytes
 
-    def place(self, key: str, tier: str, block, reserved: int):
+    def place(self, key: str, tier: str, block, reserved: int, reader=None):
         """Turn a reserved read block into the value the worker will store under `key`.
 
         Returns a `FileBlock` (in shared memory for RAM, on the SSD), the block itself
         for RAM when it is a `FillingBlock` or the worker has no shared-memory folder, or
         None when the device
         refused the write (the tier then stops growing; the caller streams the block
-        instead). The reservation turns into held bytes when the worker stores the value.
+        instead) or the tier's folder cannot be made (the tier then takes no more blocks,
+        see `open_ssd`). The reservation turns into held bytes when the worker stores the value.
+        A `FileBlock` keeps `reader`, to read the block again should its files fail.
         """
         if isinstance(block, Block) and (tier == "ssd" or self._roots["ram"]):
+            try:
+                self.folder(tier)
+            except OSError as exc:
+                self.unreserve(tier, reserved)
+                self._unusable(tier, exc)
+                return None
             try:
                 if tier == "ram" and all_fixed(block):
                     block = self._into_arena(key, block)
                 else:
-                    block = FileBlock.write(self.folder(tier), block, tier)
+                    block = FileBlock.write(self.folder(tier), block, tier, reader)
             except OSError as exc:
                 with self._lock:
                     stats = getattr(self, tier)
@@ -147,6 +165,27 @@ class TieredStore(MutableMapping):
         with self._lock:
             self._roots["ssd"] = self._roots["ssd"] or root
 
+    def open_ssd(self) -> Optional[str]:
+        """Make the SSD tier's folder now when the tier has capacity, so that an unusable
+        `ssd_dir` (a file, read-only, under a file) shows at start. Such a tier takes no
+        blocks (they go on to being streamed) and the worker runs on: the reason is
+        logged as a warning and kept in `stats()["ssd"]["error"]`, which it returns (None
+        when the tier is usable or has no capacity)."""
+        if self.ssd.capacity > 0:
+            try:
+                self.folder("ssd")
+            except OSError as exc:
+                self._unusable("ssd", exc)
+        return self.ssd.error
+
+    def _unusable(self, tier: str, exc: OSError) -> None:
+        root = self._roots[tier] or tempfile.gettempdir()
+        reason = f"cannot use {root!r} for the {tier} tier: {exc.strerror or exc}"  # the same on every worker
+        with self._lock:
+            getattr(self, tier).error = reason
+        logger.warning("dmdask %s tier takes no blocks from now on (they go to the next tier with room, "
+                       "or are streamed from the shared store): %s", tier, reason)
+
     def folder(self, tier: str) -> str:
         """This worker's folder of a tier, made on first use (`dmdask.worker.folders`)."""
         with self._lock:
@@ -162,6 +201,11 @@ class TieredStore(MutableMapping):
     # -- reads ------------------------------------------------------------------------
     def tier_of(self, key: str) -> Optional[str]:
         return self._tier_of.get(key)
+
+    def count_read_error(self, tier: str) -> None:
+        """A block of `tier` whose files could not be read (it is then dropped)."""
+        with self._lock:
+            getattr(self, tier).read_errors += 1
 
     def count_hit(self, tier: str, samples: int, nbytes: int) -> None:
         with self._lock:
