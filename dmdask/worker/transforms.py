@@ -9,7 +9,7 @@
   naming its samples; the worker lives on. The child inherits the worker's
   `sys.path`, so it unpickles whatever the worker can; nothing is left behind when it
   exits or dies. (Dask workers are daemonic processes, which multiprocessing does not
-  let have children: the child is a plain subprocess, `python -m dmdask.worker.transforms`,
+  let have children: the child is a plain subprocess, `main()` in a new interpreter,
   fed through its pipes.)
 
 Every failure of the transform (any BaseException, SystemExit included) is a
@@ -69,7 +69,8 @@ def transform_isolated(blob: bytes, batches: List[dict]) -> Tuple[list, object]:
     """(transformed batches, None), or those before the first that failed or killed
     the child, and that batch's `TransformError`."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    child = subprocess.Popen([sys.executable, "-m", "dmdask.worker.transforms"], stdin=subprocess.PIPE,
+    child = subprocess.Popen([sys.executable, "-c", "from dmdask.worker.transforms import main; main()"],
+                             stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, env=env)
     done: list = []
     try:
@@ -97,7 +98,8 @@ def transform_isolated(blob: bytes, batches: List[dict]) -> Tuple[list, object]:
         child.stdout.close()
 
 
-def _main() -> None:
+def main() -> None:
+    """The child: read (transform, batches) from stdin, write each result to stdout."""
     blob, batches = pickle.load(sys.stdin.buffer)
     out = sys.stdout.buffer
     sys.stdout = sys.stderr  # the transform's prints must not corrupt the results
@@ -108,6 +110,3 @@ def _main() -> None:
         if result[1] is not None:
             return
 
-
-if __name__ == "__main__":
-    _main()
