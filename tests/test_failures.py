@@ -229,3 +229,36 @@ def test_a_poisoned_transform_fails_its_batch_once_and_delivers_those_before(tmp
                                                   resume=it.state_dict())]
         ids = np.concatenate(got + rest)
         assert np.array_equal(np.sort(ids), np.arange(n))
+
+
+def test_capacity_lost_with_a_worker_is_won_back_when_it_restarts(tmp_path):
+    """A worker holding half the cache is SIGKILLed: its blocks are streamed by the
+    survivor (no room there), then loaded on the restarted worker, one read each; later
+    epochs read nothing from the store."""
+    from benchmarks.store_server import StoreServer
+
+    root = tmp_path / "pfs"
+    write_zarr(str(root / "d.zarr"), 400, chunk=50)  # 8 blocks of 2,000 bytes
+    with StoreServer(str(root)) as server, \
+            dmdask.LocalCluster(n_workers=2, ram="9 KiB") as cluster, distributed.Client(cluster) as client:
+        spec = dmdask.Spec(server.url + "/d.zarr", batch_size=25, seed=1)
+        list(dmdask.batches(client, spec))
+        assert dmdask.stats(client)["total"]["ram"]["blocks"] == 8
+        pids = client.run(os.getpid)
+        os.kill(pids[sorted(pids)[0]], signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while True:
+            assert time.monotonic() < deadline, "the lost blocks were not won back"
+            time.sleep(0.3)
+            try:
+                total = dmdask.stats(client)["total"]
+            except OSError:  # a worker is still leaving or joining
+                continue
+            if len(total["ram"]) and total["ram"]["blocks"] == 8 and total["streamed_blocks"] == 0:
+                break
+        for epoch in (1, 2):
+            ids = np.concatenate([b["index"] for b in dmdask.batches(client, spec, epoch=epoch)])
+            assert np.array_equal(np.sort(ids), np.arange(400))
+        chunks = {p: v["requests"] for p, v in server.stats()["by_path"].items() if "/c/" in p}
+        assert len(chunks) == 16 and sorted(set(chunks.values())) == [1, 2]  # the lost blocks: read once more
+        assert sum(n == 2 for n in chunks.values()) == 8  # 4 blocks (x and label chunks each)

@@ -323,11 +323,11 @@ class BatchIterator:
         while time.monotonic() < deadline:
             attempt += 1
             await self._check_scheduler()
-            holders = await self._holders_of(list(keys.values()))
-            if len(holders) < len(keys):  # still loading, or being recomputed after a loss
-                continue
-            plan, positions = self._plan(blocks, offsets, keys, holders)
             try:
+                holders = await self._holders_of(list(keys.values()))
+                if len(holders) < len(keys):  # still loading, or being recomputed after a loss
+                    continue
+                plan, positions = self._plan(blocks, offsets, keys, holders)
                 if self._transform is None:  # assembled here: local rows straight from the files
                     arrays = await self._gatherer.gather(plan, positions, len(ids))
                     self._gatherer.flush_hits_every(HITS_SECONDS)
@@ -346,9 +346,13 @@ class BatchIterator:
                 self._worker = None
             except Moved as exc:
                 last_error = exc
+            except RuntimeError as exc:  # "ConnectionPool is closed": the client is losing its scheduler
+                if self.client.status == "running":
+                    raise
+                last_error = exc
             self._holders.clear()
             await asyncio.sleep(min(1.0, 0.05 * attempt))
-        if not (await self.client.scheduler.identity())["workers"]:
+        if not await self._workers(wait=False):
             raise _no_workers(recovery) from last_error
         raise RuntimeError(f"batches {first}..{stop - 1} of rank {self.spec.rank} still failing after {recovery:.0f} s "
                            f"({attempt} tries, dmdask.client.recovery-seconds); is the cluster losing workers?") \
@@ -439,15 +443,19 @@ class BatchIterator:
             self._worker = local[self.spec.rank % len(local)]
         return self._worker
 
-    async def _workers(self) -> List[str]:
+    async def _workers(self, wait: bool = True) -> List[str]:
         """The cluster's workers, waiting up to `dmdask.client.recovery-seconds` while it
-        has none (say, every worker restarting); then `NoWorkersError`."""
+        has none (say, every worker restarting); then `NoWorkersError`. wait=False: the
+        workers now, maybe none."""
         limit = float(dask.config.get("dmdask.client.recovery-seconds"))
         deadline = time.monotonic() + limit
         while True:
             await self._check_scheduler()
-            workers = sorted((await self.client.scheduler.identity())["workers"])
-            if workers:
+            try:
+                workers = sorted((await self.client.scheduler.identity())["workers"])
+            except (OSError, CommClosedError):  # the scheduler's connection dropped: _check_scheduler decides
+                workers = []
+            if workers or not wait:
                 return workers
             if time.monotonic() > deadline:
                 raise _no_workers(limit)

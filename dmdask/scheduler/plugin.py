@@ -266,9 +266,41 @@ class DatasetsPlugin(SchedulerPlugin):
         self._replan(lambda address: address == worker, stimulus_id)
 
     def add_worker(self, scheduler, worker: str) -> None:
-        """Blocks whose planned worker is gone (every worker left at once) go to the workers present."""
+        """Blocks whose planned worker is gone (every worker left at once) go to the workers
+        present; blocks streamed for want of room move to the new worker, up to its room."""
         live = scheduler.workers
-        self._replan(lambda address: address not in live, f"dmdask-add-worker-{time.time()}")
+        stimulus_id = f"dmdask-add-worker-{time.time()}"
+        self._replan(lambda address: address not in live, stimulus_id)
+        self._win_back(worker, stimulus_id)
+
+    def _win_back(self, worker: str, stimulus_id: str) -> None:
+        """Capacity lost with a worker comes back when one joins: blocks held as `Streamed`
+        markers (their holders had no room; read from the store every epoch) are loaded
+        again on the new worker, as many as its free room (from its dmdask metrics) takes.
+        Each costs one read now, in place of the next epoch's stream read."""
+        ws = self.scheduler.workers.get(worker)
+        tiers = (ws.metrics.get("dmdask") if ws is not None else None) or {}
+        room = sum(max(0, t.get("capacity", 0) - t.get("bytes", 0) - t.get("reserved", 0))
+                   for name, t in tiers.items() if name in ("ram", "ssd") and not t.get("error"))
+        moved = []
+        for ds in self.datasets.values():
+            if ds.info is None or not ds.info.get("nbytes"):
+                continue
+            per_block = ds.info["nbytes"] / max(1, len(ds.planned))
+            for k in range(len(ds.planned)):
+                key = block_key(ds.identity, k)
+                ts = self.scheduler.tasks.get(key)
+                if ts is None or ts.state != "memory" or not str(ts.type).endswith(".Streamed"):
+                    continue
+                if room < per_block:
+                    break
+                room -= per_block
+                ds.planned[k] = worker
+                moved.append(key)
+        if moved:
+            logger.info("moving %d streamed blocks to the new worker %s", len(moved), worker)
+            self.scheduler.set_restrictions({key: {worker} for key in moved})
+            self.scheduler.transitions({key: "released" for key in moved}, stimulus_id)
 
     def _replan(self, orphaned, stimulus_id: str) -> None:
         live = sorted(self.scheduler.workers)
