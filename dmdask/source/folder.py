@@ -11,17 +11,13 @@ creates the dataset's blocks, once per cluster, and travels with the block reade
 """
 from __future__ import annotations
 
-import functools
-import json
-import threading
 from typing import Dict, List, Optional
 
-import fsspec
 import numpy as np
 from dask.base import tokenize
 
 from ..errors import SourceError, SourceNotFoundError, SpecError
-from .base import BlockReader, DatasetInfo, Source, block_key, options_json
+from .base import BlockReader, DatasetInfo, Source, block_key, filesystem, options_json
 
 DEFAULT_FILES_PER_BLOCK = 256
 FIELDS = ("data", "label")
@@ -95,15 +91,6 @@ def block_nbytes(sizes, fields) -> int:
     return (int(np.sum(sizes)) + 8 * n if "data" in fields else 0) + (8 * n if "label" in fields else 0)
 
 
-_fs_lock = threading.Lock()
-
-
-@functools.lru_cache(maxsize=16)
-def _filesystem(protocol: str, options: str):
-    with _fs_lock:
-        return fsspec.filesystem(protocol, **json.loads(options))
-
-
 class FolderBlockReader(BlockReader):
     """Reads the files of one block, all of them or only some (row-granular)."""
 
@@ -123,7 +110,7 @@ class FolderBlockReader(BlockReader):
         arrays = {}
         if "data" in self.fields:
             files = [self.files[r] for r in rows]
-            contents = _filesystem(self.protocol, self.options).cat_ranges(files, None, None, on_error="return")
+            contents = filesystem(self.protocol, self.options).cat_ranges(files, None, None, on_error="return")
             data = np.empty(len(files), dtype=object)
             for i, content in enumerate(contents):
                 if isinstance(content, BaseException):
