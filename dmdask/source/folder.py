@@ -16,7 +16,7 @@ from typing import Dict, List, Optional
 import numpy as np
 from dask.base import tokenize
 
-from ..errors import SourceError, SourceNotFoundError, SpecError
+from ..errors import SourceError, SpecError
 from .base import BlockReader, DatasetInfo, Source, block_key, filesystem, options_json
 
 DEFAULT_FILES_PER_BLOCK = 256
@@ -43,9 +43,10 @@ class FolderSource(Source):
                                  self.labels[a:b], self.info.fields, self.info.identity, k, a, b, nbytes)
 
 
-def open_folder(fs, path: str, url: str, options: dict, spec, registry_name: str) -> FolderSource:
-    """List the folder (a request per class folder) and describe its blocks."""
-    files, labels, sizes = _list(fs, path, url)
+def open_folder(fs, path: str, url: str, options: dict, spec, registry_name: str, entries: List[dict]) -> FolderSource:
+    """List the class folders (a request each) and describe the blocks. `entries`: the
+    listing of the folder itself (`fs.ls(path, detail=True)`)."""
+    files, labels, sizes = _list(fs, entries, url)
     fields = folder_fields(spec)
     block_len = spec.block_size or DEFAULT_FILES_PER_BLOCK
     root = path.rstrip("/")
@@ -59,16 +60,12 @@ def open_folder(fs, path: str, url: str, options: dict, spec, registry_name: str
     return FolderSource(info, protocol, options_json(options), files, np.asarray(labels, dtype=np.int64), size_array)
 
 
-def _list(fs, path: str, url: str):
-    try:
-        entries = fs.ls(path, detail=True)
-    except (FileNotFoundError, NotADirectoryError) as exc:
-        raise SourceNotFoundError(f"dataset {url} is neither a Zarr v3 store nor a folder: {exc}") from exc
+def _list(fs, entries: List[dict], url: str):
     classes = sorted(e["name"].rstrip("/") for e in entries if e["type"] == "directory")
     if not classes:
         raise SourceError(
-            f"{url} is neither a Zarr v3 group (no zarr.json) nor a folder of class "
-            "subfolders holding one file per sample"
+            f"{url} is neither a Zarr v3 group (no zarr.json), a folder of class subfolders "
+            "holding one file per sample, nor a folder of WebDataset .tar shards"
         )
     files: List[str] = []
     labels: List[int] = []
