@@ -50,11 +50,11 @@ def shard_urls(source) -> Optional[List[str]]:
     if isinstance(source, tuple):
         return list(source)
     if "{" in source:
-        from braceexpand import braceexpand
+        from braceexpand import UnbalancedBracesError, braceexpand
 
         try:
             expanded = list(braceexpand(source))
-        except Exception as exc:  # unbalanced braces
+        except UnbalancedBracesError as exc:
             raise SpecError("source", f"a valid brace pattern ({exc})", source) from None
         if expanded != [source]:
             return expanded
@@ -109,10 +109,13 @@ def index_shard(fs, path: str, url: str) -> Tuple[int, List[Sample]]:
     runs past its end, or it ends inside a header), or a sample has an extension twice."""
     try:
         size = fs.size(path)
-    except FileNotFoundError:
-        raise SourceNotFoundError(f"WebDataset shard {url} does not exist") from None
     except Exception as exc:
-        raise SourceNotFoundError(f"cannot reach WebDataset shard {url}: {type(exc).__name__}: {exc}") from exc
+        cause = exc  # fsspec's HTTP answers FileNotFoundError for any failure, the real one as its cause
+        while isinstance(cause, FileNotFoundError) and cause.__cause__ is not None:
+            cause = cause.__cause__
+        if isinstance(cause, FileNotFoundError) or getattr(cause, "status", None) == 404:
+            raise SourceNotFoundError(f"WebDataset shard {url} does not exist") from None
+        raise SourceNotFoundError(f"cannot reach WebDataset shard {url}: {type(cause).__name__}: {cause}") from exc
     if size is None:
         raise SourceError(f"the store gives no size for WebDataset shard {url}: it must answer with Content-Length")
     samples: List[Sample] = []
