@@ -1,6 +1,7 @@
 """WebDataset tar shards as a source, over the counting HTTP store with real worker
 processes: every sample once per epoch with the bytes that were written, and the store
 traffic counted by the store itself (bytes of the .tar files it sent)."""
+import io
 import os
 import tarfile
 
@@ -79,6 +80,44 @@ def test_webdataset_reads_our_test_shards_as_we_do(store):
         mine = [m.tobytes() for block in ours for m in block[ext]]
         assert [s[ext] for s in theirs] == mine == [tar_member(i, ext) for i in range(N)]
     assert {k for s in theirs for k in s if not k.startswith("__")} == set(EXTS)
+
+
+def write_tar(path, entries):
+    """A tar of (name, bytes) regular members; bytes None makes a folder entry."""
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in entries:
+            info = tarfile.TarInfo(name)
+            if data is None:
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+            else:
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_naming_edge_cases_match_webdataset(tmp_path):
+    """Folders, metadata and extension-less members are skipped, extensions are
+    lowercased, keys keep their folders, long (pax) names and empty members work."""
+    wds = pytest.importorskip("webdataset")
+    long = "d/" + "x" * 150
+    path = write_tar(str(tmp_path / "edge.tar"), [
+        ("d", None), ("__meta__", b"m"), ("README", b"no extension"),
+        ("d/a.JPG", b"a-jpg"), ("d/a.seg.PNG", b"a-png"), ("d/a.txt", b""),
+        (long + ".jpg", b"long-jpg"), (long + ".seg.png", b"long-png"), (long + ".txt", b"t"),
+        ("e/b.jpg", b"b-jpg"), ("e/b.seg.png", b""), ("e/b.txt", b"b-txt"),
+    ])
+    theirs = list(wds.WebDataset(path, shardshuffle=False))
+    source = open_source(dmdask.Spec(path, batch_size=2, block_size=2))
+    ours = [source.reader(k).read() for k in range(source.info.num_blocks)]
+    keys = [k for block in ours for k in block["__key__"].tolist()]
+    assert keys == [s["__key__"] for s in theirs] == ["d/a", long, "e/b"]
+    assert source.info.fields == ("__key__", "jpg", "seg.png", "txt")
+    for ext in ("jpg", "seg.png", "txt"):
+        assert [m.tobytes() for block in ours for m in block[ext]] == [s[ext] for s in theirs]
+    write_tar(path, [("a.jpg", b"1"), ("a.JPG", b"2")])
+    with pytest.raises(dmdask.SourceError, match=r"edge.tar: sample 'a' has two members with extension 'jpg'"):
+        open_source(dmdask.Spec(path, batch_size=2))
 
 
 def test_every_sample_once_per_epoch_with_its_bytes(client, store):

@@ -125,17 +125,17 @@ def index_shard(fs, path: str, url: str) -> Tuple[int, List[Sample]]:
             with tarfile.open(fileobj=f, mode="r:") as tar:
                 for info in tar:
                     end = info.offset_data + -(-info.size // TAR_BLOCK) * TAR_BLOCK
-                    split = split_name(info.name)
-                    if not info.isreg() or split is None:
+                    split = split_name(info.name) if info.isreg() else None
+                    if split is not None and (not samples or samples[-1][0] != split[0]):
+                        samples.append((split[0], {}))
+                    if info.offset_data + info.size > size:
+                        sample = f" (sample {split[0]!r}, the shard's sample {len(samples) - 1})" if split else ""
+                        raise SourceError(
+                            f"WebDataset shard {url} is truncated: its member {info.name}{sample} needs bytes up "
+                            f"to {info.offset_data + info.size} but the shard has {size}")
+                    if split is None:
                         continue
                     key, ext = split
-                    if not samples or samples[-1][0] != key:
-                        samples.append((key, {}))
-                    if info.offset_data + info.size > size:
-                        raise SourceError(
-                            f"WebDataset shard {url} is truncated: its member {info.name} (sample {key!r}, the "
-                            f"shard's sample {len(samples) - 1}) needs bytes up to {info.offset_data + info.size} "
-                            f"but the shard has {size}")
                     if ext in samples[-1][1]:
                         raise SourceError(f"WebDataset shard {url}: sample {key!r} has two members with "
                                           f"extension {ext!r} (the second is {info.name})")
