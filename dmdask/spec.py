@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
@@ -22,8 +22,11 @@ class Spec:
     Integer fields accept Python and numpy integers (stored as `int`), never bools or
     floats.
 
-    source: a Zarr v3 group or array, or a folder of per-sample files in
-        class-per-subfolder layout; a local path or any fsspec URL.
+    source: a Zarr v3 group or array, a folder of per-sample files in
+        class-per-subfolder layout, or WebDataset tar shards (a folder of `.tar`
+        files, a `.tar` URL, or a brace pattern such as `train-{000000..000099}.tar`);
+        a local path or any fsspec URL. A list of shard URLs (paths or URLs) is kept
+        as a tuple and read as WebDataset shards in that order.
     batch_size: samples per batch (>= 1).
     shuffle: a seeded permutation per epoch (True) or the stored order (False).
     seed: seed of the permutation; the same seed and epoch give the same order on
@@ -41,12 +44,13 @@ class Spec:
     transform: a picklable function `dict[str, ndarray] -> dict[str, ndarray]`
         applied to each batch on the workers, after the cache (see `per_sample`).
     prefetch: batches in flight ahead of the consumer (>= 1).
-    block_size: samples per block for file folders; for Zarr, a multiple of the
-        chunk length along the sample axis (None: one chunk, or 256 files).
+    block_size: samples per block for file folders and tar shards; for Zarr, a
+        multiple of the chunk length along the sample axis (None: one chunk, or 256
+        samples).
     storage_options: passed to fsspec when opening the source.
     """
 
-    source: str
+    source: Union[str, Sequence[str]]
     batch_size: int
     shuffle: bool = True
     seed: int = 0
@@ -61,12 +65,7 @@ class Spec:
     storage_options: Optional[Mapping[str, Any]] = None
 
     def __post_init__(self):
-        source = self.source
-        if isinstance(source, os.PathLike):
-            source = os.fspath(source)
-            object.__setattr__(self, "source", source)
-        if not isinstance(source, str) or not source:
-            raise SpecError("source", "a non-empty path or fsspec URL", self.source)
+        object.__setattr__(self, "source", as_source(self.source))
         for name, low in (("batch_size", 1), ("seed", 0), ("world_size", 1), ("prefetch", 1),
                           ("shuffle_window", 1), ("block_size", 1)):
             if name in ("shuffle_window", "block_size") and getattr(self, name) is None:
@@ -98,6 +97,23 @@ class Spec:
     def replace(self, **changes) -> "Spec":
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+def as_source(source):
+    """`source` as a `str`, or a list of shard URLs as a tuple of `str` (path-like
+    objects become strings); `SpecError` unless it is a non-empty path or URL, or a
+    non-empty list of them."""
+    allowed = "a non-empty path or fsspec URL, or a non-empty list of shard paths or URLs"
+    if isinstance(source, (list, tuple)):
+        shards = tuple(os.fspath(s) if isinstance(s, os.PathLike) else s for s in source)
+        if not shards or not all(isinstance(s, str) and s for s in shards):
+            raise SpecError("source", allowed, source)
+        return shards
+    if isinstance(source, os.PathLike):
+        source = os.fspath(source)
+    if not isinstance(source, str) or not source:
+        raise SpecError("source", allowed, source)
+    return source
 
 
 def as_int(name: str, value, low: int, high: Optional[int] = None, hint: str = "") -> int:

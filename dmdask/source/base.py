@@ -14,10 +14,12 @@ import errno
 import functools
 import json
 import logging
+import threading
 import time
 from typing import Callable, Optional, Tuple
 
 import dask.config
+import fsspec
 import numpy as np
 
 from ..errors import BlockReadError
@@ -93,6 +95,17 @@ def is_block_key(key) -> bool:
 def options_json(options) -> str:
     """Storage options as a canonical string (hashable, picklable)."""
     return json.dumps(options or {}, sort_keys=True, default=str)
+
+
+_fs_lock = threading.Lock()
+
+
+@functools.lru_cache(maxsize=16)
+def filesystem(protocol: str, options: str):
+    """The fsspec filesystem of `protocol` with these storage options (JSON, as made by
+    `options_json`), made once per process and shared by the block readers."""
+    with _fs_lock:
+        return fsspec.filesystem(protocol, **json.loads(options))
 
 
 def is_transient(exc: BaseException) -> bool:

@@ -11,17 +11,13 @@ creates the dataset's blocks, once per cluster, and travels with the block reade
 """
 from __future__ import annotations
 
-import functools
-import json
-import threading
 from typing import Dict, List, Optional
 
-import fsspec
 import numpy as np
 from dask.base import tokenize
 
-from ..errors import SourceError, SourceNotFoundError, SpecError
-from .base import BlockReader, DatasetInfo, Source, block_key, options_json
+from ..errors import SourceError, SpecError
+from .base import BlockReader, DatasetInfo, Source, block_key, filesystem, options_json
 
 DEFAULT_FILES_PER_BLOCK = 256
 FIELDS = ("data", "label")
@@ -47,9 +43,10 @@ class FolderSource(Source):
                                  self.labels[a:b], self.info.fields, self.info.identity, k, a, b, nbytes)
 
 
-def open_folder(fs, path: str, url: str, options: dict, spec, registry_name: str) -> FolderSource:
-    """List the folder (a request per class folder) and describe its blocks."""
-    files, labels, sizes = _list(fs, path, url)
+def open_folder(fs, path: str, url: str, options: dict, spec, registry_name: str, entries: List[dict]) -> FolderSource:
+    """List the class folders (a request each) and describe the blocks. `entries`: the
+    listing of the folder itself (`fs.ls(path, detail=True)`)."""
+    files, labels, sizes = _list(fs, entries, url)
     fields = folder_fields(spec)
     block_len = spec.block_size or DEFAULT_FILES_PER_BLOCK
     root = path.rstrip("/")
@@ -63,16 +60,12 @@ def open_folder(fs, path: str, url: str, options: dict, spec, registry_name: str
     return FolderSource(info, protocol, options_json(options), files, np.asarray(labels, dtype=np.int64), size_array)
 
 
-def _list(fs, path: str, url: str):
-    try:
-        entries = fs.ls(path, detail=True)
-    except (FileNotFoundError, NotADirectoryError) as exc:
-        raise SourceNotFoundError(f"dataset {url} is neither a Zarr v3 store nor a folder: {exc}") from exc
+def _list(fs, entries: List[dict], url: str):
     classes = sorted(e["name"].rstrip("/") for e in entries if e["type"] == "directory")
     if not classes:
         raise SourceError(
-            f"{url} is neither a Zarr v3 group (no zarr.json) nor a folder of class "
-            "subfolders holding one file per sample"
+            f"{url} is neither a Zarr v3 group (no zarr.json), a folder of class subfolders "
+            "holding one file per sample, nor a folder of WebDataset .tar shards"
         )
     files: List[str] = []
     labels: List[int] = []
@@ -95,15 +88,6 @@ def block_nbytes(sizes, fields) -> int:
     return (int(np.sum(sizes)) + 8 * n if "data" in fields else 0) + (8 * n if "label" in fields else 0)
 
 
-_fs_lock = threading.Lock()
-
-
-@functools.lru_cache(maxsize=16)
-def _filesystem(protocol: str, options: str):
-    with _fs_lock:
-        return fsspec.filesystem(protocol, **json.loads(options))
-
-
 class FolderBlockReader(BlockReader):
     """Reads the files of one block, all of them or only some (row-granular)."""
 
@@ -123,7 +107,7 @@ class FolderBlockReader(BlockReader):
         arrays = {}
         if "data" in self.fields:
             files = [self.files[r] for r in rows]
-            contents = _filesystem(self.protocol, self.options).cat_ranges(files, None, None, on_error="return")
+            contents = filesystem(self.protocol, self.options).cat_ranges(files, None, None, on_error="return")
             data = np.empty(len(files), dtype=object)
             for i, content in enumerate(contents):
                 if isinstance(content, BaseException):

@@ -5,8 +5,11 @@ sample ids in its "index" field without keeping the dataset in memory.
 """
 from __future__ import annotations
 
+import io
 import os
+import tarfile
 import warnings
+import zlib
 
 import numpy as np
 
@@ -114,3 +117,44 @@ def write_blobs(path: str, n: int = 5000, features: int = 16, classes: int = 3) 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         zarr.consolidate_metadata(path)
+
+
+def tar_key(sample_id: int) -> str:
+    """The key (member names up to the first dot) of sample `sample_id` of `write_tar_shards`."""
+    return f"s{sample_id:08d}"
+
+
+def tar_member(sample_id: int, ext: str, min_size: int = 16, max_size: int = 2048) -> bytes:
+    """The bytes of member `<key>.<ext>` of sample `sample_id` of `write_tar_shards`
+    (varying sizes, different for each extension)."""
+    rng = np.random.default_rng([sample_id, zlib.crc32(ext.encode())])
+    size = int(rng.integers(min_size, max_size + 1))
+    head = f"{ext}-{sample_id:08d}|".encode()
+    body = rng.integers(0, 256, size=max(0, size - len(head)), dtype=np.uint8).tobytes()
+    return head + body
+
+
+def write_tar_shards(path: str, shards: int = 3, per_shard: int = 20, exts=("cls", "jpg"), prefix: str = "shard-",
+                     skip=(), min_size: int = 16, max_size: int = 2048) -> list:
+    """WebDataset shards `<prefix>000000.tar`, ... in folder `path`, written with `tarfile`.
+
+    Shard s holds samples s*per_shard .. (s+1)*per_shard-1, in order; sample i is the
+    members `tar_key(i).<ext>` for each of `exts` in that order, holding
+    `tar_member(i, ext)`, except the (i, ext) pairs in `skip`. Returns the shard paths.
+    """
+    os.makedirs(path, exist_ok=True)
+    skip = set(skip)
+    paths = []
+    for s in range(shards):
+        name = os.path.join(path, f"{prefix}{s:06d}.tar")
+        with tarfile.open(name, "w", format=tarfile.PAX_FORMAT) as tar:
+            for i in range(s * per_shard, (s + 1) * per_shard):
+                for ext in exts:
+                    if (i, ext) in skip:
+                        continue
+                    data = tar_member(i, ext, min_size, max_size)
+                    info = tarfile.TarInfo(f"{tar_key(i)}.{ext}")
+                    info.size, info.mtime, info.mode = len(data), 0, 0o644
+                    tar.addfile(info, io.BytesIO(data))
+        paths.append(name)
+    return paths

@@ -1,0 +1,281 @@
+"""WebDataset tar shards: each sample is the run of a shard's members that share a key.
+
+The shards are a brace pattern (`.../train-{000000..000099}.tar`, expanded with the
+`braceexpand` package), a list of URLs, one `.tar` URL, or a folder whose `.tar`
+files, sorted by name, are the shards. WebDataset's convention names the samples: the
+member `dir/abc.seg.jpg` belongs to the sample with key `dir/abc` (the name up to the
+first dot of its last part) as its field `seg.jpg` (the rest, lowercased). Consecutive
+members with the same key in one shard form one sample. Members that are not regular
+files, have no extension, or are metadata (`__name__`) are skipped.
+
+Each field is an object array of per-sample uint8 arrays holding the member's bytes.
+`__key__` holds the sample keys as a numpy `StringDType` array; it is always there and
+costs no store traffic. Sample ids run over the shards in order, then over each
+shard's samples in order. Blocks are runs of `block_size` samples (256 by default),
+which may span shards.
+
+Opening reads the tar headers of every shard, never member data: a size request, then
+about one ranged read of 513 bytes per member (the last byte of the block before a
+header, which Python's `tarfile` checks, and the header). The shards are indexed
+concurrently. The index (shard, offset and size of every wanted member) travels with
+the block readers, not in `DatasetInfo`. A reader fetches only the wanted samples'
+members, one range request each, all concurrently.
+"""
+from __future__ import annotations
+
+import re
+import tarfile
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import fsspec
+import numpy as np
+from dask.base import tokenize
+
+from ..errors import SourceError, SourceNotFoundError, SpecError
+from .base import BlockReader, DatasetInfo, Source, block_key, filesystem, options_json
+
+DEFAULT_SAMPLES_PER_BLOCK = 256
+KEY = "__key__"
+OPEN_THREADS = 16  # shards indexed at once
+TAR_BLOCK = 512
+META = re.compile(r"__[^/]*__($|/)")  # WebDataset's metadata members, skipped
+
+Sample = Tuple[str, Dict[str, Tuple[int, int]]]  # key, {extension: (offset, size)}
+
+
+def shard_urls(source) -> Optional[List[str]]:
+    """The shard URLs that `source` (a `Spec.source`) names, or None when it names no
+    tar shards: a tuple (a list of shards), a brace pattern, or a URL ending in `.tar`."""
+    if isinstance(source, tuple):
+        return list(source)
+    if "{" in source:
+        from braceexpand import UnbalancedBracesError, braceexpand
+
+        try:
+            expanded = list(braceexpand(source))
+        except UnbalancedBracesError as exc:
+            raise SpecError("source", f"a valid brace pattern ({exc})", source) from None
+        if expanded != [source]:
+            return expanded
+    return [source] if source.rstrip("/").endswith(".tar") else None
+
+
+def shards_label(source) -> str:
+    """How a dataset of shards is named in messages and `DatasetInfo.url`: the pattern
+    or URL as given, or a list's first shard and its length."""
+    if isinstance(source, str):
+        return source
+    return source[0] if len(source) == 1 else f"{source[0]} and {len(source) - 1} more shards"
+
+
+def shard_paths(urls: List[str], options: dict, spec):
+    """(filesystem, paths) of the shard URLs; `SpecError` unless fsspec opens them all
+    with one protocol."""
+    paths, protocol, fs = [], None, None
+    for url in urls:
+        try:
+            fs, path = fsspec.core.url_to_fs(url, **options)
+        except (ImportError, ValueError) as exc:
+            raise SpecError("source", f"shard URLs fsspec can open ({exc})", spec.source) from None
+        name = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+        if protocol not in (None, name):
+            raise SpecError("source", "shards on one filesystem (one protocol)", spec.source)
+        protocol = name
+        paths.append(path)
+    return fs, paths
+
+
+def tar_files(entries: Sequence[dict]) -> List[str]:
+    """The `.tar` files of a folder listing (`fs.ls(path, detail=True)`), sorted by name."""
+    return sorted(e["name"] for e in entries if e["type"] == "file" and e["name"].endswith(".tar"))
+
+
+def split_name(name: str) -> Optional[Tuple[str, str]]:
+    """(key, extension) of a member name by WebDataset's convention; None for a name
+    with no extension, or before the first dot, or a metadata member."""
+    if META.match(name):
+        return None
+    folder = name[:name.rfind("/") + 1]
+    stem, dot, ext = name[len(folder):].partition(".")
+    if not stem or not dot or not ext:
+        return None
+    return folder + stem, ext.lower()
+
+
+def index_shard(fs, path: str, url: str) -> Tuple[int, List[Sample]]:
+    """(size, samples) of one shard, from its tar headers. `SourceNotFoundError` if it
+    cannot be reached, `SourceError` if it is not a tar file, is truncated (a member
+    runs past its end, or it ends inside a header), or a sample has an extension twice."""
+    try:
+        size = fs.size(path)
+    except Exception as exc:
+        cause = exc  # fsspec's HTTP answers FileNotFoundError for any failure, the real one as its cause
+        while isinstance(cause, FileNotFoundError) and cause.__cause__ is not None:
+            cause = cause.__cause__
+        if isinstance(cause, FileNotFoundError) or getattr(cause, "status", None) == 404:
+            raise SourceNotFoundError(f"WebDataset shard {url} does not exist") from None
+        raise SourceNotFoundError(f"cannot reach WebDataset shard {url}: {type(cause).__name__}: {cause}") from exc
+    if size is None:
+        raise SourceError(f"the store gives no size for WebDataset shard {url}: it must answer with Content-Length")
+    samples: List[Sample] = []
+    end = 0  # where the header after the last member read starts
+    try:
+        with fs.open(path, "rb", block_size=TAR_BLOCK, cache_type="readahead", size=size) as f:
+            with tarfile.open(fileobj=f, mode="r:") as tar:
+                for info in tar:
+                    end = info.offset_data + -(-info.size // TAR_BLOCK) * TAR_BLOCK
+                    split = split_name(info.name) if info.isreg() else None
+                    if split is not None and (not samples or samples[-1][0] != split[0]):
+                        samples.append((split[0], {}))
+                    if info.offset_data + info.size > size:
+                        sample = f" (sample {split[0]!r}, the shard's sample {len(samples) - 1})" if split else ""
+                        raise SourceError(
+                            f"WebDataset shard {url} is truncated: its member {info.name}{sample} needs bytes up "
+                            f"to {info.offset_data + info.size} but the shard has {size}")
+                    if split is None:
+                        continue
+                    key, ext = split
+                    if ext in samples[-1][1]:
+                        raise SourceError(f"WebDataset shard {url}: sample {key!r} has two members with "
+                                          f"extension {ext!r} (the second is {info.name})")
+                    samples[-1][1][ext] = (info.offset_data, info.size)
+            if end < size:  # what follows the last member must be the end-of-archive zeros
+                f.seek(end)
+                trailer = f.read(TAR_BLOCK)
+                if len(trailer) < TAR_BLOCK or any(trailer):
+                    raise SourceError(
+                        f"WebDataset shard {url} is truncated or damaged: it ends inside a tar header, or holds "
+                        f"an unreadable one, at byte {end} of {size} (after {len(samples)} samples)")
+    except tarfile.TarError as exc:
+        raise SourceError(f"WebDataset shard {url} is not a readable tar file: {exc}") from None
+    except (SourceError, SourceNotFoundError):
+        raise
+    except Exception as exc:
+        raise SourceNotFoundError(f"cannot read WebDataset shard {url}: {type(exc).__name__}: {exc}") from exc
+    return size, samples
+
+
+class WebDatasetSource(Source):
+    def __init__(self, info: DatasetInfo, protocol: str, options: str, urls: List[str], paths: List[str],
+                 exts: Tuple[str, ...], shard: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, keys: np.ndarray):
+        self.info, self.protocol, self.options = info, protocol, options
+        self.urls, self.paths, self.exts = urls, paths, exts
+        self.shard, self.offsets, self.sizes, self.keys = shard, offsets, sizes, keys
+
+    def reader(self, k: int) -> "TarBlockReader":
+        a, b = self.info.block_range(k)
+        used, local = np.unique(self.shard[a:b], return_inverse=True)
+        return TarBlockReader(
+            [self.urls[s] for s in used], self.protocol, self.options, [self.paths[s] for s in used], self.exts,
+            local.astype(np.int32), self.offsets[a:b], self.sizes[a:b], self.keys[a:b], self.info.identity, k, a, b,
+            block_nbytes(self.sizes[a:b]))
+
+
+def block_nbytes(sizes: np.ndarray) -> int:
+    """Bytes a run of samples takes in memory: the members, an object pointer per
+    member, and a 16-byte `StringDType` entry per key."""
+    n, fields = sizes.shape
+    return int(sizes.sum()) + 8 * n * fields + 16 * n
+
+
+def open_webdataset(fs, paths: List[str], urls: List[str], label: str, options: dict, spec,
+                    registry_name: str) -> WebDatasetSource:
+    """Index the shards' tar headers (shards concurrently) and describe the blocks.
+
+    `paths`: the shards on `fs`; `urls`: how messages name them; `label`: the
+    dataset's URL in messages and `DatasetInfo.url`. Raises `SourceNotFoundError` for a
+    shard that cannot be reached, `SourceError` for an unusable shard, a sample missing
+    a field others have, or no samples at all, and `SpecError` for `keys` no sample has.
+    """
+    string = getattr(getattr(np, "dtypes", None), "StringDType", None)
+    if string is None:
+        raise SourceError(f"WebDataset shards ({label}) need numpy >= 2: their {KEY} field is a StringDType array")
+    with ThreadPoolExecutor(min(OPEN_THREADS, len(urls))) as pool:
+        indexed = list(pool.map(lambda up: index_shard(fs, up[1], up[0]), zip(urls, paths)))
+    present = sorted({ext for _, samples in indexed for _, members in samples for ext in members})
+    if not present:
+        raise SourceError(f"dataset {label} has no samples: its WebDataset shards hold no members named "
+                          "key.extension")
+    exts = tuple(sorted({k for k in spec.keys or present if k != KEY}))
+    unknown = [e for e in exts if e not in present]
+    if unknown or (spec.keys is not None and not exts):
+        raise SpecError("keys", f"extensions among {present} of the shards {label}", list(spec.keys))
+    if "index" in exts:
+        raise SourceError(f"WebDataset shards {label} have members with extension 'index', a reserved field "
+                          "name: pass Spec(keys=[...]) without it")
+    for url, (_, samples) in zip(urls, indexed):
+        for i, (key, members) in enumerate(samples):
+            missing = [e for e in exts if e not in members]
+            if missing:
+                raise SourceError(
+                    f"WebDataset shard {url}: sample {key!r} (the shard's sample {i}) has no member "
+                    f"{key}.{missing[0]}, and lacks {missing} of the fields {list(exts)} that other samples have; "
+                    "pass Spec(keys=[...]) naming extensions every sample has")
+    n = sum(len(samples) for _, samples in indexed)
+    shard = np.repeat(np.arange(len(urls), dtype=np.int32), [len(samples) for _, samples in indexed])
+    where = np.array([[members[e] for e in exts] for _, samples in indexed for _, members in samples],
+                     dtype=np.int64).reshape(n, len(exts), 2)
+    keys = np.array([key for _, samples in indexed for key, _ in samples], dtype=string())
+    offsets, sizes = np.ascontiguousarray(where[..., 0]), np.ascontiguousarray(where[..., 1])
+    block_len = spec.block_size or DEFAULT_SAMPLES_PER_BLOCK
+    identity = tokenize("webdataset", urls, [size for size, _ in indexed], exts, block_len, shard, offsets, sizes,
+                        keys.tolist())[:16]
+    info = DatasetInfo(name=registry_name, identity=identity, url=label, fields=tuple(sorted(exts + (KEY,))),
+                       num_samples=n, block_len=block_len, nbytes=block_nbytes(sizes))
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return WebDatasetSource(info, protocol, options_json(options), list(urls), list(paths), exts, shard, offsets,
+                            sizes, keys)
+
+
+class TarBlockReader(BlockReader):
+    """Reads the members of one block's samples, all of them or only some (row-granular).
+
+    `url`: the block's shard URLs (one, or several joined by ", "), named in errors.
+    """
+
+    row_granular = True
+
+    def __init__(self, urls, protocol, options, paths, exts, shard, offsets, sizes, keys, identity, index, start,
+                 stop, nbytes):
+        self.urls, self.protocol, self.options, self.paths, self.exts = list(urls), protocol, options, list(paths), exts
+        self.shard, self.offsets, self.sizes, self.keys = shard, offsets, sizes, keys
+        self.index, self.start, self.stop, self.nbytes = index, start, stop, nbytes
+        self.url = ", ".join(self.urls)
+        self.key = block_key(identity, index)
+
+    def _read(self) -> Dict[str, np.ndarray]:
+        return self._read_rows(np.arange(self.stop - self.start))
+
+    def _read_rows(self, rows) -> Dict[str, np.ndarray]:
+        """The given rows: one range request per non-empty member, fetched concurrently
+        where the protocol allows. An error names the shard, sample and member."""
+        rows = np.asarray(rows, dtype=np.int64)
+        wanted = [(r, j) for r in rows.tolist() for j in range(len(self.exts)) if self.sizes[r, j]]
+        starts = [int(self.offsets[r, j]) for r, j in wanted]
+        ends = [s + int(self.sizes[r, j]) for s, (r, j) in zip(starts, wanted)]
+        paths = [self.paths[self.shard[r]] for r, _ in wanted]
+        contents = iter(filesystem(self.protocol, self.options).cat_ranges(paths, starts, ends, on_error="return")
+                        if wanted else [])
+        arrays = {ext: np.empty(len(rows), dtype=object) for ext in self.exts}
+        for i, r in enumerate(rows.tolist()):
+            for j, ext in enumerate(self.exts):
+                start = int(self.offsets[r, j])
+                end = start + int(self.sizes[r, j])
+                content = next(contents) if end > start else b""
+                if isinstance(content, BaseException) or len(content) != end - start:
+                    raise self._member_error(r, j, content, start, end)
+                arrays[ext][i] = np.frombuffer(content, dtype=np.uint8)
+        arrays[KEY] = self.keys[rows]
+        return arrays
+
+    def _member_error(self, row: int, j: int, content, start: int, end: int) -> OSError:
+        key = str(self.keys[row])
+        where = (f"WebDataset shard {self.urls[self.shard[row]]}, sample {self.start + row} ({key!r}), "
+                 f"member {key}.{self.exts[j]} (bytes {start}..{end - 1})")
+        if isinstance(content, BaseException):
+            error = OSError(f"{where}: {type(content).__name__}: {content}")
+            error.__cause__ = content  # kept for `is_transient` (a 503 is retried)
+            return error
+        return OSError(f"{where}: the shard returned {len(content)} bytes; it was truncated or changed since "
+                       "it was opened (release the dataset after changing it)")
