@@ -3,6 +3,8 @@ the packaging metadata, and the PyTorch example under torchrun."""
 import logging
 import os
 import re
+import subprocess
+import sys
 
 import distributed
 
@@ -40,3 +42,15 @@ def test_a_normal_local_cluster_close_logs_no_lost_blocks(tmp_path):
     finally:
         logger.removeHandler(handler)
     assert not [r.getMessage() for r in records if "dmdask-block" in r.getMessage()]
+
+
+def test_cli_help_lists_the_subcommands():
+    done = subprocess.run([sys.executable, "-m", "dmdask.cli", "--help"], env=_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    for word in ("demo", "status", "usage"):
+        assert word in done.stdout
+    assert subprocess.run([sys.executable, "-m", "dmdask.cli", "status", "--help"], env=_env(),
+                          capture_output=True, timeout=60).returncode == 0
+    assert subprocess.run([sys.executable, "-m", "dmdask.cli", "nonsense"], env=_env(),
+                          capture_output=True, timeout=60).returncode == 2
