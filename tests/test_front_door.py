@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import distributed
+import pytest
 
 import dmdask
 from dmdask.testing.datasets import write_zarr
@@ -54,3 +55,17 @@ def test_cli_help_lists_the_subcommands():
                           capture_output=True, timeout=60).returncode == 0
     assert subprocess.run([sys.executable, "-m", "dmdask.cli", "nonsense"], env=_env(),
                           capture_output=True, timeout=60).returncode == 2
+
+
+def test_license_is_an_spdx_string_with_a_setuptools_that_takes_it():
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        tomllib = pytest.importorskip("tomli")
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        meta = tomllib.load(f)
+    assert meta["project"]["license"] == "BSD-3-Clause"
+    requires = " ".join(meta["build-system"]["requires"])
+    version = re.search(r"setuptools>=(\d+)", requires)
+    assert version and int(version.group(1)) >= 77  # the first setuptools that takes an SPDX license string
+    assert "scikit-learn" in " ".join(meta["project"]["optional-dependencies"]["demo"])
