@@ -69,3 +69,25 @@ def test_license_is_an_spdx_string_with_a_setuptools_that_takes_it():
     version = re.search(r"setuptools>=(\d+)", requires)
     assert version and int(version.group(1)) >= 77  # the first setuptools that takes an SPDX license string
     assert "scikit-learn" in " ".join(meta["project"]["optional-dependencies"]["demo"])
+
+
+@pytest.mark.slow
+def test_torch_example_under_torchrun_writes_the_dataset_once(tmp_path):
+    """Without --source, rank 0 writes the synthetic dataset and the other rank reads
+    the same path (not a copy of its own): the two ranks share one dmdask dataset."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    if not os.path.exists(torchrun):
+        pytest.skip("torchrun is not installed")
+    with dmdask.LocalCluster(n_workers=2, ram="64 MiB") as cluster, distributed.Client(cluster) as client:
+        done = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2",
+                               os.path.join(ROOT, "integrations", "examples", "torch_train.py"),
+                               "--scheduler", cluster.scheduler_address, "--epochs", "1"],
+                              cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=240)
+        out = done.stdout + done.stderr
+        assert done.returncode == 0, out
+        assert out.count("wrote a synthetic dataset") == 1, out
+        assert out.count("epoch 0: loss") == 2, out
+        stats = dmdask.stats(client)
+        assert stats["datasets"] == []  # rank 0 released it once every rank was done
+        # one dataset read once (write_blobs: 5000 samples of 16 float32 and an int64 label), not a copy per rank
+        assert stats["total"]["shared_store"]["bytes"] == 5000 * (16 * 4 + 8)
