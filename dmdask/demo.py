@@ -74,7 +74,7 @@ def run(args) -> dict:
                              dashboard_address=args.dashboard_address) as cluster, \
             distributed.Client(cluster) as client:
         capacity = args.workers * (_bytes(args.ram) + _bytes(args.ssd))
-        print(f"shared store: {train_dir} ({train_files} PNG files, {_kib(dataset_bytes)} KiB)")
+        print(f"shared store: {_shown(train_dir)} ({train_files} PNG files, {_kib(dataset_bytes)} KiB)")
         print(f"cache: {args.workers} workers x (RAM {args.ram} + SSD {args.ssd}) = {_kib(capacity)} KiB, "
               f"{'smaller than' if capacity < dataset_bytes else 'at least'} the dataset")
         print(f"dashboard: {client.dashboard_link}  (dmdask tiers: {tiers_page(client.dashboard_link)})")
@@ -127,7 +127,7 @@ def write_digits(root: str) -> tuple:
     digits = load_digits()  # bundled with scikit-learn: nothing to download
     n = len(digits.target)
     test_ids = set(np.random.default_rng(0).permutation(n)[:int(n * TEST_FRACTION)].tolist())
-    print(f"writing {n} digits as PNG files to {root} ...")
+    print(f"writing {n} digits as PNG files to {_shown(root)} ...")
     partial = root + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
     for i, (pixels, label) in enumerate(zip(digits.images, digits.target)):
@@ -286,6 +286,12 @@ def _bytes(size: str) -> int:
     from dask.utils import parse_bytes
 
     return int(parse_bytes(size)) if str(size).strip() not in ("0", "") else 0
+
+
+def _shown(path: str) -> str:
+    """`path` relative to the current folder when it is below it."""
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
 
 
 def _kib(n: int) -> str:

@@ -45,6 +45,21 @@ def test_a_normal_local_cluster_close_logs_no_lost_blocks(tmp_path):
     assert not [r.getMessage() for r in records if "dmdask-block" in r.getMessage()]
 
 
+def test_readme_first_code_block_is_runnable_and_runs(tmp_path):
+    blocks = runnable_blocks(os.path.join(ROOT, "README.md"))
+    assert blocks, "README.md has no block marked runnable"
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    first = re.search(r"```(\w*)\n(.*?)```", readme, flags=re.S)
+    assert first.group(1) == "python" and first.group(2) == blocks[0], "the README's first code block is runnable"
+    for i, code in enumerate(blocks):
+        script = tmp_path / f"readme_{i}.py"
+        script.write_text(code)
+        done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_env(), capture_output=True,
+                              text=True, timeout=240)
+        assert done.returncode == 0, f"README block {i} failed:\n{done.stdout}\n{done.stderr}"
+        assert "Traceback" not in done.stderr
+
+
 def test_cli_help_lists_the_subcommands():
     done = subprocess.run([sys.executable, "-m", "dmdask.cli", "--help"], env=_env(), capture_output=True,
                           text=True, timeout=60)
