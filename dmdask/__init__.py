@@ -15,7 +15,7 @@ from .client import BatchIterator, batches, release
 from .cluster import LocalCluster
 from .errors import (BlockReadError, DmdaskError, NoWorkersError, NotADmdaskWorker, SchedulerLostError,
                      SourceError, SourceNotFoundError, SpecError, TransformError)
-from .spec import Spec, per_sample
+from .spec import Spec, TransformContext, per_sample, transform_context
 from .stats import stats
 from .worker import Worker
 
@@ -23,8 +23,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BatchIterator", "BlockReadError", "DmdaskError", "LocalCluster", "NoWorkersError", "NotADmdaskWorker",
-    "SchedulerLostError", "SourceError", "SourceNotFoundError", "Spec", "SpecError", "TransformError", "Worker", "batches",
-    "per_sample", "release", "stats",
+    "SchedulerLostError", "SourceError", "SourceNotFoundError", "Spec", "SpecError", "TransformContext",
+    "TransformError", "Worker", "batches", "per_sample", "release", "stats", "transform_context",
 ]
 
 

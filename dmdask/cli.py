@@ -1,4 +1,4 @@
-"""The `dmdask` command: `dmdask demo [...]` and `dmdask status SCHEDULER`."""
+"""The `dmdask` command: `dmdask demo [...]`, `dmdask status SCHEDULER` and `dmdask --help`."""
 from __future__ import annotations
 
 import sys
@@ -87,17 +87,56 @@ def format_datasets(datasets) -> str:
     return "\n".join(lines)
 
 
+DESCRIPTION = """dmdask: a shared RAM + SSD block cache on Dask workers that feeds training loops.
+
+commands:
+  demo     train a small model on scikit-learn's digits through a local dmdask
+           cluster and report what came from RAM, SSD and the shared store
+  status   the per-worker tier table and the datasets of a running cluster
+
+`dmdask COMMAND --help` gives each command's options.
+"""
+
+
+def _parser():
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="dmdask", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"dmdask {_version()}")
+    parser.add_argument("command", choices=COMMANDS, metavar="COMMAND", help="demo or status")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the command's options")
+    return parser
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def _demo(argv) -> int:
+    from .demo import main as demo
+
+    return demo(argv)
+
+
+COMMANDS = {"demo": _demo, "status": status}
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"demo": None, "status": status}
-    if not argv or argv[0] not in commands:
-        print("usage: dmdask {demo,status} [options]   (dmdask demo --help)", file=sys.stderr)
+    parser = _parser()
+    if not argv:
+        parser.print_help(sys.stderr)
         return 2
-    if argv[0] == "demo":
-        from .demo import main as demo
-
-        return demo(argv[1:])
-    return commands[argv[0]](argv[1:])
+    if argv[0] in COMMANDS:  # the command parses its own options (and its --help)
+        return COMMANDS[argv[0]](argv[1:])
+    try:
+        args = parser.parse_args(argv)  # --help, --version, or an unknown command
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    return COMMANDS[args.command](args.args)
 
 
 if __name__ == "__main__":

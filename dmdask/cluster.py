@@ -35,6 +35,24 @@ class LocalCluster(distributed.LocalCluster):
                          processes=processes, worker_class=Nanny if processes else Worker,
                          **worker_options, **kwargs)
 
+    async def _close(self):
+        """Release dmdask's datasets, then close as Dask does. The cache goes with the
+        cluster anyway; released first, its blocks are no longer results the scheduler
+        would warn it "lost" (and plan to recompute) as each worker leaves."""
+        release_datasets(self.scheduler)
+        await super()._close()
+
+
+def release_datasets(scheduler) -> int:
+    """Release every dataset of the dmdask plugin of an in-process scheduler (none when
+    the scheduler is elsewhere or has no plugin); returns how many."""
+    from .scheduler import DatasetsPlugin
+
+    plugin = getattr(scheduler, "extensions", {}).get("dmdask")
+    if not isinstance(plugin, DatasetsPlugin):
+        return 0
+    return sum(bool(plugin.release(name)) for name in list(plugin.datasets))
+
 
 def with_dashboard_preload(scheduler_kwargs) -> dict:
     """`scheduler_kwargs` with `dmdask.dashboard` added to the scheduler's preloads.

@@ -1,10 +1,12 @@
 """`Spec`: the frozen, validated description of what one rank reads."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import os
 import pickle
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
@@ -42,7 +44,9 @@ class Spec:
         window's streamed blocks and the ranks move through the epoch together.
     keys: the arrays of the source to read (None: all).
     transform: a picklable function `dict[str, ndarray] -> dict[str, ndarray]`
-        applied to each batch on the workers, after the cache (see `per_sample`).
+        applied to each batch on the workers, after the cache (see `per_sample`,
+        and `dmdask.images` for ready image transforms). While it runs,
+        `dmdask.transform_context()` gives the batch's epoch and this spec's seed.
     prefetch: batches in flight ahead of the consumer (>= 1).
     block_size: samples per block for file folders and tar shards; for Zarr, a
         multiple of the chunk length along the sample axis (None: one chunk, or 256
@@ -156,6 +160,42 @@ class _PerSample:
 
     def __reduce__(self):
         return (_PerSample, (self.fn,))
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformContext:
+    """What a running `Spec.transform` may know besides its batch: the `epoch` the batch
+    belongs to and the spec's `seed` (`dmdask.transform_context()`)."""
+
+    epoch: int
+    seed: int
+
+
+_context: contextvars.ContextVar = contextvars.ContextVar("dmdask_transform_context", default=None)
+
+
+def transform_context() -> Optional[TransformContext]:
+    """The `TransformContext` of the batch being transformed, inside a `Spec.transform`
+    that dmdask runs (on a worker, or in the child process of an isolated retry);
+    None anywhere else. A transform draws its randomness from it so that, say, a
+    random crop is fresh every epoch yet the same when an epoch is resumed::
+
+        def jitter(batch):
+            ctx = dmdask.transform_context()
+            rng = np.random.default_rng([ctx.seed, ctx.epoch, int(batch["index"][0])])
+            ...
+    """
+    return _context.get()
+
+
+@contextlib.contextmanager
+def using_context(context: Optional[TransformContext]) -> Iterator[None]:
+    """Run the enclosed code with `transform_context()` returning `context`."""
+    token = _context.set(context)
+    try:
+        yield
+    finally:
+        _context.reset(token)
 
 
 def dumps_transform(fn) -> Optional[bytes]:

@@ -160,6 +160,32 @@ def test_per_sample_transform(client, zarr_path):
     np.testing.assert_array_equal(batch["label"], zarr_label(batch["index"]) + 100)
 
 
+def stamp_context(batch):
+    """A transform that records what `dmdask.transform_context()` tells it."""
+    ctx = dmdask.transform_context()
+    n = len(batch["index"])
+    return {"index": batch["index"], "epoch": np.full(n, ctx.epoch), "seed": np.full(n, ctx.seed)}
+
+
+def test_transform_context_gives_the_batch_epoch_and_seed(client, zarr_path):
+    assert dmdask.transform_context() is None  # outside a transform dmdask runs
+    spec = dmdask.Spec(zarr_path, batch_size=200, seed=5, keys=["label"], transform=stamp_context)
+    for epoch in (0, 3):
+        batches = list(dmdask.batches(client, spec, epoch=epoch))
+        assert all((b["epoch"] == epoch).all() and (b["seed"] == 5).all() for b in batches)
+
+
+def test_transform_context_reaches_an_isolated_transform():
+    from dmdask.spec import TransformContext, dumps_transform
+    from dmdask.worker.transforms import transform_isolated
+
+    batch = {"index": np.arange(3, dtype=np.int64)}
+    done, error = transform_isolated(dumps_transform(stamp_context), [batch], TransformContext(epoch=7, seed=2))
+    assert error is None
+    np.testing.assert_array_equal(done[0]["epoch"], [7, 7, 7])
+    np.testing.assert_array_equal(done[0]["seed"], [2, 2, 2])
+
+
 def test_folder_of_files_varying_sizes(client, tmp_path):
     root = write_folder(str(tmp_path / "imagenet"), classes=3, per_class=25)
     spec = dmdask.Spec(root, batch_size=8, block_size=10)

@@ -379,6 +379,7 @@ class BatchIterator:
         worker = await self._local_worker()
         msg = {"requests": plan, "positions": positions, "index": ids, "sizes": [len(b) for b in group],
                "fields": list(self.info.fields), "transform": self._transform,
+               "context": {"epoch": self.epoch, "seed": self.spec.seed},  # dmdask.transform_context()
                "same_host": _host(worker) == _my_host(self.client), "isolate": isolate}
         reply = await self.client.rpc(worker).dmdask_batch(msg=to_serialize(msg))
         if reply["status"] != "OK":

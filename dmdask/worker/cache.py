@@ -24,7 +24,7 @@ import distributed
 import numpy as np
 from distributed.protocol.serialize import to_serialize
 
-from ..spec import loads_transform
+from ..spec import TransformContext, loads_transform
 from .arena import ArenaBlock
 from .holdings import Arrays, Block, FileBlock, FillingBlock, Streamed, sample_nbytes
 from .results import shareable, write_batches
@@ -260,7 +260,8 @@ class BlockCache:
         """RPC `dmdask_batch`: gather consecutive batches from their holders, in batch order.
 
         msg: "requests" holder -> block key -> rows; "positions" holder -> where its rows
-        go in the group; "index", "sizes" (batch lengths), "fields", "transform"."""
+        go in the group; "index", "sizes" (batch lengths), "fields", "transform", and
+        "context" ({"epoch", "seed"}: what `dmdask.transform_context()` gives the transform)."""
         requests: Dict[str, Dict[str, np.ndarray]] = msg["requests"]
         me = self.worker.address
 
@@ -290,12 +291,13 @@ class BlockCache:
         batches = [{f: v[a:b] for f, v in group.items()} for a, b in zip(bounds[:-1], bounds[1:])]
         if msg["transform"] is None:
             return {"status": "OK", "batches": to_serialize(batches)}
+        context = TransformContext(**msg["context"]) if msg.get("context") else None
         if msg.get("isolate"):  # after a worker loss: in a process of its own, which may die
             done, error = await asyncio.get_running_loop().run_in_executor(
-                self.transforms, transform_isolated, msg["transform"], batches)
+                self.transforms, transform_isolated, msg["transform"], batches, context)
         else:
             done, error = await asyncio.get_running_loop().run_in_executor(
-                self.transforms, transform_in_order, loads_transform(msg["transform"]), batches)
+                self.transforms, transform_in_order, loads_transform(msg["transform"]), batches, context)
         reply = {"status": "OK", "error": error}
         folder = self.store.shared_folder() if msg.get("same_host") else None
         if folder is not None and done and shareable(done):  # the trainer maps them: no pickle, no socket

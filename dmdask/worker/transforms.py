@@ -12,6 +12,9 @@
   let have children: the child is a plain subprocess, `main()` in a new interpreter,
   fed through its pipes.)
 
+The batches' `TransformContext` (epoch and seed, sent with the request) is set around
+each call, so the transform reads it with `dmdask.transform_context()`.
+
 Every failure of the transform (any BaseException, SystemExit included) is a
 `TransformError`, never an OSError a client would take for a lost worker.
 """
@@ -21,28 +24,28 @@ import os
 import pickle
 import subprocess
 import sys
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 from ..errors import TransformError
-from ..spec import loads_transform
+from ..spec import TransformContext, loads_transform, using_context
 
 
-def transform_in_order(transform, batches: list) -> tuple:
+def transform_in_order(transform, batches: list, context: Optional[TransformContext] = None) -> tuple:
     """(transformed batches, None), or those before the first that failed and its
     `TransformError`: the batches before a failure are still delivered."""
     done = []
     for batch in batches:
         try:
-            done.append(_apply(transform, batch))
+            done.append(_apply(transform, batch, context))
         except TransformError as exc:
             return done, exc
     return done, None
 
 
-def transform_one(blob: bytes, batch: dict) -> tuple:
+def transform_one(blob: bytes, batch: dict, context: Optional[TransformContext] = None) -> tuple:
     """(the transformed batch, None) or (None, its TransformError)."""
     try:
-        return _apply(loads_transform(blob), batch), None
+        return _apply(loads_transform(blob), batch, context), None
     except TransformError as exc:
         return None, exc
 
@@ -52,9 +55,10 @@ def describe_samples(batch: dict) -> str:
     return f"{index[:4].tolist()}{'...' if len(index) > 4 else ''} ({len(index)} samples)"
 
 
-def _apply(transform, batch: dict) -> dict:
+def _apply(transform, batch: dict, context: Optional[TransformContext] = None) -> dict:
     try:
-        out = transform(batch)
+        with using_context(context):
+            out = transform(batch)
     except BaseException as exc:  # SystemExit too; never mistaken for a lost worker (an OSError) by the client
         raise TransformError(f"Spec.transform failed on the batch of samples {describe_samples(batch)}: "
                              f"{type(exc).__name__}: {exc}") from exc
@@ -65,7 +69,8 @@ def _apply(transform, batch: dict) -> dict:
     return out
 
 
-def transform_isolated(blob: bytes, batches: List[dict]) -> Tuple[list, object]:
+def transform_isolated(blob: bytes, batches: List[dict],
+                       context: Optional[TransformContext] = None) -> Tuple[list, object]:
     """(transformed batches, None), or those before the first that failed or killed
     the child, and that batch's `TransformError`."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
@@ -75,7 +80,7 @@ def transform_isolated(blob: bytes, batches: List[dict]) -> Tuple[list, object]:
     done: list = []
     try:
         try:
-            pickle.dump((blob, batches), child.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+            pickle.dump((blob, batches, context), child.stdin, protocol=pickle.HIGHEST_PROTOCOL)
             child.stdin.close()
         except BrokenPipeError:
             pass
@@ -99,12 +104,12 @@ def transform_isolated(blob: bytes, batches: List[dict]) -> Tuple[list, object]:
 
 
 def main() -> None:
-    """The child: read (transform, batches) from stdin, write each result to stdout."""
-    blob, batches = pickle.load(sys.stdin.buffer)
+    """The child: read (transform, batches, context) from stdin, write each result to stdout."""
+    blob, batches, context = pickle.load(sys.stdin.buffer)
     out = sys.stdout.buffer
     sys.stdout = sys.stderr  # the transform's prints must not corrupt the results
     for batch in batches:
-        result = transform_one(blob, batch)
+        result = transform_one(blob, batch, context)
         pickle.dump(result, out, protocol=pickle.HIGHEST_PROTOCOL)
         out.flush()
         if result[1] is not None:

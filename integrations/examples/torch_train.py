@@ -5,6 +5,9 @@
     # an existing cluster and dataset (arrays "x": features, "y": int class labels)
     python integrations/examples/torch_train.py --scheduler tcp://host:8786 --source s3://bucket/train.zarr
     # several ranks (each needs the shared cluster): torchrun --nproc-per-node 2 ... --scheduler ADDR
+    # (without --source, rank 0 writes the synthetic dataset once and the other ranks
+    # wait for it and read the same path: the workers must see rank 0's files, so run
+    # them on the same machine or pass --source on a shared file system)
 
 Checkpoints hold the model, the optimizer and the loader's position; --checkpoint
 resumes mid-epoch, right after the last batch the interrupted run consumed.
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import tempfile
 import time
 
@@ -44,21 +48,14 @@ def main(argv=None) -> None:
             parser.error("several ranks must share one cluster: pass --scheduler")
 
     cluster = None
-    tmp = None
     if args.scheduler:
         client = distributed.Client(args.scheduler)
     else:
         cluster = dmdask.LocalCluster(n_workers=2, ram=args.ram)
         client = distributed.Client(cluster)
-    source = args.source
-    if source is None:  # next to the checkpoint, so that a resumed run reads the same dataset
-        if args.checkpoint:
-            source = os.path.abspath(args.checkpoint) + ".zarr"
-        else:
-            tmp = tempfile.TemporaryDirectory()
-            source = os.path.join(tmp.name, "train.zarr")
-        if not os.path.exists(source):
-            write_blobs(source)
+    source, tmp = args.source, None
+    if source is None:
+        source, tmp = synthetic_dataset(args.checkpoint)
 
     try:
         import zarr
@@ -108,16 +105,42 @@ def main(argv=None) -> None:
                 torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
                             "loader": loader.state_dict()}, args.checkpoint)
         loader.close()
-        if tmp is not None:  # a throw-away dataset: drop its blocks from the cluster's cache
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()  # every rank is done with the dataset
+        if tmp is not None:  # rank 0's throw-away dataset: drop its blocks from the cluster's cache
             dmdask.release(client, spec)
     finally:
         client.close()
         if cluster is not None:
             cluster.close()
         if tmp is not None:
-            tmp.cleanup()
+            shutil.rmtree(tmp, ignore_errors=True)
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def synthetic_dataset(checkpoint):
+    """(path, temporary folder to remove or None) of the synthetic dataset, written once:
+    by rank 0, next to the checkpoint if given (so a resumed run reads the same data),
+    else in a temporary folder. Under torchrun the other ranks wait for rank 0 to write
+    it and take its path, so every rank reads the same dataset (dmdask's exactly-once
+    delivery needs the same spec on every rank)."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    path = tmp = None
+    if rank == 0:
+        if checkpoint:
+            path = os.path.abspath(checkpoint) + ".zarr"
+        else:
+            tmp = tempfile.mkdtemp(prefix="dmdask-example-")
+            path = os.path.join(tmp, "train.zarr")
+        if not os.path.exists(path):
+            write_blobs(path)
+            print(f"rank 0 wrote a synthetic dataset to {path}")
+    if torch.distributed.is_initialized():
+        shared = [path]
+        torch.distributed.broadcast_object_list(shared, src=0)  # waits for rank 0
+        path = shared[0]
+    return path, tmp
 
 
 if __name__ == "__main__":

@@ -1,0 +1,35 @@
+"""`dmdask demo --quick`: scikit-learn's digits through a cache smaller than the dataset."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("sklearn")
+pytest.importorskip("PIL")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+def test_demo_quick_learns_the_digits_and_reports_every_tier(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    done = subprocess.run([sys.executable, "-m", "dmdask.cli", "demo", "--quick", "--no-progress",
+                           "--data", str(tmp_path / "demo-data")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
+    accuracy = float(re.search(r"test accuracy: ([0-9.]+)", out).group(1))
+    assert accuracy > 0.9, out
+    # the table: epoch, time, loss, acc | KiB, ratio, reads | RAM, SSD, streamed
+    rows = [[float(v) for v in re.findall(r"[0-9.]+", line)]
+            for line in out.splitlines() if re.match(r"\s+\d+\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+\s+\|", line)]
+    assert [int(r[0]) for r in rows] == [0, 1, 2]
+    ram, ssd, streamed = (sum(r[i] for r in rows) for i in (7, 8, 9))
+    assert ram > 0 and ssd > 0 and streamed > 0, out
+    assert all(r[7] + r[8] + r[9] == 1438 for r in rows), out  # each training sample served once an epoch
+    assert rows[1][4] < rows[0][4]  # from epoch 1 on, the cache spares the store
+    assert "epochs 0-2" in out and "epochs 1-2" in out  # the summary numbers epochs as the table does
+    assert re.search(r"dashboard: http://\S+/status  \(dmdask tiers: http://\S+/dmdask\)", out), out
+    assert out.index("dashboard:") < out.index("epoch  time")  # printed before training starts
