@@ -40,10 +40,7 @@ def open_source(spec) -> Source:
         fs, path = fsspec.core.url_to_fs(url, **options)
     except (ImportError, ValueError) as exc:
         raise SpecError("source", f"a URL fsspec can open ({exc})", spec.source) from None
-    try:
-        exists = fs.exists(path)
-    except Exception as exc:  # network errors, permissions
-        raise SourceNotFoundError(f"cannot reach dataset {url}: {exc}") from exc
+    exists = _exists(fs, path, url)
     if not exists:
         raise SourceNotFoundError(
             f"dataset {url} does not exist; pass a Zarr v3 group or array, or a folder "
@@ -58,3 +55,15 @@ def open_source(spec) -> Source:
         return source
     folder_fields(spec)  # a clear error now, before any listing
     return open_folder(fs, path, url, options, spec, name)
+
+
+def _exists(fs, path: str, url: str) -> bool:
+    """Whether `path` exists, asked with `info` (over HTTP a HEAD request, where
+    `exists` would start a GET of the whole file)."""
+    try:
+        fs.info(path)
+        return True
+    except FileNotFoundError:
+        return False
+    except Exception as exc:  # network errors, permissions
+        raise SourceNotFoundError(f"cannot reach dataset {url}: {exc}") from exc

@@ -14,10 +14,12 @@ import errno
 import functools
 import json
 import logging
+import threading
 import time
 from typing import Callable, Optional, Tuple
 
 import dask.config
+import fsspec
 import numpy as np
 
 from ..errors import BlockReadError
@@ -93,6 +95,22 @@ def is_block_key(key) -> bool:
 def options_json(options) -> str:
     """Storage options as a canonical string (hashable, picklable)."""
     return json.dumps(options or {}, sort_keys=True, default=str)
+
+
+_fs_lock = threading.Lock()
+
+
+@functools.lru_cache(maxsize=16)
+def filesystem(protocol: str, options: str):
+    """The fsspec filesystem of `protocol` with these storage options (JSON), made once
+    per process."""
+    with _fs_lock:
+        return fsspec.filesystem(protocol, **json.loads(options))
+
+
+def protocol_of(fs) -> str:
+    """The protocol name a filesystem is made again with (`filesystem`)."""
+    return fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
 
 
 def is_transient(exc: BaseException) -> bool:

@@ -11,17 +11,13 @@ creates the dataset's blocks, once per cluster, and travels with the block reade
 """
 from __future__ import annotations
 
-import functools
-import json
-import threading
 from typing import Dict, List, Optional
 
-import fsspec
 import numpy as np
 from dask.base import tokenize
 
 from ..errors import SourceError, SourceNotFoundError, SpecError
-from .base import BlockReader, DatasetInfo, Source, block_key, options_json
+from .base import BlockReader, DatasetInfo, Source, block_key, filesystem, options_json, protocol_of
 
 DEFAULT_FILES_PER_BLOCK = 256
 FIELDS = ("data", "label")
@@ -47,9 +43,10 @@ class FolderSource(Source):
                                  self.labels[a:b], self.info.fields, self.info.identity, k, a, b, nbytes)
 
 
-def open_folder(fs, path: str, url: str, options: dict, spec, registry_name: str) -> FolderSource:
-    """List the folder (a request per class folder) and describe its blocks."""
-    files, labels, sizes = _list(fs, path, url)
+def open_folder(fs, path: str, url: str, options: dict, spec, registry_name: str, entries=None) -> FolderSource:
+    """List the folder (a request per class folder) and describe its blocks. `entries`:
+    the folder's own listing (`fs.ls(path, detail=True)`) when the caller made it."""
+    files, labels, sizes = _list(fs, path, url, entries)
     fields = folder_fields(spec)
     block_len = spec.block_size or DEFAULT_FILES_PER_BLOCK
     root = path.rstrip("/")
@@ -59,13 +56,13 @@ def open_folder(fs, path: str, url: str, options: dict, spec, registry_name: str
     nbytes = None if size_array is None else block_nbytes(size_array, fields)
     info = DatasetInfo(name=registry_name, identity=identity, url=url, fields=fields,
                        num_samples=len(files), block_len=block_len, nbytes=nbytes)
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    return FolderSource(info, protocol, options_json(options), files, np.asarray(labels, dtype=np.int64), size_array)
+    return FolderSource(info, protocol_of(fs), options_json(options), files, np.asarray(labels, dtype=np.int64),
+                        size_array)
 
 
-def _list(fs, path: str, url: str):
+def _list(fs, path: str, url: str, entries=None):
     try:
-        entries = fs.ls(path, detail=True)
+        entries = fs.ls(path, detail=True) if entries is None else entries
     except (FileNotFoundError, NotADirectoryError) as exc:
         raise SourceNotFoundError(f"dataset {url} is neither a Zarr v3 store nor a folder: {exc}") from exc
     classes = sorted(e["name"].rstrip("/") for e in entries if e["type"] == "directory")
@@ -95,15 +92,6 @@ def block_nbytes(sizes, fields) -> int:
     return (int(np.sum(sizes)) + 8 * n if "data" in fields else 0) + (8 * n if "label" in fields else 0)
 
 
-_fs_lock = threading.Lock()
-
-
-@functools.lru_cache(maxsize=16)
-def _filesystem(protocol: str, options: str):
-    with _fs_lock:
-        return fsspec.filesystem(protocol, **json.loads(options))
-
-
 class FolderBlockReader(BlockReader):
     """Reads the files of one block, all of them or only some (row-granular)."""
 
@@ -123,7 +111,7 @@ class FolderBlockReader(BlockReader):
         arrays = {}
         if "data" in self.fields:
             files = [self.files[r] for r in rows]
-            contents = _filesystem(self.protocol, self.options).cat_ranges(files, None, None, on_error="return")
+            contents = filesystem(self.protocol, self.options).cat_ranges(files, None, None, on_error="return")
             data = np.empty(len(files), dtype=object)
             for i, content in enumerate(contents):
                 if isinstance(content, BaseException):
