@@ -114,3 +114,40 @@ def write_blobs(path: str, n: int = 5000, features: int = 16, classes: int = 3) 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         zarr.consolidate_metadata(path)
+
+
+def parquet_columns(ids: np.ndarray, width: int = 8) -> dict:
+    """The columns of `write_parquet` for the given sample ids, as dmdask returns them:
+    "x" (ids, width) float32, "label" int64, "name" strings, "blob" (bytes of varying
+    size, a list)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    return {"x": zarr_sample(ids, (width,)), "label": zarr_label(ids),
+            "name": [f"sample-{i}" for i in ids.tolist()],
+            "blob": [folder_sample(i, 0, 48) for i in ids.tolist()]}
+
+
+def write_parquet(folder: str, rows_per_file, row_group: int, width: int = 8, columns=None,
+                  prefix: str = "part", **options) -> list:
+    """Parquet files `{prefix}-00000.parquet`, ... in `folder`: file i holds the next
+    `rows_per_file[i]` samples (ids run over the files in name order), in row groups of
+    `row_group` rows; its columns are those of `parquet_columns` ("x" a fixed-size list
+    column), or the names in `columns`. `options` go to `pyarrow.parquet.write_table`
+    (say `compression="none", use_dictionary=False` for row groups of equal size).
+    Returns the paths."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    os.makedirs(folder, exist_ok=True)
+    paths, start = [], 0
+    for i, rows in enumerate(rows_per_file):
+        values = parquet_columns(np.arange(start, start + rows), width)
+        arrays = {"x": pa.FixedSizeListArray.from_arrays(pa.array(values["x"].reshape(-1)), width),
+                  "label": pa.array(values["label"]), "name": pa.array(values["name"], pa.string()),
+                  "blob": pa.array(values["blob"], pa.binary())}
+        table = pa.table({name: arrays[name] for name in (columns or arrays)})
+        path = os.path.join(folder, f"{prefix}-{i:05d}.parquet")
+        pq.write_table(table, path, row_group_size=row_group, **options)
+        paths.append(path)
+        start += rows
+    return paths
+
