@@ -3,7 +3,7 @@
 `dataset_name(spec)` names the dataset a spec reads, with no I/O: the cluster's
 registry knows a dataset by it, so a rank that joins a dataset already created reads
 nothing from the shared store to plan its epoch. `open_source(spec)` reads what creating
-the blocks needs (Zarr metadata, Parquet footers, a folder's listing); only the
+the blocks needs (Zarr or HDF5 metadata, Parquet footers, a folder's listing); only the
 process that creates a dataset's blocks calls it, once per cluster. The cluster keeps a
 dataset as it was when first opened: after changing it in place, `dmdask.release` it.
 """
@@ -15,11 +15,14 @@ from dask.base import tokenize
 from ..errors import SourceNotFoundError, SpecError
 from .base import BlockReader, DatasetInfo, Source, block_key, is_block_key, options_json, parse_block_key
 from .folder import folder_fields, open_folder
+from .hdf5 import SIGNATURE as HDF5_SIGNATURE
+from .hdf5 import open_hdf5, split_inner
 from .parquet import MAGIC as PARQUET_MAGIC
 from .parquet import is_parquet_name, open_parquet
 from .zarr import open_zarr
 
-LAYOUTS = "a Zarr v3 group or array, a Parquet file, folder of Parquet files or glob, or a folder of class subfolders"
+LAYOUTS = ("a Zarr v3 group or array, a Parquet file, folder of Parquet files or glob, an HDF5 file "
+           "(or a group in it: file.h5/group), or a folder of class subfolders")
 
 __all__ = ["BlockReader", "DatasetInfo", "Source", "block_key", "dataset_name", "is_block_key", "open_source",
            "parse_block_key"]
@@ -34,8 +37,9 @@ def dataset_name(spec) -> str:
 
 def open_source(spec) -> Source:
     """Open `spec.source`, by what its URL holds: a Zarr v3 group or array (a zarr.json);
-    a Parquet file, by its first bytes; a glob of Parquet files; a folder that holds
-    Parquet files (*.parquet, *.parq, *.pq); otherwise a folder of class subfolders.
+    a Parquet file, or an HDF5 file, by its first bytes; an HDF5 group (a path that goes
+    on past an HDF5 file's name); a glob of Parquet files; a folder that holds Parquet
+    files (*.parquet, *.parq, *.pq); otherwise a folder of class subfolders.
 
     Raises `SourceNotFoundError` if nothing is there, `SourceError` if the layout is
     unusable or holds no samples, `SpecError` if the spec does not fit the source.
@@ -55,6 +59,9 @@ def open_source(spec) -> Source:
             if not files:
                 raise SourceNotFoundError(f"dataset {url} matches no files")
             return open_parquet(fs, files, url, options, spec, name)
+        inner = split_inner(path)
+        if inner is not None and _exists(fs, inner[0], url):
+            return open_hdf5(fs, inner[0], inner[1], url, options, spec, name)
         raise SourceNotFoundError(f"dataset {url} does not exist; pass {LAYOUTS} as Spec(source=...)")
     if fs.exists(path.rstrip("/") + "/zarr.json"):
         source = open_zarr(url, options, spec, name)
@@ -65,6 +72,8 @@ def open_source(spec) -> Source:
     head = _first_bytes(fs, path)
     if head.startswith(PARQUET_MAGIC):
         return open_parquet(fs, [path], url, options, spec, name)
+    if head.startswith(HDF5_SIGNATURE):
+        return open_hdf5(fs, path, "", url, options, spec, name)
     entries = _listing(fs, path, url)
     files = sorted(e["name"] for e in entries if e["type"] == "file" and is_parquet_name(e["name"]))
     if files:

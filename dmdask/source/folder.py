@@ -68,7 +68,7 @@ def _list(fs, path: str, url: str, entries=None):
     classes = sorted(e["name"].rstrip("/") for e in entries if e["type"] == "directory")
     if not classes:
         raise SourceError(
-            f"{url} is neither a Zarr v3 group (no zarr.json) or Parquet, nor a folder of class "
+            f"{url} is neither a Zarr v3 group (no zarr.json), Parquet or HDF5, nor a folder of class "
             "subfolders holding one file per sample"
         )
     files: List[str] = []

@@ -151,3 +151,30 @@ def write_parquet(folder: str, rows_per_file, row_group: int, width: int = 8, co
         start += rows
     return paths
 
+
+def hdf5_names(ids: np.ndarray) -> list:
+    """The "name" strings of `write_hdf5` for the given sample ids."""
+    return [f"sample-{i}" for i in np.asarray(ids, dtype=np.int64).tolist()]
+
+
+def write_hdf5(path: str, n: int, sample_shape=(8,), chunk=64, group: str = "", names: bool = True,
+               compression=None) -> str:
+    """An HDF5 file (or, with `group`, a group in it) with "x" (n, *sample_shape) float32
+    (`zarr_sample`) in chunks of `chunk` rows, "label" (n,) int64 (`zarr_label`) in
+    chunks of `chunk // 2`, and with `names` "name" (n,) variable-length strings
+    (`hdf5_names`); `chunk=None` stores them contiguous. Also a dataset "classes" of
+    another length, which is no field. Returns `path`."""
+    import h5py
+
+    ids = np.arange(n)
+    with h5py.File(path, "a") as f:
+        node = f.require_group(group) if group else f
+        x_chunks = None if chunk is None else (chunk,) + tuple(sample_shape)
+        node.create_dataset("x", data=zarr_sample(ids, sample_shape), chunks=x_chunks, compression=compression)
+        node.create_dataset("label", data=zarr_label(ids), chunks=None if chunk is None else (max(1, chunk // 2),),
+                            compression=compression)
+        if names:
+            node.create_dataset("name", data=hdf5_names(ids), dtype=h5py.string_dtype(),
+                                chunks=None if chunk is None else (chunk,))
+        node.create_dataset("classes", data=np.arange(10))
+    return path
