@@ -273,3 +273,20 @@ def test_without_pyarrow_the_error_names_the_extra(monkeypatch, store):
     with pytest.raises(ImportError, match=r"dmdask\[formats\]"):
         open_source(dmdask.Spec(server.url + "/ds", batch_size=8))
 
+
+
+def test_columns_dmdask_cannot_batch(tmp_path):
+    """Variable-length lists are left out with a warning, named in an error when keys
+    ask for them; null values fail the block that holds them."""
+    path = str(tmp_path / "odd.parquet")
+    pq.write_table(pa.table({"label": pa.array([1, 2, None, 4], pa.int64()), "tags": [[1], [], [2, 3], [4]]}), path)
+    with pytest.warns(UserWarning, match=r"\{'tags': 'list<element: int64>'\}.*not read"):
+        source = open_source(dmdask.Spec(path, batch_size=2))
+    assert source.info.fields == ("label",)
+    with pytest.raises(dmdask.SpecError, match="tags") as info:
+        open_source(dmdask.Spec(path, batch_size=2, keys=["tags"]))
+    assert info.value.field == "keys"
+    with pytest.raises(dmdask.BlockReadError) as error:
+        source.reader(0).read()
+    assert "samples 0..3" in str(error.value) and "odd.parquet (its rows 0..3)" in str(error.value)
+    assert "'label' holds 1 null values" in str(error.value)

@@ -117,12 +117,13 @@ def open_hdf5(fs, path: str, group: str, url: str, options: dict, spec, registry
     except (OSError, ValueError) as exc:
         raise SourceError(f"cannot open HDF5 file {path}: {type(exc).__name__}: {exc}") from None
     try:
-        node = file[group] if group else file
+        try:
+            node = file[group] if group else file
+        except KeyError:
+            raise SourceNotFoundError(f"HDF5 file {path} has no group {group!r}") from None
         if not isinstance(node, h5py().Group):
             raise SourceError(f"{group!r} in HDF5 file {path} is not a group")
         return _describe(node, path, group, url, protocol, opts, size, spec, registry_name)
-    except KeyError:
-        raise SourceNotFoundError(f"HDF5 file {path} has no group {group!r}") from None
     finally:
         file.close()
         if handle is not None:
@@ -156,11 +157,14 @@ def _describe(node, path, group, url, protocol, opts, size, spec, registry_name)
             raise SourceError(f"the datasets of {where} disagree on their number of samples (first axis): "
                               f"{lengths}; pass Spec(keys=[...]) naming datasets of equal length")
         names = [k for k, n in lengths.items() if n == counts[0][0]]
-        ignored = sorted(set(datasets) - set(names))
+        ignored = {k: f"length {lengths[k]}" if k in lengths else f"{ds.dtype} {ds.shape}"
+                   for k, ds in datasets.items() if k not in names}
         if ignored:
-            warnings.warn(f"datasets {ignored} of {where} are not read: their first axis is not the samples' "
-                          f"({counts[0][0]}), or dmdask cannot batch their type")
+            warnings.warn(f"datasets of {where} not read: {ignored} (the samples are the {counts[0][0]} rows "
+                          f"of {sorted(names)}; dmdask reads numbers, records and strings)")
     fields = tuple(sorted(names))
+    if any(kinds[f] == "string" for f in fields) and not hasattr(getattr(np, "dtypes", None), "StringDType"):
+        raise SourceError(f"the string datasets of {where} need numpy >= 2 (numpy.dtypes.StringDType)")
     n = int(datasets[fields[0]].shape[0])
     if n == 0:
         raise SourceError(f"dataset {url} has no samples: its datasets {list(fields)} have length 0 along the "

@@ -228,8 +228,6 @@ def to_numpy(column, name: str) -> np.ndarray:
         shape.append(arr.type.list_size)
         arr = arr.flatten()
     if kind == "string":
-        if not hasattr(np.dtypes, "StringDType"):
-            raise ValueError(f"string column {name!r} needs numpy >= 2 (numpy.dtypes.StringDType)")
         return arr.to_numpy(zero_copy_only=False).astype(np.dtypes.StringDType())
     if kind == "binary":
         out = np.empty(len(arr), dtype=object)
@@ -360,6 +358,8 @@ def _fields(schema, spec, path: str):
         if not names:
             raise SourceError(f"the Parquet files of {path} have no column dmdask can read: {skipped}")
     fields = tuple(sorted(names))
+    if any(kinds[f] == "string" for f in fields) and not hasattr(getattr(np, "dtypes", None), "StringDType"):
+        raise SourceError(f"the string columns of {path} need numpy >= 2 (numpy.dtypes.StringDType)")
     return fields, {f: kinds[f] for f in fields}
 
 
