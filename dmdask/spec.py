@@ -22,8 +22,9 @@ class Spec:
     Integer fields accept Python and numpy integers (stored as `int`), never bools or
     floats.
 
-    source: a Zarr v3 group or array, or a folder of per-sample files in
-        class-per-subfolder layout; a local path or any fsspec URL.
+    source: a Zarr v3 group or array, a Parquet file, folder of Parquet files or
+        glob, an HDF5 file or a group in it (`file.h5/group`), or a folder of
+        per-sample files in class-per-subfolder layout; a local path or any fsspec URL.
     batch_size: samples per batch (>= 1).
     shuffle: a seeded permutation per epoch (True) or the stored order (False).
     seed: seed of the permutation; the same seed and epoch give the same order on
@@ -37,12 +38,14 @@ class Spec:
         the cluster cache are then wanted a window at a time, so they leave the
         shared store once per epoch as long as the workers' stream buffers hold a
         window's streamed blocks and the ranks move through the epoch together.
-    keys: the arrays of the source to read (None: all).
+    keys: the arrays (Parquet columns, HDF5 datasets) of the source to read (None: all).
     transform: a picklable function `dict[str, ndarray] -> dict[str, ndarray]`
         applied to each batch on the workers, after the cache (see `per_sample`).
     prefetch: batches in flight ahead of the consumer (>= 1).
-    block_size: samples per block for file folders; for Zarr, a multiple of the
-        chunk length along the sample axis (None: one chunk, or 256 files).
+    block_size: samples per block for file folders; for Zarr and HDF5, a multiple of
+        the chunk length along the sample axis; for Parquet, rows whose multiples fall
+        on row-group boundaries (None: one chunk, the smallest run of whole row groups,
+        about 8 MiB of a contiguous HDF5 file, or 256 files).
     storage_options: passed to fsspec when opening the source.
     """
 
