@@ -111,7 +111,8 @@ class HDF5Source(Source):
 def open_hdf5(fs, path: str, group: str, url: str, options: dict, spec, registry_name: str) -> HDF5Source:
     """Open the file (HDF5 reads its metadata: superblock, object headers) and describe its blocks."""
     protocol, opts = protocol_of(fs), options_json(options)
-    size = int(fs.size(path))
+    entry = fs.info(path)
+    size = int(entry["size"])
     try:
         file, handle = open_file(protocol, opts, path, size)
     except (OSError, ValueError) as exc:
@@ -123,14 +124,18 @@ def open_hdf5(fs, path: str, group: str, url: str, options: dict, spec, registry
             raise SourceNotFoundError(f"HDF5 file {path} has no group {group!r}") from None
         if not isinstance(node, h5py().Group):
             raise SourceError(f"{group!r} in HDF5 file {path} is not a group")
-        return _describe(node, path, group, url, protocol, opts, size, spec, registry_name)
+        return _describe(node, path, group, url, protocol, opts, entry, spec, registry_name)
     finally:
         file.close()
         if handle is not None:
             handle.close()
 
 
-def _describe(node, path, group, url, protocol, opts, size, spec, registry_name) -> HDF5Source:
+def _describe(node, path, group, url, protocol, opts, entry, spec, registry_name) -> HDF5Source:
+    size = int(entry["size"])
+    # the file's version where its store tells one, so a file rewritten in place gets new
+    # blocks (and a new open file on the workers: HDF5 caches the metadata it reads)
+    stamp = {k: str(entry[k]) for k in ("mtime", "LastModified", "last_modified", "ETag", "etag") if k in entry}
     datasets = {name: obj for name, obj in node.items() if isinstance(obj, h5py().Dataset)}
     where = f"HDF5 file {path}" + (f", group {group!r}" if group else "")
     kinds = {name: field_kind(ds) for name, ds in datasets.items()}
@@ -182,7 +187,7 @@ def _describe(node, path, group, url, protocol, opts, size, spec, registry_name)
         block_len = spec.block_size or max(1, DEFAULT_BLOCK_BYTES // max(1, estimate))
     shapes = [(f, datasets[f].shape, datasets[f].dtype.str, datasets[f].chunks, datasets[f].compression,
                datasets[f].compression_opts) for f in fields]
-    identity = tokenize("hdf5", url, group, fields, block_len, size, shapes)[:16]
+    identity = tokenize("hdf5", url, group, fields, block_len, size, stamp, shapes)[:16]
     known = len(fixed) == len(fields)
     info = DatasetInfo(name=registry_name, identity=identity, url=url, fields=fields, num_samples=n,
                        block_len=int(block_len), nbytes=row_bytes * n if known else None)
