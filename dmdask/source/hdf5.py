@@ -139,6 +139,37 @@ def _describe(node, path, group, url, protocol, opts, entry, spec, registry_name
     datasets = {name: obj for name, obj in node.items() if isinstance(obj, h5py().Dataset)}
     where = f"HDF5 file {path}" + (f", group {group!r}" if group else "")
     kinds = {name: field_kind(ds) for name, ds in datasets.items()}
+    names = _field_names(datasets, kinds, spec, where)
+    fields = tuple(sorted(names))
+    if any(kinds[f] == "string" for f in fields) and not hasattr(getattr(np, "dtypes", None), "StringDType"):
+        raise SourceError(f"the string datasets of {where} need numpy >= 2 (numpy.dtypes.StringDType)")
+    n = int(datasets[fields[0]].shape[0])
+    if n == 0:
+        raise SourceError(f"dataset {url} has no samples: its datasets {list(fields)} have length 0 along the "
+                          "first axis")
+    chunked = [datasets[f].chunks[0] for f in fields if datasets[f].chunks]
+    fixed = [f for f in fields if kinds[f] == "fixed"]
+    row_bytes = sum(int(np.prod(datasets[f].shape[1:], dtype=np.int64)) * datasets[f].dtype.itemsize for f in fixed)
+    if chunked:
+        chunk = math.lcm(*chunked)
+        block_len = spec.block_size or chunk
+        if block_len % chunk:
+            raise SpecError("block_size", f"a multiple of the chunk length {chunk} of {where}", spec.block_size)
+    else:
+        estimate = row_bytes + 16 * (len(fields) - len(fixed))
+        block_len = spec.block_size or max(1, DEFAULT_BLOCK_BYTES // max(1, estimate))
+    shapes = [(f, datasets[f].shape, datasets[f].dtype.str, datasets[f].chunks, datasets[f].compression,
+               datasets[f].compression_opts) for f in fields]
+    identity = tokenize("hdf5", url, group, fields, block_len, size, stamp, shapes)[:16]
+    known = len(fixed) == len(fields)
+    info = DatasetInfo(name=registry_name, identity=identity, url=url, fields=fields, num_samples=n,
+                       block_len=int(block_len), nbytes=row_bytes * n if known else None)
+    layout = HDF5Layout(url, protocol, opts, path, size, group, tuple((f, kinds[f]) for f in fields), identity)
+    return HDF5Source(info, layout, row_bytes if known else None)
+
+
+def _field_names(datasets: dict, kinds: dict, spec, where: str) -> list:
+    """The datasets that are the fields: `spec.keys`, or those of the length most share."""
     if spec.keys is not None:
         unknown = [k for k in spec.keys if k not in datasets]
         if unknown:
@@ -167,32 +198,7 @@ def _describe(node, path, group, url, protocol, opts, entry, spec, registry_name
         if ignored:
             warnings.warn(f"datasets of {where} not read: {ignored} (the samples are the {counts[0][0]} rows "
                           f"of {sorted(names)}; dmdask reads numbers, records and strings)")
-    fields = tuple(sorted(names))
-    if any(kinds[f] == "string" for f in fields) and not hasattr(getattr(np, "dtypes", None), "StringDType"):
-        raise SourceError(f"the string datasets of {where} need numpy >= 2 (numpy.dtypes.StringDType)")
-    n = int(datasets[fields[0]].shape[0])
-    if n == 0:
-        raise SourceError(f"dataset {url} has no samples: its datasets {list(fields)} have length 0 along the "
-                          "first axis")
-    chunked = [datasets[f].chunks[0] for f in fields if datasets[f].chunks]
-    fixed = [f for f in fields if kinds[f] == "fixed"]
-    row_bytes = sum(int(np.prod(datasets[f].shape[1:], dtype=np.int64)) * datasets[f].dtype.itemsize for f in fixed)
-    if chunked:
-        chunk = math.lcm(*chunked)
-        block_len = spec.block_size or chunk
-        if block_len % chunk:
-            raise SpecError("block_size", f"a multiple of the chunk length {chunk} of {where}", spec.block_size)
-    else:
-        estimate = row_bytes + 16 * (len(fields) - len(fixed))
-        block_len = spec.block_size or max(1, DEFAULT_BLOCK_BYTES // max(1, estimate))
-    shapes = [(f, datasets[f].shape, datasets[f].dtype.str, datasets[f].chunks, datasets[f].compression,
-               datasets[f].compression_opts) for f in fields]
-    identity = tokenize("hdf5", url, group, fields, block_len, size, stamp, shapes)[:16]
-    known = len(fixed) == len(fields)
-    info = DatasetInfo(name=registry_name, identity=identity, url=url, fields=fields, num_samples=n,
-                       block_len=int(block_len), nbytes=row_bytes * n if known else None)
-    layout = HDF5Layout(url, protocol, opts, path, size, group, tuple((f, kinds[f]) for f in fields), identity)
-    return HDF5Source(info, layout, row_bytes if known else None)
+    return names
 
 
 class HDF5BlockReader(BlockReader):
