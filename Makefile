@@ -1,7 +1,7 @@
 # Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
 #
 # Three virtual environments, because the frameworks pin numpy differently:
-#   .venv     dmdask + PyTorch + JAX (CPU builds)   the main suite (tests/)
+#   .venv     dmdask + PyTorch + JAX (CPU builds)   the main suite (tests/), with the formats extra
 #   .venv-tf  dmdask + TensorFlow (tensorflow-cpu)  tests/test_tensorflow.py
 #   .venv-mx  dmdask + MXNet 1.9.1 + numpy 1.26.4   tests/test_mxnet.py
 # Each is built once (its stamp file .installed) and rebuilt when pyproject.toml changes.
@@ -22,7 +22,7 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/python -m pip install --upgrade pip
 	# The pinned CPU builds first, so the extras' ranges install nothing more.
 	$(BIN)/python -m pip install torch==2.13.0 jax==0.10.2 jaxlib==0.10.2
-	$(BIN)/python -m pip install -e ".[torch,jax,dashboard,images,demo,test]"
+	$(BIN)/python -m pip install -e ".[torch,jax,dashboard,images,demo,formats,test]"
 	touch $@
 
 $(TF_BIN)/.installed: pyproject.toml

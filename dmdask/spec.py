@@ -24,11 +24,12 @@ class Spec:
     Integer fields accept Python and numpy integers (stored as `int`), never bools or
     floats.
 
-    source: a Zarr v3 group or array, a folder of per-sample files in
-        class-per-subfolder layout, or WebDataset tar shards (a folder of `.tar`
-        files, a `.tar` URL, or a brace pattern such as `train-{000000..000099}.tar`);
-        a local path or any fsspec URL. A list of shard URLs (paths or URLs) is kept
-        as a tuple and read as WebDataset shards in that order.
+    source: a Zarr v3 group or array, a Parquet file, folder of Parquet files or
+        glob, an HDF5 file or a group in it (`file.h5/group`), a folder of per-sample
+        files in class-per-subfolder layout, or WebDataset tar shards (a folder of
+        `.tar` files, a `.tar` URL, or a brace pattern such as
+        `train-{000000..000099}.tar`); a local path or any fsspec URL. A list of shard
+        URLs (paths or URLs) is kept as a tuple and read as WebDataset shards in that order.
     batch_size: samples per batch (>= 1).
     shuffle: a seeded permutation per epoch (True) or the stored order (False).
     seed: seed of the permutation; the same seed and epoch give the same order on
@@ -42,15 +43,16 @@ class Spec:
         the cluster cache are then wanted a window at a time, so they leave the
         shared store once per epoch as long as the workers' stream buffers hold a
         window's streamed blocks and the ranks move through the epoch together.
-    keys: the arrays of the source to read (None: all).
+    keys: the arrays (Parquet columns, HDF5 datasets) of the source to read (None: all).
     transform: a picklable function `dict[str, ndarray] -> dict[str, ndarray]`
         applied to each batch on the workers, after the cache (see `per_sample`,
         and `dmdask.images` for ready image transforms). While it runs,
         `dmdask.transform_context()` gives the batch's epoch and this spec's seed.
     prefetch: batches in flight ahead of the consumer (>= 1).
-    block_size: samples per block for file folders and tar shards; for Zarr, a
-        multiple of the chunk length along the sample axis (None: one chunk, or 256
-        samples).
+    block_size: samples per block for file folders and tar shards; for Zarr and HDF5,
+        a multiple of the chunk length along the sample axis; for Parquet, rows whose
+        multiples fall on row-group boundaries (None: one chunk, the smallest run of
+        whole row groups, about 8 MiB of a contiguous HDF5 file, or 256 samples).
     storage_options: passed to fsspec when opening the source.
     """
 

@@ -108,6 +108,11 @@ def filesystem(protocol: str, options: str):
         return fsspec.filesystem(protocol, **json.loads(options))
 
 
+def protocol_of(fs) -> str:
+    """The protocol name a filesystem is made again with (`filesystem`)."""
+    return fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+
+
 def is_transient(exc: BaseException) -> bool:
     """Whether a store read that raised `exc` may succeed when tried again: a refused,
     reset or timed-out connection, or an HTTP 5xx or 429 answer (as `exc` or as its

@@ -16,8 +16,8 @@ from typing import Dict, List, Optional
 import numpy as np
 from dask.base import tokenize
 
-from ..errors import SourceError, SpecError
-from .base import BlockReader, DatasetInfo, Source, block_key, filesystem, options_json
+from ..errors import SourceError, SourceNotFoundError, SpecError
+from .base import BlockReader, DatasetInfo, Source, block_key, filesystem, options_json, protocol_of
 
 DEFAULT_FILES_PER_BLOCK = 256
 FIELDS = ("data", "label")
@@ -43,10 +43,10 @@ class FolderSource(Source):
                                  self.labels[a:b], self.info.fields, self.info.identity, k, a, b, nbytes)
 
 
-def open_folder(fs, path: str, url: str, options: dict, spec, registry_name: str, entries: List[dict]) -> FolderSource:
-    """List the class folders (a request each) and describe the blocks. `entries`: the
-    listing of the folder itself (`fs.ls(path, detail=True)`)."""
-    files, labels, sizes = _list(fs, entries, url)
+def open_folder(fs, path: str, url: str, options: dict, spec, registry_name: str, entries=None) -> FolderSource:
+    """List the folder (a request per class folder) and describe its blocks. `entries`:
+    the folder's own listing (`fs.ls(path, detail=True)`) when the caller made it."""
+    files, labels, sizes = _list(fs, path, url, entries)
     fields = folder_fields(spec)
     block_len = spec.block_size or DEFAULT_FILES_PER_BLOCK
     root = path.rstrip("/")
@@ -56,16 +56,20 @@ def open_folder(fs, path: str, url: str, options: dict, spec, registry_name: str
     nbytes = None if size_array is None else block_nbytes(size_array, fields)
     info = DatasetInfo(name=registry_name, identity=identity, url=url, fields=fields,
                        num_samples=len(files), block_len=block_len, nbytes=nbytes)
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    return FolderSource(info, protocol, options_json(options), files, np.asarray(labels, dtype=np.int64), size_array)
+    return FolderSource(info, protocol_of(fs), options_json(options), files, np.asarray(labels, dtype=np.int64),
+                        size_array)
 
 
-def _list(fs, entries: List[dict], url: str):
+def _list(fs, path: str, url: str, entries=None):
+    try:
+        entries = fs.ls(path, detail=True) if entries is None else entries
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        raise SourceNotFoundError(f"dataset {url} is neither a Zarr v3 store nor a folder: {exc}") from exc
     classes = sorted(e["name"].rstrip("/") for e in entries if e["type"] == "directory")
     if not classes:
         raise SourceError(
-            f"{url} is neither a Zarr v3 group (no zarr.json), a folder of class subfolders "
-            "holding one file per sample, nor a folder of WebDataset .tar shards"
+            f"{url} is neither a Zarr v3 group (no zarr.json), Parquet or HDF5, a folder of WebDataset "
+            ".tar shards, nor a folder of class subfolders holding one file per sample"
         )
     files: List[str] = []
     labels: List[int] = []

@@ -158,3 +158,65 @@ def write_tar_shards(path: str, shards: int = 3, per_shard: int = 20, exts=("cls
                     tar.addfile(info, io.BytesIO(data))
         paths.append(name)
     return paths
+def parquet_columns(ids: np.ndarray, width: int = 8) -> dict:
+    """The columns of `write_parquet` for the given sample ids, as dmdask returns them:
+    "x" (ids, width) float32, "label" int64, "name" strings, "blob" (bytes of varying
+    size, a list)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    return {"x": zarr_sample(ids, (width,)), "label": zarr_label(ids),
+            "name": [f"sample-{i}" for i in ids.tolist()],
+            "blob": [folder_sample(i, 0, 48) for i in ids.tolist()]}
+
+
+def write_parquet(folder: str, rows_per_file, row_group: int, width: int = 8, columns=None,
+                  prefix: str = "part", **options) -> list:
+    """Parquet files `{prefix}-00000.parquet`, ... in `folder`: file i holds the next
+    `rows_per_file[i]` samples (ids run over the files in name order), in row groups of
+    `row_group` rows; its columns are those of `parquet_columns` ("x" a fixed-size list
+    column), or the names in `columns`. `options` go to `pyarrow.parquet.write_table`
+    (say `compression="none", use_dictionary=False` for row groups of equal size).
+    Returns the paths."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    os.makedirs(folder, exist_ok=True)
+    paths, start = [], 0
+    for i, rows in enumerate(rows_per_file):
+        values = parquet_columns(np.arange(start, start + rows), width)
+        arrays = {"x": pa.FixedSizeListArray.from_arrays(pa.array(values["x"].reshape(-1)), width),
+                  "label": pa.array(values["label"]), "name": pa.array(values["name"], pa.string()),
+                  "blob": pa.array(values["blob"], pa.binary())}
+        table = pa.table({name: arrays[name] for name in (columns or arrays)})
+        path = os.path.join(folder, f"{prefix}-{i:05d}.parquet")
+        pq.write_table(table, path, row_group_size=row_group, **options)
+        paths.append(path)
+        start += rows
+    return paths
+
+
+def hdf5_names(ids: np.ndarray) -> list:
+    """The "name" strings of `write_hdf5` for the given sample ids."""
+    return [f"sample-{i}" for i in np.asarray(ids, dtype=np.int64).tolist()]
+
+
+def write_hdf5(path: str, n: int, sample_shape=(8,), chunk=64, group: str = "", names: bool = True,
+               compression=None) -> str:
+    """An HDF5 file (or, with `group`, a group in it) with "x" (n, *sample_shape) float32
+    (`zarr_sample`) in chunks of `chunk` rows, "label" (n,) int64 (`zarr_label`) in
+    chunks of `chunk // 2`, and with `names` "name" (n,) variable-length strings
+    (`hdf5_names`); `chunk=None` stores them contiguous. Also a dataset "classes" of
+    another length, which is no field. Returns `path`."""
+    import h5py
+
+    ids = np.arange(n)
+    with h5py.File(path, "a") as f:
+        node = f.require_group(group) if group else f
+        x_chunks = None if chunk is None else (chunk,) + tuple(sample_shape)
+        node.create_dataset("x", data=zarr_sample(ids, sample_shape), chunks=x_chunks, compression=compression)
+        node.create_dataset("label", data=zarr_label(ids), chunks=None if chunk is None else (max(1, chunk // 2),),
+                            compression=compression)
+        if names:
+            node.create_dataset("name", data=hdf5_names(ids), dtype=h5py.string_dtype(),
+                                chunks=None if chunk is None else (chunk,))
+        node.create_dataset("classes", data=np.arange(10))
+    return path

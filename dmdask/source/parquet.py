@@ -1,0 +1,451 @@
+"""Parquet sources: one file, a folder of them, or a glob. Samples are rows.
+
+Files are taken in name order; sample ids run over the files in that order, then over
+each file's rows. The top-level columns are the fields: numbers (integers, floats,
+booleans) give 1-D arrays, fixed-size lists of numbers give arrays of shape (rows, size,
+...), binary columns give an object array of per-sample uint8 arrays, and string
+columns numpy `StringDType` arrays. Null values are refused when a block is read.
+
+Blocks are whole row groups: block k holds samples k*block_len .. and every block
+boundary is a row-group boundary, so a block read fetches exactly the column chunks
+of its row groups (of the spec's `keys` only), by range, once each. The process that
+creates the dataset reads each file's footer once (two small range reads per file);
+every block reader carries a footer cut down to its own row groups, so reading a
+block fetches nothing but its column chunks. pyarrow is imported only here, when a
+Parquet source is opened or read (the `formats` extra).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import struct
+import warnings
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+from dask.base import tokenize
+
+from ..errors import SourceError, SourceNotFoundError, SpecError
+from .base import BlockReader, DatasetInfo, Source, block_key, filesystem, options_json, protocol_of
+
+logger = logging.getLogger(__name__)
+
+SUFFIXES = (".parquet", ".parq", ".pq")
+MAGIC = b"PAR1"
+READ_BLOCK = 1 << 16  # fsspec block size; reads are uncached ("none"), so each is one exact range
+
+
+def pyarrow():
+    """(pyarrow, pyarrow.parquet), or an ImportError that names the extra to install."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError as exc:
+        raise ImportError("reading Parquet sources needs pyarrow: pip install 'dmdask[formats]' "
+                          f"(or pyarrow>=14) ({exc})") from exc
+    return pa, pq
+
+
+def is_parquet_name(name: str) -> bool:
+    base = name.rstrip("/").rsplit("/", 1)[-1]
+    return base.lower().endswith(SUFFIXES) and not base.startswith(("_", "."))
+
+
+# -- the footer ------------------------------------------------------------------------------
+class Footer:
+    """A Parquet footer (Thrift compact `FileMetaData`), cut so that the footer of some of
+    its row groups can be made (`subset`): the same bytes, with only those row groups
+    and their number of rows. Raises ValueError if the bytes are not such a struct."""
+
+    def __init__(self, data: bytes):
+        self.parts: List[Optional[bytes]] = []  # raw bytes; None where the row groups go, b"" for num_rows
+        self.row_groups: List[bytes] = []
+        try:
+            end = self._cut(memoryview(data))
+        except IndexError:
+            raise ValueError("the footer ends in the middle of a field") from None
+        if end != len(data):
+            raise ValueError(f"the footer's metadata ends at byte {end} of {len(data)}")
+        if None not in self.parts or b"" not in self.parts:
+            raise ValueError("the footer has no row groups or no number of rows")
+
+    def _cut(self, buf) -> int:
+        pos, last = 0, 0
+        while True:
+            start, head = pos, buf[pos]
+            pos += 1
+            if head == 0:
+                self.parts.append(b"\0")
+                return pos
+            kind, delta = head & 15, head >> 4
+            if delta:
+                field = last + delta
+            else:
+                zigzag, pos = _varint(buf, pos)
+                field = (zigzag >> 1) ^ -(zigzag & 1)
+            last, value = field, pos
+            if field == 4 and kind == 9:  # row_groups: list<RowGroup>
+                size, element, pos = _list_head(buf, pos)
+                if element != 12:
+                    raise ValueError("the footer's row groups are not structs")
+                for _ in range(size):
+                    begin, pos = pos, _skip(buf, pos, 12)
+                    self.row_groups.append(bytes(buf[begin:pos]))
+                self.parts += [bytes(buf[start:value]), None]
+            elif field == 3 and kind == 6:  # num_rows: i64
+                pos = _skip(buf, pos, kind)
+                self.parts += [bytes(buf[start:value]), b""]
+            else:
+                pos = _skip(buf, pos, kind)
+                self.parts.append(bytes(buf[start:pos]))
+
+    def subset(self, row_groups: Sequence[int], num_rows: int) -> bytes:
+        out = bytearray()
+        for part in self.parts:
+            if part is None:
+                n = len(row_groups)
+                out += bytes([(n << 4) | 12]) if n < 15 else bytes([0xF0 | 12]) + _uvarint(n)
+                for i in row_groups:
+                    out += self.row_groups[i]
+            elif part == b"":
+                out += _uvarint((num_rows << 1) ^ (num_rows >> 63))
+            else:
+                out += part
+        return bytes(out)
+
+
+def framed(footer: bytes) -> bytes:
+    """A footer as the tail of a Parquet file (what `pyarrow.parquet.read_metadata` parses)."""
+    return MAGIC + footer + struct.pack("<I", len(footer)) + MAGIC
+
+
+def _varint(buf, pos: int) -> Tuple[int, int]:
+    shift = value = 0
+    while True:
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+
+
+def _uvarint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        if not value:
+            out.append(byte)
+            return bytes(out)
+        out.append(byte | 0x80)
+
+
+def _list_head(buf, pos: int) -> Tuple[int, int, int]:
+    head = buf[pos]
+    size, element, pos = head >> 4, head & 15, pos + 1
+    if size == 15:
+        size, pos = _varint(buf, pos)
+    return size, element, pos
+
+
+def _skip(buf, pos: int, kind: int, in_list: bool = False) -> int:
+    """The position after a value of Thrift compact type `kind` at `pos`."""
+    if kind in (1, 2):  # booleans: in the field header, a byte in a list
+        return pos + 1 if in_list else pos
+    if kind == 3:
+        return pos + 1
+    if kind in (4, 5, 6):
+        return _varint(buf, pos)[1]
+    if kind == 7:
+        return pos + 8
+    if kind == 8:
+        size, pos = _varint(buf, pos)
+        return pos + size
+    if kind in (9, 10):
+        size, element, pos = _list_head(buf, pos)
+        for _ in range(size):
+            pos = _skip(buf, pos, element, True)
+        return pos
+    if kind == 11:
+        size, pos = _varint(buf, pos)
+        if size:
+            types, pos = buf[pos], pos + 1
+            for _ in range(size):
+                pos = _skip(buf, _skip(buf, pos, types >> 4, True), types & 15, True)
+        return pos
+    if kind == 12:
+        while True:
+            head, pos = buf[pos], pos + 1
+            if head == 0:
+                return pos
+            if not head >> 4:
+                pos = _varint(buf, pos)[1]
+            pos = _skip(buf, pos, head & 15)
+    raise ValueError(f"unknown Thrift type {kind} in the footer")
+
+
+# -- columns ---------------------------------------------------------------------------------
+def column_kind(t) -> Optional[str]:
+    """"fixed", "binary" or "string" for an Arrow type dmdask reads as a field; None otherwise."""
+    pa, _ = pyarrow()
+    types = pa.types
+    if _is_any(t, "is_string", "is_large_string", "is_string_view"):
+        return "string"
+    if _is_any(t, "is_binary", "is_large_binary", "is_binary_view", "is_fixed_size_binary"):
+        return "binary"
+    while types.is_fixed_size_list(t):
+        t = t.value_type
+    return "fixed" if types.is_integer(t) or types.is_floating(t) or types.is_boolean(t) else None
+
+
+def _is_any(t, *tests: str) -> bool:
+    """Whether one of the `pyarrow.types` tests holds (the view types came in pyarrow 16)."""
+    pa, _ = pyarrow()
+    return any(getattr(pa.types, test, lambda _: False)(t) for test in tests)
+
+
+def row_nbytes(t) -> int:
+    """Bytes a row of a "fixed" column takes as numpy."""
+    pa, _ = pyarrow()
+    size = 1
+    while pa.types.is_fixed_size_list(t):
+        size, t = size * t.list_size, t.value_type
+    return size * np.dtype(t.to_pandas_dtype()).itemsize
+
+
+def to_numpy(column, name: str) -> np.ndarray:
+    """A column (a pyarrow ChunkedArray) as dmdask's arrays; ValueError on null values."""
+    pa, _ = pyarrow()
+    arr = column.combine_chunks()
+    kind = column_kind(arr.type)
+    shape = [len(arr)]
+    while True:
+        if arr.null_count:
+            raise ValueError(f"column {name!r} holds {arr.null_count} null values, which dmdask cannot batch")
+        if not pa.types.is_fixed_size_list(arr.type):
+            break
+        shape.append(arr.type.list_size)
+        arr = arr.flatten()
+    if kind == "string":
+        return arr.to_numpy(zero_copy_only=False).astype(np.dtypes.StringDType())
+    if kind == "binary":
+        out = np.empty(len(arr), dtype=object)
+        for i, value in enumerate(arr.to_numpy(zero_copy_only=False)):
+            out[i] = np.frombuffer(value, dtype=np.uint8)
+        return out
+    return arr.to_numpy(zero_copy_only=False).reshape(shape)
+
+
+# -- opening ---------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class FilePart:
+    """The row groups of one file that a block reads, with their footer."""
+
+    path: str
+    size: int
+    rows: Tuple[int, int]  # the block's rows in this file: start, stop
+    footer: bytes  # the file's footer cut to these row groups
+
+
+class ParquetSource(Source):
+    def __init__(self, info: DatasetInfo, protocol: str, options: str, files: List[str], sizes: List[int],
+                 footers: List[Footer], groups: np.ndarray, row_bytes: Optional[int]):
+        self.info, self.protocol, self.options = info, protocol, options
+        self.files, self.sizes, self.footers = files, sizes, footers
+        self.groups = groups  # per non-empty row group: file, index and first row in it, first sample, rows
+        self.row_bytes = row_bytes
+
+    def reader(self, k: int) -> "ParquetBlockReader":
+        a, b = self.info.block_range(k)
+        first = self.groups["start"]
+        mine = self.groups[np.searchsorted(first, a):np.searchsorted(first, b)]
+        parts = []
+        for f in np.unique(mine["file"]):
+            groups = mine[mine["file"] == f]
+            start, rows = int(groups["row"][0]), int(groups["rows"].sum())
+            footer = self.footers[f].subset(groups["index"].tolist(), rows)
+            parts.append(FilePart(self.files[f], self.sizes[f], (start, start + rows), footer))
+        nbytes = None if self.row_bytes is None else self.row_bytes * (b - a)
+        return ParquetBlockReader(self.info.url, self.protocol, self.options, self.info.fields, tuple(parts),
+                                  self.info.identity, k, a, b, nbytes)
+
+
+def open_parquet(fs, paths: Sequence[str], url: str, options: dict, spec, registry_name: str) -> ParquetSource:
+    """Read the footers of the Parquet files `paths` (two rounds of concurrent range reads)
+    and describe the blocks. `SourceError` names the file (and its samples) when a
+    footer is missing or corrupt or a file lacks a column of the first."""
+    pa, pq = pyarrow()
+    files = sorted(paths)
+    if not files:
+        raise SourceNotFoundError(f"dataset {url} matches no Parquet files")
+    sizes = [int(s) for s in fs.sizes(files)]
+    raws, footers, metas, first = [], [], [], 0
+    for path, data in zip(files, _read_footers(fs, files, sizes)):
+        try:
+            if isinstance(data, str):
+                raise ValueError(data)
+            footer = Footer(data)
+            meta = pq.read_metadata(pa.BufferReader(framed(data)))
+        except Exception as exc:
+            raise SourceError(f"cannot read the Parquet footer of {path} (the file of the samples from {first} "
+                              f"on): {type(exc).__name__}: {exc}") from None
+        raws.append(data)
+        footers.append(footer)
+        metas.append(meta)
+        first += meta.num_rows
+    fields, kinds = _fields(metas[0].schema.to_arrow_schema(), spec, files[0])
+    groups = _check_and_list(files, metas, fields)
+    n = int(groups["rows"].sum())
+    if n == 0:
+        raise SourceError(f"dataset {url} has no samples: its Parquet files hold no rows")
+    block_len = _block_len(url, groups, n, spec.block_size)
+    digest = hashlib.sha256(b"".join(raws)).hexdigest()
+    identity = tokenize("parquet", url, fields, block_len, files, sizes, digest)[:16]
+    row_bytes = None if any(k != "fixed" for k in kinds.values()) else sum(
+        row_nbytes(metas[0].schema.to_arrow_schema().field(f).type) for f in fields)
+    info = DatasetInfo(name=registry_name, identity=identity, url=url, fields=fields, num_samples=n,
+                       block_len=block_len, nbytes=None if row_bytes is None else row_bytes * n)
+    return ParquetSource(info, protocol_of(fs), options_json(options), files, sizes, footers, groups, row_bytes)
+
+
+def _read_footers(fs, files: List[str], sizes: List[int]) -> list:
+    """Each file's footer bytes, or a string saying why there is none."""
+    out: list = [None] * len(files)
+    short = [i for i, s in enumerate(sizes) if s < 12]
+    for i in short:
+        out[i] = f"the file has {sizes[i]} bytes, too few for a Parquet file (truncated?)"
+    rest = [i for i in range(len(files)) if out[i] is None]
+    tails = fs.cat_ranges([files[i] for i in rest], [sizes[i] - 8 for i in rest], [sizes[i] for i in rest])
+    want = []
+    for i, tail in zip(rest, tails):
+        if isinstance(tail, BaseException) or len(tail) != 8:
+            out[i] = f"cannot read its last 8 bytes: {tail!r}"
+            continue
+        length = struct.unpack("<I", tail[:4])[0]
+        if tail[4:] == b"PARE":
+            out[i] = "its footer is encrypted, which dmdask does not read"
+        elif tail[4:] != MAGIC:
+            out[i] = "it does not end with the Parquet magic bytes PAR1 (truncated, or not a Parquet file)"
+        elif length > sizes[i] - 12:
+            out[i] = f"its footer length {length} exceeds the file's {sizes[i]} bytes (corrupt or truncated)"
+        else:
+            want.append((i, sizes[i] - 8 - length, sizes[i] - 8))
+    data = fs.cat_ranges([files[i] for i, _, _ in want], [a for _, a, _ in want], [b for _, _, b in want])
+    for (i, _, _), footer in zip(want, data):
+        out[i] = f"cannot read its footer: {footer!r}" if isinstance(footer, BaseException) else footer
+    return out
+
+
+def _fields(schema, spec, path: str):
+    """The fields (sorted names) and their kinds, from the first file's schema."""
+    kinds = {name: column_kind(schema.field(name).type) for name in schema.names}
+    if spec.keys is not None:
+        unknown = [k for k in spec.keys if k not in kinds]
+        if unknown:
+            raise SpecError("keys", f"names among the Parquet columns {schema.names} of {path}", list(spec.keys))
+        unusable = {k: str(schema.field(k).type) for k in spec.keys if kinds[k] is None}
+        if unusable:
+            raise SpecError("keys", "columns of numbers, fixed-size lists of numbers, binary or strings "
+                                    f"(not {unusable})", list(spec.keys))
+        names = list(spec.keys)
+    else:
+        names = [k for k, kind in kinds.items() if kind is not None]
+        skipped = {k: str(schema.field(k).type) for k, kind in kinds.items() if kind is None}
+        if skipped:
+            warnings.warn(f"Parquet columns {skipped} of {path} are not read: dmdask reads numbers, fixed-size "
+                          "lists of numbers, binary and strings")
+        if not names:
+            raise SourceError(f"the Parquet files of {path} have no column dmdask can read: {skipped}")
+    fields = tuple(sorted(names))
+    if any(kinds[f] == "string" for f in fields) and not hasattr(getattr(np, "dtypes", None), "StringDType"):
+        raise SourceError(f"the string columns of {path} need numpy >= 2 (numpy.dtypes.StringDType)")
+    return fields, {f: kinds[f] for f in fields}
+
+
+def _check_and_list(files: List[str], metas: list, fields: Tuple[str, ...]) -> np.ndarray:
+    """Every file has the fields, with the first file's types; its non-empty row groups."""
+    first = metas[0].schema.to_arrow_schema()
+    rows = []
+    start = 0
+    for f, (path, meta) in enumerate(zip(files, metas)):
+        schema = meta.schema.to_arrow_schema()
+        where = f"{path} (samples {start}..{start + meta.num_rows - 1})"
+        for name in fields:
+            if name not in schema.names:
+                raise SourceError(f"{where} has no column {name!r}, which {files[0]} has; pass "
+                                  "Spec(keys=[...]) naming columns every file has")
+            if not schema.field(name).type.equals(first.field(name).type):
+                raise SourceError(f"column {name!r} of {where} is {schema.field(name).type}, but "
+                                  f"{first.field(name).type} in {files[0]}")
+        row = 0
+        for g in range(meta.num_row_groups):
+            count = meta.row_group(g).num_rows
+            if count:
+                rows.append((f, g, row, start + row, count))
+            row += count
+        start += row
+    return np.array(rows, dtype=[("file", "i8"), ("index", "i8"), ("row", "i8"), ("start", "i8"), ("rows", "i8")])
+
+
+def _block_len(url: str, groups: np.ndarray, n: int, asked: Optional[int]) -> int:
+    """The smallest number of rows B whose multiples below n all fall on row-group
+    boundaries (so every block is whole row groups), or `asked` if it is such a B."""
+    bounds = np.append(groups["start"], n)
+
+    def aligned(b: int) -> bool:
+        multiples = np.arange(b, n, b, dtype=np.int64)
+        at = np.searchsorted(bounds, multiples)
+        return bool(np.all(bounds[np.minimum(at, len(bounds) - 1)] == multiples))
+
+    smallest = next(int(b) for b in bounds[1:] if aligned(int(b)))
+    if asked is not None:
+        if not aligned(asked):
+            raise SpecError("block_size", f"a number of rows whose multiples fall on row-group boundaries of "
+                                          f"{url}, such as {smallest}", asked)
+        return asked
+    largest = int(groups["rows"].max())
+    if smallest > largest:
+        logger.warning("the row groups of %s do not line up into blocks of one row group: blocks are %d rows "
+                       "(row groups have up to %d)", url, smallest, largest)
+    return smallest
+
+
+# -- reading ---------------------------------------------------------------------------------
+class ParquetBlockReader(BlockReader):
+    """Reads the column chunks of one block's row groups (of its fields only), by range."""
+
+    def __init__(self, url: str, protocol: str, options: str, fields: Tuple[str, ...], parts: Tuple[FilePart, ...],
+                 identity: str, index: int, start: int, stop: int, nbytes: Optional[int]):
+        self.url, self.protocol, self.options, self.fields, self.parts = url, protocol, options, fields, parts
+        self.index, self.start, self.stop, self.nbytes = index, start, stop, nbytes
+        self.key = block_key(identity, index)
+
+    def _read(self) -> Dict[str, np.ndarray]:
+        pieces = [self._read_part(part) for part in self.parts]
+        out = {}
+        for name in self.fields:
+            values = [p[name] for p in pieces]
+            if values[0].dtype == object:
+                out[name] = np.empty(sum(len(v) for v in values), dtype=object)
+                out[name][:] = [x for v in values for x in v]
+            else:
+                out[name] = np.concatenate(values) if len(values) > 1 else values[0]
+        return out
+
+    def _read_part(self, part: FilePart) -> Dict[str, np.ndarray]:
+        pa, pq = pyarrow()
+        try:
+            meta = pq.read_metadata(pa.BufferReader(framed(part.footer)))
+            fs = filesystem(self.protocol, self.options)
+            with fs.open(part.path, "rb", block_size=READ_BLOCK, cache_type="none", size=part.size) as f:
+                table = pq.ParquetFile(f, metadata=meta, pre_buffer=False).read_row_groups(
+                    list(range(meta.num_row_groups)), columns=list(self.fields), use_threads=False)
+            if table.num_rows != part.rows[1] - part.rows[0]:
+                raise ValueError(f"read {table.num_rows} rows, expected {part.rows[1] - part.rows[0]}")
+            return {name: to_numpy(table.column(name), name) for name in self.fields}
+        except Exception as exc:
+            # The file and its rows in the message; the store's error stays the cause,
+            # so a transient one is still retried.
+            raise OSError(f"{part.path} (its rows {part.rows[0]}..{part.rows[1] - 1}): "
+                          f"{type(exc).__name__}: {exc}") from exc
