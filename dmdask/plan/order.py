@@ -22,7 +22,7 @@ index.
 from __future__ import annotations
 
 import operator
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import numpy as np
 
@@ -64,8 +64,8 @@ def _through_table(function, values: np.ndarray) -> np.ndarray:
     return function(np.arange(low, high + 1, dtype=np.int64))[values - low]
 
 
-def _round_keys(seed: int, epoch: int, salt: int, count: int) -> np.ndarray:
-    return np.random.SeedSequence([seed, epoch, salt]).generate_state(count, dtype=np.uint64)
+def _round_keys(seed: int, epoch: int, salt: int, count: int, stream: Sequence[int] = ()) -> np.ndarray:
+    return np.random.SeedSequence([seed, epoch, salt, *stream]).generate_state(count, dtype=np.uint64)
 
 
 class _Feistel:
@@ -136,14 +136,15 @@ class _Windows:
     short block. Its slot is found once, with the inverse block permutation.
     """
 
-    def __init__(self, num_samples: int, block_len: int, window_blocks: int, seed: int, epoch: int):
+    def __init__(self, num_samples: int, block_len: int, window_blocks: int, seed: int, epoch: int,
+                 stream: Sequence[int] = ()):
         self.block_len = block_len
         self.window_blocks = k = window_blocks
         self.num_blocks = -(-num_samples // block_len)
         self.window_len = k * block_len  # samples in a window of k whole blocks
         self.deficit = self.num_blocks * block_len - num_samples
-        self.blocks = _Feistel(self.num_blocks, _round_keys(seed, epoch, _BLOCK_SALT, ROUNDS))
-        keys = _round_keys(seed, epoch, _WINDOW_SALT, ROUNDS + 1)
+        self.blocks = _Feistel(self.num_blocks, _round_keys(seed, epoch, _BLOCK_SALT, ROUNDS, stream))
+        keys = _round_keys(seed, epoch, _WINDOW_SALT, ROUNDS + 1, stream)
         self._window_keys, self._tweak_salt = keys[:ROUNDS], keys[ROUNDS]
         last_block = np.array([self.num_blocks - 1], dtype=np.uint64)
         self.short_slot = int(self.blocks.backward(last_block)[0])
@@ -221,10 +222,14 @@ class EpochOrder:
     are shuffled and cut into windows of k consecutive blocks, and each window's samples are
     shuffled among themselves: a window's positions cover exactly the samples of its blocks,
     so a reader needs only k blocks at a time. k >= num_blocks is one window over all.
+
+    stream: further integers that select an unrelated order for the same (seed, epoch),
+    such as a source of a mixture and its pass (`dmdask.plan.mix`); () is the order of a
+    dataset read alone.
     """
 
     def __init__(self, num_samples: int, block_len: int, *, shuffle: bool, seed: int, epoch: int,
-                 shuffle_window: Optional[int] = None):
+                 shuffle_window: Optional[int] = None, stream: Sequence[int] = ()):
         self.num_samples = _check_int("num_samples", num_samples, 0)
         if self.num_samples >= 2**62:  # positions and ids are int64, with room for arithmetic
             raise ValueError(f"num_samples must be below 2**62, got {num_samples!r}")
@@ -235,13 +240,16 @@ class EpochOrder:
             shuffle_window = _check_int("shuffle_window", shuffle_window, 1)
         self.shuffle = bool(shuffle)
         self.shuffle_window = shuffle_window
+        self.stream = tuple(_check_int("stream", v, 0) for v in stream)
         self.num_blocks = -(-self.num_samples // self.block_len)
         self._whole: Optional[_Feistel] = None
         self._windows: Optional[_Windows] = None
         if self.shuffle and shuffle_window is None:
-            self._whole = _Feistel(self.num_samples, _round_keys(self.seed, self.epoch, _ORDER_SALT, ROUNDS))
+            self._whole = _Feistel(self.num_samples, _round_keys(self.seed, self.epoch, _ORDER_SALT, ROUNDS,
+                                                                 self.stream))
         elif self.shuffle and self.num_samples:
-            self._windows = _Windows(self.num_samples, self.block_len, shuffle_window, self.seed, self.epoch)
+            self._windows = _Windows(self.num_samples, self.block_len, shuffle_window, self.seed, self.epoch,
+                                     self.stream)
 
     def ids(self, positions: np.ndarray) -> np.ndarray:
         """int64 sample ids at the given positions (any int array), O(len(positions)) time and memory.
@@ -306,7 +314,8 @@ class EpochOrder:
 
     def __repr__(self) -> str:
         return (f"EpochOrder(num_samples={self.num_samples}, block_len={self.block_len}, shuffle={self.shuffle}, "
-                f"seed={self.seed}, epoch={self.epoch}, shuffle_window={self.shuffle_window})")
+                f"seed={self.seed}, epoch={self.epoch}, shuffle_window={self.shuffle_window}"
+                + (f", stream={self.stream}" if self.stream else "") + ")")
 
 
 class RankShare:

@@ -1,0 +1,201 @@
+"""The order of a mixture epoch: which source, and which of its samples, at each position.
+
+A mixture (`dmdask.Mix`) reads several sources in one epoch of `N` positions, source
+`i` taking exactly `counts[i]` of them (`apportion`: N in proportion to the weights,
+rounded by largest remainder). `MixOrder` maps each position to a *global id*,
+`offsets[i] + sample id` (the sources' sample ids laid end to end), so that everything
+that deals positions to ranks (`RankShare`, `dmdask.plan.elastic`) works unchanged.
+
+Guarantees:
+
+- A bijection from positions 0..N-1 to draws (source i, k), 0 <= k < counts[i]: every
+  draw of the epoch is at exactly one position.
+- Draws become samples in *passes*: source i's draws are numbered on across epochs
+  (draw k of epoch e is the source's draw e*counts[i] + k), and every run of n_i
+  consecutive draws (pass p = draw // n_i) is a permutation of the source's n_i samples
+  (`EpochOrder` of the source keyed by (seed, pass, source)). So within a pass no sample
+  repeats; a source drawn more often than it has samples starts new passes, one drawn
+  less often goes on with the same pass in the next epoch.
+- Spread: the epoch is cut into rounds of about `MIX_ROUND` positions; source i's draws
+  are spread over the rounds as evenly as integers allow (its draws before round r are
+  `floor((r * counts[i] + phase[i]) / rounds)`), and a source's draws come in order
+  from round to round (so a source read with a shuffle window keeps to its windows).
+  With shuffle=True the positions of a round are permuted (a keyed permutation per
+  round), with shuffle=False the sources take their turns in list order.
+- Everything is a function of (sizes, counts, block_lens, shuffle, seed, epoch,
+  shuffle_window) alone, in fixed-width integer arithmetic, O(S) time and memory per
+  position (S sources): nothing is materialised over the epoch.
+"""
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .order import ROUNDS, EpochOrder, _check_int, _Feistel, _mix64, _round_keys
+
+MIX_ROUND = 64  # positions per round of the mixture (about): the span over which the weights hold exactly
+_MAX_ROUNDS = 1 << 31  # keeps r * (count % rounds) within int64
+_MIX_SALT = 0x6D69786564  # "mixed": keys of the in-round permutations
+_ORDERS_KEPT = 64  # (source, pass) orders kept between calls
+_PIECE = 1 << 20  # sources x positions evaluated at a time
+
+
+def apportion(total: int, weights: Sequence) -> List[int]:
+    """`total` split in proportion to `weights` (non-negative numbers, positive sum):
+    each gets the integer part of its exact quota, and the units left go to the largest
+    remainders (ties: the first). Exact (rational arithmetic), so the same everywhere; a
+    zero weight gets 0, and quotas that are whole numbers are met exactly."""
+    total = _check_int("total", total, 0)
+    exact = [Fraction(w) for w in weights]
+    if not exact or any(w < 0 for w in exact) or sum(exact) <= 0:
+        raise ValueError(f"weights must be non-negative with a positive sum, got {list(weights)!r}")
+    whole = sum(exact)
+    quotas = [total * w / whole for w in exact]
+    counts = [q.numerator // q.denominator for q in quotas]
+    left = total - sum(counts)
+    by_remainder = sorted(range(len(quotas)), key=lambda i: (-(quotas[i] - counts[i]), i))
+    for i in by_remainder[:left]:
+        counts[i] += 1
+    return counts
+
+
+class MixOrder:
+    """Positions 0..N-1 of one mixture epoch -> global ids (see the module's guarantees).
+
+    sizes: samples of each source (>= 1); counts: its draws this epoch (>= 0, N = their
+    sum); block_lens: each source's block length (for its shuffle window).
+    """
+
+    def __init__(self, sizes: Sequence[int], counts: Sequence[int], block_lens: Sequence[int], *, shuffle: bool,
+                 seed: int, epoch: int, shuffle_window: Optional[int] = None):
+        self.sizes = [_check_int("size", n, 1) for n in sizes]
+        self.counts = [_check_int("count", c, 0) for c in counts]
+        self.block_lens = [_check_int("block_len", b, 1) for b in block_lens]
+        if not self.sizes or not len(self.sizes) == len(self.counts) == len(self.block_lens):
+            raise ValueError("sizes, counts and block_lens must be non-empty lists of one length, got "
+                             f"{len(self.sizes)}, {len(self.counts)} and {len(self.block_lens)}")
+        self.num_samples = n = sum(self.counts)
+        if n >= 2**62 or sum(self.sizes) >= 2**62:
+            raise ValueError("a mixture must have fewer than 2**62 positions and samples")
+        self.shuffle = bool(shuffle)
+        self.seed = _check_int("seed", seed, 0)
+        self.epoch = _check_int("epoch", epoch, 0)
+        self.shuffle_window = shuffle_window
+        self.offsets = np.cumsum([0] + self.sizes).astype(np.int64)  # global id of each source's sample 0
+        s = len(self.sizes)
+        round_len = max(MIX_ROUND, -(-n // _MAX_ROUNDS))
+        self.num_rounds = q = max(1, -(-n // round_len))
+        self._whole = np.array([c // q for c in self.counts], dtype=np.int64)[:, None]
+        self._part = np.array([c % q for c in self.counts], dtype=np.int64)[:, None]
+        self._phase = np.array([i * q // s for i in range(s)], dtype=np.int64)[:, None]
+        keys = _round_keys(self.seed, self.epoch, _MIX_SALT, ROUNDS + 1)
+        self._keys, self._tweak_salt = keys[:ROUNDS], keys[ROUNDS]
+        # where this epoch's draws start in each source's passes: (pass, draw in it)
+        self._start = [divmod(self.epoch * c, size) for c, size in zip(self.counts, self.sizes)]
+        self._orders: Dict[Tuple[int, int], EpochOrder] = {}
+
+    # -- positions -> draws ---------------------------------------------------------------
+    def draws_before(self, rounds: np.ndarray) -> np.ndarray:
+        """(S, len(rounds)) int64: each source's draws in the rounds before these."""
+        return rounds * self._whole + (rounds * self._part + self._phase) // self.num_rounds
+
+    def draws(self, positions) -> Tuple[np.ndarray, np.ndarray]:
+        """(source, k) of each position: the k-th draw of that source in this epoch."""
+        flat = self._checked(positions)
+        sources = np.empty(len(flat), dtype=np.int64)
+        ks = np.empty(len(flat), dtype=np.int64)
+        piece = max(1, _PIECE // len(self.sizes))
+        for at in range(0, len(flat), piece):
+            sources[at:at + piece], ks[at:at + piece] = self._draws(flat[at:at + piece])
+        shape = np.shape(positions)
+        return sources.reshape(shape), ks.reshape(shape)
+
+    def _draws(self, p: np.ndarray):
+        n, q = self.num_samples, self.num_rounds
+        r = np.clip((p * (q / n)).astype(np.int64), 0, q - 1)  # about right; corrected below
+        while True:
+            ahead = self.draws_before(r + 1).sum(axis=0) <= p
+            if not ahead.any():
+                break
+            r += ahead
+        while True:
+            behind = self.draws_before(r).sum(axis=0) > p
+            if not behind.any():
+                break
+            r -= behind
+        before = self.draws_before(r)
+        per_source = self.draws_before(r + 1) - before  # this round's draws of each source
+        slot = p - before.sum(axis=0)
+        if self.shuffle:
+            slot = self._permute_in_round(r, slot, per_source.sum(axis=0))
+        ends = np.cumsum(per_source, axis=0)  # a round's slots: source 0's, then source 1's, ...
+        sources = (ends <= slot).sum(axis=0)
+        column = np.arange(len(p))
+        ks = before[sources, column] + slot - (ends[sources, column] - per_source[sources, column])
+        return sources, ks
+
+    def _permute_in_round(self, rounds, slots, sizes):
+        tweaks = _mix64(rounds.astype(np.uint64) ^ self._tweak_salt)
+        out = np.empty_like(slots)
+        for size in np.unique(sizes).tolist():  # at most S + 1 round lengths
+            chosen = np.flatnonzero(sizes == size)
+            network = _Feistel(size, self._keys)
+            out[chosen] = network.forward(slots[chosen].astype(np.uint64), tweaks[chosen]).astype(np.int64)
+        return out
+
+    # -- draws -> samples ------------------------------------------------------------------
+    def ids(self, positions) -> np.ndarray:
+        """int64 global ids at these positions: offsets[source] + the sample id in it."""
+        sources, ks = self.draws(positions)
+        flat_sources, flat_ks = sources.ravel(), ks.ravel()
+        out = np.empty(len(flat_ks), dtype=np.int64)
+        for source in np.unique(flat_sources).tolist():
+            chosen = np.flatnonzero(flat_sources == source)
+            out[chosen] = self.offsets[source] + self.samples(source, flat_ks[chosen])
+        return out.reshape(sources.shape)
+
+    def samples(self, source: int, ks: np.ndarray) -> np.ndarray:
+        """The sample ids (in the source) of its draws `ks` of this epoch."""
+        size = self.sizes[source]
+        first_pass, first_draw = self._start[source]
+        passes, in_pass = np.divmod(first_draw + np.asarray(ks, dtype=np.int64), size)
+        out = np.empty(len(in_pass), dtype=np.int64)
+        for extra in np.unique(passes).tolist():
+            chosen = np.flatnonzero(passes == extra)
+            out[chosen] = self.order(source, first_pass + extra).ids(in_pass[chosen])
+        return out
+
+    def order(self, source: int, pass_: int) -> EpochOrder:
+        """The order of a pass over a source: its own permutation of the source's samples."""
+        key = (source, pass_)
+        found = self._orders.get(key)
+        if found is None:
+            if len(self._orders) >= _ORDERS_KEPT:
+                self._orders.pop(next(iter(self._orders)))
+            found = self._orders[key] = EpochOrder(
+                self.sizes[source], self.block_lens[source], shuffle=self.shuffle, seed=self.seed, epoch=pass_,
+                shuffle_window=self.shuffle_window, stream=(_MIX_SALT, source))
+        return found
+
+    def split(self, ids) -> Tuple[np.ndarray, np.ndarray]:
+        """(source, sample id in it) of global ids."""
+        ids = np.asarray(ids, dtype=np.int64)
+        sources = np.searchsorted(self.offsets, ids, side="right") - 1
+        return sources, ids - self.offsets[sources]
+
+    def _checked(self, positions) -> np.ndarray:
+        array = np.asarray(positions)
+        if array.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        if not np.issubdtype(array.dtype, np.integer):
+            raise ValueError(f"positions must be integers, got an array of {array.dtype}")
+        low, high = array.min(), array.max()
+        if low < 0 or high >= self.num_samples:
+            raise IndexError(f"position {low if low < 0 else high} is outside 0..{self.num_samples - 1}")
+        return array.astype(np.int64, copy=False).ravel()
+
+    def __repr__(self) -> str:
+        return (f"MixOrder(sizes={self.sizes}, counts={self.counts}, shuffle={self.shuffle}, seed={self.seed}, "
+                f"epoch={self.epoch}, shuffle_window={self.shuffle_window})")
