@@ -15,14 +15,14 @@ from .client import BatchIterator, batches, release
 from .cluster import LocalCluster
 from .errors import (BlockReadError, DmdaskError, NoWorkersError, NotADmdaskWorker, SchedulerLostError,
                      SourceError, SourceNotFoundError, SpecError, TransformError)
-from .spec import Spec, TransformContext, per_sample, transform_context
+from .spec import Mix, Spec, TransformContext, per_sample, transform_context
 from .stats import stats
 from .worker import Worker
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "BatchIterator", "BlockReadError", "DmdaskError", "LocalCluster", "NoWorkersError", "NotADmdaskWorker",
+    "BatchIterator", "BlockReadError", "DmdaskError", "LocalCluster", "Mix", "NoWorkersError", "NotADmdaskWorker",
     "SchedulerLostError", "SourceError", "SourceNotFoundError", "Spec", "SpecError", "TransformContext",
     "TransformError", "Worker", "batches", "per_sample", "release", "stats", "transform_context",
 ]

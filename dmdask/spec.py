@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
 import os
 import pickle
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
@@ -30,6 +31,7 @@ class Spec:
         `.tar` files, a `.tar` URL, or a brace pattern such as
         `train-{000000..000099}.tar`); a local path or any fsspec URL. A list of shard
         URLs (paths or URLs) is kept as a tuple and read as WebDataset shards in that order.
+        A `dmdask.Mix` of several sources reads them as one weighted mixture.
     batch_size: samples per batch (>= 1).
     shuffle: a seeded permutation per epoch (True) or the stored order (False).
     seed: seed of the permutation; the same seed and epoch give the same order on
@@ -56,7 +58,7 @@ class Spec:
     storage_options: passed to fsspec when opening the source.
     """
 
-    source: Union[str, Sequence[str]]
+    source: Union[str, Sequence[str], "Mix"]
     batch_size: int
     shuffle: bool = True
     seed: int = 0
@@ -88,6 +90,9 @@ class Spec:
             if len(self.keys) == 0 or "index" in self.keys:
                 raise SpecError("keys", "a non-empty list without the reserved name 'index'", self.keys)
             object.__setattr__(self, "keys", tuple(self.keys))
+        if isinstance(self.source, Mix) and self.keys is not None and "source" in self.keys:
+            raise SpecError("keys", "names without 'source', which a mixture's batches use for the source "
+                            "index", self.keys)
         if self.transform is not None:
             if not callable(self.transform):
                 raise SpecError("transform", "a callable dict -> dict", self.transform)
@@ -107,9 +112,11 @@ class Spec:
 
 def as_source(source):
     """`source` as a `str`, or a list of shard URLs as a tuple of `str` (path-like
-    objects become strings); `SpecError` unless it is a non-empty path or URL, or a
-    non-empty list of them."""
-    allowed = "a non-empty path or fsspec URL, or a non-empty list of shard paths or URLs"
+    objects become strings), or a `Mix` as it is; `SpecError` unless it is a non-empty
+    path or URL, or a non-empty list of them."""
+    allowed = "a non-empty path or fsspec URL, or a non-empty list of shard paths or URLs, or a dmdask.Mix"
+    if isinstance(source, Mix):
+        return source
     if isinstance(source, (list, tuple)):
         shards = tuple(os.fspath(s) if isinstance(s, os.PathLike) else s for s in source)
         if not shards or not all(isinstance(s, str) and s for s in shards):
@@ -120,6 +127,100 @@ def as_source(source):
     if not isinstance(source, str) or not source:
         raise SpecError("source", allowed, source)
     return source
+
+
+@dataclasses.dataclass(frozen=True)
+class Mix:
+    """Several sources read as one weighted mixture: `Spec(source=dmdask.Mix(...), ...)`.
+
+        spec = dmdask.Spec(source=dmdask.Mix(["/data/web.zarr", "/data/books.zarr"], weights=[0.7, 0.3]),
+                           batch_size=256)
+
+    Each batch then also holds "source" (int64: the position of each sample's source in
+    `sources`), and "index" is the sample id within that source. What an epoch is:
+
+    - it has `epoch_size` positions (default: the sum of the sources' sizes), and source
+      i takes exactly `epoch_size * weights[i] / sum(weights)` of them (rounded by
+      largest remainder; default weights: the sources' sizes, which makes an epoch one
+      pass over every source, shuffled together);
+    - the positions of a source are spread evenly over the epoch (exact proportions in
+      every run of about 64 positions), at random within such a run (`Spec.shuffle`);
+    - a source is read in passes: each pass is a permutation of all its samples (from
+      the seed, the pass and the source), so within a pass no sample repeats; passes go
+      on from one epoch to the next (a source drawn less than its size per epoch is
+      covered over several epochs, one drawn more starts new passes within an epoch);
+    - the positions are dealt to the ranks as those of a single source (exactly once
+      over the ranks, `resume=` and elastic resume alike).
+
+    sources: a list of sources, each as `Spec.source` takes one (a path or URL, or a list
+        of WebDataset shard URLs), or a `Spec` whose `source`, `keys`, `block_size` and
+        `storage_options` are used (its other fields are not; it may have no transform).
+        Plain sources take those three from the mixture's `Spec`. Every source must give
+        the same fields with the same dtypes and sample shapes (`keys=` selects them).
+        Each source is a dataset of its own in the cluster: cached, shared with any
+        other job that reads it, and released (`dmdask.release`) as one.
+    weights: non-negative numbers with a positive sum, one per source (a zero weight
+        leaves its source out); None: in proportion to the sources' sizes.
+    epoch_size: positions per epoch (>= 1); None: the sum of the sources' sizes.
+    """
+
+    sources: Sequence[Any]
+    weights: Optional[Sequence[float]] = None
+    epoch_size: Optional[int] = None
+
+    def __post_init__(self):
+        allowed = ("a non-empty list of sources: paths or URLs, lists of shard URLs, or Specs (of one source "
+                   "each, without a transform)")
+        if isinstance(self.sources, (str, os.PathLike, Mix, Spec)) or not isinstance(self.sources, Sequence) \
+                or not len(self.sources):
+            raise SpecError("source", allowed, self.sources)
+        sources = []
+        for source in self.sources:
+            if isinstance(source, Spec):
+                if isinstance(source.source, Mix) or source.transform is not None:
+                    raise SpecError("source", allowed + "; a mixture inside a mixture, and a transform of one "
+                                    "source, are not supported", source)
+            elif isinstance(source, Mix):
+                raise SpecError("source", allowed + "; a mixture inside a mixture is not supported", source)
+            else:
+                source = as_source(source)
+            sources.append(source)
+        object.__setattr__(self, "sources", tuple(sources))
+        if self.weights is not None:
+            object.__setattr__(self, "weights", _as_weights(self.weights, len(sources)))
+        if self.epoch_size is not None:
+            object.__setattr__(self, "epoch_size", as_int("epoch_size", self.epoch_size, low=1))
+
+    def specs(self, spec: "Spec") -> list:
+        """One `Spec` per source, for the mixture `spec`: its own fields with the source's
+        (and, for a `Spec` source, its keys, block size and storage options); no transform."""
+        out = []
+        for source in self.sources:
+            if isinstance(source, Spec):
+                out.append(spec.replace(source=source.source, keys=source.keys, block_size=source.block_size,
+                                        storage_options=source.storage_options, transform=None))
+            else:
+                out.append(spec.replace(source=source, transform=None))
+        return out
+
+
+def _as_weights(weights, count: int) -> tuple:
+    """`weights` as a tuple of Python numbers; `SpecError` unless there are `count`
+    finite non-negative ones with a positive sum."""
+    allowed = f"{count} finite numbers >= 0 (one per source) with a positive sum"
+    if isinstance(weights, (str, bytes, Mapping)) or not isinstance(weights, (Sequence, np.ndarray)):
+        raise SpecError("weights", allowed, weights)
+    out = []
+    for w in weights:
+        if isinstance(w, (bool, np.bool_)) or not isinstance(w, (int, float, np.integer, np.floating)):
+            raise SpecError("weights", allowed, list(weights))
+        w = int(w) if isinstance(w, (int, np.integer)) else float(w)
+        if not math.isfinite(w) or w < 0:
+            raise SpecError("weights", allowed, list(weights))
+        out.append(w)
+    if len(out) != count or sum(out) <= 0:
+        raise SpecError("weights", allowed, list(weights))
+    return tuple(out)
 
 
 def as_int(name: str, value, low: int, high: Optional[int] = None, hint: str = "") -> int:

@@ -12,6 +12,7 @@ from ..errors import NotADmdaskWorker
 from ..plan.order import EpochOrder
 from ..scheduler import DatasetsPlugin
 from ..source import DatasetInfo, Source, dataset_name, open_source
+from ..spec import Mix
 from ..worker import load_block
 
 _registered: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # client -> scheduler address
@@ -68,6 +69,10 @@ def _create(client: Client, name: str, source: Source, spec, epoch: int, claiman
 def release(client: Client, spec) -> bool:
     """Drop the cluster's cache of `spec.source`: its blocks leave RAM and SSD now (an
     iterator still reading it fails with `NotADmdaskWorker`), and the next `batches`
-    lists and reads the source afresh. True if the cluster held it."""
+    lists and reads the source afresh. True if the cluster held it. For a `dmdask.Mix`,
+    every source of the mixture (True if the cluster held any)."""
     ensure_plugin(client)
+    if isinstance(spec.source, Mix):
+        held = [_call(client, "dmdask_release", name=dataset_name(s)) for s in spec.source.specs(spec)]
+        return any(held)
     return _call(client, "dmdask_release", name=dataset_name(spec))

@@ -203,10 +203,10 @@ class Gatherer:
     """Assembles groups of batches for one iterator; counts the rows it took from
     workers' files itself and reports them to those workers (`flush_hits`)."""
 
-    def __init__(self, client, my_host: Optional[str], local: LocalArenas):
+    def __init__(self, client, my_host: Optional[str], arenas: Dict[str, LocalArenas]):
         self.client = client
         self.my_host = my_host
-        self.local = local
+        self.arenas = arenas  # dataset identity -> its blocks in arenas on this host (a mixture has several)
         self.hits: Dict[str, Dict[str, List[int]]] = _counters()
         self._hits_lock = threading.Lock()
         self._last_flush = time.monotonic()
@@ -219,8 +219,9 @@ class Gatherer:
 
     def _remember(self, holder: str, key: str, description: dict) -> None:
         parsed = parse_block_key(key)
-        if parsed is not None and parsed[1] < len(self.local.arena_of):
-            self.local.remember(holder, parsed[1], description)
+        local = self.arenas.get(parsed[0]) if parsed is not None else None
+        if local is not None and parsed[1] < len(local.arena_of):
+            local.remember(holder, parsed[1], description)
 
     async def gather(self, plan: Dict[str, Dict[str, np.ndarray]], positions: Dict[str, np.ndarray],
                      n: int) -> Dict[str, np.ndarray]:
@@ -288,7 +289,8 @@ class Gatherer:
                 if "arena" in description:
                     for path, _, _ in description["arena"].values():
                         ArenaMaps.shared.forget(path)
-                    self.local.forget()
+                    for local in self.arenas.values():
+                        local.forget()
                 raise Moved(keys) from None
             parts.append((where, arrays))
             self.count(holder, description["tier"], len(rows),

@@ -31,13 +31,15 @@ from distributed.protocol.serialize import to_serialize
 from ..errors import BlockReadError, NotADmdaskWorker, NoWorkersError, SchedulerLostError, SpecError
 from ..plan.elastic import remaining
 from ..plan.order import ORDER_VERSION, EpochOrder, RankShare
-from ..spec import Spec, as_int, dumps_transform
+from ..spec import Mix, Spec, as_int, dumps_transform
 from ..worker.results import map_batches
 from .datasets import open_dataset
 from .gather import Gatherer, LocalArenas, Moved, copier, split_batches
+from .mixture import MixedInfo, check_fields_match, take_mixed
 from .progress import make as _make_progress
 
 logger = logging.getLogger(__name__)
+_matching_mixtures: set = set()  # (identity, fields) of mixtures whose sources' rows were found to match
 
 # what a resume state must share with the iterator it resumes (rank, world and batch size may differ)
 STATE_FIELDS = ("identity", "epoch", "seed", "shuffle", "shuffle_window", "drop_last")
@@ -51,7 +53,10 @@ def batches(client: Client, spec: Spec, epoch: int = 0, resume: Optional[dict] =
     """An iterator over this rank's batches of one epoch.
 
     Each batch is a dict of numpy arrays, one per field of the source, plus "index": the
-    global sample ids (int64) of its rows. Across `spec.world_size` ranks every sample of
+    global sample ids (int64) of its rows. For a mixture (`Spec(source=dmdask.Mix(...))`)
+    also "source" (int64, the index of each row's source in the mixture), and "index"
+    holds the ids within those sources; what the ranks share is then the epoch's
+    positions (`dmdask.Mix`). Across `spec.world_size` ranks every sample of
     the epoch is delivered exactly once. `resume` takes a `state_dict()` of an earlier
     iterator of the same spec and epoch and continues right after its last batch; or
     the list of every rank's `state_dict()` from a run of another world size (or batch
@@ -92,31 +97,45 @@ class BatchIterator:
         self.client = client
         self.spec = spec
         self.epoch = epoch
-        self.info = info = open_dataset(client, spec, epoch)
-        if info.num_samples < spec.world_size:
-            raise SpecError("world_size", f"at most the {info.num_samples} samples of {spec.source}",
+        self._mixed: Optional[MixedInfo] = None  # the sources of a mixture, as one dataset of global ids
+        if isinstance(spec.source, Mix):
+            self.info = info = self._mixed = MixedInfo(
+                spec.source, [open_dataset(client, s, epoch) for s in spec.source.specs(spec)])
+            self._order = info.order(shuffle=spec.shuffle, seed=spec.seed, epoch=epoch,
+                                     shuffle_window=spec.shuffle_window)
+        else:
+            self.info = info = open_dataset(client, spec, epoch)
+            self._order = EpochOrder(info.num_samples, info.block_len, shuffle=spec.shuffle, seed=spec.seed,
+                                     epoch=epoch, shuffle_window=spec.shuffle_window)
+        positions = self._order.num_samples  # of the epoch (a mixture's differ from its samples)
+        if positions < spec.world_size:
+            raise SpecError("world_size", f"at most the {positions} samples of an epoch of {spec.source}",
                             spec.world_size)
-        self._order = EpochOrder(info.num_samples, info.block_len, shuffle=spec.shuffle, seed=spec.seed,
-                                 epoch=epoch, shuffle_window=spec.shuffle_window)
         self._history: List[dict] = []  # generations of ranks before this one in the epoch (elastic resume)
         self._position = 0
         if resume is not None:
             self._history, self._position = self._resume_point(resume)
         self._batches = self._share(spec.rank, spec.world_size, spec.batch_size, self._history)
         if spec.drop_last and not len(self._batches) and not self._history:
-            raise SpecError("batch_size", f"at most {info.num_samples // spec.world_size} with "
+            raise SpecError("batch_size", f"at most {positions // spec.world_size} with "
                             f"drop_last=True and world_size={spec.world_size}", spec.batch_size)
         self._next_request = self._first_position = self._position
         self._in_flight: Deque = deque()  # concurrent futures, each of a list of batches
         self._ready_batches: Deque = deque()
         self._holders: Dict[str, str] = {}  # block key -> a worker holding it
-        self._local = LocalArenas.of(info.identity, info.num_samples, info.block_len)
-        self._local.forget_if_gone()
-        self._gatherer = Gatherer(client, _my_host(client), self._local)
+        datasets = info.sources if self._mixed is not None else [info]
+        self._locals = [LocalArenas.of(d.identity, d.num_samples, d.block_len) for d in datasets]
+        self._local = self._locals[0]
+        for local in self._locals:
+            local.forget_if_gone()
+        self._gatherer = Gatherer(client, _my_host(client), {d.identity: a for d, a in zip(datasets, self._locals)})
         self._worker: Optional[str] = None
         self._transform = dumps_transform(spec.transform)
-        self._warm = self._transform is None and self._local.knows(np.arange(info.num_blocks))
+        self._warm = self._transform is None and all(a.knows(np.arange(d.num_blocks))
+                                                     for d, a in zip(datasets, self._locals))
         self._loop = client.loop.asyncio_loop
+        if self._mixed is not None:
+            self._check_mixed_rows()
         self.wait_seconds = 0.0  # time the consumer spent waiting for batches
         self.requests = 0  # requests sent to the local worker
         # several batches a request, up to REQUEST_BYTES, keeping two requests in flight
@@ -190,7 +209,11 @@ class BatchIterator:
     def _copy_known(self, first: int, stop: int) -> list:
         """In the copier thread: the group's ids, then its rows from the arenas."""
         try:
-            out = self._local.take(self._batches.batches(first, stop), self._gatherer.count)
+            group = self._batches.batches(first, stop)
+            if self._mixed is not None:
+                out = take_mixed(self._mixed, self._locals, group, self._gatherer.count)
+            else:
+                out = self._local.take(group, self._gatherer.count)
         except Moved:  # released or moved since it was known: locate the blocks again
             self._warm = False
             return asyncio.run_coroutine_threadsafe(self._fetch(first, stop), self._loop).result()
@@ -233,7 +256,7 @@ class BatchIterator:
 
     def _share(self, rank: int, world_size: int, batch_size: int, history: List[dict]) -> RankShare:
         """A rank's share of what the generations in `history` left of the epoch."""
-        left = remaining(self.info.num_samples, history) if history else None
+        left = remaining(self._order.num_samples, history) if history else None
         return RankShare(self._order, rank, world_size, batch_size, self.spec.drop_last, left)
 
     def _resume_point(self, resume) -> tuple:
@@ -312,8 +335,7 @@ class BatchIterator:
         the mapped files, others one request per holder); with one, by the local worker."""
         group = self._batches.batches(first, stop)
         ids = np.concatenate(group)
-        blocks = self.info.block_of(ids)
-        offsets = ids - blocks * self.info.block_len
+        blocks, offsets = self.info.locate(ids)
         keys = {int(k): self.info.block_key(int(k)) for k in np.unique(blocks)}
         last_error: Optional[BaseException] = None
         recovery = float(dask.config.get("dmdask.client.recovery-seconds"))
@@ -331,7 +353,8 @@ class BatchIterator:
                 if self._transform is None:  # assembled here: local rows straight from the files
                     arrays = await self._gatherer.gather(plan, positions, len(ids))
                     self._gatherer.flush_hits_every(HITS_SECONDS)
-                    return split_batches(arrays, ids, [len(b) for b in group])
+                    index, extra = self._index(ids)
+                    return split_batches({**arrays, **extra}, index, [len(b) for b in group])
                 return await self._from_local_worker(plan, positions, ids, group, isolate)
             except BlockReadError:
                 raise
@@ -377,8 +400,9 @@ class BatchIterator:
         isolate: the worker runs the transform in a process of its own (after a worker
         loss), so a transform that kills its process fails its batch, not another worker."""
         worker = await self._local_worker()
-        msg = {"requests": plan, "positions": positions, "index": ids, "sizes": [len(b) for b in group],
-               "fields": list(self.info.fields), "transform": self._transform,
+        index, extra = self._index(ids)
+        msg = {"requests": plan, "positions": positions, "index": index, "extra": extra,
+               "sizes": [len(b) for b in group], "fields": list(self.info.fields), "transform": self._transform,
                "context": {"epoch": self.epoch, "seed": self.spec.seed},  # dmdask.transform_context()
                "same_host": _host(worker) == _my_host(self.client), "isolate": isolate}
         reply = await self.client.rpc(worker).dmdask_batch(msg=to_serialize(msg))
@@ -387,6 +411,53 @@ class BatchIterator:
         # written into the worker's shared memory: mapped, not copied
         batches = map_batches(reply["shared"]) if "shared" in reply else list(reply["batches"])
         return batches + [reply["error"]] if reply.get("error") is not None else batches
+
+    def _index(self, ids: np.ndarray) -> tuple:
+        """A group's "index" and its other fields not read from blocks: the ids as they
+        are; for a mixture, the ids within their sources and "source"."""
+        return (ids, {}) if self._mixed is None else self._mixed.batch_fields(ids)
+
+    def _check_mixed_rows(self) -> None:
+        """A mixture's batches mix the rows of its sources: `SpecError` now, before any
+        batch, unless their fields have the same dtypes and sample shapes (one row of
+        each source drawn is compared, once per process and mixture)."""
+        key = (self.info.identity, self.info.fields)
+        if key in _matching_mixtures:
+            return
+        rows = asyncio.run_coroutine_threadsafe(self._first_rows(), self._loop).result()
+        check_fields_match(self._mixed, rows)
+        _matching_mixtures.add(key)
+
+    async def _first_rows(self) -> list:
+        """The first row of every source drawn in an epoch (None for the others)."""
+        out: list = []
+        recovery = float(dask.config.get("dmdask.client.recovery-seconds"))
+        for info, count in zip(self._mixed.sources, self._mixed.counts):
+            if not count:
+                out.append(None)
+                continue
+            key = info.block_key(0)
+            deadline = time.monotonic() + recovery
+            while True:
+                await self._check_scheduler()
+                try:
+                    holder = (await self._holders_of([key])).get(key)
+                    if holder is not None:
+                        first_row = {key: np.zeros(1, dtype=np.int64)}
+                        reply = await self.client.rpc(holder).dmdask_rows(msg=to_serialize(first_row))
+                        if reply["status"] == "OK":
+                            out.append(reply["rows"])
+                            break
+                except BlockReadError:
+                    raise
+                except (OSError, CommClosedError):  # its holder left: ask again
+                    pass
+                self._holders.pop(key, None)
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the first block of {info.url} is still not available after {recovery:.0f} s "
+                                       "(dmdask.client.recovery-seconds)")
+                await asyncio.sleep(0.1)
+        return out
 
     async def _fetch_one_by_one(self, first: int, stop: int) -> list:
         """After a failed group: its batches one at a time, up to the failing one, then

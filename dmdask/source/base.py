@@ -64,6 +64,11 @@ class DatasetInfo:
         """The block index of each sample id."""
         return np.asarray(sample_ids, dtype=np.int64) // self.block_len
 
+    def locate(self, sample_ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """(block index, row in that block) of each sample id."""
+        blocks = self.block_of(sample_ids)
+        return blocks, np.asarray(sample_ids, dtype=np.int64) - blocks * self.block_len
+
     def block_key(self, k: int) -> str:
         return block_key(self.identity, k)
 

@@ -260,8 +260,9 @@ class BlockCache:
         """RPC `dmdask_batch`: gather consecutive batches from their holders, in batch order.
 
         msg: "requests" holder -> block key -> rows; "positions" holder -> where its rows
-        go in the group; "index", "sizes" (batch lengths), "fields", "transform", and
-        "context" ({"epoch", "seed"}: what `dmdask.transform_context()` gives the transform)."""
+        go in the group; "index", "sizes" (batch lengths), "fields", "transform",
+        "context" ({"epoch", "seed"}: what `dmdask.transform_context()` gives the transform),
+        and optionally "extra": more fields of the group, given whole (a mixture's "source")."""
         requests: Dict[str, Dict[str, np.ndarray]] = msg["requests"]
         me = self.worker.address
 
@@ -286,6 +287,7 @@ class BlockCache:
             for holder, rows in zip(requests, replies):
                 out[msg["positions"][holder]] = rows[f]
             group[f] = out
+        group.update(msg.get("extra") or {})
         group["index"] = index
         bounds = np.cumsum([0] + list(msg["sizes"]))
         batches = [{f: v[a:b] for f, v in group.items()} for a, b in zip(bounds[:-1], bounds[1:])]

@@ -1,0 +1,127 @@
+"""A weighted mixture of datasets (`dmdask.Mix`) as the iterator sees it: one dataset.
+
+Each source is a dataset of its own in the cluster (opened, cached, bounded and released
+as when read alone); `MixedInfo` lays their sample ids end to end (global id = the
+source's offset + its sample id) and numbers their blocks the same way, so the
+iterator plans, fetches and deals a mixture with the code of a single dataset. Batches
+then get "source" (which source each row came from) and "index" back in the source's
+own ids (`batch_fields`).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
+from dask.base import tokenize
+
+from ..errors import SpecError
+from ..plan.mix import MixOrder, apportion
+from ..source import DatasetInfo
+from ..spec import Mix
+from .gather import LocalArenas, split_batches
+from .memory import empty_batch
+
+SOURCE_FIELD = "source"  # the batch field that holds each row's source index
+
+
+class MixedInfo:
+    """The sources of a mixture as one dataset of global ids (source after source).
+
+    sources: each source's `DatasetInfo`, in `Mix.sources` order; counts: the draws of
+    each source per epoch (`dmdask.plan.mix.apportion` of the epoch size by the weights);
+    identity: a token of the sources' identities and counts (what a resume state must share).
+    """
+
+    def __init__(self, mix: Mix, sources: Sequence[DatasetInfo]):
+        self.mix = mix
+        self.sources = tuple(sources)
+        self.sizes = [s.num_samples for s in self.sources]
+        self.fields = _common_fields(self.sources)
+        self.epoch_size = mix.epoch_size or sum(self.sizes)
+        self.counts = apportion(self.epoch_size, mix.weights if mix.weights is not None else self.sizes)
+        self.offsets = np.cumsum([0] + self.sizes).astype(np.int64)
+        self.block_offsets = np.cumsum([0] + [s.num_blocks for s in self.sources]).astype(np.int64)
+        self._block_lens = np.array([s.block_len for s in self.sources], dtype=np.int64)
+        self.identity = "mix-" + tokenize([s.identity for s in self.sources], self.counts)[:16]
+        self.name = self.identity
+        self.url = " + ".join(s.url for s in self.sources)
+        self.num_samples = int(self.offsets[-1])  # of the global ids, not the positions of an epoch
+        self.num_blocks = int(self.block_offsets[-1])
+        sizes = [s.nbytes for s in self.sources]
+        self.nbytes = None if any(n is None for n in sizes) else sum(sizes)
+
+    def order(self, *, shuffle: bool, seed: int, epoch: int, shuffle_window=None) -> MixOrder:
+        return MixOrder(self.sizes, self.counts, [s.block_len for s in self.sources], shuffle=shuffle, seed=seed,
+                        epoch=epoch, shuffle_window=shuffle_window)
+
+    def split(self, ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """(source index, sample id in that source) of global ids."""
+        ids = np.asarray(ids, dtype=np.int64)
+        sources = np.searchsorted(self.offsets, ids, side="right") - 1
+        return sources, ids - self.offsets[sources]
+
+    def locate(self, ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """(global block number, row in that block) of global ids."""
+        sources, local = self.split(ids)
+        blocks = local // self._block_lens[sources]
+        return blocks + self.block_offsets[sources], local - blocks * self._block_lens[sources]
+
+    def block_key(self, k: int) -> str:
+        source = int(np.searchsorted(self.block_offsets, k, side="right") - 1)
+        return self.sources[source].block_key(k - int(self.block_offsets[source]))
+
+    def batch_fields(self, ids: np.ndarray) -> Tuple[np.ndarray, Dict[str, np.ndarray]]:
+        """A group's "index" (ids in their sources) and extra fields ("source") from its global ids."""
+        sources, index = self.split(ids)
+        return index, {SOURCE_FIELD: sources}
+
+
+def _common_fields(sources: Sequence[DatasetInfo]) -> Tuple[str, ...]:
+    """The fields every source gives (the first source's order); `SpecError` unless all
+    give the same ones, none of them "source"."""
+    first = sources[0].fields
+    if SOURCE_FIELD in first:
+        raise SpecError("keys", f"fields without {SOURCE_FIELD!r}, the batch field of a mixture that tells each "
+                        f"row's source: {sources[0].url} has a field of that name; choose the others with "
+                        "keys=[...]", list(first))
+    for other in sources[1:]:
+        if set(other.fields) != set(first):
+            raise SpecError("keys", "the same fields in every source of a mixture (choose common ones with keys="
+                            f"[...]): {sources[0].url} has {sorted(first)}, {other.url} has {sorted(other.fields)}",
+                            None)
+    return tuple(first)
+
+
+def check_fields_match(mix: MixedInfo, rows: List[Dict[str, np.ndarray]]) -> None:
+    """`SpecError` unless one row of each drawn source (`rows`, None for a source not
+    drawn) has the same dtype and sample shape in every field: a batch mixes their rows."""
+    drawn = [(mix.sources[i], r) for i, r in enumerate(rows) if r is not None]
+    first_info, first = drawn[0]
+    for info, row in drawn[1:]:
+        for name in mix.fields:
+            a, b = first[name], row[name]
+            if a.dtype != b.dtype or a.shape[1:] != b.shape[1:]:
+                raise SpecError("source", f"sources whose fields match: field {name!r} is {a.dtype} of sample "
+                                f"shape {a.shape[1:]} in {first_info.url} but {b.dtype} of sample shape "
+                                f"{b.shape[1:]} in {info.url} (cast or reshape it in a source of its own, or "
+                                "leave it out with keys=[...])", mix.mix)
+
+
+def take_mixed(mix: MixedInfo, arenas: List[LocalArenas], group: List[np.ndarray], count) -> List[dict]:
+    """The warm path of a mixture: each source's rows from its arenas on this host
+    (`LocalArenas.take`), put together in the group's order. Raises `Moved` as `take` does."""
+    ids = np.concatenate(group)
+    index, extra = mix.batch_fields(ids)
+    sources = extra[SOURCE_FIELD]
+    parts = []
+    for source in np.unique(sources).tolist():
+        chosen = np.flatnonzero(sources == source)
+        parts.append((chosen, arenas[source].take([index[chosen]], count)[0]))
+    first = parts[0][1]
+    layout = tuple((name, first[name].dtype.str, first[name].shape[1:]) for name in mix.fields)
+    out = empty_batch(layout, len(ids))
+    for chosen, part in parts:
+        for name in mix.fields:
+            out[name][chosen] = part[name]
+    out.update(extra)
+    return split_batches(out, index, [len(b) for b in group])
