@@ -143,8 +143,9 @@ class Mix:
       i takes exactly `epoch_size * weights[i] / sum(weights)` of them (rounded by
       largest remainder; default weights: the sources' sizes, which makes an epoch one
       pass over every source, shuffled together);
-    - the positions of a source are spread evenly over the epoch (exact proportions in
-      every run of about 64 positions), at random within such a run (`Spec.shuffle`);
+    - the positions of a source are spread evenly over the epoch: rounds of about 64
+      positions each hold every source's share to within one, placed at random within
+      the round (`Spec.shuffle`; without it, the sources in list order);
     - a source is read in passes: each pass is a permutation of all its samples (from
       the seed, the pass and the source), so within a pass no sample repeats; passes go
       on from one epoch to the next (a source drawn less than its size per epoch is
@@ -160,7 +161,9 @@ class Mix:
         Each source is a dataset of its own in the cluster: cached, shared with any
         other job that reads it, and released (`dmdask.release`) as one.
     weights: non-negative numbers with a positive sum, one per source (a zero weight
-        leaves its source out); None: in proportion to the sources' sizes.
+        leaves its source out); None: in proportion to the sources' sizes, so that an
+        epoch reads every sample of every source once, as dmdask's epochs of one source
+        do (tf.data and Grain default to equal weights instead: pass `[1] * len(sources)`).
     epoch_size: positions per epoch (>= 1); None: the sum of the sources' sizes.
     """
 
