@@ -143,9 +143,10 @@ class Mix:
       i takes exactly `epoch_size * weights[i] / sum(weights)` of them (rounded by
       largest remainder; default weights: the sources' sizes, which makes an epoch one
       pass over every source, shuffled together);
-    - the positions of a source are spread evenly over the epoch: rounds of about 64
-      positions each hold every source's share to within one, placed at random within
-      the round (`Spec.shuffle`; without it, the sources in list order);
+    - the positions of a source are spread evenly over the epoch: rounds of fewer than
+      64 positions (with up to 32 sources) each hold every source's share to within one,
+      placed at random within the round (`Spec.shuffle`; without it, the sources in
+      list order);
     - a source is read in passes: each pass is a permutation of all its samples (from
       the seed, the pass and the source), so within a pass no sample repeats; passes go
       on from one epoch to the next (a source drawn less than its size per epoch is

@@ -16,15 +16,18 @@ Guarantees:
   (`EpochOrder` of the source keyed by (seed, pass, source)). So within a pass no sample
   repeats; a source drawn more often than it has samples starts new passes, one drawn
   less often goes on with the same pass in the next epoch.
-- Spread: the epoch is cut into rounds of about `MIX_ROUND` positions; source i's draws
-  are spread over the rounds as evenly as integers allow (its draws before round r are
-  `floor((r * counts[i] + phase[i]) / rounds)`), and a source's draws come in order
-  from round to round (so a source read with a shuffle window keeps to its windows).
-  With shuffle=True the positions of a round are permuted (a keyed permutation per
-  round), with shuffle=False the sources take their turns in list order.
+- Spread: the epoch is cut into rounds of fewer than `MIX_ROUND` positions (with up to
+  32 sources; 256 up to 224 sources, ...); source i's draws are spread over the rounds
+  as evenly as integers allow (its draws before round r are
+  `floor((r * counts[i] + phase[i]) / rounds)`), so each round holds every source's
+  share to within one, and a source's draws come in order from round to round (a
+  source read with a shuffle window keeps to its windows). With shuffle=True the
+  positions of a round are permuted (one keyed network over `MIX_ROUND` values,
+  tweaked by the round, cycle-walked to the round's length), with shuffle=False the
+  sources take their turns in list order.
 - Everything is a function of (sizes, counts, block_lens, shuffle, seed, epoch,
-  shuffle_window) alone, in fixed-width integer arithmetic, O(S) time and memory per
-  position (S sources): nothing is materialised over the epoch.
+  shuffle_window) alone, in fixed-width integer arithmetic, O(log S) time per position
+  and O(S) per round and per source touched: nothing is materialised over the epoch.
 """
 from __future__ import annotations
 
@@ -35,10 +38,10 @@ import numpy as np
 
 from .order import ROUNDS, EpochOrder, _check_int, _Feistel, _mix64, _round_keys
 
-MIX_ROUND = 64  # positions per round of the mixture (about): the span over which the weights hold exactly
+MIX_ROUND = 64  # at most this many positions a round (with up to 32 sources): where the weights hold to within one
 _MAX_ROUNDS = 1 << 31  # keeps r * (count % rounds) within int64
 _MIX_SALT = 0x6D69786564  # "mixed": keys of the in-round permutations
-_ORDERS_KEPT = 64  # (source, pass) orders kept between calls
+_ORDERS_KEPT = 1024  # (source, pass) orders kept between calls (a few hundred bytes each)
 _PIECE = 1 << 20  # sources x positions evaluated at a time
 
 
@@ -85,13 +88,19 @@ class MixOrder:
         self.shuffle_window = shuffle_window
         self.offsets = np.cumsum([0] + self.sizes).astype(np.int64)  # global id of each source's sample 0
         s = len(self.sizes)
-        round_len = max(MIX_ROUND, -(-n // _MAX_ROUNDS))
+        # a round's length differs from n / rounds by less than s: rounds of at most `longest`
+        # (a power of 4, the domain of one Feistel network) with at least 32 positions on average
+        longest = MIX_ROUND
+        while longest - s < 32:
+            longest *= 4
+        round_len = max(longest - s, -(-n // _MAX_ROUNDS))
         self.num_rounds = q = max(1, -(-n // round_len))
         self._whole = np.array([c // q for c in self.counts], dtype=np.int64)[:, None]
         self._part = np.array([c % q for c in self.counts], dtype=np.int64)[:, None]
         self._phase = np.array([i * q // s for i in range(s)], dtype=np.int64)[:, None]
         keys = _round_keys(self.seed, self.epoch, _MIX_SALT, ROUNDS + 1)
-        self._keys, self._tweak_salt = keys[:ROUNDS], keys[ROUNDS]
+        self._network = _Feistel(round_len + s, keys[:ROUNDS])  # permutes every round (cycle-walking to its length)
+        self._tweak_salt = keys[ROUNDS]
         # where this epoch's draws start in each source's passes: (pass, draw in it)
         self._start = [divmod(self.epoch * c, size) for c, size in zip(self.counts, self.sizes)]
         self._orders: Dict[Tuple[int, int], EpochOrder] = {}
@@ -113,37 +122,40 @@ class MixOrder:
         return sources.reshape(shape), ks.reshape(shape)
 
     def _draws(self, p: np.ndarray):
-        n, q = self.num_samples, self.num_rounds
+        n, q, s = self.num_samples, self.num_rounds, len(self.sizes)
         r = np.clip((p * (q / n)).astype(np.int64), 0, q - 1)  # about right; corrected below
-        while True:
-            ahead = self.draws_before(r + 1).sum(axis=0) <= p
-            if not ahead.any():
+        while True:  # computed per distinct round: a rank's positions fall in fewer rounds than they are
+            rounds, which = np.unique(r, return_inverse=True)
+            starts = self.draws_before(rounds).sum(axis=0)
+            behind = p < starts[which]
+            ahead = p >= self.draws_before(rounds + 1).sum(axis=0)[which]
+            if not (behind.any() or ahead.any()):
                 break
-            r += ahead
-        while True:
-            behind = self.draws_before(r).sum(axis=0) > p
-            if not behind.any():
-                break
-            r -= behind
-        before = self.draws_before(r)
-        per_source = self.draws_before(r + 1) - before  # this round's draws of each source
-        slot = p - before.sum(axis=0)
-        if self.shuffle:
-            slot = self._permute_in_round(r, slot, per_source.sum(axis=0))
+            r = r - behind + ahead
+        before = self.draws_before(rounds)  # (S, rounds): each source's draws before the round
+        per_source = self.draws_before(rounds + 1) - before  # ... and in it
         ends = np.cumsum(per_source, axis=0)  # a round's slots: source 0's, then source 1's, ...
-        sources = (ends <= slot).sum(axis=0)
-        column = np.arange(len(p))
-        ks = before[sources, column] + slot - (ends[sources, column] - per_source[sources, column])
+        slot = p - starts[which]
+        if self.shuffle:
+            slot = self._permute_in_round(r, slot, ends[-1][which])
+        # the source of each slot: the first whose end passes it, found in all rounds' ends at once
+        span = int(ends[-1].max()) + 1
+        table = (ends + np.arange(len(rounds)) * span).T.ravel()  # ascending: round by round, source by source
+        at = np.searchsorted(table, which * span + slot, side="right")
+        sources = at - which * s
+        ks = before.T.ravel()[at] + slot - (ends - per_source).T.ravel()[at]
         return sources, ks
 
-    def _permute_in_round(self, rounds, slots, sizes):
+    def _permute_in_round(self, rounds, slots, lengths):
+        """Each slot permuted within its round (a network tweaked by the round, walked to the round's length)."""
         tweaks = _mix64(rounds.astype(np.uint64) ^ self._tweak_salt)
-        out = np.empty_like(slots)
-        for size in np.unique(sizes).tolist():  # at most S + 1 round lengths
-            chosen = np.flatnonzero(sizes == size)
-            network = _Feistel(size, self._keys)
-            out[chosen] = network.forward(slots[chosen].astype(np.uint64), tweaks[chosen]).astype(np.int64)
-        return out
+        lengths = lengths.astype(np.uint64)
+        out = self._network._encrypt(slots.astype(np.uint64), tweaks)
+        outside = np.flatnonzero(out >= lengths)
+        while outside.size:  # ends: each value's cycle in the network re-enters range(length)
+            out[outside] = self._network._encrypt(out[outside], tweaks[outside])
+            outside = outside[out[outside] >= lengths[outside]]
+        return out.astype(np.int64)
 
     # -- draws -> samples ------------------------------------------------------------------
     def ids(self, positions) -> np.ndarray:
