@@ -270,6 +270,8 @@ def test_sources_with_other_fields_are_refused_before_any_batch(client, sources,
     # the common fields chosen with keys= mix fine
     ok = dmdask.Spec(dmdask.Mix([sources[0], floats]), batch_size=8, keys=["label"])
     assert next(iter(dmdask.batches(client, ok)))["label"].dtype == np.int64
+    with pytest.raises(dmdask.SpecError, match="there twice"):
+        dmdask.batches(client, dmdask.Spec(dmdask.Mix([sources[0], sources[1], sources[0]]), batch_size=8))
     named = write_source(str(tmp_path / "named.zarr"), 40, 7, 8, extra="source")
     with pytest.raises(dmdask.SpecError, match="'source'"):
-        dmdask.batches(client, dmdask.Spec(dmdask.Mix([named, named]), batch_size=8))
+        dmdask.batches(client, dmdask.Spec(dmdask.Mix([named]), batch_size=8))

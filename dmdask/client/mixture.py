@@ -35,6 +35,11 @@ class MixedInfo:
     def __init__(self, mix: Mix, sources: Sequence[DatasetInfo]):
         self.mix = mix
         self.sources = tuple(sources)
+        identities = [s.identity for s in self.sources]
+        if len(set(identities)) < len(identities):
+            twice = next(s.url for s in self.sources if identities.count(s.identity) > 1)
+            raise SpecError("source", f"each source once in a mixture ({twice} is there twice, with the same keys, "
+                            "block_size and storage_options): give it a larger weight instead", mix)
         self.sizes = [s.num_samples for s in self.sources]
         self.fields = _common_fields(self.sources)
         self.epoch_size = mix.epoch_size or sum(self.sizes)
