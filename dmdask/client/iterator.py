@@ -37,12 +37,11 @@ from .datasets import open_dataset
 from .gather import Gatherer, LocalArenas, Moved, copier, split_batches
 from .mixture import MixedInfo, check_fields_match, take_mixed
 from .progress import make as _make_progress
+from .resume import resume_point
 
 logger = logging.getLogger(__name__)
 _matching_mixtures: set = set()  # (identity, fields) of mixtures whose sources' rows were found to match
 
-# what a resume state must share with the iterator it resumes (rank, world and batch size may differ)
-STATE_FIELDS = ("identity", "epoch", "seed", "shuffle", "shuffle_window", "drop_last")
 REQUEST_BYTES = 8 << 20  # small batches are fetched several per request, up to about this size
 LOCATE_SECONDS = 2.0  # one wait on the scheduler for blocks still loading
 HITS_SECONDS = 1.0  # how often workers hear of the rows taken from their files (progress bar, dashboard)
@@ -114,7 +113,7 @@ class BatchIterator:
         self._history: List[dict] = []  # generations of ranks before this one in the epoch (elastic resume)
         self._position = 0
         if resume is not None:
-            self._history, self._position = self._resume_point(resume)
+            self._history, self._position = resume_point(resume, spec, self.state_dict(), self._share)
         self._batches = self._share(spec.rank, spec.world_size, spec.batch_size, self._history)
         if spec.drop_last and not len(self._batches) and not self._history:
             raise SpecError("batch_size", f"at most {positions // spec.world_size} with "
@@ -258,67 +257,6 @@ class BatchIterator:
         """A rank's share of what the generations in `history` left of the epoch."""
         left = remaining(self._order.num_samples, history) if history else None
         return RankShare(self._order, rank, world_size, batch_size, self.spec.drop_last, left)
-
-    def _resume_point(self, resume) -> tuple:
-        """(history, position) to start from. One state (or every rank's, world size
-        unchanged): this rank's own position, the batches an uninterrupted run would give.
-        Every rank's states from another world size or batch size: the positions none of
-        them handed out, dealt anew to this world (position 0 of a new generation)."""
-        states = [resume] if isinstance(resume, dict) else list(resume) if isinstance(resume, (list, tuple)) else []
-        if not states or not all(isinstance(s, dict) and "position" in s for s in states):
-            raise SpecError("resume", "a dict from BatchIterator.state_dict(), or the list of every rank's "
-                            "state_dict() (for another world size)", resume)
-        for state in states:
-            self._check_state(state)
-        spec = self.spec
-        worlds = {(s.get("world_size"), s.get("batch_size")) for s in states}
-        if isinstance(resume, dict) or worlds == {(spec.world_size, spec.batch_size)}:
-            mine = [s for s in states if s.get("rank") == spec.rank]
-            if len(mine) != 1 or (mine[0].get("world_size"), mine[0].get("batch_size")) != \
-                    (spec.world_size, spec.batch_size):
-                theirs = states[0]
-                raise SpecError("resume", f"the state of rank {spec.rank} of {spec.world_size} with batch_size="
-                                f"{spec.batch_size} (this state is of rank {theirs.get('rank')!r} of "
-                                f"{theirs.get('world_size')!r}, batch_size={theirs.get('batch_size')!r}); to "
-                                "resume with another world or batch size pass the list of every rank's state",
-                                f"{len(states)} state(s)")
-            state = mine[0]
-            history = state.get("history", [])
-            return history, self._check_position(state, self._share(spec.rank, spec.world_size, spec.batch_size,
-                                                                      history))
-        if len(worlds) != 1:
-            raise SpecError("resume", "the states of one run: they disagree on world_size/batch_size", sorted(worlds))
-        (world, batch), = worlds
-        ranks = sorted(s.get("rank") for s in states)
-        if ranks != list(range(world)) or any(s.get("history", []) != states[0].get("history", []) for s in states):
-            raise SpecError("resume", f"every rank's state of one run: ranks 0..{world - 1} once each, taken at the "
-                            "same checkpoint", f"ranks {ranks}")
-        history = states[0].get("history", [])
-        consumed = []
-        for state in sorted(states, key=lambda s: s["rank"]):
-            share = self._share(state["rank"], world, batch, history)
-            consumed.append(min(self._check_position(state, share) * batch, share.num_samples))
-        return history + [{"world_size": world, "consumed": consumed}], 0
-
-    def _check_state(self, state: dict) -> None:
-        if state.get("order") != ORDER_VERSION:
-            raise SpecError("resume", f"a state of this dmdask's epoch order (version {ORDER_VERSION}); this one "
-                            "comes from another order (dmdask 0.1?): resume at the next epoch's start instead",
-                            state.get("order"))
-        current = self.state_dict()
-        for name in STATE_FIELDS:
-            if state.get(name) != current[name]:
-                raise SpecError("resume", f"a state of the same dataset and spec ({name} is "
-                                f"{current[name]!r} here but {state.get(name)!r} in the state)", state.get(name))
-
-    @staticmethod
-    def _check_position(state: dict, share: RankShare) -> int:
-        position = state["position"]
-        if isinstance(position, np.integer):
-            position = int(position)
-        if isinstance(position, bool) or not isinstance(position, int) or not 0 <= position <= len(share):
-            raise SpecError("resume", f"a position in 0..{len(share)}", position)
-        return position
 
     # -- fetching one batch (runs on the client's event loop) --------------------------
     async def _fetch(self, first: int, stop: int) -> list:

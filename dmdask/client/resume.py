@@ -1,0 +1,79 @@
+"""Where a resumed iterator starts: its own state, or every rank's states of another run.
+
+`resume_point` checks a `state_dict()` (or the list of every rank's) against the
+iterator being made and returns (history, position): the generations of ranks before
+this one in the epoch (`dmdask.plan.elastic`) and the batches of this rank's share
+already handed out. Every refusal is a `SpecError` naming what differs.
+"""
+from __future__ import annotations
+
+from typing import Callable, List
+
+import numpy as np
+
+from ..errors import SpecError
+from ..plan.order import ORDER_VERSION, RankShare
+
+# what a resume state must share with the iterator it resumes (rank, world and batch size may differ)
+STATE_FIELDS = ("identity", "epoch", "seed", "shuffle", "shuffle_window", "drop_last")
+
+
+def resume_point(resume, spec, current: dict, share: Callable[[int, int, int, List[dict]], RankShare]) -> tuple:
+    """(history, position) to start from, for the iterator of `spec` whose own state is
+    `current`; share(rank, world_size, batch_size, history) is a rank's `RankShare`. One state (or every rank's, world size
+    unchanged): this rank's own position, the batches an uninterrupted run would give.
+    Every rank's states from another world size or batch size: the positions none of
+    them handed out, dealt anew to this world (position 0 of a new generation)."""
+    states = [resume] if isinstance(resume, dict) else list(resume) if isinstance(resume, (list, tuple)) else []
+    if not states or not all(isinstance(s, dict) and "position" in s for s in states):
+        raise SpecError("resume", "a dict from BatchIterator.state_dict(), or the list of every rank's "
+                        "state_dict() (for another world size)", resume)
+    for state in states:
+        _check_state(state, current)
+    worlds = {(s.get("world_size"), s.get("batch_size")) for s in states}
+    if isinstance(resume, dict) or worlds == {(spec.world_size, spec.batch_size)}:
+        mine = [s for s in states if s.get("rank") == spec.rank]
+        if len(mine) != 1 or (mine[0].get("world_size"), mine[0].get("batch_size")) != \
+                (spec.world_size, spec.batch_size):
+            theirs = states[0]
+            raise SpecError("resume", f"the state of rank {spec.rank} of {spec.world_size} with batch_size="
+                            f"{spec.batch_size} (this state is of rank {theirs.get('rank')!r} of "
+                            f"{theirs.get('world_size')!r}, batch_size={theirs.get('batch_size')!r}); to "
+                            "resume with another world or batch size pass the list of every rank's state",
+                            f"{len(states)} state(s)")
+        state = mine[0]
+        history = state.get("history", [])
+        return history, _check_position(state, share(spec.rank, spec.world_size, spec.batch_size, history))
+    if len(worlds) != 1:
+        raise SpecError("resume", "the states of one run: they disagree on world_size/batch_size", sorted(worlds))
+    (world, batch), = worlds
+    ranks = sorted(s.get("rank") for s in states)
+    if ranks != list(range(world)) or any(s.get("history", []) != states[0].get("history", []) for s in states):
+        raise SpecError("resume", f"every rank's state of one run: ranks 0..{world - 1} once each, taken at the "
+                        "same checkpoint", f"ranks {ranks}")
+    history = states[0].get("history", [])
+    consumed = []
+    for state in sorted(states, key=lambda s: s["rank"]):
+        old = share(state["rank"], world, batch, history)
+        consumed.append(min(_check_position(state, old) * batch, old.num_samples))
+    return history + [{"world_size": world, "consumed": consumed}], 0
+
+
+def _check_state(state: dict, current: dict) -> None:
+    if state.get("order") != ORDER_VERSION:
+        raise SpecError("resume", f"a state of this dmdask's epoch order (version {ORDER_VERSION}); this one "
+                        "comes from another order (dmdask 0.1?): resume at the next epoch's start instead",
+                        state.get("order"))
+    for name in STATE_FIELDS:
+        if state.get(name) != current[name]:
+            raise SpecError("resume", f"a state of the same dataset and spec ({name} is "
+                            f"{current[name]!r} here but {state.get(name)!r} in the state)", state.get(name))
+
+
+def _check_position(state: dict, share: RankShare) -> int:
+    position = state["position"]
+    if isinstance(position, np.integer):
+        position = int(position)
+    if isinstance(position, bool) or not isinstance(position, int) or not 0 <= position <= len(share):
+        raise SpecError("resume", f"a position in 0..{len(share)}", position)
+    return position
