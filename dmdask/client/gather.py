@@ -329,6 +329,23 @@ class Gatherer:
         await asyncio.gather(*(report(holder, tiers) for holder, tiers in hits.items()))
 
 
+def plan_rows(blocks: np.ndarray, offsets: np.ndarray, keys: Dict[int, str], holders: Dict[str, str]):
+    """What `Gatherer.gather` takes: holder -> block key -> rows to take (`offsets` in
+    their blocks), and holder -> the positions in the group where those rows go (in the
+    same order). `keys`: block index -> key; `holders`: key -> its holder."""
+    by_block = np.argsort(blocks, kind="stable")
+    uniq, starts = np.unique(blocks[by_block], return_index=True)
+    groups = np.split(by_block, starts[1:])
+    plan: Dict[str, Dict[str, np.ndarray]] = {}
+    positions: Dict[str, List[np.ndarray]] = {}
+    for k, members in zip(uniq.tolist(), groups):
+        key = keys[k]
+        holder = holders[key]
+        plan.setdefault(holder, {})[key] = offsets[members]
+        positions.setdefault(holder, []).append(members)
+    return plan, {h: np.concatenate(p) for h, p in positions.items()}
+
+
 def split_batches(arrays: Dict[str, np.ndarray], ids: np.ndarray, sizes: List[int]) -> List[Dict[str, np.ndarray]]:
     """A group's arrays cut into its batches (views), each with its "index"."""
     bounds = np.cumsum([0] + sizes).tolist()
