@@ -183,3 +183,33 @@ def test_the_protocol_is_registered_by_the_entry_point_and_by_import():
     assert fs.target_protocol == "http" and path == "http://127.0.0.1:9/a/b.bin"
     with pytest.raises(PermissionError):
         fs.open(path, "wb")
+
+
+def test_a_cache_smaller_than_the_data_meets_the_bound_from_threads(store):
+    """Two ranks as threads of one process, 3 epochs, a shuffled split of the files per
+    epoch, a cache holding about half of them: the store sends E*D - C*(E-1) bytes, C
+    the bytes of the files the cache holds."""
+    import concurrent.futures
+
+    server, root = store
+    sizes = file_sizes(root / "images", root)
+    urls = [f"dmdask::{server.url}/{p}" for p in sorted(sizes)]
+    dataset = sum(sizes.values())
+    epochs = 3
+    with dmdask.LocalCluster(n_workers=2, ram=dataset // 4, stream_buffer=0, dashboard_address=None) as small, \
+            distributed.Client(small) as client:
+        server.reset_stats()
+        for epoch in range(epochs):
+            order = np.random.default_rng(epoch).permutation(len(urls))
+
+            def rank(r):
+                return [(i, fsspec.open(urls[i]).open().read()) for i in order[r::2]]
+
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                read = [item for part in pool.map(rank, range(2)) for item in part]
+            assert sorted(i for i, _ in read) == list(range(len(urls)))
+            assert all(data == (root / sorted(sizes)[i]).read_bytes() for i, data in read)
+        total = dmdask.stats(client)["total"]
+    cached = total["ram"]["bytes"] - 8 * total["ram"]["samples"]  # file bytes held (8 bytes a row are pointers)
+    assert 0 < cached < dataset
+    assert sum(c["bytes"] for c in sent(server, sizes).values()) == epochs * dataset - cached * (epochs - 1)
