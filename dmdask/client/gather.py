@@ -260,6 +260,29 @@ class Gatherer:
                                holder, arena_keys, np.concatenate(ids)))
         return await loop.run_in_executor(_pool, self._assemble, from_files, parts, n)
 
+    def take_local(self, plan: Dict[str, Dict[str, np.ndarray]], positions: Dict[str, np.ndarray],
+                   n: int) -> Optional[Dict[str, np.ndarray]]:
+        """`gather` in the caller's thread, with no request, when every block of `plan` is
+        held in files on this host that this process has described already; None
+        otherwise (then `gather`). Raises `Moved` like `gather`."""
+        from_files = []
+        for holder, wanted in plan.items():
+            if _host(holder) != self.my_host:
+                return None
+            offset = 0
+            for key, rows in wanted.items():
+                description = _mapped.described.get((holder, key))
+                if description is None or "path" not in description:
+                    return None
+                from_files.append((description, rows, positions[holder][offset:offset + len(rows)], holder, key, None))
+                offset += len(rows)
+        return self._assemble(from_files, [], n)
+
+    async def describe(self, keys: Dict[str, List[str]]) -> None:
+        """Learn how blocks held on this host are laid out in files (holder -> keys), ahead
+        of `gather` or `take_local`; blocks held elsewhere are left out."""
+        await asyncio.gather(*(self._describe(h, k) for h, k in keys.items() if _host(h) == self.my_host))
+
     async def _describe(self, holder: str, keys: List[str]) -> None:
         unknown = [k for k in keys if (holder, k) not in _mapped.described]
         if unknown:
