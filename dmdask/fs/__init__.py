@@ -156,7 +156,7 @@ class DmdaskFileSystem(_Base):
         size = source.size
         start = 0 if start is None else (max(0, size + start) if start < 0 else min(start, size))
         end = size if end is None else (max(0, size + end) if end < 0 else min(end, size))
-        return self._session().read(source, start, end)
+        return self._session().read(self, source, start, end)
 
     def cat_ranges(self, paths, starts, ends, max_gap=None, on_error="return", **kwargs):
         out = []
@@ -193,7 +193,7 @@ class DmdaskFile(AbstractBufferedFile):
                          size=source.size if source is not None else 0, **kwargs)
 
     def _fetch_range(self, start, end):
-        return self.fs._session().read(self.source, start, min(end, self.size))
+        return self.fs._session().read(self.fs, self.source, start, min(end, self.size))
 
 
 def gopen(url, mode="rb", bufsize=8192, **kwargs):

@@ -45,6 +45,7 @@ SCHEDULER_ENV = "DMDASK_FS_SCHEDULER"  # set for child processes: the scheduler 
 LOCATE_SECONDS = 2.0  # one wait on the scheduler for blocks still loading
 HITS_SECONDS = 1.0  # how often workers hear of the rows taken from their files
 EXIT_SECONDS = 2.0  # the most a process's exit waits to report its last hits
+FOLDER_FILES = 10_000  # other files of a folder located along with the first one a process reads
 # what identifies a version of a file, among the keys of fsspec infos (local, S3, GCS, HTTP, ...)
 VERSION_KEYS = ("mtime", "LastModified", "last_modified", "Last-Modified", "ETag", "etag", "updated",
                 "generation", "VersionId", "version_id")
@@ -93,6 +94,9 @@ class Session:
         self.infos: Dict[str, dict] = dict(known.infos) if known else {}  # fsid|path -> info
         self.listings: Dict[str, list] = dict(known.listings) if known else {}  # fsid|folder -> entries
         self.asked: set = set(known.asked) if known else set()  # folders asked of the cluster
+        self.files: Dict[str, set] = {k: set(v) for k, v in known.files.items()} if known else {}  # folder -> paths
+        self.located: set = set()  # folders whose files' first blocks this process located
+        self.absent: set = set()  # block keys that folder locates found the cluster had never loaded
         self.holders: Dict[str, str] = dict(parent.holders) if parent else {}  # block key -> a holder
         self.retried: set = set()  # datasets whose erred blocks this process had retried
         self._exit_hook = False
@@ -131,33 +135,41 @@ class Session:
             pass
 
     # -- metadata -----------------------------------------------------------------------
-    def _ask(self, fsid: str, folders=(), paths=()) -> None:
-        reply = self._call("dmdask_fs_metadata", run=self.run, get=[f"{fsid}|{f}" for f in folders],
-                           paths=[[f"{fsid}|{folder_of(p)}", p] for p in paths])
+    def _ask(self, fsid: str, folder: str) -> None:
+        """Everything this run knows of `folder` (one request, once per process)."""
+        key = f"{fsid}|{folder}"
+        reply = self._call("dmdask_fs_metadata", run=self.run, get=[key])
         with self._lock:
-            for key, found in reply.items():
-                if found["listing"] is not None:
-                    self.listings[key] = found["listing"]
-                for path, info in found["infos"].items():
-                    self.infos[f"{fsid}|{path}"] = info
-            self.asked.update(f"{fsid}|{f}" for f in folders)
+            found = reply.get(key, {"listing": None, "infos": {}})
+            if found["listing"] is not None:
+                self.listings[key] = found["listing"]
+            for path, info in found["infos"].items():
+                self._know(fsid, path, info)
+            self.asked.add(key)
+
+    def _know(self, fsid: str, path: str, info: dict) -> None:
+        self.infos[f"{fsid}|{path}"] = info
+        self.files.setdefault(f"{fsid}|{folder_of(path)}", set()).add(path)
 
     def _tell(self, fsid: str, puts: List[list]) -> None:
-        self._call("dmdask_fs_metadata", run=self.run, put=[[f"{fsid}|{f}", kind, p, v] for f, kind, p, v in puts])
+        """Share infos read from the store with the run (in the background: a process
+        that exits first only costs the next one a store request)."""
+        client = self.client
+        msg = [[f"{fsid}|{f}", kind, p, v] for f, kind, p, v in puts]
+        client.loop.add_callback(_quietly, client.scheduler.dmdask_fs_metadata, run=self.run, put=msg)
 
     def info(self, fsid: str, target, path: str) -> dict:
         """The target's info of `path`, read from the store once per run."""
         key = f"{fsid}|{path}"
         found = self.infos.get(key)
-        if found is None:
-            folder = folder_of(path)
-            self._ask(fsid, folders=[] if f"{fsid}|{folder}" in self.asked else [folder],
-                      paths=[path] if f"{fsid}|{folder}" in self.asked else [])
+        if found is None and f"{fsid}|{folder_of(path)}" not in self.asked:
+            self._ask(fsid, folder_of(path))
             found = self.infos.get(key)
         if found is None:
             found = plain(target.info(path))
             self._tell(fsid, [[folder_of(path), "info", path, found]])
-            self.infos[key] = found
+            with self._lock:
+                self._know(fsid, path, found)
         return found
 
     def ls(self, fsid: str, target, path: str) -> list:
@@ -166,7 +178,7 @@ class Session:
         path = path.rstrip("/") or path
         key = f"{fsid}|{path}"
         if key not in self.listings and key not in self.asked:
-            self._ask(fsid, folders=[path])
+            self._ask(fsid, path)
         found = self.listings.get(key)
         if found is None:
             found = [plain(e) for e in target.ls(path, detail=True)]
@@ -176,7 +188,7 @@ class Session:
             with self._lock:
                 self.listings[key] = found
                 for e in files:
-                    self.infos[f"{fsid}|{e['name']}"] = e
+                    self._know(fsid, e["name"], e)
         return found
 
     def forget(self) -> None:
@@ -186,10 +198,13 @@ class Session:
             self.infos.clear()
             self.listings.clear()
             self.asked.clear()
+            self.files.clear()
+            self.located.clear()
 
     # -- reading ------------------------------------------------------------------------
-    def read(self, source: FileSource, start: int, stop: int) -> bytes:
-        """Bytes start..stop-1 of the file of `source` (0 <= start <= stop <= size)."""
+    def read(self, fs, source: FileSource, start: int, stop: int) -> bytes:
+        """Bytes start..stop-1 of the file of `source` (0 <= start <= stop <= size), read
+        through `fs` (a `DmdaskFileSystem`)."""
         if stop <= start:
             return b""
         info = source.info
@@ -202,11 +217,13 @@ class Session:
         attempt = 0
         while True:
             attempt += 1
-            holders = self._holders(source, list(keys.values()), deadline)
+            holders = self._holders(fs, source, list(keys.values()), deadline)
             plan, positions = plan_rows(blocks, offsets, keys, holders)
             client = self.client
             try:
-                arrays = client.sync(self.gatherer.gather, plan, positions, len(rows))
+                arrays = self.gatherer.take_local(plan, positions, len(rows))
+                if arrays is None:  # a block held elsewhere, or not described yet
+                    arrays = client.sync(self.gatherer.gather, plan, positions, len(rows))
                 break
             except BlockReadError:
                 raise
@@ -217,20 +234,31 @@ class Session:
                     raise RuntimeError(f"bytes {start}..{stop - 1} of {info.url} still failing after "
                                        f"{recovery:.0f} s (dmdask.client.recovery-seconds)") from exc
                 time.sleep(min(1.0, 0.05 * attempt))
-        client.loop.add_callback(self.gatherer.flush_hits_every, HITS_SECONDS)
+        if self.gatherer.due(HITS_SECONDS):
+            client.loop.add_callback(self.gatherer.flush_hits_every, HITS_SECONDS)
         data = arrays["data"]
         joined = data[0] if len(data) == 1 else np.concatenate(list(data))
         first = start - int(rows[0]) * ROW_BYTES
         return joined[first:first + stop - start].tobytes()
 
-    def _holders(self, source: FileSource, keys: List[str], deadline: float) -> Dict[str, str]:
+    def _holders(self, fs, source: FileSource, keys: List[str], deadline: float) -> Dict[str, str]:
         """A holder of each block, submitting the loads of blocks the cluster does not
-        have (its first reader, or after the scheduler forgot them) and waiting for them."""
+        have (its first reader, or after the scheduler forgot them) and waiting for them.
+        The first time in a process, the first blocks of the folder's other files are
+        located (and described) too, with the same request."""
+        folder = f"{fs._fsid}|{folder_of(source.path)}"
+        if folder not in self.located:
+            self.located.add(folder)
+            self._locate_folder(fs, folder, keys)
         while True:
             unknown = [k for k in keys if k not in self.holders]
             if not unknown:
                 return {k: self.holders[k] for k in keys}
-            reply = self._call("dmdask_locate", keys=unknown, host=self.my_host, timeout=LOCATE_SECONDS)
+            if all(k in self.absent for k in unknown):  # the folder's locate said so: no need to ask again
+                reply = {"holders": {}, "erred": {}, "unknown": unknown}
+                self.absent.difference_update(unknown)
+            else:
+                reply = self._call("dmdask_locate", keys=unknown, host=self.my_host, timeout=LOCATE_SECONDS)
             self.holders.update(reply["holders"])
             if reply["erred"]:
                 name = source.info.name
@@ -246,6 +274,31 @@ class Session:
                     raise NoWorkersError(f"the cluster has no workers to read {source.info.url} through")
                 raise RuntimeError(f"blocks of {source.info.url} still not loaded after "
                                    "dmdask.client.recovery-seconds; is the cluster losing workers?")
+
+    def _locate_folder(self, fs, folder: str, keys: List[str]) -> None:
+        """Holders of `keys` and of the first block of up to `FOLDER_FILES` other files of
+        the folder this process knows (not waiting for any), and the layout of those held
+        in files on this host: later reads of the folder's files need no request."""
+        wanted = list(keys)
+        for path in sorted(self.files.get(folder, ()))[:FOLDER_FILES]:
+            info = self.infos.get(f"{fs._fsid}|{path}")
+            if info and info.get("type", "file") == "file" and info.get("size"):
+                wanted.append(fs.source(path, info).info.block_key(0))
+        reply = self._call("dmdask_locate", keys=list(dict.fromkeys(wanted)), host=self.my_host, timeout=0)
+        self.holders.update(reply["holders"])
+        self.absent.update(reply["unknown"])
+        by_holder: Dict[str, List[str]] = {}
+        for key, holder in reply["holders"].items():
+            by_holder.setdefault(holder, []).append(key)
+        client = self.client
+        client.sync(self.gatherer.describe, by_holder)
+
+
+async def _quietly(call, **msg) -> None:
+    try:
+        await call(**msg)
+    except Exception:  # noqa: BLE001 - shared metadata is an optimisation
+        logger.debug("could not share file metadata with the scheduler", exc_info=True)
 
 
 _sessions: Dict[str, Session] = {}

@@ -16,10 +16,11 @@ it needs comes from the file's info.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Optional
 
 import numpy as np
-from dask.base import tokenize
 
 from .base import BlockReader, DatasetInfo, Source, block_key, filesystem
 
@@ -28,8 +29,10 @@ FIELDS = ("data",)
 
 
 def file_identity(url: str, options: str, size: int, version, block_bytes: int) -> str:
-    """The token naming a file's dataset (registry name `fs-<token>`) and its blocks."""
-    return tokenize("file-bytes", url, options, size, version, block_bytes)[:16]
+    """The token naming a file's dataset (registry name `fs-<token>`) and its blocks: a
+    hash of its description (cheap: computed at every open)."""
+    described = json.dumps(["file-bytes", url, options, size, version, block_bytes], default=str)
+    return hashlib.blake2b(described.encode(), digest_size=8).hexdigest()
 
 
 class FileSource(Source):
