@@ -207,17 +207,21 @@ class DatasetsPlugin(SchedulerPlugin):
         return worker
 
     # -- where the blocks are ----------------------------------------------------------
-    async def locate(self, keys: List[str], host: Optional[str] = None, timeout: float = 2.0) -> dict:
+    async def locate(self, keys: List[str], host: Optional[str] = None, timeout: float = 2.0,
+                     expect: List[str] = ()) -> dict:
         """{"holders": {key: address}, "erred": {key: exception}, "unknown": [keys]} once every
         key is held or erred, or after `timeout` seconds with what is known then. A holder on
-        `host` is preferred. Never raises for a missing key: it is reported as unknown."""
+        `host` is preferred. Never raises for a missing key: it is reported as unknown, but
+        keys in `expect` (just submitted by the caller, on another connection) are waited
+        for like keys still loading."""
         deadline = time.monotonic() + timeout
+        expect = set(expect)
         while True:
             holders, erred, pending, unknown = {}, {}, [], []
             for key in keys:
                 ts = self.scheduler.tasks.get(key)
                 if ts is None:
-                    unknown.append(key)
+                    (pending if key in expect else unknown).append(key)
                 elif ts.state == "memory" and ts.who_has:
                     addresses = sorted(ws.address for ws in ts.who_has)
                     local = [a for a in addresses if host and _host(a) == host]
