@@ -73,15 +73,14 @@ def _create(client: Client, name: str, source: Source, order, lazy: bool, claima
     if reply["status"] != "OK":
         return  # the claim passed to another rank: ask again
     if not lazy:
-        submit_blocks(client, [source.reader(k) for k in range(info.num_blocks)])
+        del submit_blocks(client, [source.reader(k) for k in range(info.num_blocks)])[:]
 
 
-def submit_blocks(client: Client, readers) -> None:
+def submit_blocks(client: Client, readers) -> list:
     """Submit the loads of these blocks (one graph; a block the cluster has already is
-    left as it is). The scheduler plugin wants them from now on, as long as their
-    dataset is registered."""
-    futures = client.map(load_block, readers, key=[r.key for r in readers], pure=False)
-    del futures
+    left as it is); their futures, which the caller may wait on or drop: the scheduler
+    plugin wants the blocks from now on, as long as their dataset is registered."""
+    return client.map(load_block, readers, key=[r.key for r in readers], pure=False)
 
 
 def release(client: Client, spec) -> bool:

@@ -40,7 +40,7 @@ from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 
 from ..source.base import options_json, protocol_of
 from ..source.files import FileSource
-from .session import NoClusterError, session, version_of
+from .session import NoClusterError, get_session, version_of
 
 try:  # fsspec >= 2025.x: the marker that makes `url_to_fs` hand the inner path over
     from fsspec.implementations.chained import ChainedFileSystem as _Base
@@ -107,7 +107,7 @@ class DmdaskFileSystem(_Base):
         return f"{PROTOCOL}::{self.fs.unstrip_protocol(name)}"
 
     def _session(self):
-        return session(self.scheduler)
+        return get_session(self.scheduler)
 
     # -- metadata -----------------------------------------------------------------------
     def ls(self, path, detail=True, **kwargs):

@@ -94,9 +94,11 @@ class Session:
         self.infos: Dict[str, dict] = dict(known.infos) if known else {}  # fsid|path -> info
         self.listings: Dict[str, list] = dict(known.listings) if known else {}  # fsid|folder -> entries
         self.asked: set = set(known.asked) if known else set()  # folders asked of the cluster
+        self.asked_infos: set = set(known.asked_infos) if known else set()  # ... for their files' infos
         self.files: Dict[str, set] = {k: set(v) for k, v in known.files.items()} if known else {}  # folder -> paths
         self.located: set = set()  # folders whose files' first blocks this process located
         self.absent: set = set()  # block keys that folder locates found the cluster had never loaded
+        self.submitted: set = set()  # block keys whose loads this process submitted
         self.holders: Dict[str, str] = dict(parent.holders) if parent else {}  # block key -> a holder
         self.retried: set = set()  # datasets whose erred blocks this process had retried
         self._exit_hook = False
@@ -136,7 +138,7 @@ class Session:
 
     # -- metadata -----------------------------------------------------------------------
     def _ask(self, fsid: str, folder: str) -> None:
-        """Everything this run knows of `folder` (one request, once per process)."""
+        """Everything this run knows of `folder` now (one request)."""
         key = f"{fsid}|{folder}"
         reply = self._call("dmdask_fs_metadata", run=self.run, get=[key])
         with self._lock:
@@ -146,6 +148,7 @@ class Session:
             for path, info in found["infos"].items():
                 self._know(fsid, path, info)
             self.asked.add(key)
+            self.asked_infos.add(key)
 
     def _know(self, fsid: str, path: str, info: dict) -> None:
         self.infos[f"{fsid}|{path}"] = info
@@ -162,7 +165,9 @@ class Session:
         """The target's info of `path`, read from the store once per run."""
         key = f"{fsid}|{path}"
         found = self.infos.get(key)
-        if found is None and f"{fsid}|{folder_of(path)}" not in self.asked:
+        if found is None and f"{fsid}|{folder_of(path)}" not in self.asked_infos:
+            # once per process and folder (not when the folder was asked for its listing
+            # only: the run may have read its files' infos since)
             self._ask(fsid, folder_of(path))
             found = self.infos.get(key)
         if found is None:
@@ -179,6 +184,7 @@ class Session:
         key = f"{fsid}|{path}"
         if key not in self.listings and key not in self.asked:
             self._ask(fsid, path)
+            self.asked_infos.discard(key)  # infos of files read later may come: ask again for them
         found = self.listings.get(key)
         if found is None:
             found = [plain(e) for e in target.ls(path, detail=True)]
@@ -198,6 +204,7 @@ class Session:
             self.infos.clear()
             self.listings.clear()
             self.asked.clear()
+            self.asked_infos.clear()
             self.files.clear()
             self.located.clear()
 
@@ -258,7 +265,10 @@ class Session:
                 reply = {"holders": {}, "erred": {}, "unknown": unknown}
                 self.absent.difference_update(unknown)
             else:
-                reply = self._call("dmdask_locate", keys=unknown, host=self.my_host, timeout=LOCATE_SECONDS)
+                expect = [k for k in unknown if k in self.submitted]
+                reply = self._call("dmdask_locate", keys=unknown, host=self.my_host, timeout=LOCATE_SECONDS,
+                                   expect=expect)
+                self.submitted.difference_update(expect)  # waited for once: from now on, as any other key
             self.holders.update(reply["holders"])
             if reply["erred"]:
                 name = source.info.name
@@ -268,7 +278,8 @@ class Session:
                 get_or_create(self.client, name, lambda: source, lazy=True)  # retries its erred blocks
             if reply["unknown"]:
                 get_or_create(self.client, source.info.name, lambda: source, lazy=True)  # registered (again)
-                submit_blocks(self.client, [source.reader(parse_block_key(k)[1]) for k in reply["unknown"]])
+                del submit_blocks(self.client, [source.reader(parse_block_key(k)[1]) for k in reply["unknown"]])[:]
+                self.submitted.update(reply["unknown"])  # the next locate waits for them
             if time.monotonic() > deadline:
                 if not self.client.scheduler_info().get("workers"):
                     raise NoWorkersError(f"the cluster has no workers to read {source.info.url} through")
@@ -319,7 +330,7 @@ def _after_fork() -> None:
 os.register_at_fork(after_in_child=_after_fork)
 
 
-def session(address: Optional[str] = None) -> Session:
+def get_session(address: Optional[str] = None) -> Session:
     """This process's session with the cluster at `address` (None: `dmdask.fs.scheduler`
     from dask config, else the scheduler of the default Dask client)."""
     if os.getpid() != _pid:  # a fork that did not run the hook (os.fork from C code)
