@@ -16,8 +16,8 @@ Guarantees:
   again over the workers present, and blocks left with no live planned worker (every
   worker gone at once) are planned over the next worker that joins.
 - blocks outlive the jobs that read them until `release`.
-- lazy datasets (`register(..., lazy=True)`, transparent mode's files): ready once
-  registered, with every block planned; a block's load task is submitted by whoever
+- lazy datasets (`get_or_register`, or `register(..., lazy=True)`; transparent mode's
+  files): ready once registered, with every block planned; a block's load task is submitted by whoever
   first wants it (and again after the scheduler forgot it), and pinned like any other.
   Their blocks are planned round-robin from where the previous lazy dataset stopped,
   so many one-block files spread over the workers.
@@ -103,6 +103,7 @@ class DatasetsPlugin(SchedulerPlugin):
         scheduler.handlers.update({
             "dmdask_get_or_claim": self.get_or_claim,
             "dmdask_register": self.register,
+            "dmdask_get_or_register": self.get_or_register,
             "dmdask_abandon": self.abandon,
             "dmdask_locate": self.locate,
             "dmdask_release": self.release,
@@ -167,6 +168,25 @@ class DatasetsPlugin(SchedulerPlugin):
             ds.lazy = True
             ds.ready.set()
         return {"status": "OK"}
+
+    def get_or_register(self, name: str, info: dict) -> dict:
+        """A lazy dataset whose description needs no I/O (transparent mode's files), in one
+        request: {"status": "ready", "info"} when it exists (erred blocks are retried), else
+        registered now: {"status": "created"} (none of its blocks exists yet), or
+        {"status": "no-workers"}; {"status": "busy"} while another caller creates it."""
+        ds = self.datasets.get(name)
+        if ds is not None and ds.ready.is_set() and ds.info is not None:
+            self._retry_erred(ds)
+            return {"status": "ready", "info": ds.info}
+        if ds is not None:
+            return {"status": "busy"}
+        claimant = f"dmdask-register-{name}"
+        self.datasets[name] = DatasetState(name, claimant)
+        reply = self.register(name, claimant, info, lazy=True)
+        if reply["status"] != "OK":
+            self._forget(self.datasets[name])
+            return reply
+        return {"status": "created"}
 
     def abandon(self, name: str, claimant: str) -> None:
         """Drop a claim whose holder could not create the dataset (waiters claim it next)."""
