@@ -2,6 +2,7 @@
 and release it. The scheduler side is `dmdask.scheduler.DatasetsPlugin`."""
 from __future__ import annotations
 
+import time
 import uuid
 import weakref
 from typing import Callable, Optional
@@ -46,11 +47,10 @@ def open_dataset(client: Client, spec, epoch: int) -> DatasetInfo:
 
 
 def get_or_create(client: Client, name: str, opener: Callable[[], Source],
-                  order: Optional[Callable[[DatasetInfo], list]] = None, lazy: bool = False) -> DatasetInfo:
+                  order: Optional[Callable[[DatasetInfo], list]] = None) -> DatasetInfo:
     """The registry's dataset `name`, created once per cluster from `opener()` by the
-    first process to ask (the others wait for it). `order(info)`: the order the blocks
-    are first needed (None: index order). Not lazy: every block load is submitted in one
-    graph now. Lazy: none is; whoever wants a block submits its load (`submit_blocks`)."""
+    first process to ask (the others wait for it), every block load submitted in one
+    graph. `order(info)`: the order the blocks are first needed (None: index order)."""
     ensure_plugin(client)
     claimant = uuid.uuid4().hex
     while True:
@@ -58,22 +58,35 @@ def get_or_create(client: Client, name: str, opener: Callable[[], Source],
         if reply["status"] == "ready":
             return DatasetInfo.from_dict(reply["info"])
         try:
-            _create(client, name, opener(), order, lazy, claimant)
+            _create(client, name, opener(), order, claimant)
         except BaseException:
             _call(client, "dmdask_abandon", name=name, claimant=claimant)
             raise
 
 
-def _create(client: Client, name: str, source: Source, order, lazy: bool, claimant: str) -> None:
+def get_or_register(client: Client, source: Source) -> bool:
+    """Register `source`'s dataset lazily unless the registry has it (one request): none
+    of its blocks is loaded until someone submits it (`submit_blocks`). True when it was
+    registered now, so that none of its blocks exists yet."""
+    ensure_plugin(client)
+    while True:
+        reply = _call(client, "dmdask_get_or_register", name=source.info.name, info=source.info.as_dict())
+        if reply["status"] == "no-workers":
+            raise NotADmdaskWorker("the cluster has no workers; start `dask worker ... --worker-class dmdask.Worker`")
+        if reply["status"] in ("ready", "created"):
+            return reply["status"] == "created"
+        time.sleep(0.05)  # being created by a get_or_create: ready in a moment
+
+
+def _create(client: Client, name: str, source: Source, order, claimant: str) -> None:
     info = source.info
     reply = _call(client, "dmdask_register", name=name, claimant=claimant, info=info.as_dict(),
-                  order=None if order is None else order(info), lazy=lazy)
+                  order=None if order is None else order(info))
     if reply["status"] == "no-workers":
         raise NotADmdaskWorker("the cluster has no workers; start `dask worker ... --worker-class dmdask.Worker`")
     if reply["status"] != "OK":
         return  # the claim passed to another rank: ask again
-    if not lazy:
-        del submit_blocks(client, [source.reader(k) for k in range(info.num_blocks)])[:]
+    del submit_blocks(client, [source.reader(k) for k in range(info.num_blocks)])[:]
 
 
 def submit_blocks(client: Client, readers) -> list:

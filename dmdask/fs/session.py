@@ -31,7 +31,7 @@ import numpy as np
 from distributed.comm.core import CommClosedError
 from distributed.core import clean_exception
 
-from ..client.datasets import ensure_plugin, get_or_create, submit_blocks
+from ..client.datasets import ensure_plugin, get_or_register, submit_blocks
 from ..client.gather import Gatherer, LocalArenas, Moved, plan_rows
 from ..client.iterator import _my_host
 from ..errors import BlockReadError, DmdaskError, NoWorkersError
@@ -99,6 +99,7 @@ class Session:
         self.located: set = set()  # folders whose files' first blocks this process located
         self.absent: set = set()  # block keys that folder locates found the cluster had never loaded
         self.submitted: set = set()  # block keys whose loads this process submitted
+        self.registered: set = set()  # datasets this process found or put in the registry
         self.holders: Dict[str, str] = dict(parent.holders) if parent else {}  # block key -> a holder
         self.retried: set = set()  # datasets whose erred blocks this process had retried
         self._exit_hook = False
@@ -261,7 +262,13 @@ class Session:
             unknown = [k for k in keys if k not in self.holders]
             if not unknown:
                 return {k: self.holders[k] for k in keys}
-            if all(k in self.absent for k in unknown):  # the folder's locate said so: no need to ask again
+            name = source.info.name
+            checked = name not in self.registered
+            if checked:  # one request registers it if it is new; then nothing is loaded
+                self.registered.add(name)
+                if get_or_register(self.client, source):
+                    self.absent.update(unknown)
+            if all(k in self.absent for k in unknown):  # known not to be loaded: no need to ask
                 reply = {"holders": {}, "erred": {}, "unknown": unknown}
                 self.absent.difference_update(unknown)
             else:
@@ -271,13 +278,13 @@ class Session:
                 self.submitted.difference_update(expect)  # waited for once: from now on, as any other key
             self.holders.update(reply["holders"])
             if reply["erred"]:
-                name = source.info.name
                 if name in self.retried:
                     raise clean_exception(next(iter(reply["erred"].values())))[1]
                 self.retried.add(name)
-                get_or_create(self.client, name, lambda: source, lazy=True)  # retries its erred blocks
+                get_or_register(self.client, source)  # retries its erred blocks
             if reply["unknown"]:
-                get_or_create(self.client, source.info.name, lambda: source, lazy=True)  # registered (again)
+                if not checked:
+                    get_or_register(self.client, source)  # registered again, should it have been released
                 del submit_blocks(self.client, [source.reader(parse_block_key(k)[1]) for k in reply["unknown"]])[:]
                 self.submitted.update(reply["unknown"])  # the next locate waits for them
             if time.monotonic() > deadline:
