@@ -213,3 +213,16 @@ def test_a_cache_smaller_than_the_data_meets_the_bound_from_threads(store):
     cached = total["ram"]["bytes"] - 8 * total["ram"]["samples"]  # file bytes held (8 bytes a row are pointers)
     assert 0 < cached < dataset
     assert sum(c["bytes"] for c in sent(server, sizes).values()) == epochs * dataset - cached * (epochs - 1)
+
+
+def test_a_file_gone_from_the_store_raises_naming_it(store, cluster):
+    server, root = store
+    path = root / "gone.bin"
+    path.write_bytes(b"x" * 1000)
+    url = f"{server.url}/gone.bin"
+    with distributed.Client(cluster):
+        fs = fsspec.filesystem("dmdask", target_protocol="http")
+        assert fs.info(url)["size"] == 1000  # known, then removed before its first read
+        path.unlink()
+        with pytest.raises(OSError, match="gone.bin"):
+            fs.cat_file(url)
