@@ -52,9 +52,11 @@ test: $(BIN)/.installed $(TF_BIN)/.installed $(MX_BIN)/.installed
 	$(MAKE) --no-print-directory test-mx || status=1; \
 	exit $$status
 
-# The dashboard test drives Debian's Chromium; the script installs it when missing.
+# The dashboard test drives Debian's Chromium, the mount test libfuse (Debian's fuse3);
+# the scripts install them when missing.
 test-main: $(BIN)/.installed
 	bash scripts/install-browser.sh
+	bash scripts/install-fuse.sh
 	$(BIN)/python -m pytest
 
 test-tf: $(TF_BIN)/.installed

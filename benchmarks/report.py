@@ -15,6 +15,7 @@ TITLES = {
     "throughput": "3. Loader throughput, warm cache, no compute (and 5. memory)",
     "control_plane": "4. Scale of the control plane",
     "scale": "6. Planning and block creation at 10^8 samples and 10^5 blocks",
+    "transparent": "7. Transparent mode: an unmodified DataLoader through dmdask::",
 }
 
 

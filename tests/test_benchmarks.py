@@ -37,3 +37,18 @@ def test_harness_runs_every_scenario_and_writes_the_page(tmp_path):
     text = open(page).read()
     assert "## Goals" in text and "| 1 |" in text and "| 4 |" in text
     assert sorted(os.listdir(tmp_path / "plots")) == ["control_plane.png", "scale.png", "throughput.png", "traffic.png"]
+
+
+@pytest.mark.slow
+def test_transparent_scenario_runs_and_reports(tmp_path):
+    """Not in the default scenarios (run by `--only transparent`); its tiny preset runs here."""
+    results = run("tiny", ["transparent"], out_dir=str(tmp_path), write_doc=False)
+    result = results["scenarios"]["transparent"]
+    assert "error" not in result, result
+    rows = result["rows"]
+    assert all(r["samples"] == result["config"]["samples"] * result["config"]["epochs"] for r in rows.values())
+    assert rows["dmdask"]["store"]["bytes"] == result["dataset"]  # each byte once over the epochs
+    assert rows["store"]["store"]["bytes"] == result["config"]["epochs"] * result["dataset"]
+    page = report.write(results, path=str(tmp_path / "benchmarks.md"), plots_dir=str(tmp_path / "plots"))
+    assert "Transparent mode" in open(page).read()
+    assert os.listdir(tmp_path / "plots") == ["transparent.png"]
