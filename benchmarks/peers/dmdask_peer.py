@@ -15,7 +15,6 @@ import time
 import numpy as np
 
 from .dataset import sample_id
-from .meter import shm_folders
 
 NAME, LABEL, FORMAT, STORE = "dmdask", "dmdask", "files", "http"
 CAN = {"exactly_once": "yes: every sample to exactly one rank, every epoch (drop_last=False)",
@@ -60,13 +59,13 @@ def services(run):
             address = json.load(f)["address"]
         for node in range(run.nodes):
             node_env = dict(env, DASK_DMDASK__WORKER__RAM=str(run.node_cache_bytes), DASK_DMDASK__WORKER__SSD="0")
-            p = subprocess.Popen(
-                [sys.executable, "-m", "distributed.cli.dask_worker", address, "--worker-class", "dmdask.Worker",
+            p = subprocess.Popen(run.namespaces.prefix(node) + [
+                sys.executable, "-m", "distributed.cli.dask_worker", address, "--worker-class", "dmdask.Worker",
                  "--nthreads", str(run.ranks_per_node), "--no-nanny", "--host", node_host(node),
                  "--name", f"node{node}", "--local-directory", run.node_dirs[node]], env=node_env, **quiet)
             procs.append(p)
             run.meter.watch(p.pid, "dmdask worker", node)
-            run.meter.folder(shm_folders(p.pid), node, kind="shm")
+            run.meter.folder(f"{run.namespaces.shm(node)}/dmdask-ram-{p.pid}-*", node, kind="shm")
         _wait_workers(address, run.nodes)
         yield {SCHEDULER_ENV: address}
     finally:

@@ -4,6 +4,7 @@ Grain's own format, ArrayRecord, opens local (or GCS) paths only, so the data so
 reads sample files over HTTP: Grain has no cache of its own."""
 from __future__ import annotations
 
+import itertools
 import os
 
 import numpy as np
@@ -25,9 +26,9 @@ def available():
 
 def settings(cfg: dict) -> str:
     return ("`IndexSampler(num_records, ShardOptions(rank, world, drop_remainder=False), shuffle=True, "
-            f"num_epochs=1, seed=epoch)`; `DataLoader(operations=[Batch({cfg['batch']}, batch_fn=list)], "
-            f"worker_count={cfg['loader_workers']})`, one per epoch; a `RandomAccessDataSource` that GETs a "
-            "sample's file (ArrayRecord reads local paths only)")
+            f"num_epochs=<epochs>, seed=0)`; one `DataLoader(operations=[Batch({cfg['batch']}, batch_fn=list)], "
+            f"worker_count={cfg['loader_workers']})` over all epochs; a data source that GETs a sample's file "
+            "(ArrayRecord, Grain's format, reads local paths only)")
 
 
 class HttpFiles:
@@ -59,20 +60,25 @@ def batch_ids(batch) -> np.ndarray:
 
 
 class Loader:
-    def __init__(self, ctx: dict):
-        self.ctx = ctx
-        self.source = HttpFiles(ctx["file_urls"])
+    """One DataLoader over all epochs (its worker processes start once); an epoch is the next
+    ceil(shard / batch) batches, exact when the shard divides into batches (the presets' do)."""
 
-    def epoch(self, epoch: int):
+    def __init__(self, ctx: dict):
         import grain.python as grain
 
-        c = self.ctx
-        sampler = grain.IndexSampler(num_records=len(self.source), shuffle=True, num_epochs=1,
-                                     seed=c["seed"] + epoch,
-                                     shard_options=grain.ShardOptions(shard_index=c["rank"], shard_count=c["world"],
+        n, world, rank = ctx["samples"], ctx["world"], ctx["rank"]
+        sampler = grain.IndexSampler(num_records=n, shuffle=True, num_epochs=ctx["epochs"], seed=ctx["seed"],
+                                     shard_options=grain.ShardOptions(shard_index=rank, shard_count=world,
                                                                       drop_remainder=False))
-        return grain.DataLoader(data_source=self.source, sampler=sampler, worker_count=c["loader_workers"],
-                                operations=[grain.Batch(batch_size=c["batch"], drop_remainder=False, batch_fn=list)])
+        self.loader = grain.DataLoader(
+            data_source=HttpFiles(ctx["file_urls"]), sampler=sampler, worker_count=ctx["loader_workers"],
+            operations=[grain.Batch(batch_size=ctx["batch"], drop_remainder=False, batch_fn=list)])
+        self.iterator = iter(self.loader)
+        shard = n // world + (1 if rank < n % world else 0)
+        self.per_epoch = -(-shard // ctx["batch"])
+
+    def epoch(self, epoch: int):
+        return itertools.islice(self.iterator, self.per_epoch)
 
     ids = staticmethod(batch_ids)
 

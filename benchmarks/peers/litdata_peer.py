@@ -26,11 +26,12 @@ def settings(cfg: dict) -> str:
     return ("`StreamingDataset(input_dir='s3://…/litdata', cache_dir=<node disk>, shuffle=True, seed=0, "
             "max_cache_size=<node cache>, storage_options={'endpoint_url': …})`; "
             f"`StreamingDataLoader(batch_size={cfg['batch']}, num_workers={cfg['loader_workers']})`; "
-            "torch.distributed initialised, NNODES set")
+            "torch.distributed initialised, NNODES set; `allow_http` added to its obstore client options, which "
+            "refuse the local http:// endpoint otherwise (a real S3 is https)")
 
 
 def collate(items):
-    return [item["data"] for item in items]
+    return [bytes(item["data"]) for item in items]  # a memoryview cannot leave the worker process
 
 
 def batch_ids(batch) -> np.ndarray:
@@ -39,7 +40,10 @@ def batch_ids(batch) -> np.ndarray:
 
 class Loader:
     def __init__(self, ctx: dict):
+        import litdata.streaming.downloader as downloader
         from litdata import StreamingDataLoader, StreamingDataset
+
+        downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = "true"  # see settings(): the endpoint is http://
 
         cache = os.path.join(ctx["node_dir"], "litdata")
         os.makedirs(cache, exist_ok=True)

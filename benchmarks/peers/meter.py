@@ -101,12 +101,3 @@ class Meter:
 
     def processes(self) -> List[dict]:
         return sorted(self.peaks.values(), key=lambda e: (e["node"], e["role"], e["pid"]))
-
-
-def shm_folders(pid: int) -> str:
-    """The glob of a dmdask worker's RAM-tier folder in /dev/shm."""
-    return f"/dev/shm/dmdask-ram-{pid}-*"
-
-
-def exists(pattern: str) -> bool:
-    return bool(glob.glob(pattern))

@@ -17,7 +17,9 @@ from typing import Dict, List
 import numpy as np
 
 from .meter import Meter
+from .nodes import NodeNamespaces
 
+SHM_BYTES = 8 * 2**30  # a node's /dev/shm (tmpfs: memory is taken only as files are written)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -30,6 +32,7 @@ class Run:
     ranks_per_node: int
     node_cache_bytes: int
     meter: Meter
+    namespaces: NodeNamespaces
     node_dirs: List[str] = field(default_factory=list)
 
 
@@ -52,11 +55,12 @@ def run_one(module, point: dict, ctx: dict, store, extra_env: dict, timeout: flo
     """`module`'s ranks over `point`; {"status": "ok", ...figures} or {"status": "failed", "reason"}."""
     nodes, per_node = point["nodes"], ctx["ranks_per_node"]
     world = nodes * per_node
-    with tempfile.TemporaryDirectory(prefix=f"dmdask-bench-peers-{module.NAME}-") as root, Meter() as meter:
-        run = Run(root, nodes, per_node, point["node_cache_bytes"], meter)
+    with tempfile.TemporaryDirectory(prefix=f"dmdask-bench-peers-{module.NAME}-") as root, Meter() as meter, \
+            NodeNamespaces(nodes, SHM_BYTES) as namespaces:
+        run = Run(root, nodes, per_node, point["node_cache_bytes"], meter, namespaces)
         for node in range(nodes):
             run.node_dirs.append(os.path.join(root, f"node{node}"))
-            os.makedirs(run.node_dirs[-1])
+            os.makedirs(os.path.join(run.node_dirs[-1], "tmp"))
             meter.folder(run.node_dirs[-1], node, kind="disk")
         port = _free_port()
         with open(os.path.join(root, "ctx.json"), "w") as f:
@@ -73,7 +77,7 @@ def run_one(module, point: dict, ctx: dict, store, extra_env: dict, timeout: flo
             return {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"[:600]}
         if "reason" in counts:
             return {"status": "failed", "reason": counts["reason"]}
-        return _figures(root, world, ctx, point, counts, meter, time.perf_counter() - started)
+        return _figures(root, world, ctx, counts, meter, time.perf_counter() - started, namespaces.isolated)
 
 
 def _ranks(run: Run, world: int, per_node: int, nodes: int, port: int, env: dict, epochs: int, store,
@@ -82,11 +86,13 @@ def _ranks(run: Run, world: int, per_node: int, nodes: int, port: int, env: dict
     procs = []
     for rank in range(world):
         log = open(os.path.join(run.root, f"rank-{rank}.log"), "w")
-        procs.append(subprocess.Popen([sys.executable, "-m", "benchmarks.peers.rank", run.root, str(rank)],
-                                      env=_rank_env(rank, world, per_node, nodes, port, env), cwd=ROOT,
+        node = rank // per_node
+        env_rank = dict(_rank_env(rank, world, per_node, nodes, port, env), TMPDIR=os.path.join(run.node_dirs[node], "tmp"))
+        command = run.namespaces.prefix(node) + [sys.executable, "-m", "benchmarks.peers.rank", run.root, str(rank)]
+        procs.append(subprocess.Popen(command, env=env_rank, cwd=ROOT,
                                       stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         log.close()
-        run.meter.watch(procs[-1].pid, "rank", rank // per_node)
+        run.meter.watch(procs[-1].pid, "rank", node)
     snapshots, deadline = [], time.monotonic() + timeout
     try:
         while True:
@@ -127,7 +133,8 @@ def _error_tail(path: str) -> str:
     return " / ".join(lines[errors[-1]:errors[-1] + 3] if errors else lines[-4:])[-700:]
 
 
-def _figures(root: str, world: int, ctx: dict, point: dict, counts: dict, meter: Meter, seconds: float) -> dict:
+def _figures(root: str, world: int, ctx: dict, counts: dict, meter: Meter, seconds: float,
+             namespaces_isolated: bool) -> dict:
     ranks = []
     for r in range(world):
         with open(os.path.join(root, f"rank-{r}.json")) as f:
@@ -153,7 +160,8 @@ def _figures(root: str, world: int, ctx: dict, point: dict, counts: dict, meter:
             "store_bytes": sum(e["bytes"] for e in out), "store_requests": sum(e["requests"] for e in out),
             "disk_written": sum(e["disk"] for e in out), "shm_written": sum(e["shm"] for e in out),
             "exactly_once": all(e["duplicates"] == 0 and e["misses"] == 0 for e in out),
-            "processes": procs, "memory": _memory(procs), "run_s": seconds}
+            "processes": procs, "memory": _memory(procs), "run_s": seconds,
+            "nodes_isolated": namespaces_isolated}
 
 
 def _memory(procs: List[dict]) -> Dict[str, float]:
