@@ -46,7 +46,8 @@ def test_peers_and_simulation_run_at_tiny_size_and_merge_into_the_page(tmp_path)
     pytest.importorskip("torch", reason="the ranks join a torch.distributed (gloo) process group")
     pytest.importorskip("webdataset", reason="WebDataset is one of the peers (the test extra installs it)")
     pytest.importorskip("matplotlib", reason="the plots need matplotlib")
-    from benchmarks.peers import LOADERS, goals
+    from benchmarks.peers import LOADERS
+    from benchmarks.peers.goals import bound
 
     results = run("tiny", [], out_dir=str(tmp_path), write_doc=False, peers=True)
     assert os.path.exists(tmp_path / "peers-tiny-latest.json")
@@ -67,7 +68,7 @@ def test_peers_and_simulation_run_at_tiny_size_and_merge_into_the_page(tmp_path)
             assert r["memory"]["max_mib"] > 0
         mine = rows["dmdask"]
         assert mine["exactly_once"] and all(e["samples"] == peers["config"]["samples"] for e in mine["epochs"])
-        assert abs(mine["store_bytes"] / goals.bound(peers, point) - 1) <= 0.02
+        assert abs(mine["store_bytes"] / bound(peers, point) - 1) <= 0.02
         assert rows["dataloader"]["store_bytes"] >= epochs * size  # no cache
         assert rows["webdataset"]["disk_written"] > 0  # its shards cached on the nodes' disks
         transparent = rows["transparent"]

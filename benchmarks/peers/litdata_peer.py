@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 
@@ -27,7 +28,8 @@ def settings(cfg: dict) -> str:
             "max_cache_size=<node cache>, storage_options={'endpoint_url': …})`; "
             f"`StreamingDataLoader(batch_size={cfg['batch']}, num_workers={cfg['loader_workers']})`; "
             "torch.distributed initialised, NNODES set; `allow_http` added to its obstore client options, which "
-            "refuse the local http:// endpoint otherwise (a real S3 is https)")
+            "refuse the local http:// endpoint otherwise (a real S3 is https); built once more when it finds no "
+            "index.json (the ranks of a node race on it in their shared cache_dir)")
 
 
 def collate(items):
@@ -47,10 +49,14 @@ class Loader:
 
         cache = os.path.join(ctx["node_dir"], "litdata")
         os.makedirs(cache, exist_ok=True)
-        self.dataset = StreamingDataset(
-            input_dir=f"s3://{BUCKET}/litdata", cache_dir=cache, shuffle=True, seed=ctx["seed"],
-            max_cache_size=max(ctx["node_cache_bytes"], ctx["min_cache_bytes"]),
-            storage_options={"endpoint_url": ctx["s3_url"]})
+        options = dict(input_dir=f"s3://{BUCKET}/litdata", cache_dir=cache, shuffle=True, seed=ctx["seed"],
+                       max_cache_size=max(ctx["node_cache_bytes"], ctx["min_cache_bytes"]),
+                       storage_options={"endpoint_url": ctx["s3_url"]})
+        try:
+            self.dataset = StreamingDataset(**options)
+        except ValueError:  # the ranks of a node race on index.json in their shared cache_dir: once more
+            time.sleep(1)
+            self.dataset = StreamingDataset(**options)
         self.loader = StreamingDataLoader(self.dataset, batch_size=ctx["batch"],
                                           num_workers=ctx["loader_workers"], collate_fn=collate)
 
