@@ -8,6 +8,8 @@ import numpy as np
 from .goals import bound
 
 MIB = 2**20
+SHORT = {"dataloader": "DataLoader", "webdataset": "WebDataset", "mosaic": "Mosaic", "litdata": "LitData",
+         "grain": "Grain", "dmdask": "dmdask", "transparent": "dmdask::"}
 
 
 def _mib(b: float) -> str:
@@ -15,11 +17,17 @@ def _mib(b: float) -> str:
 
 
 def _settings(result: dict) -> str:
+    """From the loaders' modules (their documentation), else from the results."""
+    from . import LOADERS
+
+    modules = {m.NAME: m for m in LOADERS}
     lines = ["| loader | reads | settings | exactly once | cache | cache shared between nodes |",
              "|---|---|---|---|---|---|"]
     for m in result["loaders"]:
-        c = m["can"]
-        lines.append(f"| {m['label']} | {m['format']} over {m['store'].upper()} | {m['settings']} "
+        module = modules.get(m["name"])
+        c = module.CAN if module else m["can"]
+        settings = module.settings(result["config"]) if module else m["settings"]
+        lines.append(f"| {m['label']} | {m['format']} over {m['store'].upper()} | {settings} "
                      f"| {c['exactly_once']} | {c['cache']} | {c['shared_cache']} |")
     return "\n".join(lines)
 
@@ -80,22 +88,26 @@ def _plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     points = result["points"]
-    labels = {m["name"]: m["label"] for m in result["loaders"]}
     fig, axes = plt.subplots(2, len(points), figsize=(5.2 * len(points), 7), squeeze=False)
     for col, point in enumerate(points):
         ok = [(k, r) for k, r in point["loaders"].items() if r["status"] == "ok"]
         x = np.arange(len(ok))
-        names = [labels[k].replace(" + ", "\n+ ").replace(" Streaming", "\nStreaming") for k, _ in ok]
+        names = [SHORT.get(k, k) for k, _ in ok]
         top, bottom = axes[0][col], axes[1][col]
         top.bar(x - 0.2, [r["epoch1_s"] for _, r in ok], 0.4, label="epoch 1")
         top.bar(x + 0.2, [r["later_s"] for _, r in ok], 0.4, label="epochs 2+ (mean)")
         top.set_ylabel("epoch wall time (s)")
+        top.axhline(result["dataset_bytes"] / result["config"]["bandwidth"], color="tab:red", ls=":", lw=1,
+                    label="reading D once from the store")
         top.set_title(f"{point['nodes']} nodes, node cache {point['node_cache']:.2f} D", fontsize=9)
         bottom.bar(x, [r["store_bytes"] / result["dataset_bytes"] for _, r in ok], 0.6, color="tab:gray")
         bottom.axhline(bound(result, point) / result["dataset_bytes"], color="k", ls="--", lw=1,
                        label="bound E*D - min(C,D)*(E-1)")
         bottom.set_ylabel(f"store bytes over {result['config']['epochs']} epochs (x D)")
         for ax in (top, bottom):
+            heights = [p.get_height() for p in ax.patches if p.get_height() > 0]
+            if heights and max(heights) > 8 * min(heights):
+                ax.set_yscale("log")
             ax.set_xticks(x)
             ax.set_xticklabels(names, fontsize=7)
             ax.grid(axis="y", alpha=0.3)
@@ -130,14 +142,22 @@ def report(result: dict, plots_dir: str) -> str:
     points = result["points"]
     isolated = all(r.get("nodes_isolated", False) for p in points for r in p["loaders"].values()
                    if r["status"] == "ok")
-    covered = ", ".join(f"{p['nodes']} nodes x {p['node_cache']:.2f} D (cluster {p['nodes'] * p['node_cache']:.2f} D)"
-                        for p in points)
+    from . import PRESETS
+
+    def listed(pts):
+        return ", ".join(f"{p['nodes']} nodes x {p['node_cache']:.2f} D (cluster {p['nodes'] * p['node_cache']:.2f} D)"
+                         for p in pts)
+
+    covered = listed(points)
+    others = "; ".join(f"`--{name}`: {listed(c['points'])}" for name, c in PRESETS.items()
+                       if name != "tiny" and c["points"] != cfg["points"])
+    floor = size / cfg["bandwidth"]
     text = [
         f"{cfg['samples']:,} image-like samples of 16-110 KB (D = {size / MIB:.1f} MiB), each loader's own format "
         f"written once (below). One store for all, throttled to {cfg['bandwidth'] / MIB:.0f} MiB/s in all and "
         f"{cfg['latency'] * 1e3:.0f} ms a request, counting every request and byte: `StoreServer` over HTTP, and "
         "moto's S3 server behind the same throttle and counters for the loaders that speak only S3. "
-        f"Points: {covered}. Each node runs {cfg['ranks_per_node']} rank processes (one gloo process group, "
+        f"Points: {covered}" + (f" (other presets: {others})" if others else "") + ". Each node runs {cfg['ranks_per_node']} rank processes (one gloo process group, "
         f"RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE set as torchrun does), each with {cfg['loader_workers']} "
         "loader worker process; dmdask has instead one worker process a node "
         f"(threads = ranks a node). Every rank runs {cfg['epochs']} epochs of the same loop: its batches of "
@@ -148,7 +168,9 @@ def report(result: dict, plots_dir: str) -> str:
            "Mosaic's shared memory and dmdask's RAM tier are per node; dmdask's ranks map their own node's "
            "blocks and ask the other nodes' workers over TCP. " if isolated else
            "The nodes share this machine's /dev/shm (no mount namespaces here). ")
-        + "Node disk written: bytes of files that appeared under a node's folder (each (path, inode) at its "
+        + f"Reading D once takes the store at least {floor:.1f} s; a loader whose one iterator spans all epochs "
+        "(Grain here) keeps reading ahead while the ranks wait at the barriers, so its epochs 2+ can look shorter "
+        "than that. Node disk written: bytes of files that appeared under a node's folder (each (path, inode) at its "
         "largest size, polled every 0.2 s; dmdask's RAM tier in /dev/shm shown apart). Peak memory: VmHWM of "
         "every process of the run (ranks, loader workers, dmdask's scheduler and workers), polled. Duplicates "
         "and misses: from the sample ids the ranks got, per epoch. "

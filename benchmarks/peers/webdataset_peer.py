@@ -9,8 +9,11 @@ from .dataset import sample_id
 
 NAME, LABEL, FORMAT, STORE = "webdataset", "WebDataset", "tar", "http"
 CAN = {"exactly_once": "shards split over ranks and workers (split_by_node, split_by_worker): each sample once, "
-                       "but ranks get unequal counts unless shards divide evenly",
-       "cache": "whole shards on the node's disk (cache_dir), LRU past cache_size",
+                       "but ranks get unequal counts unless shards divide evenly; the shard shuffle comes after the "
+                       "split (webdataset 1.0), so a rank gets the same shards every epoch and never another "
+                       "rank's samples",
+       "cache": "whole shards on the node's disk (cache_dir), LRU past cache_size by a cleanup that runs every "
+                "30 s (so runs this short keep every shard they read)",
        "shared_cache": "no: a cache per node"}
 
 
