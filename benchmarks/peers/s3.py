@@ -34,10 +34,10 @@ class S3Store(StoreServer):
     """moto on loopback behind a counting, throttled proxy; `url` is the endpoint to give clients."""
 
     def __init__(self, latency: float = 0.0, bandwidth=None):
+        from moto.server import ThreadedMotoServer  # ImportError without moto[server]: nothing made yet
+
         self._empty = tempfile.mkdtemp(prefix="dmdask-bench-s3-")
         super().__init__(self._empty, latency=latency, bandwidth=bandwidth)
-        from moto.server import ThreadedMotoServer
-
         self._moto_port = _free_port()
         self._moto = ThreadedMotoServer(ip_address="127.0.0.1", port=self._moto_port, verbose=False)
         self._session = None
