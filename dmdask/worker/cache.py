@@ -22,6 +22,7 @@ from typing import Dict
 
 import distributed
 import numpy as np
+from distributed.comm.core import CommClosedError
 from distributed.protocol.serialize import to_serialize
 
 from ..spec import TransformContext, loads_transform
@@ -269,7 +270,10 @@ class BlockCache:
         async def from_holder(holder, wanted):
             if holder == me:
                 return await self.serve(wanted)
-            reply = await self.worker.rpc(holder).dmdask_rows(msg=to_serialize(wanted))
+            try:
+                reply = await self.worker.rpc(holder).dmdask_rows(msg=to_serialize(wanted))
+            except RuntimeError as exc:  # this worker is closing ("ConnectionPool is closed"): a lost worker
+                raise CommClosedError(f"worker {me} is closing: {exc}") from None
             if reply["status"] == "missing":
                 raise MissingBlocks(reply["keys"])
             self.peer_bytes_in += _nbytes(reply["rows"])
