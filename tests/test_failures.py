@@ -254,7 +254,7 @@ def test_capacity_lost_with_a_worker_is_won_back_when_it_restarts(tmp_path):
                 total = dmdask.stats(client)["total"]
             except OSError:  # a worker is still leaving or joining
                 continue
-            if len(total["ram"]) and total["ram"]["blocks"] == 8 and total["streamed_blocks"] == 0:
+            if total["ram"]["blocks"] == 8 and total["streamed_blocks"] == 0:
                 break
         for epoch in (1, 2):
             ids = np.concatenate([b["index"] for b in dmdask.batches(client, spec, epoch=epoch)])
