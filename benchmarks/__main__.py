@@ -1,4 +1,6 @@
-"""`python -m benchmarks run --quick|--full [--only traffic,...]` and `python -m benchmarks report FILE`."""
+"""`python -m benchmarks run --quick|--full [--only traffic,...]`, `python -m benchmarks run --peers
+--quick|--full` (dmdask beside other loaders, and the simulation: their own results file, merged into
+the page) and `python -m benchmarks report FILE`."""
 from __future__ import annotations
 
 import argparse
@@ -16,16 +18,19 @@ from . import report
 from .common import machine
 
 SCENARIOS = ["traffic", "training", "throughput", "control_plane", "scale"]
+EXTRA = ["transparent"]  # run only when named in --only
+PEER_SCENARIOS = ["peers", "simulate"]  # `run --peers`: results in peers-<preset>-latest.json
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
-def run(preset: str, only, out_dir: str = RESULTS, write_doc: bool = True) -> dict:
+def run(preset: str, only, out_dir: str = RESULTS, write_doc: bool = True, peers: bool = False) -> dict:
     warnings.filterwarnings("ignore")
     logging.getLogger("distributed").setLevel(logging.ERROR)
+    flag = "--peers " if peers else ""
     results = {"preset": preset, "machine": machine(), "scenarios": {},
                "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-               "command": f"python -m benchmarks run --{preset}" + (f" --only {','.join(only)}" if only else "")}
-    for name in only or SCENARIOS:
+               "command": f"python -m benchmarks run {flag}--{preset}" + (f" --only {','.join(only)}" if only else "")}
+    for name in only or (PEER_SCENARIOS if peers else SCENARIOS):
         started = time.perf_counter()
         print(f"[benchmarks] {name} ({preset}) ...", flush=True)
         try:
@@ -36,11 +41,17 @@ def run(preset: str, only, out_dir: str = RESULTS, write_doc: bool = True) -> di
         results["scenarios"][name]["seconds"] = time.perf_counter() - started
         print(f"[benchmarks] {name}: {results['scenarios'][name]['seconds']:.0f} s", flush=True)
     os.makedirs(out_dir, exist_ok=True)
-    results["file"] = f"{preset}-latest.json"
+    results["file"] = f"{'peers-' if peers else ''}{preset}-latest.json"
     with open(os.path.join(out_dir, results["file"]), "w") as f:
         json.dump(results, f, indent=1, default=float)
     if write_doc:
-        print(f"[benchmarks] wrote {report.write(results)}")
+        main_file = os.path.join(out_dir, f"{preset}-latest.json")
+        if peers and os.path.exists(main_file):  # the page keeps the other scenarios' latest results
+            with open(main_file) as f:
+                page = report.write(json.load(f), peers=results)
+        else:
+            page = report.write(results) if not peers else report.write(dict(results, scenarios={}), peers=results)
+        print(f"[benchmarks] wrote {page}")
     return results
 
 
@@ -51,7 +62,10 @@ def main(argv=None) -> int:
     size = r.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_const", dest="preset", const="quick", help="under 10 minutes")
     size.add_argument("--full", action="store_const", dest="preset", const="full", help="about an hour")
-    r.add_argument("--only", default="", help=f"comma-separated subset of {SCENARIOS}")
+    r.add_argument("--peers", action="store_true",
+                   help=f"run {PEER_SCENARIOS} instead (dmdask beside other loaders; `make bench-peers`)")
+    r.add_argument("--only", default="", help=f"comma-separated subset of {SCENARIOS + EXTRA} (with --peers: of "
+                                               f"{PEER_SCENARIOS})")
     rep = sub.add_parser("report", help="regenerate docs/benchmarks.md from a results file")
     rep.add_argument("file")
     args = parser.parse_args(argv)
@@ -59,10 +73,11 @@ def main(argv=None) -> int:
         print(report.main(args.file))
         return 0
     only = [s for s in args.only.split(",") if s]
-    unknown = set(only) - set(SCENARIOS)
+    choices = PEER_SCENARIOS if args.peers else SCENARIOS + EXTRA
+    unknown = set(only) - set(choices)
     if unknown:
-        parser.error(f"unknown scenarios {sorted(unknown)}; choose from {SCENARIOS}")
-    run(args.preset or "quick", only)
+        parser.error(f"unknown scenarios {sorted(unknown)}; choose from {choices}")
+    run(args.preset or "quick", only, peers=args.peers)
     return 0
 
 

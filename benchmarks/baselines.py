@@ -2,6 +2,7 @@
 DistributedSampler, and the same with a per-node cache and no sharing (Monarch)."""
 from __future__ import annotations
 
+import os
 import threading
 from typing import List, Optional
 
@@ -29,6 +30,17 @@ class StoreFiles:
         urls = [self.urls[i] for i in indices]
         contents = self.fs.cat(urls)
         return [(np.frombuffer(contents[u], dtype=np.uint8), self.labels[i]) for u, i in zip(urls, indices)]
+
+
+class ProcessLocalFiles(StoreFiles):
+    """`StoreFiles` that opens its own fsspec filesystem in each loader worker process
+    (an async fsspec filesystem may not cross a fork)."""
+
+    def __getitems__(self, indices):
+        if getattr(self, "_pid", None) != os.getpid():
+            self.fs = fsspec.filesystem(fsspec.utils.get_protocol(self.urls[0]))
+            self._pid = os.getpid()
+        return super().__getitems__(indices)
 
 
 class NodeCachedFiles(StoreFiles):

@@ -8,6 +8,7 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, "docs", "benchmarks.md")
 PLOTS = os.path.join(ROOT, "docs", "benchmarks")
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
 TITLES = {
     "traffic": "1. Shared-store traffic against the bound",
@@ -15,15 +16,27 @@ TITLES = {
     "throughput": "3. Loader throughput, warm cache, no compute (and 5. memory)",
     "control_plane": "4. Scale of the control plane",
     "scale": "6. Planning and block creation at 10^8 samples and 10^5 blocks",
+    "transparent": "7. Transparent mode: an unmodified DataLoader through dmdask::",
+}
+# `python -m benchmarks run --peers`: their own results file, merged into the page when present
+PEER_TITLES = {
+    "peers": "7. Beside the loaders users pick today",
+    "simulate": "8. Control plane and traffic at 64 to 1,024 nodes (simulated)",
 }
 
 
-def write(results: dict, path: str = DOC, plots_dir: str = PLOTS) -> str:
-    """Write the page and its plots; returns the page's path."""
-    os.makedirs(plots_dir, exist_ok=True)
+def _peers_results(results: dict):
+    path = os.path.join(RESULTS, f"peers-{results.get('preset', 'quick')}-latest.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _sections(scenarios: dict, titles: dict, plots_dir: str):
     goals, sections = [], []
-    for name, title in TITLES.items():
-        result = results["scenarios"].get(name)
+    for name, title in titles.items():
+        result = scenarios.get(name)
         if result is None:
             continue
         if "error" in result:
@@ -33,6 +46,18 @@ def write(results: dict, path: str = DOC, plots_dir: str = PLOTS) -> str:
         module = importlib.import_module(f"benchmarks.{name}")
         sections.append(f"## {title}\n\n" + module.report(result, plots_dir))
         goals += [(title, g) for g in result["goals"]]
+    return goals, sections
+
+
+def write(results: dict, path: str = DOC, plots_dir: str = PLOTS, peers: dict = None) -> str:
+    """Write the page and its plots; returns the page's path. `peers`: the results of `run --peers`
+    (default: benchmarks/results/peers-<preset>-latest.json when present)."""
+    os.makedirs(plots_dir, exist_ok=True)
+    goals, sections = _sections(results["scenarios"], TITLES, plots_dir)
+    peers = peers if peers is not None else _peers_results(results)
+    if peers is not None:
+        more_goals, more_sections = _sections(peers["scenarios"], PEER_TITLES, plots_dir)
+        goals, sections = goals + more_goals, sections + more_sections
     m = results["machine"]
     lines = [
         "# Benchmarks",
@@ -41,7 +66,9 @@ def write(results: dict, path: str = DOC, plots_dir: str = PLOTS) -> str:
         f"Machine: {m['cpus']} cores, {m['memory_gib']} GiB, {m['platform']}, Python {m['python']}, "
         f"dask/distributed {m['dask']}, dmdask {m['dmdask']}. A shared machine is noisy: compare the "
         "ratios measured side by side in this run, not absolute times. Raw results: "
-        f"`benchmarks/results/{results['file']}`.",
+        f"`benchmarks/results/{results['file']}`." + (
+            f" Sections 7-8: `{peers['command']}` on {peers['date']}, raw results `benchmarks/results/{peers['file']}` "
+            "(`make bench-peers`)." if peers is not None else ""),
         "",
         "## Goals",
         "",

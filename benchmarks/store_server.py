@@ -4,7 +4,8 @@
 sends, and can emulate a contended store: a latency before each request and one
 bandwidth cap shared by all clients.  It speaks what fsspec's ``HTTPFileSystem`` (and
 so zarr's ``FsspecStore``) needs: ``GET``/``HEAD`` with ``Content-Length`` and
-``Accept-Ranges``, single ``Range`` requests (``206``, ``416``), ``404`` for missing
+``Accept-Ranges`` (and, for files, ``Last-Modified`` and an ``ETag`` of the
+modification time and size, as object stores give), single ``Range`` requests (``206``, ``416``), ``404`` for missing
 files and an HTML index of ``<a href="name">`` links (``name/`` for folders) for a
 folder, which is what fsspec's ``ls``/``find``/``glob`` scrape.  It runs on aiohttp in
 a background thread with its own event loop::
@@ -226,7 +227,8 @@ class StoreServer:
             return await self._listing(request, key, full, head)
         if not os.path.isfile(full) or rel.endswith("/"):
             raise web.HTTPNotFound()
-        size = os.path.getsize(full)
+        st = os.stat(full)
+        size = st.st_size
         try:
             rng = request.http_range
         except ValueError:  # malformed or several ranges: send the whole file (RFC 9110 allows it)
@@ -234,7 +236,9 @@ class StoreServer:
         if rng.start is not None and rng.start >= size > 0:
             raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{size}"})
         start, stop, _ = rng.indices(size)
-        response = web.StreamResponse(status=200, headers={"Accept-Ranges": "bytes"})
+        response = web.StreamResponse(status=200, headers={"Accept-Ranges": "bytes",
+                                                           "ETag": f'"{st.st_mtime_ns:x}-{size:x}"'})
+        response.last_modified = st.st_mtime
         if (rng.start, rng.stop) != (None, None) and size:
             response.set_status(206)
             response.headers["Content-Range"] = f"bytes {start}-{stop - 1}/{size}"

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
 import warnings
@@ -33,7 +32,7 @@ import numpy as np
 
 import dmdask
 
-from .baselines import StoreFiles, collate
+from .baselines import ProcessLocalFiles, collate
 from .common import dataset_bytes, dmdask_cluster, ratio, run_ranks, served_bytes, workdir, write_files
 
 # samples, sample_bytes: the files on the store. rate: the emulated compute, samples/s per
@@ -186,23 +185,12 @@ def _ideal(data: np.ndarray, labels: np.ndarray, world: int, batch: int):
     return epoch_iter
 
 
-class _ProcessLocalFiles(StoreFiles):
-    """`StoreFiles` that opens its own fsspec filesystem in each loader worker process
-    (an async fsspec filesystem may not cross a fork)."""
-
-    def __getitems__(self, indices):
-        if getattr(self, "_pid", None) != os.getpid():
-            self.fs = fsspec.filesystem(fsspec.utils.get_protocol(self.urls[0]))
-            self._pid = os.getpid()
-        return super().__getitems__(indices)
-
-
 def _baseline(urls: List[str], labels: List[int], world: int, batch: int, num_workers: int):
     """DataLoader + DistributedSampler per rank, created once, `set_epoch` every epoch
     (as in PyTorch's DDP tutorial); loader workers persist across epochs."""
     import torch.utils.data
 
-    dataset = _ProcessLocalFiles(urls, labels)
+    dataset = ProcessLocalFiles(urls, labels)
     samplers = [torch.utils.data.distributed.DistributedSampler(dataset, num_replicas=world, rank=r,
                                                                 shuffle=True, seed=SEED) for r in range(world)]
     extra = {"persistent_workers": True, "prefetch_factor": 2} if num_workers else {}

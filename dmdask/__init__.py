@@ -7,7 +7,8 @@
     for batch in dmdask.batches(client, spec, epoch=0):
         ...
 
-A stock `dask scheduler --preload dmdask` installs the scheduler plugin; without the
+Loaders that read files through fsspec read through the cluster's cache when given
+`dmdask::` URLs (`dmdask.fs`, docs/transparent.md). A stock `dask scheduler --preload dmdask` installs the scheduler plugin; without the
 preload the first `dmdask.batches` call registers it.
 """
 from . import config as _config  # noqa: F401  (registers the dmdask config namespace)
@@ -18,6 +19,9 @@ from .errors import (BlockReadError, DmdaskError, NoWorkersError, NotADmdaskWork
 from .spec import Mix, Spec, TransformContext, per_sample, transform_context
 from .stats import stats
 from .worker import Worker
+from .fs.register import register as _register_fs
+
+_register_fs()  # `dmdask::` URLs for fsspec (and webdataset)
 
 __version__ = "0.1.0"
 

@@ -1,4 +1,5 @@
-"""The `dmdask` command: `dmdask demo [...]`, `dmdask status SCHEDULER` and `dmdask --help`."""
+"""The `dmdask` command: `dmdask demo [...]`, `dmdask status SCHEDULER`, `dmdask mount URL
+MOUNTPOINT` and `dmdask --help`."""
 from __future__ import annotations
 
 import sys
@@ -31,6 +32,31 @@ def status(argv) -> int:
     print(format_datasets(stats["datasets"]))
     if dashboard:
         print(f"\ndashboard page: {dashboard.rsplit('/', 1)[0]}/dmdask (with `dask scheduler --preload dmdask.dashboard`)")
+    return 0
+
+
+def mount(argv) -> int:
+    """Serve a folder of the store read-only at a mount point, through the cluster's cache."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="dmdask mount", description="a read-only FUSE mount of URL at MOUNTPOINT whose reads go through the "
+        "dmdask cluster's cache (as dmdask:: URLs do); runs until unmounted (fusermount3 -u MOUNTPOINT) or "
+        "interrupted")
+    parser.add_argument("url", help="folder on the shared store, e.g. https://host/train or s3://bucket/train")
+    parser.add_argument("mountpoint", help="an existing empty folder")
+    parser.add_argument("--scheduler", default=None,
+                        help="scheduler address, e.g. tcp://host:8786 (default: dask config dmdask.fs.scheduler)")
+    parser.add_argument("--block-size", default=None, help='cached byte blocks of large files (default "4 MiB")')
+    parser.add_argument("--debug", action="store_true", help="libfuse's debug output")
+    args = parser.parse_args(argv)
+    from .fs.mount import mount as serve
+
+    try:
+        serve(args.url, args.mountpoint, scheduler=args.scheduler, block_size=args.block_size, debug=args.debug)
+    except (RuntimeError, OSError) as exc:
+        print(f"dmdask mount: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -93,6 +119,7 @@ commands:
   demo     train a small model on scikit-learn's digits through a local dmdask
            cluster and report what came from RAM, SSD and the shared store
   status   the per-worker tier table and the datasets of a running cluster
+  mount    a read-only FUSE mount of a store folder, read through the cluster's cache
 
 `dmdask COMMAND --help` gives each command's options.
 """
@@ -104,7 +131,7 @@ def _parser():
     parser = argparse.ArgumentParser(prog="dmdask", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"dmdask {_version()}")
-    parser.add_argument("command", choices=COMMANDS, metavar="COMMAND", help="demo or status")
+    parser.add_argument("command", choices=COMMANDS, metavar="COMMAND", help="demo, status or mount")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the command's options")
     return parser
 
@@ -121,7 +148,7 @@ def _demo(argv) -> int:
     return demo(argv)
 
 
-COMMANDS = {"demo": _demo, "status": status}
+COMMANDS = {"demo": _demo, "status": status, "mount": mount}
 
 
 def main(argv=None) -> int:

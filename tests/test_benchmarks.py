@@ -37,3 +37,61 @@ def test_harness_runs_every_scenario_and_writes_the_page(tmp_path):
     text = open(page).read()
     assert "## Goals" in text and "| 1 |" in text and "| 4 |" in text
     assert sorted(os.listdir(tmp_path / "plots")) == ["control_plane.png", "scale.png", "throughput.png", "traffic.png"]
+
+
+@pytest.mark.slow
+def test_transparent_scenario_runs_and_reports(tmp_path):
+    """Not in the default scenarios (run by `--only transparent`); its tiny preset runs here."""
+    results = run("tiny", ["transparent"], out_dir=str(tmp_path), write_doc=False)
+    result = results["scenarios"]["transparent"]
+    assert "error" not in result, result
+    rows = result["rows"]
+    assert all(r["samples"] == result["config"]["samples"] * result["config"]["epochs"] for r in rows.values())
+    assert rows["dmdask"]["store"]["bytes"] == result["dataset"]  # each byte once over the epochs
+    assert rows["store"]["store"]["bytes"] == result["config"]["epochs"] * result["dataset"]
+    page = report.write(results, path=str(tmp_path / "benchmarks.md"), plots_dir=str(tmp_path / "plots"))
+    assert "Transparent mode" in open(page).read()
+    assert os.listdir(tmp_path / "plots") == ["transparent.png"]
+def test_peers_and_simulation_run_at_tiny_size_and_merge_into_the_page(tmp_path):
+    """`run --peers` at tiny size: dmdask, the DataLoader baseline and WebDataset run (the peers that
+    `make test` does not install are reported as not run, with the reason); the simulation runs."""
+    pytest.importorskip("torch", reason="the ranks join a torch.distributed (gloo) process group")
+    pytest.importorskip("webdataset", reason="WebDataset is one of the peers (the test extra installs it)")
+    pytest.importorskip("matplotlib", reason="the plots need matplotlib")
+    from benchmarks.peers import LOADERS
+    from benchmarks.peers.goals import bound
+
+    results = run("tiny", [], out_dir=str(tmp_path), write_doc=False, peers=True)
+    assert os.path.exists(tmp_path / "peers-tiny-latest.json")
+    peers, simulation = results["scenarios"]["peers"], results["scenarios"]["simulate"]
+    assert "error" not in peers and "error" not in simulation, (peers.get("error"), simulation.get("error"))
+    size, epochs = peers["dataset_bytes"], peers["config"]["epochs"]
+    for point in peers["points"]:
+        rows = point["loaders"]
+        assert set(rows) == {m.NAME for m in LOADERS}  # every loader has a row, run or not
+        for name, r in rows.items():
+            assert r["status"] == "ok" or r["reason"], (name, r)
+        for name in ("dmdask", "dataloader", "webdataset"):
+            r = rows[name]
+            assert r["status"] == "ok", (name, r)
+            assert len(r["epochs"]) == epochs and all(e["wall_s"] > 0 for e in r["epochs"])
+            assert all(0 <= e["stall"] <= 1 for e in r["epochs"])
+            assert r["memory"]["processes"] >= point["nodes"] * peers["config"]["ranks_per_node"]
+            assert r["memory"]["max_mib"] > 0
+        mine = rows["dmdask"]
+        assert mine["exactly_once"] and all(e["samples"] == peers["config"]["samples"] for e in mine["epochs"])
+        assert abs(mine["store_bytes"] / bound(peers, point) - 1) <= 0.02
+        assert rows["dataloader"]["store_bytes"] >= epochs * size  # no cache
+        assert rows["webdataset"]["disk_written"] > 0  # its shards cached on the nodes' disks
+        transparent = rows["transparent"]
+        if transparent["status"] != "ok":
+            assert transparent["reason"] == "transparent mode not in this build"
+    assert {g["goal"] for g in peers["goals"]} and all(isinstance(g["met"], bool) for g in peers["goals"])
+    assert simulation["rows"] and all(r["messages_per_batch"] > 0 for r in simulation["rows"])
+    assert all(t["dmdask"] <= t["per_node"] for t in simulation["traffic"])
+    page = report.write(dict(results, scenarios={}), path=str(tmp_path / "benchmarks.md"),
+                        plots_dir=str(tmp_path / "plots"), peers=results)
+    text = open(page).read()
+    assert "## 7. Beside the loaders users pick today" in text and "## 8. " in text and "| 7 |" in text
+    assert "transparent" in text
+    assert sorted(os.listdir(tmp_path / "plots")) == ["peers.png", "simulate.png"]

@@ -2,8 +2,10 @@
 and release it. The scheduler side is `dmdask.scheduler.DatasetsPlugin`."""
 from __future__ import annotations
 
+import time
 import uuid
 import weakref
+from typing import Callable, Optional
 
 import numpy as np
 from distributed import Client
@@ -36,34 +38,63 @@ def open_dataset(client: Client, spec, epoch: int) -> DatasetInfo:
     """The dataset of `spec`, created once per cluster: the first rank to ask lists the
     source and submits every block load in one graph; the others wait for it and get
     the same blocks."""
+
+    def order(info: DatasetInfo):
+        epoch_order = EpochOrder(info.num_samples, info.block_len, shuffle=spec.shuffle, seed=spec.seed,
+                                 epoch=epoch, shuffle_window=spec.shuffle_window)
+        return np.asarray(epoch_order.blocks_first_needed(limit=NEED_ORDER_POSITIONS * info.num_blocks)).tolist()
+
+    return get_or_create(client, dataset_name(spec), lambda: open_source(spec), order)
+
+
+def get_or_create(client: Client, name: str, opener: Callable[[], Source],
+                  order: Optional[Callable[[DatasetInfo], list]] = None) -> DatasetInfo:
+    """The registry's dataset `name`, created once per cluster from `opener()` by the
+    first process to ask (the others wait for it), every block load submitted in one
+    graph. `order(info)`: the order the blocks are first needed (None: index order)."""
     ensure_plugin(client)
-    name = dataset_name(spec)
     claimant = uuid.uuid4().hex
     while True:
         reply = _call(client, "dmdask_get_or_claim", name=name, claimant=claimant)
         if reply["status"] == "ready":
             return DatasetInfo.from_dict(reply["info"])
         try:
-            _create(client, name, open_source(spec), spec, epoch, claimant)
+            _create(client, name, opener(), order, claimant)
         except BaseException:
             _call(client, "dmdask_abandon", name=name, claimant=claimant)
             raise
 
 
-def _create(client: Client, name: str, source: Source, spec, epoch: int, claimant: str) -> None:
+def get_or_register(client: Client, source: Source) -> bool:
+    """Register `source`'s dataset lazily unless the registry has it (one request): none
+    of its blocks is loaded until someone submits it (`submit_blocks`). True when it was
+    registered now, so that none of its blocks exists yet."""
+    ensure_plugin(client)
+    while True:
+        reply = _call(client, "dmdask_get_or_register", name=source.info.name, info=source.info.as_dict())
+        if reply["status"] == "no-workers":
+            raise NotADmdaskWorker("the cluster has no workers; start `dask worker ... --worker-class dmdask.Worker`")
+        if reply["status"] in ("ready", "created"):
+            return reply["status"] == "created"
+        time.sleep(0.05)  # being created by a get_or_create: ready in a moment
+
+
+def _create(client: Client, name: str, source: Source, order, claimant: str) -> None:
     info = source.info
-    order = EpochOrder(info.num_samples, info.block_len, shuffle=spec.shuffle, seed=spec.seed, epoch=epoch,
-                       shuffle_window=spec.shuffle_window)
-    need = order.blocks_first_needed(limit=NEED_ORDER_POSITIONS * info.num_blocks)
     reply = _call(client, "dmdask_register", name=name, claimant=claimant, info=info.as_dict(),
-                  order=np.asarray(need).tolist())
+                  order=None if order is None else order(info))
     if reply["status"] == "no-workers":
         raise NotADmdaskWorker("the cluster has no workers; start `dask worker ... --worker-class dmdask.Worker`")
     if reply["status"] != "OK":
         return  # the claim passed to another rank: ask again
-    readers = [source.reader(k) for k in range(info.num_blocks)]
-    futures = client.map(load_block, readers, key=[r.key for r in readers], pure=False)
-    del futures  # the scheduler plugin wants the blocks from now on
+    del submit_blocks(client, [source.reader(k) for k in range(info.num_blocks)])[:]
+
+
+def submit_blocks(client: Client, readers) -> list:
+    """Submit the loads of these blocks (one graph; a block the cluster has already is
+    left as it is); their futures, which the caller may wait on or drop: the scheduler
+    plugin wants the blocks from now on, as long as their dataset is registered."""
+    return client.map(load_block, readers, key=[r.key for r in readers], pure=False)
 
 
 def release(client: Client, spec) -> bool:

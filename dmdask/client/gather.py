@@ -261,6 +261,29 @@ class Gatherer:
                                holder, arena_keys, np.concatenate(ids)))
         return await loop.run_in_executor(_pool, self._assemble, from_files, parts, n)
 
+    def take_local(self, plan: Dict[str, Dict[str, np.ndarray]], positions: Dict[str, np.ndarray],
+                   n: int) -> Optional[Dict[str, np.ndarray]]:
+        """`gather` in the caller's thread, with no request, when every block of `plan` is
+        held in files on this host that this process has described already; None
+        otherwise (then `gather`). Raises `Moved` like `gather`."""
+        from_files = []
+        for holder, wanted in plan.items():
+            if _host(holder) != self.my_host:
+                return None
+            offset = 0
+            for key, rows in wanted.items():
+                description = _mapped.described.get((holder, key))
+                if description is None or "path" not in description:
+                    return None
+                from_files.append((description, rows, positions[holder][offset:offset + len(rows)], holder, key, None))
+                offset += len(rows)
+        return self._assemble(from_files, [], n)
+
+    async def describe(self, keys: Dict[str, List[str]]) -> None:
+        """Learn how blocks held on this host are laid out in files (holder -> keys), ahead
+        of `gather` or `take_local`; blocks held elsewhere are left out."""
+        await asyncio.gather(*(self._describe(h, k) for h, k in keys.items() if _host(h) == self.my_host))
+
     async def _describe(self, holder: str, keys: List[str]) -> None:
         unknown = [k for k in keys if (holder, k) not in _mapped.described]
         if unknown:
@@ -329,6 +352,23 @@ class Gatherer:
                 pass
 
         await asyncio.gather(*(report(holder, tiers) for holder, tiers in hits.items()))
+
+
+def plan_rows(blocks: np.ndarray, offsets: np.ndarray, keys: Dict[int, str], holders: Dict[str, str]):
+    """What `Gatherer.gather` takes: holder -> block key -> rows to take (`offsets` in
+    their blocks), and holder -> the positions in the group where those rows go (in the
+    same order). `keys`: block index -> key; `holders`: key -> its holder."""
+    by_block = np.argsort(blocks, kind="stable")
+    uniq, starts = np.unique(blocks[by_block], return_index=True)
+    groups = np.split(by_block, starts[1:])
+    plan: Dict[str, Dict[str, np.ndarray]] = {}
+    positions: Dict[str, List[np.ndarray]] = {}
+    for k, members in zip(uniq.tolist(), groups):
+        key = keys[k]
+        holder = holders[key]
+        plan.setdefault(holder, {})[key] = offsets[members]
+        positions.setdefault(holder, []).append(members)
+    return plan, {h: np.concatenate(p) for h, p in positions.items()}
 
 
 def split_batches(arrays: Dict[str, np.ndarray], ids: np.ndarray, sizes: List[int]) -> List[Dict[str, np.ndarray]]:

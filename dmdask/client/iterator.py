@@ -34,7 +34,7 @@ from ..plan.order import ORDER_VERSION, EpochOrder, RankShare
 from ..spec import Mix, Spec, as_int, dumps_transform
 from ..worker.results import map_batches
 from .datasets import open_dataset
-from .gather import Gatherer, LocalArenas, Moved, copier, split_batches
+from .gather import Gatherer, LocalArenas, Moved, copier, plan_rows, split_batches
 from .mixture import MixedInfo, check_fields_match, take_mixed
 from .progress import make as _make_progress
 from .resume import resume_point
@@ -287,7 +287,7 @@ class BatchIterator:
                 holders = await self._holders_of(list(keys.values()))
                 if len(holders) < len(keys):  # still loading, or being recomputed after a loss
                     continue
-                plan, positions = self._plan(blocks, offsets, keys, holders)
+                plan, positions = plan_rows(blocks, offsets, keys, holders)
                 if self._transform is None:  # assembled here: local rows straight from the files
                     arrays = await self._gatherer.gather(plan, positions, len(ids))
                     self._gatherer.flush_hits_every(HITS_SECONDS)
@@ -424,21 +424,6 @@ class BatchIterator:
                                        f"(released by dmdask.release?): {reply['unknown'][:2]}")
             self._holders.update(reply["holders"])
         return {k: self._holders[k] for k in keys if k in self._holders}
-
-    def _plan(self, blocks: np.ndarray, offsets: np.ndarray, keys: Dict[int, str], holders: Dict[str, str]):
-        """holder -> block key -> rows to take, and holder -> the positions in the group
-        where those rows go (in the same order)."""
-        by_block = np.argsort(blocks, kind="stable")
-        uniq, starts = np.unique(blocks[by_block], return_index=True)
-        groups = np.split(by_block, starts[1:])
-        plan: Dict[str, Dict[str, np.ndarray]] = {}
-        positions: Dict[str, List[np.ndarray]] = {}
-        for k, members in zip(uniq.tolist(), groups):
-            key = keys[k]
-            holder = holders[key]
-            plan.setdefault(holder, {})[key] = offsets[members]
-            positions.setdefault(holder, []).append(members)
-        return plan, {h: np.concatenate(p) for h, p in positions.items()}
 
     async def _local_worker(self) -> str:
         """A worker on this rank's own node: rank r takes local worker r mod n."""

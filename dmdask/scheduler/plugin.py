@@ -16,6 +16,11 @@ Guarantees:
   again over the workers present, and blocks left with no live planned worker (every
   worker gone at once) are planned over the next worker that joins.
 - blocks outlive the jobs that read them until `release`.
+- lazy datasets (`get_or_register`, or `register(..., lazy=True)`; transparent mode's
+  files): ready once registered, with every block planned; a block's load task is submitted by whoever
+  first wants it (and again after the scheduler forgot it), and pinned like any other.
+  Their blocks are planned round-robin from where the previous lazy dataset stopped,
+  so many one-block files spread over the workers.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ from typing import Dict, List, Optional
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from ..source.base import block_key, parse_block_key
+from .files import FileMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +53,7 @@ class DatasetState:
         self.ready = asyncio.Event()  # set once the blocks exist on the scheduler (or the claim is dropped)
         self.loaded = 0  # blocks in memory somewhere
         self.erred: set = set()  # block indices whose load failed
+        self.lazy = False  # blocks are submitted when first wanted, not at creation
 
     @property
     def identity(self) -> Optional[str]:
@@ -80,6 +87,8 @@ class DatasetsPlugin(SchedulerPlugin):
         self.datasets: Dict[str, DatasetState] = {}
         self.by_identity: Dict[str, DatasetState] = {}
         self._waiters: Dict[str, List[asyncio.Future]] = defaultdict(list)
+        self.files = FileMetadata()
+        self._next_lazy = 0  # where the next lazy dataset's plan starts (round-robin)
 
     async def start(self, scheduler) -> None:
         """Install the handlers. Two clients registering the plugin at once may both start
@@ -89,14 +98,17 @@ class DatasetsPlugin(SchedulerPlugin):
         installed = scheduler.extensions.get("dmdask")
         if isinstance(installed, DatasetsPlugin):
             self.datasets, self.by_identity, self._waiters = installed.datasets, installed.by_identity, installed._waiters
+            self.files = installed.files
         self.scheduler = scheduler
         scheduler.handlers.update({
             "dmdask_get_or_claim": self.get_or_claim,
             "dmdask_register": self.register,
+            "dmdask_get_or_register": self.get_or_register,
             "dmdask_abandon": self.abandon,
             "dmdask_locate": self.locate,
             "dmdask_release": self.release,
             "dmdask_datasets": self.summaries,
+            "dmdask_fs_metadata": self.files.handler,
         })
         scheduler.extensions["dmdask"] = self
 
@@ -129,25 +141,52 @@ class DatasetsPlugin(SchedulerPlugin):
             if self.datasets.get(name) is not ds:  # abandoned: claim it afresh
                 continue
 
-    def register(self, name: str, claimant: str, info: dict, order: List[int]) -> dict:
+    def register(self, name: str, claimant: str, info: dict, order: Optional[List[int]] = None,
+                 lazy: bool = False) -> dict:
         """Plan the blocks of a claimed dataset: the i-th block of `order` (the order the
-        blocks are first needed) goes to worker i mod W and loads with priority -i."""
+        blocks are first needed; None: index order) goes to worker i mod W and loads with
+        priority -i. A lazy dataset is ready now (its blocks come when first wanted) and
+        its plan starts where the previous lazy dataset's stopped."""
         ds = self.datasets.get(name)
         if ds is None or ds.claimant != claimant:
             return {"status": "not-claimed"}
         workers = sorted(self.scheduler.workers)
         if not workers:
             return {"status": "no-workers"}
-        n = len(order)
+        n = -(-info["num_samples"] // info["block_len"]) if order is None else len(order)
+        first = self._next_lazy if lazy else 0
         ds.info = info
         ds.planned = [None] * n
         ds.priority = [0] * n
-        for i, k in enumerate(order):
-            ds.planned[k] = workers[i % len(workers)]
+        for i, k in enumerate(range(n) if order is None else order):
+            ds.planned[k] = workers[(first + i) % len(workers)]
             ds.priority[k] = n - i
         self.by_identity[info["identity"]] = ds
         ds.claimed_at = time.monotonic()
+        if lazy:
+            self._next_lazy = (first + n) % len(workers)
+            ds.lazy = True
+            ds.ready.set()
         return {"status": "OK"}
+
+    def get_or_register(self, name: str, info: dict) -> dict:
+        """A lazy dataset whose description needs no I/O (transparent mode's files), in one
+        request: {"status": "ready", "info"} when it exists (erred blocks are retried), else
+        registered now: {"status": "created"} (none of its blocks exists yet), or
+        {"status": "no-workers"}; {"status": "busy"} while another caller creates it."""
+        ds = self.datasets.get(name)
+        if ds is not None and ds.ready.is_set() and ds.info is not None:
+            self._retry_erred(ds)
+            return {"status": "ready", "info": ds.info}
+        if ds is not None:
+            return {"status": "busy"}
+        claimant = f"dmdask-register-{name}"
+        self.datasets[name] = DatasetState(name, claimant)
+        reply = self.register(name, claimant, info, lazy=True)
+        if reply["status"] != "OK":
+            self._forget(self.datasets[name])
+            return reply
+        return {"status": "created"}
 
     def abandon(self, name: str, claimant: str) -> None:
         """Drop a claim whose holder could not create the dataset (waiters claim it next)."""
@@ -188,17 +227,21 @@ class DatasetsPlugin(SchedulerPlugin):
         return worker
 
     # -- where the blocks are ----------------------------------------------------------
-    async def locate(self, keys: List[str], host: Optional[str] = None, timeout: float = 2.0) -> dict:
+    async def locate(self, keys: List[str], host: Optional[str] = None, timeout: float = 2.0,
+                     expect: List[str] = ()) -> dict:
         """{"holders": {key: address}, "erred": {key: exception}, "unknown": [keys]} once every
         key is held or erred, or after `timeout` seconds with what is known then. A holder on
-        `host` is preferred. Never raises for a missing key: it is reported as unknown."""
+        `host` is preferred. Never raises for a missing key: it is reported as unknown, but
+        keys in `expect` (just submitted by the caller, on another connection) are waited
+        for like keys still loading."""
         deadline = time.monotonic() + timeout
+        expect = set(expect)
         while True:
             holders, erred, pending, unknown = {}, {}, [], []
             for key in keys:
                 ts = self.scheduler.tasks.get(key)
                 if ts is None:
-                    unknown.append(key)
+                    (pending if key in expect else unknown).append(key)
                 elif ts.state == "memory" and ts.who_has:
                     addresses = sorted(ws.address for ws in ts.who_has)
                     local = [a for a in addresses if host and _host(a) == host]
@@ -247,7 +290,7 @@ class DatasetsPlugin(SchedulerPlugin):
     def _lost(self, ds: DatasetState) -> bool:
         """Whether the scheduler forgot any block of a ready dataset."""
         tasks = self.scheduler.tasks
-        return ds.info is not None and any(key not in tasks for key in ds.keys())
+        return ds.info is not None and not ds.lazy and any(key not in tasks for key in ds.keys())
 
     def _forget(self, ds: DatasetState) -> None:
         self.datasets.pop(ds.name, None)

@@ -1,0 +1,110 @@
+"""An S3 endpoint for the peers that speak only S3: moto's server behind the store's throttle.
+
+`S3Store` runs moto's `ThreadedMotoServer` on loopback and, in front of it, a
+`StoreServer` whose handler forwards each GET or HEAD to moto instead of reading a file:
+the same per-request latency, the same token-bucket bandwidth cap and the same counters
+(`stats()`, `GET /__stats__`) as the HTTP store the other loaders read. Objects are put
+straight into moto (`upload`), so filling the bucket is not counted.
+"""
+from __future__ import annotations
+
+import io
+import os
+import socket
+import tempfile
+
+import aiohttp
+from aiohttp import web
+
+from ..store_server import StoreServer
+
+BUCKET = "bench"
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+_REQUEST_DROP = {"host", "content-length", "transfer-encoding", "connection", "accept-encoding"}
+_RESPONSE_KEEP = {"content-type", "content-range", "etag", "last-modified", "accept-ranges"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class S3Store(StoreServer):
+    """moto on loopback behind a counting, throttled proxy; `url` is the endpoint to give clients."""
+
+    def __init__(self, latency: float = 0.0, bandwidth=None):
+        from moto.server import ThreadedMotoServer  # ImportError without moto[server]: nothing made yet
+
+        self._empty = tempfile.mkdtemp(prefix="dmdask-bench-s3-")
+        super().__init__(self._empty, latency=latency, bandwidth=bandwidth)
+        self._moto_port = _free_port()
+        self._moto = ThreadedMotoServer(ip_address="127.0.0.1", port=self._moto_port, verbose=False)
+        self._session = None
+
+    @property
+    def moto_url(self) -> str:
+        return f"http://127.0.0.1:{self._moto_port}"
+
+    def start(self) -> "S3Store":
+        self._moto.start()
+        super().start()
+        self.client().create_bucket(Bucket=BUCKET)
+        return self
+
+    def stop(self) -> None:
+        if self._session is not None and self._loop is not None:
+            import asyncio
+
+            asyncio.run_coroutine_threadsafe(self._session.close(), self._loop).result()
+            self._session = None
+        super().stop()
+        self._moto.stop()
+        os.rmdir(self._empty)
+
+    def client(self):
+        """A boto3 client straight to moto (not counted, not throttled)."""
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.moto_url, region_name="us-east-1",
+                            aws_access_key_id="testing", aws_secret_access_key="testing")
+
+    def upload(self, folder: str, prefix: str) -> int:
+        """Put every file under `folder` at s3://BUCKET/prefix/<relative path>; returns the objects put."""
+        client, count = self.client(), 0
+        for dirpath, _, names in os.walk(folder):
+            for name in names:
+                path = os.path.join(dirpath, name)
+                client.upload_file(path, BUCKET, f"{prefix}/{os.path.relpath(path, folder)}")
+                count += 1
+        return count
+
+    async def _serve(self, request: web.Request) -> web.StreamResponse:
+        rel = request.match_info["path"]
+        key = "/".join(p for p in rel.split("/") if p not in ("", "."))
+        head = request.method == "HEAD"
+        if head:
+            with self._lock:
+                self._stats["head_requests"] += 1
+        else:
+            self._count(key, requests=1)
+        if self.latency:
+            import asyncio
+
+            await asyncio.sleep(self.latency)
+        if self._session is None:
+            self._session = aiohttp.ClientSession(auto_decompress=False)
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _REQUEST_DROP}
+        async with self._session.request(request.method, self.moto_url + request.path_qs, headers=headers,
+                                         allow_redirects=False) as upstream:
+            body = await upstream.read()
+            kept = {k: v for k, v in upstream.headers.items()
+                    if k.lower() in _RESPONSE_KEEP or k.lower().startswith("x-amz-")}
+            length = int(upstream.headers.get("Content-Length", 0)) if head else len(body)
+            response = web.StreamResponse(status=upstream.status, headers=kept)
+        return await self._send(request, response, key, length, head, io.BytesIO(body).read)
+
+
+def environment(store: S3Store) -> dict:
+    """What a rank process needs to reach the bucket through the proxy (boto3, Mosaic)."""
+    return dict(CREDENTIALS, AWS_ENDPOINT_URL=store.url, S3_ENDPOINT_URL=store.url, AWS_ALLOW_HTTP="true")

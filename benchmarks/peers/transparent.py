@@ -1,0 +1,28 @@
+"""Hook for dmdask's transparent mode (issue #13): the DataLoader baseline reading
+`dmdask::<url>` through fsspec, over dmdask's cluster. Skipped until a build registers the
+`dmdask` fsspec protocol."""
+from __future__ import annotations
+
+from . import dmdask_peer, torch_dataloader
+
+NAME, LABEL, FORMAT, STORE = "transparent", "dmdask transparent mode (`dmdask::`)", "files", "http"
+CAN = dict(dmdask_peer.CAN)
+services = dmdask_peer.services
+batch_ids = torch_dataloader.batch_ids
+
+
+def available():
+    import fsspec
+
+    if "dmdask" not in fsspec.available_protocols():
+        return "transparent mode not in this build"
+    return None
+
+
+def settings(cfg: dict) -> str:
+    return "the DataLoader baseline's settings, its URLs prefixed with `dmdask::`"
+
+
+class Loader(torch_dataloader.Loader):
+    def __init__(self, ctx: dict):
+        super().__init__(dict(ctx, file_urls=["dmdask::" + u for u in ctx["file_urls"]]))

@@ -1,0 +1,202 @@
+"""Transparent mode: the `dmdask::` fsspec protocol, so unmodified loaders read through
+the cluster's tiered cache.
+
+    fsspec.open("dmdask::https://host/train/x.jpg")
+    zarr.open("dmdask::https://host/ds.zarr", mode="r")
+    webdataset.WebDataset("dmdask://https://host/train-{000000..000099}.tar")
+
+(`dmdask://URL` is the same as `dmdask::URL`; webdataset splits its string of URLs at
+"::", so give it that spelling, or a list of URLs.)
+
+`DmdaskFileSystem` is a read-only filesystem chained over any other (its target). A
+file read through it is a dataset of the cluster's registry (`dmdask.source.files`):
+byte blocks of `dmdask.fs.block-size` (default 4 MiB; a smaller file is one block),
+each loaded by its planned worker the first time any process reads a byte of it, held
+once in the cluster with MinIO placement (RAM in shared memory, SSD, or streamed), and
+read by training processes from same-host files directly or from their holder.
+
+Guarantees:
+- a block leaves the store once while the cluster holds it; blocks that fit nowhere
+  are read once per request that needs them (each byte once per epoch for loaders that
+  read each file once an epoch), so E epochs cost E*D - C*(E-1) bytes at most, C the
+  part the cache holds;
+- a file is identified by URL, storage options, size and version (modification time,
+  ETag) as the store reports them once per run: a file rewritten between runs is read
+  afresh, never served stale, when its size or version changed;
+- listings and infos are asked of the store once per run (`dmdask.scheduler.files`),
+  and of the scheduler once per process and folder;
+- works from threads, from `DataLoader` worker processes (fork, forkserver, spawn) and
+  from several jobs at once (`dmdask.fs.session`).
+
+The cluster: storage option `scheduler=ADDRESS`, else the dask config
+`dmdask.fs.scheduler`, else the current default `distributed.Client`'s scheduler.
+"""
+from __future__ import annotations
+
+import dask.config
+import fsspec
+from dask.utils import parse_bytes
+from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
+
+from ..source.base import options_json, protocol_of
+from ..source.files import FileSource
+from .session import NoClusterError, get_session, version_of
+
+try:  # fsspec >= 2025.x: the marker that makes `url_to_fs` hand the inner path over
+    from fsspec.implementations.chained import ChainedFileSystem as _Base
+except ImportError:  # pragma: no cover - older fsspec
+    _Base = AbstractFileSystem
+
+PROTOCOL = "dmdask"
+CACHED_BLOCKS = 2  # blocks an open file keeps (so small reads in one block cost one fetch)
+
+__all__ = ["DmdaskFile", "DmdaskFileSystem", "NoClusterError", "gopen", "PROTOCOL"]
+
+
+class DmdaskFileSystem(_Base):
+    """A read-only filesystem over `target_protocol` (or `fs`) whose reads go through
+    the dmdask cluster (see the module docstring).
+
+    scheduler: the cluster's scheduler address (default: `dmdask.fs.scheduler`, else
+    the default client's). block_size: bytes per cached block of large files (default
+    `dmdask.fs.block-size`). `target_options` travel to the workers that read the
+    store: they must be plain values (JSON).
+    """
+
+    protocol = PROTOCOL
+    root_marker = ""
+
+    def __init__(self, target_protocol=None, target_options=None, fs=None, scheduler=None, block_size=None,
+                 fo=None, **kwargs):
+        kwargs.pop("asynchronous", None)  # zarr asks for an async filesystem; it wraps this one
+        super().__init__(**kwargs)
+        if fs is None:
+            fs = fsspec.filesystem(target_protocol or "file", **(target_options or {}))
+            options = dict(target_options or {})
+        else:
+            options = dict(fs.storage_options)
+        self.fs = fs
+        self.target_protocol = protocol_of(fs)
+        self.target_options = options
+        self.scheduler = scheduler
+        self.block_bytes = int(parse_bytes(block_size or dask.config.get("dmdask.fs.block-size")))
+        self._options = options_json(options)
+        self._fsid = f"{self.target_protocol}|{self._options}"
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        path = fsspec.utils.stringify_path(path)
+        for prefix in (f"{PROTOCOL}::", f"{PROTOCOL}://"):
+            if path.startswith(prefix):
+                path = path[len(prefix):]
+        return path
+
+    @staticmethod
+    def _get_kwargs_from_urls(path):
+        """`dmdask://https://host/x` (one URL, no "::": what webdataset keeps whole) names
+        its target protocol itself."""
+        inner = path[len(PROTOCOL) + 3:] if path.startswith(f"{PROTOCOL}://") else ""
+        protocol = fsspec.core.split_protocol(inner)[0] if "://" in inner else None
+        return {"target_protocol": protocol} if protocol else {}
+
+    def _path(self, path: str) -> str:
+        """`path` as the target names it."""
+        return self.fs._strip_protocol(type(self)._strip_protocol(path))
+
+    def unstrip_protocol(self, name: str) -> str:
+        return f"{PROTOCOL}::{self.fs.unstrip_protocol(name)}"
+
+    def _session(self):
+        return get_session(self.scheduler)
+
+    # -- metadata -----------------------------------------------------------------------
+    def ls(self, path, detail=True, **kwargs):
+        entries = self._session().ls(self._fsid, self.fs, self._path(path))
+        return [dict(e) for e in entries] if detail else [e["name"] for e in entries]
+
+    def info(self, path, **kwargs):
+        return dict(self._session().info(self._fsid, self.fs, self._path(path)))
+
+    def isdir(self, path) -> bool:
+        return self.fs.isdir(self._path(path))
+
+    def invalidate_cache(self, path=None):
+        """Forget every listing and info this process knows: the next ones are read from
+        the store again (a new run, also for processes started from now on)."""
+        self._session().forget()
+        super().invalidate_cache(path)
+
+    # -- reading ------------------------------------------------------------------------
+    def source(self, path: str, info: dict) -> FileSource:
+        """The dataset of file `path` (target naming) as `info` describes it."""
+        url = self.fs.unstrip_protocol(path)
+        return FileSource(url, self.target_protocol, self._options, path, int(info["size"]), version_of(info),
+                          self.block_bytes)
+
+    def _file(self, path: str):
+        """(info, source) of a file; source is None when it is empty or its size unknown."""
+        info = self.info(path)
+        if info.get("type", "file") != "file":
+            raise IsADirectoryError(path)
+        size = info.get("size")
+        return info, (self.source(self._path(path), info) if size else None)
+
+    def _open(self, path, mode="rb", block_size=None, autocommit=True, cache_options=None, **kwargs):
+        if mode != "rb":
+            raise PermissionError(f"{PROTOCOL}:: is read-only; cannot open {path!r} with mode {mode!r}")
+        info, source = self._file(path)
+        if source is None and info.get("size") is None:  # no size to cut blocks by: read the store directly
+            return self.fs.open(self._path(path), "rb", **kwargs)
+        return DmdaskFile(self, self._path(path), source, cache_options=cache_options, **kwargs)
+
+    def cat_file(self, path, start=None, end=None, **kwargs):
+        info, source = self._file(path)
+        if source is None:
+            return b"" if info.get("size") == 0 else self.fs.cat_file(self._path(path), start=start, end=end)
+        size = source.size
+        start = 0 if start is None else (max(0, size + start) if start < 0 else min(start, size))
+        end = size if end is None else (max(0, size + end) if end < 0 else min(end, size))
+        return self._session().read(self, source, start, end)
+
+    def cat_ranges(self, paths, starts, ends, max_gap=None, on_error="return", **kwargs):
+        out = []
+        for path, start, end in zip(paths, starts, ends):
+            try:
+                out.append(self.cat_file(path, start, end))
+            except Exception as exc:
+                if on_error == "raise":
+                    raise
+                out.append(exc)
+        return out
+
+    # read-only
+    def _rm(self, path):
+        raise PermissionError(f"{PROTOCOL}:: is read-only")
+
+    def mkdir(self, path, create_parents=True, **kwargs):
+        raise PermissionError(f"{PROTOCOL}:: is read-only")
+
+    def cp_file(self, path1, path2, **kwargs):
+        raise PermissionError(f"{PROTOCOL}:: is read-only")
+
+
+class DmdaskFile(AbstractBufferedFile):
+    """A file read through the cluster, a whole cached block at a time (the last
+    `CACHED_BLOCKS` blocks kept), so sequential and nearby reads cost one fetch per block."""
+
+    def __init__(self, fs: DmdaskFileSystem, path: str, source, cache_options=None, **kwargs):
+        kwargs.pop("cache_type", None)
+        self.source = source
+        block = source.block_bytes if source is not None else fs.block_bytes
+        super().__init__(fs, path, mode="rb", block_size=block, cache_type="blockcache",
+                         cache_options={"maxblocks": CACHED_BLOCKS, **(cache_options or {})},
+                         size=source.size if source is not None else 0, **kwargs)
+
+    def _fetch_range(self, start, end):
+        return self.fs._session().read(self.fs, self.source, start, min(end, self.size))
+
+
+def gopen(url, mode="rb", bufsize=8192, **kwargs):
+    """webdataset's opener for `dmdask::` URLs (installed in `webdataset.gopen.gopen_schemes`
+    by `import dmdask`)."""
+    return fsspec.open(url, mode).open()

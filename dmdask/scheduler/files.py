@@ -1,0 +1,92 @@
+"""`FileMetadata`: what transparent mode (`dmdask.fs`) learnt about files on the store:
+folder listings and file infos (size, modification time or ETag), kept on the scheduler.
+
+Each entry remembers the runs that read it from the store. A run is one token shared
+by a training process and the loader processes it starts (`DMDASK_FS_RUN`, inherited
+through the environment). A process is answered only with entries its own run read,
+so within a run a folder is listed and a file's info fetched from the store once,
+whoever asks, and a new run sees a file changed since (new size, time or ETag: new
+blocks) after one store request per folder listing or file info.
+
+Entries are grouped by folder: a process gets every entry of a folder its run read
+with one request. Used only from the scheduler's event loop.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Dict, List, Optional
+
+RUNS_KEPT = 16  # runs remembered per entry (older runs read it again)
+FOLDERS_KEPT = 100_000  # folders kept (least recently asked for dropped first)
+
+
+class _Entry:
+    __slots__ = ("value", "runs")
+
+    def __init__(self, value, run: str):
+        self.value, self.runs = value, [run]
+
+    def seen(self, value, run: str) -> None:
+        """`run` read `value` from the store."""
+        if value != self.value:
+            self.value, self.runs = value, [run]
+        elif run not in self.runs:
+            self.runs = self.runs[-(RUNS_KEPT - 1):] + [run]
+
+
+class _Folder:
+    __slots__ = ("listing", "infos")
+
+    def __init__(self):
+        self.listing: Optional[_Entry] = None
+        self.infos: Dict[str, _Entry] = {}
+
+
+class FileMetadata:
+    """Listings and file infos by folder (`folder` keys name the store and its options
+    too), each valid for the runs that read it (see the module docstring)."""
+
+    def __init__(self):
+        self.folders: "OrderedDict[str, _Folder]" = OrderedDict()
+
+    def handler(self, run: str, get: List[str] = (), paths: List[list] = (), put: List[list] = ()) -> dict:
+        """Scheduler handler `dmdask_fs_metadata`. `put`: [folder, "listing" or "info",
+        path, value] read from the store by `run`; `get`: folders whose entries `run`
+        read, answered as {folder: {"listing": entries or None, "infos": {path: info}}};
+        `paths`: [folder, path] of single infos, answered under "infos" the same way."""
+        for folder, kind, path, value in put:
+            entry = self._folder(folder)
+            if kind == "listing":
+                if entry.listing is None:
+                    entry.listing = _Entry(value, run)
+                else:
+                    entry.listing.seen(value, run)
+            elif path in entry.infos:
+                entry.infos[path].seen(value, run)
+            else:
+                entry.infos[path] = _Entry(value, run)
+        out = {}
+        for folder in get:
+            entry = self.folders.get(folder)
+            if entry is None:
+                continue
+            self.folders.move_to_end(folder)
+            listing = entry.listing.value if entry.listing is not None and run in entry.listing.runs else None
+            out[folder] = {"listing": listing,
+                           "infos": {p: e.value for p, e in entry.infos.items() if run in e.runs}}
+        for folder, path in paths:
+            entry = self.folders.get(folder)
+            found = entry.infos.get(path) if entry is not None else None
+            if found is not None and run in found.runs:
+                out.setdefault(folder, {"listing": None, "infos": {}})["infos"][path] = found.value
+        return out
+
+    def _folder(self, folder: str) -> _Folder:
+        entry = self.folders.get(folder)
+        if entry is None:
+            entry = self.folders[folder] = _Folder()
+            while len(self.folders) > FOLDERS_KEPT:
+                self.folders.popitem(last=False)
+        else:
+            self.folders.move_to_end(folder)
+        return entry

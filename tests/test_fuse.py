@@ -1,0 +1,99 @@
+"""`dmdask mount`: POSIX readers (plain `open()`) read a store folder through the
+cluster's cache. Bytes are counted by the HTTP store itself."""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import dmdask
+from dmdask.testing.datasets import write_folder
+from benchmarks.store_server import StoreServer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MOUNT_SECONDS = 60  # the most the mount may take to appear
+READ_SECONDS = 240  # the most a reader process may take
+SIZES = {"min_size": 1000, "max_size": 150_000}
+
+# Each reader walks the mount in sorted order, `epochs` times, and checks every file.
+READER = """
+import os, sys
+from dmdask.testing.datasets import folder_sample
+mnt, epochs = sys.argv[1], int(sys.argv[2])
+for epoch in range(epochs):
+    seen = 0
+    for folder, dirs, files in sorted(os.walk(mnt)):
+        for name in sorted(files):
+            with open(os.path.join(folder, name), "rb") as f:
+                data = f.read()
+            assert data == folder_sample(int(name[2:10]), min_size=%(min_size)d, max_size=%(max_size)d), name
+            seen += 1
+    print(seen, flush=True)
+""" % SIZES
+
+
+def fuse_missing():
+    """Why FUSE cannot be used here, or None."""
+    if not os.path.exists("/dev/fuse"):
+        return "this machine has no /dev/fuse (FUSE is not available in this container)"
+    if not (shutil.which("fusermount3") or shutil.which("fusermount")):
+        return "no fusermount3 or fusermount on PATH (apt-get install fuse3)"
+    try:
+        import mfusepy  # noqa: F401
+    except (ImportError, OSError) as exc:
+        return f"mfusepy or libfuse missing (pip install mfusepy; apt-get install fuse3): {exc}"
+    return None
+
+
+def env():
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+
+
+def unmount(proc, mountpoint):
+    """Stop the mount process (libfuse unmounts on SIGINT); lazily unmount if it is stuck."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=20)
+    if os.path.ismount(mountpoint):
+        tool = shutil.which("fusermount3") or shutil.which("fusermount")
+        subprocess.run([tool, "-u", "-z", mountpoint], check=False, timeout=20)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(fuse_missing() is not None, reason=str(fuse_missing()))
+def test_a_mount_read_by_two_processes_over_two_epochs_reads_the_store_once(tmp_path):
+    root = tmp_path / "pfs"
+    write_folder(str(root / "images"), classes=3, per_class=15, **SIZES)
+    sizes = {os.path.relpath(os.path.join(d, f), root): os.path.getsize(os.path.join(d, f))
+             for d, _, names in os.walk(root / "images") for f in names}
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    with StoreServer(str(root)) as store, \
+            dmdask.LocalCluster(n_workers=2, ram="64 MiB", dashboard_address=None) as cluster:
+        mount = subprocess.Popen([sys.executable, "-m", "dmdask.cli", "mount", f"{store.url}/images",
+                                  str(mountpoint), "--scheduler", cluster.scheduler_address],
+                                 env=env(), stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + MOUNT_SECONDS
+            while not os.path.ismount(mountpoint):
+                assert mount.poll() is None, f"dmdask mount exited: {mount.stderr.read()}"
+                assert time.monotonic() < deadline, "the mount did not appear"
+                time.sleep(0.2)
+            readers = [subprocess.Popen([sys.executable, "-c", READER, str(mountpoint), "2"], env=env(),
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+            for reader in readers:
+                out, err = reader.communicate(timeout=READ_SECONDS)
+                assert reader.returncode == 0, err
+                assert out.split() == ["45", "45"]  # every file, each epoch
+        finally:
+            unmount(mount, str(mountpoint))
+        by_path = store.stats()["by_path"]
+    assert {p: by_path[p]["bytes"] for p in sizes} == sizes  # 2 processes x 2 epochs, each byte once
+    assert all(by_path[p]["requests"] == 1 for p in sizes)

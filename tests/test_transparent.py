@@ -1,0 +1,228 @@
+"""Transparent mode (`dmdask::` URLs): unmodified loaders read through the cluster's
+cache. Bytes are counted by the HTTP store itself (benchmarks.store_server)."""
+import json
+import os
+import subprocess
+import sys
+
+import distributed
+import fsspec
+import numpy as np
+import pytest
+
+import dmdask
+from dmdask.testing.datasets import tar_key, tar_member, write_folder, write_tar_shards
+from benchmarks.store_server import StoreServer
+
+from transparent_loader import SIZES
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+PROCESS_SECONDS = 240  # the most a rank process may take
+
+
+def file_sizes(folder, root):
+    """{path relative to root: size} of every file under `folder`."""
+    return {os.path.relpath(os.path.join(d, f), root): os.path.getsize(os.path.join(d, f))
+            for d, _, names in os.walk(folder) for f in names}
+
+
+def sent(store, paths):
+    by_path = store.stats()["by_path"]
+    return {p: by_path.get(p, {"requests": 0, "bytes": 0}) for p in paths}
+
+
+def env(**extra):
+    """This process's environment for a child, with `extra` set (None: removed)."""
+    out = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    out.update(extra)
+    return {k: v for k, v in out.items() if v is not None}
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pfs")
+    write_folder(str(root / "images"), classes=3, per_class=20, **SIZES)
+    write_tar_shards(str(root / "shards"), shards=4, per_shard=25)
+    with StoreServer(str(root)) as server:
+        yield server, root
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with dmdask.LocalCluster(n_workers=2, ram="64 MiB", dashboard_address=None) as c:
+        yield c
+
+
+@pytest.mark.slow
+def test_folder_dataset_through_dataloader_workers_leaves_the_store_once(store, cluster, tmp_path):
+    """Two ranks (processes; one with fork DataLoader workers made anew each epoch, one
+    with spawn workers) x 3 epochs, an ImageFolder-like Dataset over fsspec: every
+    sample right, every file's bytes sent by the store once."""
+    server, root = store
+    sizes = file_sizes(root / "images", root)
+    server.reset_stats()
+    ranks = []
+    for rank, method in enumerate(["fork", "spawn"]):
+        out = tmp_path / f"rank{rank}.json"
+        cmd = [sys.executable, os.path.join(HERE, "transparent_loader.py"), cluster.scheduler_address,
+               f"dmdask::{server.url}/images", str(rank), "2", "3", method, str(out)]
+        ranks.append((subprocess.Popen(cmd, env=env(DMDASK_FS_RUN="job-1")), out))
+    for proc, _ in ranks:
+        assert proc.wait(timeout=PROCESS_SECONDS) == 0
+    results = [json.loads(out.read_text()) for _, out in ranks]
+    assert all(r["wrong"] == 0 for r in results)
+    for epoch in range(3):
+        ids = sorted(i for r in results for i in r["ids"][epoch])
+        assert ids == list(range(60))
+    counts = sent(server, sizes)
+    assert {p: c["bytes"] for p, c in counts.items()} == sizes  # each file's bytes once, over 2 ranks x 3 epochs
+    assert all(c["requests"] == 1 for c in counts.values())
+    listings = {p: v["requests"] for p, v in server.stats()["by_path"].items() if not p.endswith(".bin")}
+    assert max(listings.values()) <= 2, listings  # once per run (per rank at most), not per epoch or loader
+    with distributed.Client(cluster) as client:
+        total = dmdask.stats(client)["total"]
+    assert total["shared_store"]["requests"] == 60
+    assert total["ram"]["hits"] >= 60  # rows served from RAM, counted like any other read
+
+
+def test_webdataset_pipeline_through_dmdask(store, cluster):
+    webdataset = pytest.importorskip("webdataset")
+    server, root = store
+    sizes = file_sizes(root / "shards", root)
+    with distributed.Client(cluster):
+        server.reset_stats()
+        # one URL per shard pattern: webdataset splits a string of URLs at "::"
+        url = f"dmdask://{server.url}/shards/shard-{{000000..000003}}.tar"
+        for _ in range(2):
+            samples = list(webdataset.WebDataset(url, shardshuffle=False, empty_check=False))
+            assert [s["__key__"] for s in samples] == [tar_key(i) for i in range(100)]
+            for i, s in enumerate(samples):
+                assert s["jpg"] == tar_member(i, "jpg") and s["cls"] == tar_member(i, "cls")
+    assert {p: c["bytes"] for p, c in sent(server, sizes).items()} == sizes
+
+
+def test_zarr_array_through_dmdask(store, cluster, tmp_path):
+    zarr = pytest.importorskip("zarr")
+    server, root = store
+    data = np.arange(40 * 30, dtype="float32").reshape(40, 30)
+    array = zarr.create_array(str(root / "arr.zarr"), shape=data.shape, chunks=(8, 30), dtype="float32",
+                              compressors=None)
+    array[:] = data
+    sizes = file_sizes(root / "arr.zarr", root)
+    with distributed.Client(cluster):
+        server.reset_stats()
+        for _ in range(2):
+            opened = zarr.open_array(f"dmdask::{server.url}/arr.zarr", mode="r")
+            np.testing.assert_array_equal(opened[:], data)
+            np.testing.assert_array_equal(opened[9:17, 3], data[9:17, 3])
+    assert {p: c["bytes"] for p, c in sent(server, sizes).items()} == sizes
+
+
+def test_range_reads_of_a_large_file_read_only_the_blocks_they_touch(store, cluster):
+    server, root = store
+    rng = np.random.default_rng(3)
+    content = rng.integers(0, 256, 10 * 2**20 + 123, dtype=np.uint8).tobytes()
+    (root / "large.bin").write_bytes(content)
+    block = 2**20
+    with distributed.Client(cluster):
+        server.reset_stats()
+        fs = fsspec.filesystem("dmdask", target_protocol="http", block_size=block)
+        url = f"{server.url}/large.bin"
+        assert fs.cat_file(url, start=3 * block + 10, end=3 * block + 5000) == content[3 * block + 10:3 * block + 5000]
+        with fs.open(url) as f:
+            f.seek(7 * block - 3)
+            assert f.read(6) == content[7 * block - 3:7 * block + 3]  # spans blocks 6 and 7
+        assert sent(server, ["large.bin"])["large.bin"] == {"requests": 3, "bytes": 3 * block}
+        with fs.open(url) as f:
+            assert f.read() == content
+        assert sent(server, ["large.bin"])["large.bin"]["bytes"] == len(content)
+
+
+def _read_in_new_run(url, scheduler):
+    code = ("import fsspec, hashlib, distributed, dmdask, sys\n"
+            f"with distributed.Client({scheduler!r}):\n"
+            f"    print(hashlib.sha1(fsspec.open({url!r}).open().read()).hexdigest())\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env(DMDASK_FS_RUN=None), capture_output=True, text=True,
+                         timeout=PROCESS_SECONDS, check=True)
+    return out.stdout.strip()
+
+
+def test_a_file_changed_between_runs_is_not_served_stale(store, cluster):
+    import hashlib
+
+    server, root = store
+    path = root / "changing.bin"
+    url = f"dmdask::{server.url}/changing.bin"
+    digest = lambda: hashlib.sha1(path.read_bytes()).hexdigest()  # noqa: E731
+    path.write_bytes(b"a" * 5000)
+    assert _read_in_new_run(url, cluster.scheduler_address) == digest()
+    path.write_bytes(b"b" * 6000)  # another size
+    assert _read_in_new_run(url, cluster.scheduler_address) == digest()
+    stat = path.stat()
+    path.write_bytes(b"c" * 6000)  # the same size, another modification time
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 5 * 10**9))
+    assert _read_in_new_run(url, cluster.scheduler_address) == digest()
+    server.reset_stats()
+    assert _read_in_new_run(url, cluster.scheduler_address) == digest()  # unchanged: from the cache
+    assert sent(server, ["changing.bin"])["changing.bin"]["bytes"] == 0
+
+
+def test_the_protocol_is_registered_by_the_entry_point_and_by_import():
+    import importlib
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        target = tomllib.load(f)["project"]["entry-points"]["fsspec.specs"]["dmdask"]
+    module, _, name = target.partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    assert fsspec.get_filesystem_class("dmdask") is cls  # registered by `import dmdask` too
+    fs, path = fsspec.core.url_to_fs("dmdask::http://127.0.0.1:9/a/b.bin")
+    assert isinstance(fs, cls) and fs.target_protocol == "http" and path == "http://127.0.0.1:9/a/b.bin"
+    fs, path = fsspec.core.url_to_fs("dmdask://http://127.0.0.1:9/a/b.bin")  # the spelling webdataset keeps whole
+    assert fs.target_protocol == "http" and path == "http://127.0.0.1:9/a/b.bin"
+    with pytest.raises(PermissionError):
+        fs.open(path, "wb")
+
+
+def test_a_cache_smaller_than_the_data_meets_the_bound_from_threads(store):
+    """Two ranks as threads of one process, 3 epochs, a shuffled split of the files per
+    epoch, a cache holding about half of them: the store sends E*D - C*(E-1) bytes, C
+    the bytes of the files the cache holds."""
+    import concurrent.futures
+
+    server, root = store
+    sizes = file_sizes(root / "images", root)
+    urls = [f"dmdask::{server.url}/{p}" for p in sorted(sizes)]
+    dataset = sum(sizes.values())
+    epochs = 3
+    with dmdask.LocalCluster(n_workers=2, ram=dataset // 4, stream_buffer=0, dashboard_address=None) as small, \
+            distributed.Client(small) as client:
+        server.reset_stats()
+        for epoch in range(epochs):
+            order = np.random.default_rng(epoch).permutation(len(urls))
+
+            def rank(r):
+                return [(i, fsspec.open(urls[i]).open().read()) for i in order[r::2]]
+
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                read = [item for part in pool.map(rank, range(2)) for item in part]
+            assert sorted(i for i, _ in read) == list(range(len(urls)))
+            assert all(data == (root / sorted(sizes)[i]).read_bytes() for i, data in read)
+        total = dmdask.stats(client)["total"]
+    cached = total["ram"]["bytes"] - 8 * total["ram"]["samples"]  # file bytes held (8 bytes a row are pointers)
+    assert 0 < cached < dataset
+    assert sum(c["bytes"] for c in sent(server, sizes).values()) == epochs * dataset - cached * (epochs - 1)
+
+
+def test_a_file_gone_from_the_store_raises_naming_it(store, cluster):
+    server, root = store
+    path = root / "gone.bin"
+    path.write_bytes(b"x" * 1000)
+    url = f"{server.url}/gone.bin"
+    with distributed.Client(cluster):
+        fs = fsspec.filesystem("dmdask", target_protocol="http")
+        assert fs.info(url)["size"] == 1000  # known, then removed before its first read
+        path.unlink()
+        with pytest.raises(OSError, match="gone.bin"):
+            fs.cat_file(url)
