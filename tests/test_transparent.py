@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import dmdask
+import dmdask.fs
 from dmdask.testing.datasets import tar_key, tar_member, write_folder, write_tar_shards
 from benchmarks.store_server import StoreServer
 
@@ -52,6 +53,7 @@ def store(tmp_path_factory):
 def cluster():
     with dmdask.LocalCluster(n_workers=2, ram="64 MiB", dashboard_address=None) as c:
         yield c
+        dmdask.fs.close()  # this process's connections to it
 
 
 @pytest.mark.slow
@@ -210,6 +212,7 @@ def test_a_cache_smaller_than_the_data_meets_the_bound_from_threads(store):
             assert sorted(i for i, _ in read) == list(range(len(urls)))
             assert all(data == (root / sorted(sizes)[i]).read_bytes() for i, data in read)
         total = dmdask.stats(client)["total"]
+        dmdask.fs.close()
     cached = total["ram"]["bytes"] - 8 * total["ram"]["samples"]  # file bytes held (8 bytes a row are pointers)
     assert 0 < cached < dataset
     assert sum(c["bytes"] for c in sent(server, sizes).values()) == epochs * dataset - cached * (epochs - 1)

@@ -40,7 +40,7 @@ from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 
 from ..source.base import options_json, protocol_of
 from ..source.files import FileSource
-from .session import NoClusterError, get_session, version_of
+from .session import NoClusterError, close_sessions, get_session, version_of
 
 try:  # fsspec >= 2025.x: the marker that makes `url_to_fs` hand the inner path over
     from fsspec.implementations.chained import ChainedFileSystem as _Base
@@ -50,7 +50,13 @@ except ImportError:  # pragma: no cover - older fsspec
 PROTOCOL = "dmdask"
 CACHED_BLOCKS = 2  # blocks an open file keeps (so small reads in one block cost one fetch)
 
-__all__ = ["DmdaskFile", "DmdaskFileSystem", "NoClusterError", "gopen", "PROTOCOL"]
+__all__ = ["DmdaskFile", "DmdaskFileSystem", "NoClusterError", "close", "gopen", "PROTOCOL"]
+
+
+def close() -> None:
+    """Close this process's connections to clusters (transparent mode makes new ones
+    when it next reads). Call it when a cluster it read through is shut down."""
+    close_sessions()
 
 
 class DmdaskFileSystem(_Base):

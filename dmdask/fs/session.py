@@ -123,6 +123,14 @@ class Session:
                         atexit.register(self.flush_hits)
         return self._client
 
+    def close(self) -> None:
+        """Report the last hits and close the connection."""
+        self.flush_hits()
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close(timeout=EXIT_SECONDS)
+
     def _call(self, op: str, **msg):
         client = self.client
         return client.sync(getattr(client.scheduler, op), **msg)
@@ -348,6 +356,17 @@ def get_session(address: Optional[str] = None) -> Session:
         if found is None:
             found = _sessions[address] = Session(address)
         return found
+
+
+def close_sessions() -> None:
+    """Close this process's connections (the next read makes new ones): for a process
+    whose cluster went away, so that its client stops trying to reconnect in the
+    background (a process that forks meanwhile may inherit a held lock)."""
+    with _lock:
+        sessions = list(_sessions.values())
+        _sessions.clear()
+    for found in sessions:
+        found.close()
 
 
 def default_address() -> str:
