@@ -18,7 +18,9 @@ class StoreFiles:
     def __init__(self, urls: List[str], labels: Optional[List[int]] = None):
         self.urls = list(urls)
         self.labels = labels if labels is not None else [0] * len(urls)
-        self.fs = fsspec.filesystem(fsspec.utils.get_protocol(urls[0]))
+        self.fs, path = fsspec.core.url_to_fs(urls[0])
+        chain = urls[0][: len(urls[0]) - len(path)] if urls[0].endswith(path) else ""  # "dmdask::", or ""
+        self.paths = [u[len(chain):] for u in self.urls]
 
     def __len__(self) -> int:
         return len(self.urls)
@@ -27,9 +29,9 @@ class StoreFiles:
         return self.__getitems__([i])[0]
 
     def __getitems__(self, indices):
-        urls = [self.urls[i] for i in indices]
-        contents = self.fs.cat(urls)
-        return [(np.frombuffer(contents[u], dtype=np.uint8), self.labels[i]) for u, i in zip(urls, indices)]
+        paths = [self.paths[i] for i in indices]
+        contents = self.fs.cat(paths)
+        return [(np.frombuffer(contents[p], dtype=np.uint8), self.labels[i]) for p, i in zip(paths, indices)]
 
 
 class ProcessLocalFiles(StoreFiles):
@@ -38,7 +40,7 @@ class ProcessLocalFiles(StoreFiles):
 
     def __getitems__(self, indices):
         if getattr(self, "_pid", None) != os.getpid():
-            self.fs = fsspec.filesystem(fsspec.utils.get_protocol(self.urls[0]))
+            self.fs = fsspec.core.url_to_fs(self.urls[0])[0]
             self._pid = os.getpid()
         return super().__getitems__(indices)
 

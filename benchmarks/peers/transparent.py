@@ -25,4 +25,15 @@ def settings(cfg: dict) -> str:
 
 class Loader(torch_dataloader.Loader):
     def __init__(self, ctx: dict):
+        import os
+
+        import dmdask.fs.session as session
+
+        host = dmdask_peer.node_host(ctx["node"])
+        session._my_host = lambda client: host  # this rank's simulated node, as dmdask_peer does
+        # the DataLoader's worker processes inherit the scheduler through the environment
+        os.environ["DASK_DMDASK__FS__SCHEDULER"] = os.environ[dmdask_peer.SCHEDULER_ENV]
+        import dask.config
+
+        dask.config.refresh()
         super().__init__(dict(ctx, file_urls=["dmdask::" + u for u in ctx["file_urls"]]))
