@@ -78,7 +78,7 @@ test-tf: $(TF_BIN)/.installed
 test-mx: $(MX_BIN)/.installed
 	DMDASK_REQUIRE_FRAMEWORK=mxnet $(MX_BIN)/python -m pytest tests/test_mxnet.py
 
-# dmdask beside the loaders users pick today (docs/benchmarks.md, section 7); quick: < 15 minutes
+# dmdask beside the loaders users pick today (docs/benchmarks.md, section 8); quick: < 15 minutes
 bench-peers: $(PEERS_BIN)/.installed
 	$(PEERS_BIN)/python -m benchmarks run --peers --quick
 

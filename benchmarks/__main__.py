@@ -17,8 +17,7 @@ import warnings
 from . import report
 from .common import machine
 
-SCENARIOS = ["traffic", "training", "throughput", "control_plane", "scale"]
-EXTRA = ["transparent"]  # run only when named in --only
+SCENARIOS = ["traffic", "training", "throughput", "control_plane", "scale", "transparent"]
 PEER_SCENARIOS = ["peers", "simulate"]  # `run --peers`: results in peers-<preset>-latest.json
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -64,7 +63,7 @@ def main(argv=None) -> int:
     size.add_argument("--full", action="store_const", dest="preset", const="full", help="about an hour")
     r.add_argument("--peers", action="store_true",
                    help=f"run {PEER_SCENARIOS} instead (dmdask beside other loaders; `make bench-peers`)")
-    r.add_argument("--only", default="", help=f"comma-separated subset of {SCENARIOS + EXTRA} (with --peers: of "
+    r.add_argument("--only", default="", help=f"comma-separated subset of {SCENARIOS} (with --peers: of "
                                                f"{PEER_SCENARIOS})")
     rep = sub.add_parser("report", help="regenerate docs/benchmarks.md from a results file")
     rep.add_argument("file")
@@ -73,7 +72,7 @@ def main(argv=None) -> int:
         print(report.main(args.file))
         return 0
     only = [s for s in args.only.split(",") if s]
-    choices = PEER_SCENARIOS if args.peers else SCENARIOS + EXTRA
+    choices = PEER_SCENARIOS if args.peers else SCENARIOS
     unknown = set(only) - set(choices)
     if unknown:
         parser.error(f"unknown scenarios {sorted(unknown)}; choose from {choices}")

@@ -20,8 +20,8 @@ TITLES = {
 }
 # `python -m benchmarks run --peers`: their own results file, merged into the page when present
 PEER_TITLES = {
-    "peers": "7. Beside the loaders users pick today",
-    "simulate": "8. Control plane and traffic at 64 to 1,024 nodes (simulated)",
+    "peers": "8. Beside the loaders users pick today",
+    "simulate": "9. Control plane and traffic at 64 to 1,024 nodes (simulated)",
 }
 
 
@@ -67,7 +67,7 @@ def write(results: dict, path: str = DOC, plots_dir: str = PLOTS, peers: dict = 
         f"dask/distributed {m['dask']}, dmdask {m['dmdask']}. A shared machine is noisy: compare the "
         "ratios measured side by side in this run, not absolute times. Raw results: "
         f"`benchmarks/results/{results['file']}`." + (
-            f" Sections 7-8: `{peers['command']}` on {peers['date']}, raw results `benchmarks/results/{peers['file']}` "
+            f" Sections 8-9: `{peers['command']}` on {peers['date']}, raw results `benchmarks/results/{peers['file']}` "
             "(`make bench-peers`)." if peers is not None else ""),
         "",
         "## Goals",

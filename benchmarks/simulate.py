@@ -1,4 +1,4 @@
-"""Scenario 8: dmdask at 64, 256 and 1,024 nodes and up to 10^8 samples, simulated.
+"""Scenario 9: dmdask at 64, 256 and 1,024 nodes and up to 10^8 samples, simulated.
 
 No cluster and no process: dmdask's own planning code runs for sampled ranks, and the
 rules of docs/architecture.md count the rest.

@@ -10,7 +10,7 @@ pipeline reads
 - dmdask: the same URLs with `dmdask::` in front, through a 2-worker `LocalCluster`
   whose cache holds the dataset.
 Reported: epoch 1 and epochs 2+ wall times, and the bytes the store sent.
-Runnable with `python -m benchmarks run --quick --only transparent`.
+Alone: `python -m benchmarks run --quick --only transparent`.
 """
 from __future__ import annotations
 

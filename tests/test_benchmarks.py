@@ -41,8 +41,7 @@ def test_harness_runs_every_scenario_and_writes_the_page(tmp_path):
 
 @pytest.mark.slow
 def test_transparent_scenario_runs_and_reports(tmp_path):
-    """Not in the default scenarios (run by `--only transparent`); its tiny preset runs
-    here, in a fresh interpreter: its DataLoader forks worker processes, which must not
+    """Its tiny preset runs in a fresh interpreter: its DataLoader forks worker processes, which must not
     inherit the threads and locks earlier tests left in this one (zarr's IO thread)."""
     import json
     import subprocess
@@ -104,6 +103,6 @@ def test_peers_and_simulation_run_at_tiny_size_and_merge_into_the_page(tmp_path)
     page = report.write(dict(results, scenarios={}), path=str(tmp_path / "benchmarks.md"),
                         plots_dir=str(tmp_path / "plots"), peers=results)
     text = open(page).read()
-    assert "## 7. Beside the loaders users pick today" in text and "## 8. " in text and "| 7 |" in text
+    assert "## 8. Beside the loaders users pick today" in text and "## 9. " in text and "| 8 |" in text
     assert "transparent" in text
     assert sorted(os.listdir(tmp_path / "plots")) == ["peers.png", "simulate.png"]

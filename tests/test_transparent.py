@@ -229,3 +229,78 @@ def test_a_file_gone_from_the_store_raises_naming_it(store, cluster):
         path.unlink()
         with pytest.raises(OSError, match="gone.bin"):
             fs.cat_file(url)
+
+
+def test_readers_racing_for_the_same_new_files_read_the_store_once(store, cluster, tmp_path):
+    """Two processes of four threads each read the same 30 new files at once, each thread
+    all of them in one `cat` (the first reader of a block claims it and reads the store;
+    the others wait for its worker): every file's bytes leave the store once."""
+    server, root = store
+    folder = root / "race"
+    folder.mkdir()
+    rng = np.random.default_rng(5)
+    for i in range(30):
+        (folder / f"f{i:02d}.bin").write_bytes(rng.integers(0, 256, 3000 + 97 * i, dtype=np.uint8).tobytes())
+    sizes = file_sizes(folder, root)
+    urls = [f"{server.url}/{p}" for p in sorted(sizes)]
+    code = ("import concurrent.futures, hashlib, json, sys, fsspec\n"
+            "import dmdask\n"
+            "fs = fsspec.filesystem('dmdask', target_protocol='http', scheduler=sys.argv[1])\n"
+            "urls = sys.argv[2:]\n"
+            "def read(_):\n"
+            "    got = fs.cat(urls)\n"
+            "    return [hashlib.sha1(got[u]).hexdigest() for u in urls]\n"
+            "with concurrent.futures.ThreadPoolExecutor(4) as pool:\n"
+            "    print(json.dumps(list(pool.map(read, range(4)))))\n")
+    server.reset_stats()
+    procs = [subprocess.Popen([sys.executable, "-c", code, cluster.scheduler_address, *urls], env=env(),
+                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=PROCESS_SECONDS)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    import hashlib
+
+    expected = [hashlib.sha1((root / p).read_bytes()).hexdigest() for p in sorted(sizes)]
+    assert all(digests == expected for out in outs for digests in json.loads(out))
+    counts = sent(server, sizes)
+    assert {p: c["bytes"] for p, c in counts.items()} == sizes
+    assert all(c["requests"] == 1 for c in counts.values())
+
+
+def test_a_reader_that_leaves_with_claimed_blocks_holds_no_one_up(store, cluster):
+    """A client claims a new file's block (as a first reader does) and never hands it
+    over: another reader waits for it while that client lives, then, once it has left,
+    reads the file (from the store, once) with the right bytes."""
+    import threading
+
+    server, root = store
+    (root / "claimed.bin").write_bytes(b"z" * 7000)
+    url = f"{server.url}/claimed.bin"
+    fs = fsspec.filesystem("dmdask", target_protocol="http", scheduler=cluster.scheduler_address)
+    source = fs.source(url, fs.info(url))
+    key = source.info.block_key(0)
+    server.reset_stats()
+    claimant = distributed.Client(cluster.scheduler_address, set_as_default=False)
+    reply = claimant.sync(claimant.scheduler.dmdask_open_blocks, datasets=[[source.info.name, source.info.as_dict()]],
+                          keys=[key], client=claimant.id)
+    assert reply["mine"] == {key: reply["mine"][key]} and reply["mine"][key] in cluster.scheduler_info["workers"]
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fs.cat_file(url)))
+    reader.start()
+    reader.join(3)
+    assert reader.is_alive() and not got  # waiting for the claimed block
+    claimant.close()
+    reader.join(PROCESS_SECONDS)
+    assert got == [b"z" * 7000]
+    assert sent(server, ["claimed.bin"])["claimed.bin"] == {"requests": 1, "bytes": 7000}
+
+
+def test_handovers_are_bounded_taken_once_and_expire():
+    from dmdask.worker.handover import Handovers
+
+    kept = Handovers(capacity=10, seconds=60)
+    assert kept.put("a", b"123456") and not kept.put("b", b"12345")  # no room for b
+    assert kept.take("a") == b"123456" and kept.take("a") is None and kept.bytes == 0
+    old = Handovers(capacity=10, seconds=0)
+    assert old.put("a", b"1")
+    old.put("b", b"2")  # a has expired by now
+    assert old.take("a") is None and old.take("b") == b"2"

@@ -1,4 +1,4 @@
-"""Scenario 7: dmdask beside the loaders users pick today, on the same work.
+"""Scenario 8: dmdask beside the loaders users pick today, on the same work.
 
 One dataset of image-like samples (16-110 KB), written once in each loader's own format
 (conversion timed apart), on one throttled, counting store: `StoreServer` for HTTP

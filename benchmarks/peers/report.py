@@ -1,4 +1,4 @@
-"""Scenario 7's section of docs/benchmarks.md: settings, conversion, a table per point, a plot."""
+"""Scenario 8's section of docs/benchmarks.md: settings, conversion, a table per point, a plot."""
 from __future__ import annotations
 
 from typing import List

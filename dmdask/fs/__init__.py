@@ -155,25 +155,61 @@ class DmdaskFileSystem(_Base):
             return self.fs.open(self._path(path), "rb", **kwargs)
         return DmdaskFile(self, self._path(path), source, cache_options=cache_options, **kwargs)
 
-    def cat_file(self, path, start=None, end=None, **kwargs):
+    def _range(self, path, start, end):
+        """(source, start, stop) to read through the cluster, or the bytes themselves for a
+        file that is empty or of unknown size (read from the store directly)."""
         info, source = self._file(path)
         if source is None:
             return b"" if info.get("size") == 0 else self.fs.cat_file(self._path(path), start=start, end=end)
         size = source.size
         start = 0 if start is None else (max(0, size + start) if start < 0 else min(start, size))
         end = size if end is None else (max(0, size + end) if end < 0 else min(end, size))
-        return self._session().read(self, source, start, end)
+        return source, start, end
+
+    def cat_file(self, path, start=None, end=None, **kwargs):
+        found = self._range(path, start, end)
+        return found if isinstance(found, bytes) else self._session().read(self, *found)
 
     def cat_ranges(self, paths, starts, ends, max_gap=None, on_error="return", **kwargs):
-        out = []
-        for path, start, end in zip(paths, starts, ends):
+        """Several ranges in one go: one scheduler request for the blocks new to this
+        process, the store read concurrently for those it is first to read."""
+        n = len(paths)
+        starts = starts if isinstance(starts, list) else [starts] * n
+        ends = ends if isinstance(ends, list) else [ends] * n
+        out, ranges, where = [None] * n, [], []
+        for i, (path, start, end) in enumerate(zip(paths, starts, ends)):
             try:
-                out.append(self.cat_file(path, start, end))
+                found = self._range(path, start, end)
             except Exception as exc:
                 if on_error == "raise":
                     raise
-                out.append(exc)
+                out[i] = exc
+                continue
+            if isinstance(found, bytes):
+                out[i] = found
+            else:
+                ranges.append(found)
+                where.append(i)
+        try:
+            for i, data in zip(where, self._session().read_ranges(self, ranges)):
+                out[i] = data
+        except Exception:
+            if on_error == "raise" or len(ranges) == 1:
+                raise
+            for i in where:  # one range failed: each on its own, so the others still come back
+                try:
+                    out[i] = self.cat_file(paths[i], starts[i], ends[i])
+                except Exception as exc:
+                    out[i] = exc
         return out
+
+    def cat(self, path, recursive=False, on_error="raise", **kwargs):
+        """Like fsspec's `cat`; many files are read in one go (`cat_ranges`)."""
+        paths = self.expand_path(path, recursive=recursive)
+        if len(paths) == 1 and not isinstance(path, list) and paths[0] == self._strip_protocol(path):
+            return self.cat_file(paths[0])
+        contents = self.cat_ranges(paths, None, None, on_error="raise" if on_error == "raise" else "return")
+        return {p: c for p, c in zip(paths, contents) if not (on_error == "omit" and isinstance(c, Exception))}
 
     # read-only
     def _rm(self, path):

@@ -11,11 +11,16 @@ Guarantees:
   processes; see `dmdask.scheduler.files`); within a process, once.
 - a read returns the bytes of the file's dataset as identified when the file was
   opened (size and version), taken from same-host shared memory or SSD files, or from
-  their holder over Dask's comms; a block is read from the store once, by the worker
-  planned for it, when some process first wants it.
+  their holder over Dask's comms. A block is read from the store once while the
+  cluster holds it: by the first process that wants it, which claims it from the
+  scheduler (`open_blocks`), reads it with one ranged request (several blocks
+  concurrently on an async store) and returns at once, then hands the bytes to the
+  block's planned worker in the background; processes that want it meanwhile wait for
+  that worker. Should the hand-over fail, the worker reads the block itself.
 """
 from __future__ import annotations
 
+import asyncio
 import atexit
 import logging
 import multiprocessing.util
@@ -31,12 +36,14 @@ import numpy as np
 from distributed.comm.core import CommClosedError
 from distributed.core import clean_exception
 
+from distributed.protocol.serialize import to_serialize
+
 from ..client.datasets import ensure_plugin, get_or_register, submit_blocks
 from ..client.gather import Gatherer, LocalArenas, Moved, plan_rows
 from ..client.iterator import _my_host
-from ..errors import BlockReadError, DmdaskError, NoWorkersError
+from ..errors import BlockReadError, DmdaskError, NotADmdaskWorker, NoWorkersError
 from ..source.base import parse_block_key
-from ..source.files import ROW_BYTES, FileSource
+from ..source.files import ROW_BYTES, FileSource, read_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +52,8 @@ SCHEDULER_ENV = "DMDASK_FS_SCHEDULER"  # set for child processes: the scheduler 
 LOCATE_SECONDS = 2.0  # one wait on the scheduler for blocks still loading
 HITS_SECONDS = 1.0  # how often workers hear of the rows taken from their files
 EXIT_SECONDS = 2.0  # the most a process's exit waits to report its last hits
+HANDOVER_EXIT_SECONDS = 10.0  # the most a process's exit waits for its hand-overs to reach the workers
+HANDOVER_DELAY = 0.05  # blocks read from the store within this long are handed over together
 FOLDER_FILES = 10_000  # other files of a folder located along with the first one a process reads
 # what identifies a version of a file, among the keys of fsspec infos (local, S3, GCS, HTTP, ...)
 VERSION_KEYS = ("mtime", "LastModified", "last_modified", "Last-Modified", "ETag", "etag", "updated",
@@ -97,7 +106,10 @@ class Session:
         self.asked_infos: set = set(known.asked_infos) if known else set()  # ... for their files' infos
         self.files: Dict[str, set] = {k: set(v) for k, v in known.files.items()} if known else {}  # folder -> paths
         self.located: set = set()  # folders whose files' first blocks this process located
-        self.absent: set = set()  # block keys that folder locates found the cluster had never loaded
+        self.handing: Dict[str, dict] = {}  # block key -> its rows, read here, being handed to its worker
+        self._handed = threading.Condition(self._lock)  # notified as hand-overs finish
+        self._to_hand: List[tuple] = []  # (worker, reader, bytes) queued for the next hand-over
+        self._to_tell: List[list] = []  # metadata queued for the scheduler
         self.submitted: set = set()  # block keys whose loads this process submitted
         self.registered: set = set()  # datasets this process found or put in the registry
         self.holders: Dict[str, str] = dict(parent.holders) if parent else {}  # block key -> a holder
@@ -119,13 +131,30 @@ class Session:
                     if not self._exit_hook:
                         self._exit_hook = True
                         # forked and spawned processes of multiprocessing run finalizers, not atexit
-                        multiprocessing.util.Finalize(self, self.flush_hits, exitpriority=100)
-                        atexit.register(self.flush_hits)
+                        multiprocessing.util.Finalize(self, self.at_exit, exitpriority=100)
+                        atexit.register(self.at_exit)
         return self._client
 
-    def close(self) -> None:
-        """Report the last hits and close the connection."""
+    def at_exit(self) -> None:
+        if self._client is not None and self._to_hand:
+            self._client.loop.add_callback(self._hand_over)
+        self.wait_handed_over(HANDOVER_EXIT_SECONDS)
         self.flush_hits()
+
+    def wait_handed_over(self, timeout: float) -> bool:
+        """Wait until the blocks this process read from the store are with their workers."""
+        deadline = time.monotonic() + timeout
+        with self._handed:
+            while self.handing:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._client is None:
+                    return False
+                self._handed.wait(left)
+        return True
+
+    def close(self) -> None:
+        """Hand over, report the last hits and close the connection."""
+        self.at_exit()
         with self._lock:
             client, self._client = self._client, None
         if client is not None:
@@ -164,11 +193,20 @@ class Session:
         self.files.setdefault(f"{fsid}|{folder_of(path)}", set()).add(path)
 
     def _tell(self, fsid: str, puts: List[list]) -> None:
-        """Share infos read from the store with the run (in the background: a process
-        that exits first only costs the next one a store request)."""
+        """Share infos read from the store with the run, in the background and a batch at
+        a time (a process that exits first only costs the next one a store request)."""
         client = self.client
-        msg = [[f"{fsid}|{f}", kind, p, v] for f, kind, p, v in puts]
-        client.loop.add_callback(_quietly, client.scheduler.dmdask_fs_metadata, run=self.run, put=msg)
+        with self._lock:
+            first = not self._to_tell
+            self._to_tell.extend([f"{fsid}|{f}", kind, p, v] for f, kind, p, v in puts)
+        if first:
+            client.loop.call_later(HANDOVER_DELAY, self._tell_queued)
+
+    async def _tell_queued(self) -> None:
+        with self._lock:
+            msg, self._to_tell = self._to_tell, []
+        if msg:
+            await _quietly(self.client.scheduler.dmdask_fs_metadata, run=self.run, put=msg)
 
     def info(self, fsid: str, target, path: str) -> dict:
         """The target's info of `path`, read from the store once per run."""
@@ -221,69 +259,154 @@ class Session:
     def read(self, fs, source: FileSource, start: int, stop: int) -> bytes:
         """Bytes start..stop-1 of the file of `source` (0 <= start <= stop <= size), read
         through `fs` (a `DmdaskFileSystem`)."""
-        if stop <= start:
-            return b""
-        info = source.info
-        rows = np.arange(start // ROW_BYTES, -(-stop // ROW_BYTES), dtype=np.int64)
-        blocks = rows // info.block_len
-        offsets = rows - blocks * info.block_len
-        keys = {k: info.block_key(k) for k in np.unique(blocks).tolist()}
-        recovery = float(dask.config.get("dmdask.client.recovery-seconds"))
-        deadline = time.monotonic() + recovery
+        return self.read_ranges(fs, [(source, start, stop)])[0]
+
+    def read_ranges(self, fs, ranges: List[tuple]) -> List[bytes]:
+        """The bytes of each (source, start, stop), with one scheduler request for the
+        blocks new to this process and concurrent store reads for those it claims."""
+        deadline = time.monotonic() + float(dask.config.get("dmdask.client.recovery-seconds"))
+        cuts, wanted = [], {}
+        for source, start, stop in ranges:
+            if stop <= start:
+                cuts.append(None)
+                continue
+            rows = np.arange(start // ROW_BYTES, -(-stop // ROW_BYTES), dtype=np.int64)
+            blocks = rows // source.info.block_len
+            keys = {k: source.info.block_key(k) for k in np.unique(blocks).tolist()}
+            wanted.update({key: (source, k) for k, key in keys.items()})
+            cuts.append((source, start, stop, rows, blocks, rows - blocks * source.info.block_len, keys))
+        have = self._first_reads(fs, wanted)
+        out = []
+        for cut in cuts:
+            if cut is None:
+                out.append(b"")
+                continue
+            source, start, stop, rows, blocks, offsets, keys = cut
+            data = np.empty(len(rows), dtype=object)
+            held = np.array([keys[b] not in have for b in blocks.tolist()])
+            for i in np.flatnonzero(~held).tolist():
+                data[i] = have[keys[int(blocks[i])]]["data"][offsets[i]]
+            if held.any():
+                data[held] = self._gather(fs, source, blocks[held], offsets[held], keys, deadline)
+            joined = data[0] if len(data) == 1 else np.concatenate(list(data))
+            first = start - int(rows[0]) * ROW_BYTES
+            out.append(joined[first:first + stop - start].tobytes())
+        if self.gatherer.due(HITS_SECONDS):
+            self.client.loop.add_callback(self.gatherer.flush_hits_every, HITS_SECONDS)
+        return out
+
+    def _first_reads(self, fs, wanted: Dict[str, tuple]) -> Dict[str, dict]:
+        """Blocks of `wanted` (key -> (source, index)) this process has no holder for:
+        one `open_blocks` request registers their files, claims the blocks nobody holds
+        or reads, and names the holders of the others. The claimed ones are read from the
+        store here (and handed over); their rows are returned (key -> arrays). The rest
+        are left to `_gather` (held, loading, or read by another process)."""
+        client = self.client
+        with self._lock:
+            have = {key: self.handing[key] for key in wanted if key in self.handing}
+        new = [key for key in wanted if key not in have and key not in self.holders]
+        for folder in {f"{fs._fsid}|{folder_of(wanted[key][0].path)}" for key in new} - self.located:
+            self.located.add(folder)
+            self._locate_folder(fs, folder)
+        new = [key for key in new if key not in self.holders]
+        if not new:
+            return have
+        sources = {wanted[key][0].info.name: wanted[key][0] for key in new}
+        reply = self._call("dmdask_open_blocks", datasets=[[n, s.info.as_dict()] for n, s in sources.items()],
+                           keys=new, client=client.id, host=self.my_host)
+        if reply["status"] == "no-workers":
+            raise NotADmdaskWorker("the cluster has no workers; start `dask worker ... --worker-class dmdask.Worker`")
+        self.registered.update(sources)
+        self.holders.update(reply["holders"])
+        mine = [(key, worker, wanted[key][0].reader(wanted[key][1])) for key, worker in reply["mine"].items()]
+        if not mine:
+            return have
+        contents = read_blocks([reader for _, _, reader in mine])
+        handed, failed = [], []
+        for (key, worker, reader), content in zip(mine, contents):
+            if isinstance(content, bytes) and len(content) == reader.last - reader.first:
+                have[key] = reader.decode(content)
+                handed.append((worker, reader, content))
+            else:  # the planned worker reads it, and names the error if it fails there too
+                failed.append(reader)
+        if failed:
+            del submit_blocks(client, failed)[:]
+            self.submitted.update(r.key for r in failed)
+        if handed:
+            with self._lock:
+                self.handing.update({r.key: have[r.key] for _, r, _ in handed})
+                first = not self._to_hand
+                self._to_hand.extend(handed)
+            if first:
+                client.loop.call_later(HANDOVER_DELAY, self._hand_over)
+        return have
+
+    async def _hand_over(self) -> None:
+        """Give the planned workers the bytes of the blocks read here lately (one request
+        per worker), then submit those blocks' loads (one graph), which take the bytes in
+        place of a store read."""
+        client = self.client
+        with self._lock:
+            queued, self._to_hand = self._to_hand, []
+        if not queued:
+            return
+        by_worker: Dict[str, dict] = {}
+        for worker, reader, content in queued:
+            by_worker.setdefault(worker, {})[reader.key] = content
+        try:
+            replies = await asyncio.gather(*(client.rpc(w).dmdask_hand_over(blocks=to_serialize(blocks))
+                                             for w, blocks in by_worker.items()), return_exceptions=True)
+            for worker, reply in zip(by_worker, replies):
+                if isinstance(reply, BaseException):  # that worker reads those blocks itself
+                    logger.debug("could not hand blocks over to %s: %r", worker, reply)
+            del submit_blocks(client, [reader for _, reader, _ in queued])[:]
+        finally:
+            with self._handed:
+                for _, reader, _ in queued:
+                    self.handing.pop(reader.key, None)
+                self._handed.notify_all()
+
+    def _gather(self, fs, source: FileSource, blocks: np.ndarray, offsets: np.ndarray, keys: Dict[int, str],
+                deadline: float) -> np.ndarray:
+        """Rows (block index, offset) of `source` from the blocks' holders, as an object array."""
         attempt = 0
+        needed = {k: keys[k] for k in np.unique(blocks).tolist()}
         while True:
             attempt += 1
-            holders = self._holders(fs, source, list(keys.values()), deadline)
-            plan, positions = plan_rows(blocks, offsets, keys, holders)
-            client = self.client
+            holders = self._holders(fs, source, list(needed.values()), deadline)
+            plan, positions = plan_rows(blocks, offsets, needed, holders)
             try:
-                arrays = self.gatherer.take_local(plan, positions, len(rows))
+                arrays = self.gatherer.take_local(plan, positions, len(blocks))
                 if arrays is None:  # a block held elsewhere, or not described yet
-                    arrays = client.sync(self.gatherer.gather, plan, positions, len(rows))
-                break
+                    arrays = self.client.sync(self.gatherer.gather, plan, positions, len(blocks))
+                return arrays["data"]
             except BlockReadError:
                 raise
             except (Moved, OSError, CommClosedError) as exc:  # released, moved, or a worker left: locate again
-                for key in keys.values():
+                for key in needed.values():
                     self.holders.pop(key, None)
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"bytes {start}..{stop - 1} of {info.url} still failing after "
-                                       f"{recovery:.0f} s (dmdask.client.recovery-seconds)") from exc
+                    raise RuntimeError(f"{source.info.url} still failing after "
+                                       "dmdask.client.recovery-seconds") from exc
                 time.sleep(min(1.0, 0.05 * attempt))
-        if self.gatherer.due(HITS_SECONDS):
-            client.loop.add_callback(self.gatherer.flush_hits_every, HITS_SECONDS)
-        data = arrays["data"]
-        joined = data[0] if len(data) == 1 else np.concatenate(list(data))
-        first = start - int(rows[0]) * ROW_BYTES
-        return joined[first:first + stop - start].tobytes()
 
     def _holders(self, fs, source: FileSource, keys: List[str], deadline: float) -> Dict[str, str]:
-        """A holder of each block, submitting the loads of blocks the cluster does not
-        have (its first reader, or after the scheduler forgot them) and waiting for them.
-        The first time in a process, the first blocks of the folder's other files are
-        located (and described) too, with the same request."""
-        folder = f"{fs._fsid}|{folder_of(source.path)}"
-        if folder not in self.located:
-            self.located.add(folder)
-            self._locate_folder(fs, folder, keys)
+        """A holder of each block, waiting for blocks being loaded or read by another
+        process, and submitting the loads of blocks the cluster does not have (after the
+        scheduler forgot them, or their reader left)."""
         while True:
             unknown = [k for k in keys if k not in self.holders]
             if not unknown:
                 return {k: self.holders[k] for k in keys}
             name = source.info.name
             checked = name not in self.registered
-            if checked:  # one request registers it if it is new; then nothing is loaded
+            if checked:
                 self.registered.add(name)
-                if get_or_register(self.client, source):
-                    self.absent.update(unknown)
-            if all(k in self.absent for k in unknown):  # known not to be loaded: no need to ask
-                reply = {"holders": {}, "erred": {}, "unknown": unknown}
-                self.absent.difference_update(unknown)
-            else:
-                expect = [k for k in unknown if k in self.submitted]
-                reply = self._call("dmdask_locate", keys=unknown, host=self.my_host, timeout=LOCATE_SECONDS,
-                                   expect=expect)
-                self.submitted.difference_update(expect)  # waited for once: from now on, as any other key
+                get_or_register(self.client, source)
+            expect = [k for k in unknown if k in self.submitted]
+            reply = self._call("dmdask_locate", keys=unknown, host=self.my_host, timeout=LOCATE_SECONDS,
+                               expect=expect)
+            self.submitted.difference_update(expect)  # waited for once: from now on, as any other key
             self.holders.update(reply["holders"])
             if reply["erred"]:
                 if name in self.retried:
@@ -301,18 +424,19 @@ class Session:
                 raise RuntimeError(f"blocks of {source.info.url} still not loaded after "
                                    "dmdask.client.recovery-seconds; is the cluster losing workers?")
 
-    def _locate_folder(self, fs, folder: str, keys: List[str]) -> None:
-        """Holders of `keys` and of the first block of up to `FOLDER_FILES` other files of
-        the folder this process knows (not waiting for any), and the layout of those held
-        in files on this host: later reads of the folder's files need no request."""
-        wanted = list(keys)
+    def _locate_folder(self, fs, folder: str) -> None:
+        """Holders of the first block of up to `FOLDER_FILES` files of the folder this
+        process knows (not waiting for any), and the layout of those held in files on this
+        host: later reads of the folder's files need no request."""
+        wanted = []
         for path in sorted(self.files.get(folder, ()))[:FOLDER_FILES]:
             info = self.infos.get(f"{fs._fsid}|{path}")
             if info and info.get("type", "file") == "file" and info.get("size"):
                 wanted.append(fs.source(path, info).info.block_key(0))
-        reply = self._call("dmdask_locate", keys=list(dict.fromkeys(wanted)), host=self.my_host, timeout=0)
+        if not wanted:
+            return
+        reply = self._call("dmdask_locate", keys=wanted, host=self.my_host, timeout=0)
         self.holders.update(reply["holders"])
-        self.absent.update(reply["unknown"])
         by_holder: Dict[str, List[str]] = {}
         for key, holder in reply["holders"].items():
             by_holder.setdefault(holder, []).append(key)

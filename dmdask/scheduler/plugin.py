@@ -21,6 +21,11 @@ Guarantees:
   first wants it (and again after the scheduler forgot it), and pinned like any other.
   Their blocks are planned round-robin from where the previous lazy dataset stopped,
   so many one-block files spread over the workers.
+- a lazy block nobody holds is read from the store by one reader at a time
+  (`open_blocks`): the first reader to ask claims it, reads it itself and hands the
+  bytes to the planned worker with the block's load task; the others wait for that
+  task. A claim ends when the task arrives or its reader's client leaves (then the
+  next reader to ask loads the block).
 """
 from __future__ import annotations
 
@@ -89,6 +94,7 @@ class DatasetsPlugin(SchedulerPlugin):
         self._waiters: Dict[str, List[asyncio.Future]] = defaultdict(list)
         self.files = FileMetadata()
         self._next_lazy = 0  # where the next lazy dataset's plan starts (round-robin)
+        self.claims: Dict[str, str] = {}  # block key -> the client reading it from the store (`open_blocks`)
 
     async def start(self, scheduler) -> None:
         """Install the handlers. Two clients registering the plugin at once may both start
@@ -99,6 +105,7 @@ class DatasetsPlugin(SchedulerPlugin):
         if isinstance(installed, DatasetsPlugin):
             self.datasets, self.by_identity, self._waiters = installed.datasets, installed.by_identity, installed._waiters
             self.files = installed.files
+            self.claims = installed.claims
         self.scheduler = scheduler
         scheduler.handlers.update({
             "dmdask_get_or_claim": self.get_or_claim,
@@ -106,6 +113,7 @@ class DatasetsPlugin(SchedulerPlugin):
             "dmdask_get_or_register": self.get_or_register,
             "dmdask_abandon": self.abandon,
             "dmdask_locate": self.locate,
+            "dmdask_open_blocks": self.open_blocks,
             "dmdask_release": self.release,
             "dmdask_datasets": self.summaries,
             "dmdask_fs_metadata": self.files.handler,
@@ -188,6 +196,49 @@ class DatasetsPlugin(SchedulerPlugin):
             return reply
         return {"status": "created"}
 
+    def open_blocks(self, datasets: List[list], keys: List[str], client: str, host: Optional[str] = None) -> dict:
+        """A reader's first look at blocks of lazy datasets, in one request. `datasets`:
+        [name, info] of each, registered now when new. Answers {"status": "OK",
+        "holders": {key: address} (a holder on `host` preferred), "erred": {key:
+        exception}, "mine": {key: planned worker} (claimed for `client`: it reads them
+        from the store and submits their loads), "pending": [keys being loaded, or read
+        by another reader: `locate` waits for them], "unknown": [keys of datasets being
+        created otherwise]}, or {"status": "no-workers"}."""
+        for name, info in datasets:
+            if self.get_or_register(name, info)["status"] == "no-workers":
+                return {"status": "no-workers"}
+        holders, erred, mine, pending, unknown = {}, {}, {}, [], []
+        for key in keys:
+            ts = self.scheduler.tasks.get(key)
+            parsed = parse_block_key(key)
+            ds = parsed and self.by_identity.get(parsed[0])
+            if ts is not None and ts.state == "memory" and ts.who_has:
+                holders[key] = _holder(ts, host)
+            elif ts is not None and ts.state == "erred":
+                erred[key] = (ts.exception_blame or ts).exception
+            elif ts is not None or self._claimed(key):
+                pending.append(key)
+            elif not ds or not ds.lazy:
+                unknown.append(key)
+            else:
+                self.claims[key] = client
+                mine[key] = self._live_planned(ds, parsed[1])
+        return {"status": "OK", "holders": holders, "erred": erred, "mine": mine, "pending": pending,
+                "unknown": unknown}
+
+    def _claimed(self, key: str) -> bool:
+        """Whether a live client is reading this block from the store."""
+        return self.claims.get(key) in self.scheduler.clients
+
+    def remove_client(self, scheduler, client: str) -> None:
+        """A reader left: the blocks it claimed and never handed over go to the next reader."""
+        dropped = [key for key, holder in self.claims.items() if holder == client]
+        for key in dropped:
+            del self.claims[key]
+            for fut in self._waiters.pop(key, ()):
+                if not fut.done():
+                    fut.set_result("released")
+
     def abandon(self, name: str, claimant: str) -> None:
         """Drop a claim whose holder could not create the dataset (waiters claim it next)."""
         ds = self.datasets.get(name)
@@ -206,6 +257,7 @@ class DatasetsPlugin(SchedulerPlugin):
             if not ds:
                 continue
             k = parsed[1]
+            self.claims.pop(key, None)  # handed over: the task is the block's entry from now on
             wanted[ds].append(key)
             ts = scheduler.tasks[key]
             if ts.state == "released" and not ts.worker_restrictions:
@@ -232,8 +284,8 @@ class DatasetsPlugin(SchedulerPlugin):
         """{"holders": {key: address}, "erred": {key: exception}, "unknown": [keys]} once every
         key is held or erred, or after `timeout` seconds with what is known then. A holder on
         `host` is preferred. Never raises for a missing key: it is reported as unknown, but
-        keys in `expect` (just submitted by the caller, on another connection) are waited
-        for like keys still loading."""
+        keys in `expect` (just submitted by the caller, on another connection) and keys a live
+        reader claimed (`open_blocks`) are waited for like keys still loading."""
         deadline = time.monotonic() + timeout
         expect = set(expect)
         while True:
@@ -241,11 +293,9 @@ class DatasetsPlugin(SchedulerPlugin):
             for key in keys:
                 ts = self.scheduler.tasks.get(key)
                 if ts is None:
-                    (pending if key in expect else unknown).append(key)
+                    (pending if key in expect or self._claimed(key) else unknown).append(key)
                 elif ts.state == "memory" and ts.who_has:
-                    addresses = sorted(ws.address for ws in ts.who_has)
-                    local = [a for a in addresses if host and _host(a) == host]
-                    holders[key] = (local or addresses)[0]
+                    holders[key] = _holder(ts, host)
                 elif ts.state == "erred":
                     blame = ts.exception_blame or ts
                     erred[key] = blame.exception
@@ -377,8 +427,8 @@ class DatasetsPlugin(SchedulerPlugin):
         if ds is None:
             return False
         self._forget(ds)
-        if ds.identity:
-            keys = [k for k in ds.keys() if k in self.scheduler.tasks]
+        keys = [k for k in ds.keys() if k in self.scheduler.tasks] if ds.identity else []
+        if keys and ds.holder_client in self.scheduler.clients:  # a lazy dataset may have no block loaded
             self.scheduler.client_releases_keys(keys=keys, client=ds.holder_client,
                                                 stimulus_id=f"dmdask-release-{time.time()}")
         ds.ready.set()
@@ -387,6 +437,13 @@ class DatasetsPlugin(SchedulerPlugin):
     def summaries(self) -> List[dict]:
         """One summary per dataset (name, url, samples, blocks, loaded, erred, ...)."""
         return [ds.summary() for ds in self.datasets.values()]
+
+
+def _holder(ts, host: Optional[str]) -> str:
+    """A worker holding the task's result, one on `host` if any."""
+    addresses = sorted(ws.address for ws in ts.who_has)
+    local = [a for a in addresses if host and _host(a) == host]
+    return (local or addresses)[0]
 
 
 def _host(address: str) -> str:

@@ -7,6 +7,8 @@
   peer. Rows of a streamed block come straight from the store when it holds one file
   per sample; otherwise the block goes through a small `StreamBuffer`, read once while
   the ranks take their rows of it.
+- `dmdask_hand_over` (RPC, transparent mode): bytes of blocks a reader already read
+  from the store, taken by their load tasks in place of a store read (`handover`).
 - `dmdask_batch` (RPC, called by a rank on its own node): gathers one batch's rows from
   the holders (itself without a copy, peers over Dask's comms), puts them in batch
   order, runs the spec's transform and returns the batches: to a trainer on its own
@@ -27,6 +29,7 @@ from distributed.protocol.serialize import to_serialize
 
 from ..spec import TransformContext, loads_transform
 from .arena import ArenaBlock
+from .handover import Handovers
 from .holdings import Arrays, Block, FileBlock, FillingBlock, Streamed, sample_nbytes
 from .results import shareable, write_batches
 from .stream import StreamBuffer
@@ -72,18 +75,28 @@ class BlockCache:
         self.streamed_hits = 0  # samples served from blocks streamed from the store
         self.peer_bytes_out = 0
         self.peer_bytes_in = 0
+        self.handovers = Handovers()
         self._rereads: Dict[str, asyncio.Future] = {}  # key -> (block, value) being read again (`_reread`)
         worker.handlers["dmdask_rows"] = self.rows_handler
         worker.handlers["dmdask_batch"] = self.batch_handler
         worker.handlers["dmdask_describe"] = self.describe_handler
         worker.handlers["dmdask_count_hits"] = self.count_hits_handler
+        worker.handlers["dmdask_hand_over"] = self.hand_over_handler
         worker.metrics["dmdask"] = lambda worker: self.stats()
 
     # -- reading from the shared store -------------------------------------------------
     def read(self, reader) -> Block:
-        block = Block(reader.read(on_retry=self.store_reads.retried), reader.start, reader.stop)
+        """The block, read from the store, or as a reader handed it over (read from the
+        store by that reader for this block: counted as this worker's store read)."""
+        content = self.handovers.take(reader.key)
+        arrays = reader.decode(content) if content is not None else reader.read(on_retry=self.store_reads.retried)
+        block = Block(arrays, reader.start, reader.stop)
         self.store_reads.add(block.nbytes)
         return block
+
+    def hand_over_handler(self, blocks: Dict[str, bytes]) -> list:
+        """Keep blocks' bytes for their load tasks; the keys kept (others had no room)."""
+        return [key for key, content in blocks.items() if self.handovers.put(key, content)]
 
     def read_rows(self, reader, rows) -> Arrays:
         arrays = reader.read_rows(rows, on_retry=self.store_reads.retried)
@@ -99,6 +112,7 @@ class BlockCache:
             return self._load_unsized(reader)
         tier = self.store.reserve(reader.nbytes)
         if tier is None:
+            self.handovers.take(reader.key)  # no room: its reader has the bytes; later reads stream them
             return Streamed(reader)
         if tier == "ram" and reader.row_granular:  # filled sample by sample as ranks ask
             return self.store.place(reader.key, tier, FillingBlock(reader), reader.nbytes)
