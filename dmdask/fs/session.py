@@ -344,7 +344,7 @@ class Session:
     async def _hand_over(self) -> None:
         """Give the planned workers the bytes of the blocks read here lately (one request
         per worker), then submit those blocks' loads (one graph), which take the bytes in
-        place of a store read."""
+        place of a store read; done once the blocks are held (or `HANDOVER_EXIT_SECONDS`)."""
         client = self.client
         with self._lock:
             queued, self._to_hand = self._to_hand, []
@@ -360,6 +360,15 @@ class Session:
                 if isinstance(reply, BaseException):  # that worker reads those blocks itself
                     logger.debug("could not hand blocks over to %s: %r", worker, reply)
             del submit_blocks(client, [reader for _, reader, _ in queued])[:]
+            # until the scheduler has them: an exit before the graph left would drop the claims
+            # with the loads unsent, and the next reader would read these blocks again
+            keys = [reader.key for _, reader, _ in queued]
+            deadline = time.monotonic() + HANDOVER_EXIT_SECONDS
+            while keys and time.monotonic() < deadline:
+                reply = await client.scheduler.dmdask_locate(keys=keys, host=self.my_host, timeout=LOCATE_SECONDS,
+                                                             expect=keys)
+                self.holders.update(reply["holders"])
+                keys = [k for k in keys if k not in reply["holders"] and k not in reply["erred"]]
         finally:
             with self._handed:
                 for _, reader, _ in queued:
