@@ -176,6 +176,7 @@ class DmdaskFileSystem(_Base):
         n = len(paths)
         starts = starts if isinstance(starts, list) else [starts] * n
         ends = ends if isinstance(ends, list) else [ends] * n
+        self._session().learn_infos(self, [self._path(p) for p in paths])  # at once, not one by one
         out, ranges, where = [None] * n, [], []
         for i, (path, start, end) in enumerate(zip(paths, starts, ends)):
             try:

@@ -32,6 +32,8 @@ from typing import Dict, List, Optional
 
 import dask.config
 import distributed
+import fsspec
+import fsspec.asyn
 import numpy as np
 from distributed.comm.core import CommClosedError
 from distributed.core import clean_exception
@@ -42,7 +44,6 @@ from ..client.datasets import ensure_plugin, get_or_register, submit_blocks
 from ..client.gather import Gatherer, LocalArenas, Moved, plan_rows
 from ..client.iterator import _my_host
 from ..errors import BlockReadError, DmdaskError, NotADmdaskWorker, NoWorkersError
-from ..source.base import parse_block_key
 from ..source.files import ROW_BYTES, FileSource, read_blocks
 
 logger = logging.getLogger(__name__)
@@ -224,6 +225,30 @@ class Session:
                 self._know(fsid, path, found)
         return found
 
+    def learn_infos(self, fs, paths: List[str]) -> None:
+        """Read the infos of `paths` this run does not know yet, concurrently on an async
+        store (one HEAD each, at once), ahead of reading many files (`fs`: a
+        `DmdaskFileSystem`). A path whose info cannot be read is left to `info`."""
+        fsid = fs._fsid
+        for folder in {folder_of(p) for p in paths}:
+            if f"{fsid}|{folder}" not in self.asked_infos:
+                self._ask(fsid, folder)
+        unknown = list(dict.fromkeys(p for p in paths if f"{fsid}|{p}" not in self.infos))
+        target = fsspec.filesystem(fs.target_protocol, **fs.target_options)  # this process's own
+        if len(unknown) < 2 or not target.async_impl:
+            return
+
+        async def all_infos():
+            return await asyncio.gather(*(target._info(p) for p in unknown), return_exceptions=True)
+
+        found = fsspec.asyn.sync(target.loop, all_infos)
+        puts = [[folder_of(p), "info", p, plain(info)] for p, info in zip(unknown, found) if isinstance(info, dict)]
+        with self._lock:
+            for _, _, path, info in puts:
+                self._know(fsid, path, info)
+        if puts:
+            self._tell(fsid, puts)
+
     def ls(self, fsid: str, target, path: str) -> list:
         """The target's detailed listing of folder `path`, read from the store once per run.
         Entries that carry a size and a version stand as those files' infos too."""
@@ -276,6 +301,19 @@ class Session:
             wanted.update({key: (source, k) for k, key in keys.items()})
             cuts.append((source, start, stop, rows, blocks, rows - blocks * source.info.block_len, keys))
         have = self._first_reads(fs, wanted)
+        # the rows of every range from blocks held by workers: one gather (keys numbered across files)
+        number = {key: i for i, key in enumerate(k for k in wanted if k not in have)}
+        held_blocks, held_offsets = [], []
+        for cut in cuts:
+            if cut is not None:
+                blocks, offsets, keys = cut[4:]
+                for b, offset in zip(blocks.tolist(), offsets.tolist()):
+                    if keys[b] in number:
+                        held_blocks.append(number[keys[b]])
+                        held_offsets.append(offset)
+        gathered = iter(self._gather(wanted, np.array(held_blocks, dtype=np.int64),
+                                     np.array(held_offsets, dtype=np.int64), {i: k for k, i in number.items()},
+                                     deadline) if held_blocks else ())
         out = []
         for cut in cuts:
             if cut is None:
@@ -283,11 +321,9 @@ class Session:
                 continue
             source, start, stop, rows, blocks, offsets, keys = cut
             data = np.empty(len(rows), dtype=object)
-            held = np.array([keys[b] not in have for b in blocks.tolist()])
-            for i in np.flatnonzero(~held).tolist():
-                data[i] = have[keys[int(blocks[i])]]["data"][offsets[i]]
-            if held.any():
-                data[held] = self._gather(fs, source, blocks[held], offsets[held], keys, deadline)
+            for i, (b, offset) in enumerate(zip(blocks.tolist(), offsets.tolist())):
+                found = have.get(keys[b])
+                data[i] = found["data"][offset] if found is not None else next(gathered)
             joined = data[0] if len(data) == 1 else np.concatenate(list(data))
             first = start - int(rows[0]) * ROW_BYTES
             out.append(joined[first:first + stop - start].tobytes())
@@ -375,15 +411,15 @@ class Session:
                     self.handing.pop(reader.key, None)
                 self._handed.notify_all()
 
-    def _gather(self, fs, source: FileSource, blocks: np.ndarray, offsets: np.ndarray, keys: Dict[int, str],
+    def _gather(self, wanted: Dict[str, tuple], blocks: np.ndarray, offsets: np.ndarray, keys: Dict[int, str],
                 deadline: float) -> np.ndarray:
-        """Rows (block index, offset) of `source` from the blocks' holders, as an object array."""
+        """Rows (block number, offset; `keys`: number -> block key; `wanted`: key ->
+        (source, index)) from the blocks' holders, as an object array."""
         attempt = 0
-        needed = {k: keys[k] for k in np.unique(blocks).tolist()}
         while True:
             attempt += 1
-            holders = self._holders(fs, source, list(needed.values()), deadline)
-            plan, positions = plan_rows(blocks, offsets, needed, holders)
+            holders = self._holders(wanted, list(keys.values()), deadline)
+            plan, positions = plan_rows(blocks, offsets, keys, holders)
             try:
                 arrays = self.gatherer.take_local(plan, positions, len(blocks))
                 if arrays is None:  # a block held elsewhere, or not described yet
@@ -392,45 +428,48 @@ class Session:
             except BlockReadError:
                 raise
             except (Moved, OSError, CommClosedError) as exc:  # released, moved, or a worker left: locate again
-                for key in needed.values():
+                for key in keys.values():
                     self.holders.pop(key, None)
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"{source.info.url} still failing after "
+                    urls = sorted({wanted[k][0].info.url for k in keys.values()})
+                    raise RuntimeError(f"{', '.join(urls[:3])} still failing after "
                                        "dmdask.client.recovery-seconds") from exc
                 time.sleep(min(1.0, 0.05 * attempt))
 
-    def _holders(self, fs, source: FileSource, keys: List[str], deadline: float) -> Dict[str, str]:
-        """A holder of each block, waiting for blocks being loaded or read by another
-        process, and submitting the loads of blocks the cluster does not have (after the
-        scheduler forgot them, or their reader left)."""
+    def _holders(self, wanted: Dict[str, tuple], keys: List[str], deadline: float) -> Dict[str, str]:
+        """A holder of each block (`wanted`: key -> (source, index)), waiting for blocks
+        being loaded or read by another process, and submitting the loads of blocks the
+        cluster does not have (after the scheduler forgot them, or their reader left)."""
         while True:
             unknown = [k for k in keys if k not in self.holders]
             if not unknown:
                 return {k: self.holders[k] for k in keys}
-            name = source.info.name
-            checked = name not in self.registered
-            if checked:
+            sources = {wanted[k][0].info.name: wanted[k][0] for k in unknown}
+            checked = set(sources) - self.registered
+            for name in checked:
                 self.registered.add(name)
-                get_or_register(self.client, source)
+                get_or_register(self.client, sources[name])
             expect = [k for k in unknown if k in self.submitted]
             reply = self._call("dmdask_locate", keys=unknown, host=self.my_host, timeout=LOCATE_SECONDS,
                                expect=expect)
             self.submitted.difference_update(expect)  # waited for once: from now on, as any other key
             self.holders.update(reply["holders"])
-            if reply["erred"]:
-                if name in self.retried:
-                    raise clean_exception(next(iter(reply["erred"].values())))[1]
-                self.retried.add(name)
+            for key, exc in reply["erred"].items():
+                source = wanted[key][0]
+                if source.info.name in self.retried:
+                    raise clean_exception(exc)[1]
+                self.retried.add(source.info.name)
                 get_or_register(self.client, source)  # retries its erred blocks
             if reply["unknown"]:
-                if not checked:
-                    get_or_register(self.client, source)  # registered again, should it have been released
-                del submit_blocks(self.client, [source.reader(parse_block_key(k)[1]) for k in reply["unknown"]])[:]
+                for name in {wanted[k][0].info.name for k in reply["unknown"]} - checked:
+                    get_or_register(self.client, sources[name])  # registered again, should it have been released
+                del submit_blocks(self.client, [wanted[k][0].reader(wanted[k][1]) for k in reply["unknown"]])[:]
                 self.submitted.update(reply["unknown"])  # the next locate waits for them
             if time.monotonic() > deadline:
+                url = wanted[unknown[0]][0].info.url
                 if not self.client.scheduler_info().get("workers"):
-                    raise NoWorkersError(f"the cluster has no workers to read {source.info.url} through")
-                raise RuntimeError(f"blocks of {source.info.url} still not loaded after "
+                    raise NoWorkersError(f"the cluster has no workers to read {url} through")
+                raise RuntimeError(f"blocks of {url} still not loaded after "
                                    "dmdask.client.recovery-seconds; is the cluster losing workers?")
 
     def _locate_folder(self, fs, folder: str) -> None:
