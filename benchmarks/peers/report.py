@@ -157,7 +157,7 @@ def report(result: dict, plots_dir: str) -> str:
         f"written once (below). One store for all, throttled to {cfg['bandwidth'] / MIB:.0f} MiB/s in all and "
         f"{cfg['latency'] * 1e3:.0f} ms a request, counting every request and byte: `StoreServer` over HTTP, and "
         "moto's S3 server behind the same throttle and counters for the loaders that speak only S3. "
-        f"Points: {covered}" + (f" (other presets: {others})" if others else "") + ". Each node runs {cfg['ranks_per_node']} rank processes (one gloo process group, "
+        f"Points: {covered}" + (f" (other presets: {others})" if others else "") + f". Each node runs {cfg['ranks_per_node']} rank processes (one gloo process group, "
         f"RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE set as torchrun does), each with {cfg['loader_workers']} "
         "loader worker process; dmdask has instead one worker process a node "
         f"(threads = ranks a node). Every rank runs {cfg['epochs']} epochs of the same loop: its batches of "
