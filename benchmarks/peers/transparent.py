@@ -6,7 +6,8 @@ from __future__ import annotations
 from . import dmdask_peer, torch_dataloader
 
 NAME, LABEL, FORMAT, STORE = "transparent", "dmdask transparent mode (`dmdask::`)", "files", "http"
-CAN = dict(dmdask_peer.CAN)
+# the cluster's cache, but the DataLoader baseline's sampler: its exactly-once is DistributedSampler's
+CAN = dict(dmdask_peer.CAN, exactly_once=torch_dataloader.CAN["exactly_once"])
 services = dmdask_peer.services
 batch_ids = torch_dataloader.batch_ids
 
