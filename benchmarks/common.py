@@ -6,6 +6,7 @@ import contextlib
 import os
 import platform
 import shutil
+import subprocess
 import tempfile
 import threading
 import time
@@ -105,6 +106,17 @@ class Stopwatch:
         finally:
             with self._lock:
                 self.waiting += time.perf_counter() - started
+
+
+def stop_processes(procs) -> None:
+    """Terminate `subprocess.Popen`s, last started first; kill any still running after 30 s."""
+    for p in reversed(procs):
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
 
 
 def ratio(a: float, b: float) -> float:

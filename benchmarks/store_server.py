@@ -206,7 +206,8 @@ class StoreServer:
             self.reset_stats()
         return web.json_response(stats)
 
-    async def _serve(self, request: web.Request) -> web.StreamResponse:
+    async def _admit(self, request: web.Request):
+        """Count the request and wait out the per-request latency; (object key, is a HEAD)."""
         rel = request.match_info["path"]
         key = "/".join(p for p in rel.split("/") if p not in ("", "."))
         head = request.method == "HEAD"
@@ -217,6 +218,11 @@ class StoreServer:
             self._count(key, requests=1)
         if self.latency:
             await asyncio.sleep(self.latency)
+        return key, head
+
+    async def _serve(self, request: web.Request) -> web.StreamResponse:
+        rel = request.match_info["path"]
+        key, head = await self._admit(request)
         status = None if head else self._should_fail(key)
         if status is not None:
             return web.Response(status=status, text=f"failing on purpose: {key}\n")

@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 
+from ..common import stop_processes
 from .dataset import sample_id
 
 NAME, LABEL, FORMAT, STORE = "dmdask", "dmdask", "files", "http"
@@ -69,13 +70,7 @@ def services(run):
         _wait_workers(address, run.nodes)
         yield {SCHEDULER_ENV: address}
     finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs)
 
 
 def _wait_workers(address: str, n: int) -> None:

@@ -80,18 +80,7 @@ class S3Store(StoreServer):
         return count
 
     async def _serve(self, request: web.Request) -> web.StreamResponse:
-        rel = request.match_info["path"]
-        key = "/".join(p for p in rel.split("/") if p not in ("", "."))
-        head = request.method == "HEAD"
-        if head:
-            with self._lock:
-                self._stats["head_requests"] += 1
-        else:
-            self._count(key, requests=1)
-        if self.latency:
-            import asyncio
-
-            await asyncio.sleep(self.latency)
+        key, head = await self._admit(request)
         if self._session is None:
             self._session = aiohttp.ClientSession(auto_decompress=False)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _REQUEST_DROP}

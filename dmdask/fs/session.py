@@ -234,8 +234,10 @@ class Session:
             if f"{fsid}|{folder}" not in self.asked_infos:
                 self._ask(fsid, folder)
         unknown = list(dict.fromkeys(p for p in paths if f"{fsid}|{p}" not in self.infos))
+        if len(unknown) < 2:
+            return
         target = fsspec.filesystem(fs.target_protocol, **fs.target_options)  # this process's own
-        if len(unknown) < 2 or not target.async_impl:
+        if not target.async_impl:
             return
 
         async def all_infos():
