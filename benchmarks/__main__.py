@@ -17,7 +17,7 @@ import warnings
 from . import report
 from .common import machine
 
-SCENARIOS = ["traffic", "training", "throughput", "control_plane", "scale", "transparent"]
+SCENARIOS = ["traffic", "training", "throughput", "control_plane", "scale", "transparent", "cold"]
 PEER_SCENARIOS = ["peers", "simulate"]  # `run --peers`: results in peers-<preset>-latest.json
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -29,6 +29,7 @@ def run(preset: str, only, out_dir: str = RESULTS, write_doc: bool = True, peers
     results = {"preset": preset, "machine": machine(), "scenarios": {},
                "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                "command": f"python -m benchmarks run {flag}--{preset}" + (f" --only {','.join(only)}" if only else "")}
+    earlier = _earlier(out_dir, preset, peers) if only else None
     for name in only or (PEER_SCENARIOS if peers else SCENARIOS):
         started = time.perf_counter()
         print(f"[benchmarks] {name} ({preset}) ...", flush=True)
@@ -39,6 +40,10 @@ def run(preset: str, only, out_dir: str = RESULTS, write_doc: bool = True, peers
             results["scenarios"][name] = {"error": f"{type(exc).__name__}: {exc}"}
         results["scenarios"][name]["seconds"] = time.perf_counter() - started
         print(f"[benchmarks] {name}: {results['scenarios'][name]['seconds']:.0f} s", flush=True)
+    if earlier:  # `--only`: the other scenarios keep their latest results, each with its own run's date
+        for name, result in earlier["scenarios"].items():
+            if name not in results["scenarios"]:
+                results["scenarios"][name] = dict(result, run=result.get("run") or earlier["date"])
     os.makedirs(out_dir, exist_ok=True)
     results["file"] = f"{'peers-' if peers else ''}{preset}-latest.json"
     with open(os.path.join(out_dir, results["file"]), "w") as f:
@@ -52,6 +57,15 @@ def run(preset: str, only, out_dir: str = RESULTS, write_doc: bool = True, peers
             page = report.write(results) if not peers else report.write(dict(results, scenarios={}), peers=results)
         print(f"[benchmarks] wrote {page}")
     return results
+
+
+def _earlier(out_dir: str, preset: str, peers: bool):
+    """The latest results file of this preset, or None."""
+    path = os.path.join(out_dir, f"{'peers-' if peers else ''}{preset}-latest.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 def main(argv=None) -> int:

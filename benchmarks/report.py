@@ -17,6 +17,7 @@ TITLES = {
     "control_plane": "4. Scale of the control plane",
     "scale": "6. Planning and block creation at 10^8 samples and 10^5 blocks",
     "transparent": "7. Transparent mode: an unmodified DataLoader through dmdask::",
+    "cold": "10. First contact: epoch 1 in rank processes, and a new process on a warm cache",
 }
 # `python -m benchmarks run --peers`: their own results file, merged into the page when present
 PEER_TITLES = {
@@ -44,7 +45,8 @@ def _sections(scenarios: dict, titles: dict, plots_dir: str):
             goals.append((title, {"goal": "scenario ran", "met": False, "measured": result["error"]}))
             continue
         module = importlib.import_module(f"benchmarks.{name}")
-        sections.append(f"## {title}\n\n" + module.report(result, plots_dir))
+        earlier = f"*Measured in an earlier run, on {result['run']}.*\n\n" if result.get("run") else ""
+        sections.append(f"## {title}\n\n" + earlier + module.report(result, plots_dir))
         goals += [(title, g) for g in result["goals"]]
     return goals, sections
 

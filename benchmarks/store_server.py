@@ -101,6 +101,7 @@ class StoreServer:
         self._lock = threading.Lock()
         self.fail_first(0)
         self.reset_stats()
+        self._timeline = None  # (start, end) wall times of GETs, while `record_timeline` is on
         self._url = self._loop = self._thread = self._runner = None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -169,6 +170,17 @@ class StoreServer:
     def reset_stats(self) -> None:
         with self._lock:
             self._stats = {"requests": 0, "bytes": 0, "head_requests": 0, "failed": 0, "by_path": {}}
+
+    def record_timeline(self, on: bool = True) -> None:
+        """Start (again, from empty) or stop recording when each GET of a file starts and
+        ends (``time.time()``): ``timeline()`` then tells how many were in flight when."""
+        with self._lock:
+            self._timeline = [] if on else None
+
+    def timeline(self) -> list:
+        """The recorded GETs of files as ``(start, end)`` wall times, by start."""
+        with self._lock:
+            return sorted(self._timeline or [])
 
     def fail_first(self, n: int, pattern: str = "*", status: int = 503) -> None:
         """From now on, answer ``status`` (an HTTP error, default 503 Service Unavailable)
@@ -249,9 +261,14 @@ class StoreServer:
             response.set_status(206)
             response.headers["Content-Range"] = f"bytes {start}-{stop - 1}/{size}"
         response.content_type = "application/octet-stream"
+        started = time.time()
         with open(full, "rb") as f:
             f.seek(start)
-            return await self._send(request, response, key, stop - start, head, f.read)
+            sent = await self._send(request, response, key, stop - start, head, f.read)
+        with self._lock:
+            if self._timeline is not None and not head:
+                self._timeline.append((started - self.latency, time.time()))
+        return sent
 
     async def _listing(self, request, key: str, folder: str, head: bool) -> web.StreamResponse:
         names = sorted(e.name + "/" if e.is_dir() else e.name for e in os.scandir(folder))

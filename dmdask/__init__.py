@@ -14,8 +14,9 @@ preload the first `dmdask.batches` call registers it.
 from . import config as _config  # noqa: F401  (registers the dmdask config namespace)
 from .client import BatchIterator, batches, release
 from .cluster import LocalCluster
-from .errors import (BlockReadError, DmdaskError, NoWorkersError, NotADmdaskWorker, SchedulerLostError,
-                     SourceError, SourceNotFoundError, SpecError, TransformError)
+from .errors import (BlockReadError, DmdaskError, HandlerArgumentError, NoWorkersError, NotADmdaskWorker,
+                     SchedulerLostError, SourceError, SourceNotAllowedError, SourceNotFoundError, SpecError,
+                     TransformError)
 from .spec import Mix, Spec, TransformContext, per_sample, transform_context
 from .stats import stats
 from .worker import Worker
@@ -26,9 +27,10 @@ _register_fs()  # `dmdask::` URLs for fsspec (and webdataset)
 __version__ = "0.1.0"
 
 __all__ = [
-    "BatchIterator", "BlockReadError", "DmdaskError", "LocalCluster", "Mix", "NoWorkersError", "NotADmdaskWorker",
-    "SchedulerLostError", "SourceError", "SourceNotFoundError", "Spec", "SpecError", "TransformContext",
-    "TransformError", "Worker", "batches", "per_sample", "release", "stats", "transform_context",
+    "BatchIterator", "BlockReadError", "DmdaskError", "HandlerArgumentError", "LocalCluster", "Mix",
+    "NoWorkersError", "NotADmdaskWorker", "SchedulerLostError", "SourceError", "SourceNotAllowedError",
+    "SourceNotFoundError", "Spec", "SpecError", "TransformContext", "TransformError", "Worker", "batches",
+    "per_sample", "release", "stats", "transform_context",
 ]
 
 

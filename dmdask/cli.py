@@ -2,7 +2,43 @@
 MOUNTPOINT` and `dmdask --help`."""
 from __future__ import annotations
 
+import posixpath
 import sys
+from collections import defaultdict
+
+DEFAULT_PORT = 8786  # a scheduler's, as `dask scheduler` listens by default
+SCHEDULER_HELP = ("scheduler address: HOST, HOST:PORT (default port 8786), tcp://HOST:PORT or tls://HOST:PORT "
+                  "(default: dask config dmdask.fs.scheduler, then scheduler-address)")
+
+
+class UsageError(ValueError):
+    """A command-line argument that cannot be used; the message is one line."""
+
+
+def scheduler_address(given=None) -> str:
+    """The scheduler to connect to, as `dmdask status` and `dmdask mount` take it: `given`,
+    else the dask config `dmdask.fs.scheduler`, else `scheduler-address`. HOST and
+    HOST:PORT mean tcp:// (port 8786 by default); a dashboard's http(s):// URL is a
+    `UsageError` saying so."""
+    import dask.config
+    from distributed.comm.addressing import parse_host_port, unparse_host_port
+
+    value = given or dask.config.get("dmdask.fs.scheduler", None) or dask.config.get("scheduler-address", None)
+    if not value:
+        raise UsageError("no scheduler given: pass its address (e.g. tcp://host:8786), or set the dask config "
+                         "dmdask.fs.scheduler (DASK_DMDASK__FS__SCHEDULER)")
+    value = str(value).strip()
+    if value.startswith(("http://", "https://")):
+        host = value.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)[0]
+        raise UsageError(f"{value} is a dashboard (HTTP) address; give the scheduler's, e.g. "
+                         f"tcp://{host}:{DEFAULT_PORT}")
+    if "://" in value:
+        return value
+    try:
+        host, port = parse_host_port(value, default_port=DEFAULT_PORT)
+    except ValueError as exc:
+        raise UsageError(f"{value!r} is not a scheduler address ({exc})") from None
+    return f"tcp://{unparse_host_port(host, port)}"
 
 
 def status(argv) -> int:
@@ -14,20 +50,41 @@ def status(argv) -> int:
     import dmdask
 
     parser = argparse.ArgumentParser(prog="dmdask status", description="per-worker tiers of a dmdask cluster")
-    parser.add_argument("scheduler", help="scheduler address, e.g. tcp://host:8786")
+    parser.add_argument("address", nargs="?", default=None, metavar="SCHEDULER", help=SCHEDULER_HELP)
+    parser.add_argument("--scheduler", default=None, help="the same, as `dmdask mount` takes it")
     parser.add_argument("--timeout", type=float, default=10, help="seconds to wait for the scheduler (default 10)")
+    for flag, what in (("--tls-ca-file", "CA certificate"), ("--tls-cert", "client certificate"),
+                       ("--tls-key", "client key")):
+        parser.add_argument(flag, default=None, help=f"tls:// schedulers: the {what} file (default: dask config "
+                            "distributed.comm.tls)")
     args = parser.parse_args(argv)
     try:
-        with distributed.Client(args.scheduler, timeout=args.timeout) as client:
+        address = scheduler_address(args.address or args.scheduler)
+    except UsageError as exc:
+        print(f"dmdask status: {exc}", file=sys.stderr)
+        return 2
+    security = None
+    if args.tls_ca_file or args.tls_cert:
+        security = distributed.Security(tls_ca_file=args.tls_ca_file, tls_client_cert=args.tls_cert,
+                                        tls_client_key=args.tls_key, require_encryption=True)
+    try:
+        with distributed.Client(address, timeout=args.timeout, security=security) as client:
             stats = dmdask.stats(client)
             dashboard = client.dashboard_link
-    except (OSError, TimeoutError) as exc:
-        print(f"dmdask status: cannot reach the scheduler at {args.scheduler}: {exc}", file=sys.stderr)
+    except (OSError, TimeoutError, ValueError) as exc:
+        print(f"dmdask status: cannot reach the scheduler at {address}: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
+        return 1
+    except TypeError as exc:  # distributed's way of saying tls:// lacks its certificates
+        print(f"dmdask status: cannot connect to {address}: {exc}; pass --tls-ca-file, --tls-cert and --tls-key",
+              file=sys.stderr)
         return 1
     except dmdask.NotADmdaskWorker as exc:
         print(f"dmdask status: {exc}", file=sys.stderr)
         return 1
     print(format_table(stats))
+    for line in format_warnings(stats):
+        print(line)
     print()
     print(format_datasets(stats["datasets"]))
     if dashboard:
@@ -45,15 +102,19 @@ def mount(argv) -> int:
         "interrupted")
     parser.add_argument("url", help="folder on the shared store, e.g. https://host/train or s3://bucket/train")
     parser.add_argument("mountpoint", help="an existing empty folder")
-    parser.add_argument("--scheduler", default=None,
-                        help="scheduler address, e.g. tcp://host:8786 (default: dask config dmdask.fs.scheduler)")
+    parser.add_argument("--scheduler", default=None, help=SCHEDULER_HELP)
     parser.add_argument("--block-size", default=None, help='cached byte blocks of large files (default "4 MiB")')
     parser.add_argument("--debug", action="store_true", help="libfuse's debug output")
     args = parser.parse_args(argv)
     from .fs.mount import mount as serve
 
     try:
-        serve(args.url, args.mountpoint, scheduler=args.scheduler, block_size=args.block_size, debug=args.debug)
+        scheduler = scheduler_address(args.scheduler)
+    except UsageError as exc:
+        print(f"dmdask mount: {exc}", file=sys.stderr)
+        return 2
+    try:
+        serve(args.url, args.mountpoint, scheduler=scheduler, block_size=args.block_size, debug=args.debug)
     except (RuntimeError, OSError) as exc:
         print(f"dmdask mount: {exc}", file=sys.stderr)
         return 1
@@ -103,13 +164,39 @@ def format_table(stats: dict) -> str:
     )
 
 
+def format_warnings(stats: dict) -> list:
+    """One line per distinct tier warning or error of the workers (a RAM tier larger than
+    /dev/shm, an unusable SSD folder), naming how many workers it concerns."""
+    seen = defaultdict(list)
+    for worker, s in sorted(stats["workers"].items()):
+        for tier in ("ram", "ssd"):
+            for kind in ("warning", "error"):
+                if s[tier].get(kind):
+                    seen[f"{tier} {kind}: {s[tier][kind]}"].append(worker)
+    return [f"{text} ({len(workers)} of {len(stats['workers'])} workers)" for text, workers in seen.items()]
+
+
 def format_datasets(datasets) -> str:
-    """The registry of `dmdask.stats(client)["datasets"]`: one line per dataset."""
+    """The registry of `dmdask.stats(client)["datasets"]`: one line per dataset, and one
+    per folder for the files read through `dmdask::` URLs or `dmdask mount` (transparent
+    mode makes a dataset of each file). URLs are shown without credentials."""
+    from .source.urls import public
+
     if not datasets:
         return "datasets: none yet (they appear when a training process first iterates over one)"
     lines = ["dataset  samples  blocks  loaded  erred  url"]
+    folders: dict = {}
     for d in datasets:
-        lines.append(f"{d['name']}  {d['samples']:,}  {d['blocks']:,}  {d['loaded']:,}  {d['erred']:,}  {d['url']}")
+        if str(d["name"]).startswith("fs-") and d.get("url"):  # one file of transparent mode
+            folder = folders.setdefault(posixpath.dirname(public(d["url"])), [0, 0, 0, 0, 0])
+            for i, key in enumerate(("samples", "blocks", "loaded", "erred")):
+                folder[i] += d[key] or 0
+            folder[4] += 1
+            continue
+        lines.append(f"{d['name']}  {d['samples']:,}  {d['blocks']:,}  {d['loaded']:,}  {d['erred']:,}  "
+                     f"{public(str(d['url']))}")
+    for folder, (samples, blocks, loaded, erred, files) in sorted(folders.items()):
+        lines.append(f"{files:,} files  {samples:,}  {blocks:,}  {loaded:,}  {erred:,}  {folder}/ (dmdask::)")
     return "\n".join(lines)
 
 

@@ -3,7 +3,21 @@ from __future__ import annotations
 
 
 class DmdaskError(Exception):
-    """Base of every error dmdask raises on purpose."""
+    """Base of every error dmdask raises on purpose.
+
+    Every subclass pickles (a worker's or the scheduler's error reaches the client, a
+    nanny's reaches its parent): it is rebuilt from its message and attributes, not by
+    calling its `__init__` again, whatever arguments that takes."""
+
+    def __reduce__(self):
+        return (_rebuild, (type(self), self.args, dict(self.__dict__)))
+
+
+def _rebuild(cls, args, state):
+    err = cls.__new__(cls, *args)
+    err.args = args
+    err.__dict__.update(state)
+    return err
 
 
 class SpecError(DmdaskError, ValueError):
@@ -36,17 +50,6 @@ class BlockReadError(DmdaskError, OSError):
             f"{type(cause).__name__}: {cause}"
         )
 
-    def __reduce__(self):
-        # Keep the exception picklable across worker -> client.
-        return (_rebuild_block_read_error, (self.url, self.block, self.start, self.stop, str(self)))
-
-
-def _rebuild_block_read_error(url, block, start, stop, message):
-    err = BlockReadError.__new__(BlockReadError)
-    err.url, err.block, err.start, err.stop = url, block, start, stop
-    OSError.__init__(err, message)
-    return err
-
 
 class TransformError(DmdaskError, RuntimeError):
     """`Spec.transform` raised on a worker; the message names the batch's first samples."""
@@ -64,3 +67,14 @@ class SchedulerLostError(DmdaskError, ConnectionError):
     """The client lost its scheduler (it stopped, or cannot be reached) for longer than
     `dmdask.client.scheduler-seconds`. Resume from the last `state_dict()` once a
     scheduler runs again."""
+
+
+class SourceNotAllowedError(DmdaskError, ValueError):
+    """A source outside the workers' `dmdask.worker.allowed-sources` (the message names
+    the URL and the allowed prefixes). A `ValueError` like `SpecError`: bad input, never
+    retried (an `OSError` would read as a lost worker)."""
+
+
+class HandlerArgumentError(DmdaskError, ValueError):
+    """A request to one of dmdask's scheduler or worker handlers had an argument of the
+    wrong type, outside its range, or unknown; the request changed nothing."""

@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 import numpy as np
 
 from .errors import SpecError
+from .source.urls import resolve_local
 
 Transform = Callable[[dict], dict]
 
@@ -110,10 +111,33 @@ class Spec:
         return dataclasses.replace(self, **changes)
 
 
+def _suggesting(init):
+    """`Spec.__init__` that names the nearest field of a misspelt keyword (`batchsize`
+    -> `batch_size`) in the TypeError Python raises for it."""
+    import difflib
+    import functools
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        names = [f.name for f in dataclasses.fields(Spec)]
+        for key in kwargs:
+            if key not in names:
+                near = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+                hint = f"; did you mean {near[0]!r}?" if near else f"; the fields are {names}"
+                raise TypeError(f"Spec() got an unexpected keyword argument {key!r}{hint}")
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+Spec.__init__ = _suggesting(Spec.__init__)
+
+
 def as_source(source):
     """`source` as a `str`, or a list of shard URLs as a tuple of `str` (path-like
     objects become strings), or a `Mix` as it is; `SpecError` unless it is a non-empty
-    path or URL, or a non-empty list of them."""
+    path or URL, or a non-empty list of them. A relative local path is made absolute
+    here, in the client's working directory (workers run in their own)."""
     allowed = "a non-empty path or fsspec URL, or a non-empty list of shard paths or URLs, or a dmdask.Mix"
     if isinstance(source, Mix):
         return source
@@ -121,12 +145,12 @@ def as_source(source):
         shards = tuple(os.fspath(s) if isinstance(s, os.PathLike) else s for s in source)
         if not shards or not all(isinstance(s, str) and s for s in shards):
             raise SpecError("source", allowed, source)
-        return shards
+        return tuple(resolve_local(s) for s in shards)
     if isinstance(source, os.PathLike):
         source = os.fspath(source)
     if not isinstance(source, str) or not source:
         raise SpecError("source", allowed, source)
-    return source
+    return resolve_local(source)
 
 
 @dataclasses.dataclass(frozen=True)

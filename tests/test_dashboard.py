@@ -11,6 +11,7 @@ import base64
 import importlib
 import io
 import json
+import logging
 import os
 import shutil
 import signal
@@ -25,6 +26,7 @@ import numpy as np
 import pytest
 
 import dmdask
+from dmdask.dashboard.page import fmt_bytes
 from dmdask.source import open_source
 from dmdask.testing.datasets import write_zarr, zarr_sample
 
@@ -161,7 +163,8 @@ def test_json_and_metrics_exact_for_a_dataset_that_fits(cluster, small):
 
     stats, tiers, prom = settled(client, check)
     name = info.name
-    assert tiers["datasets"] == {name: {"blocks": 30, "loaded_blocks": 30, "samples": 3000, "bytes": decoded}}
+    assert tiers["datasets"] == {name: {"url": small.source, "blocks": 30, "loaded_blocks": 30, "samples": 3000,
+                                        "bytes": decoded}}
     cluster_ = tiers["cluster"]
     assert cluster_["workers"] == 2 and cluster_["cached_share"] == 1.0
     assert cluster_["cached_bytes"] == cluster_["dataset_bytes"] == cluster_["shared_store_bytes"] == decoded
@@ -247,20 +250,25 @@ def chromium() -> str:
 
 
 DEEP_TEXT = """(() => {
-  const texts = []; let canvases = 0;
+  const texts = []; const tables = []; let canvases = 0;
   const walk = (node) => {
     if (node.shadowRoot) walk(node.shadowRoot);
     for (const child of node.childNodes) {
       if (child.nodeType === 3) texts.push(child.textContent);
       else if (child.nodeType === 1 && !["SCRIPT", "STYLE"].includes(child.tagName)) {
         if (child.tagName === "CANVAS") canvases += 1;
+        if (child.tagName === "TABLE") {
+          const box = child.parentElement;
+          tables.push({right: child.getBoundingClientRect().right, width: child.scrollWidth,
+                       room: box ? box.clientWidth : 0});
+        }
         walk(child);
       }
     }
   };
   walk(document.documentElement);
   const bokeh = typeof Bokeh !== "undefined" && Bokeh.documents.length > 0;
-  return {bokeh, canvases, text: texts.join(" ").replace(/\\s+/g, " ")};
+  return {bokeh, canvases, tables, text: texts.join(" ").replace(/\\s+/g, " ")};
 })()"""
 
 
@@ -399,7 +407,17 @@ def test_page_in_headless_chromium(cluster, small, large, tmp_path):
         return (page["bokeh"] and page["canvases"] >= 5 and "dmdask tiers" in text
                 and all(a in text for a in addresses) and "Datasets" in text)
 
-    page, png = asyncio.run(render(binary, base_url(client) + "/dmdask", wanted))
+    records = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = records.append
+    tornado_log = logging.getLogger("tornado.application")
+    tornado_log.addHandler(handler)
+    try:
+        page, png = asyncio.run(render(binary, base_url(client) + "/dmdask", wanted))
+        time.sleep(2)  # the page's next updates go to a closed websocket
+    finally:
+        tornado_log.removeHandler(handler)
+    assert not [r.getMessage() for r in records if "/dmdask/ws" in r.getMessage()]  # a closed page logs nothing
     (tmp_path / "dashboard.png").write_bytes(png)
     shot = os.path.join(tempfile.gettempdir(), "dmdask-dashboard.png")
     with open(shot, "wb") as f:
@@ -419,6 +437,13 @@ def test_page_in_headless_chromium(cluster, small, large, tmp_path):
                                           s["ram"]["hits"], s["ssd"]["hits"], s["stream"]["hits"]))
         assert f"{address.split('://')[-1]} " in text and f" {row} " in text
     assert "Dmdask" in text  # the link in the navigation bar
+    assert small.source in text and large.source in text  # each dataset's source URL
+    # the peer-transfer card says what the per-worker bars show (bytes sent, and received)
+    assert f"peer transfer {fmt_bytes(stats['total']['peer']['bytes_out'])} rows sent by workers" in text
+    # every table fits the 1400 px window, none wider than the room it has
+    assert len(page["tables"]) >= 2
+    for table in page["tables"]:
+        assert table["right"] <= 1400 and table["width"] <= table["room"], page["tables"]
 
     image = Image.open(io.BytesIO(png))
     assert image.width == 1400 and image.height > 900
@@ -537,3 +562,23 @@ def test_collector_registered_once():
     registered = [c for c in prometheus_client.REGISTRY._collector_to_names
                   if type(c).__name__ == "DmdaskCollector"]
     assert registered == [first]
+
+
+def test_a_closed_page_websocket_logs_no_traceback():
+    """tornado's "Uncaught exception GET /dmdask/ws" for a browser gone mid-write is dropped
+    by the filter the preload installs on tornado's application log; other errors pass."""
+    from tornado.websocket import WebSocketClosedError
+
+    from dmdask.dashboard import ClosedPageFilter
+
+    def record(path, exc):
+        try:
+            raise exc
+        except Exception:
+            return logging.LogRecord("tornado.application", logging.ERROR, __file__, 1, "Uncaught exception %s\n%r",
+                                     (f"GET {path} (127.0.0.1)", "request"), sys.exc_info())
+
+    keep = ClosedPageFilter().filter
+    assert not keep(record("/dmdask/ws?bokeh-session-id=x", WebSocketClosedError()))
+    assert keep(record("/dmdask/ws?bokeh-session-id=x", ValueError("a real bug")))
+    assert keep(record("/status/ws", WebSocketClosedError()))

@@ -1,4 +1,5 @@
 """A worker process killed mid-epoch: no sample lost, none repeated."""
+import logging
 import os
 import signal
 import subprocess
@@ -87,7 +88,8 @@ def test_every_worker_killed_at_once_recovers_when_the_nannies_restart_them(tmp_
         assert np.array_equal(np.sort(again), np.arange(n))
 
 
-def test_no_worker_left_is_a_clear_error_within_the_configured_time(tmp_path):
+def test_no_worker_left_is_a_clear_error_within_the_configured_time(tmp_path, caplog):
+    """... and the wait says once what it waits for."""
     n = 400
     path = write_zarr(str(tmp_path / "d.zarr"), n, sample_shape=(8,), chunk=50)
     with dmdask.LocalCluster(n_workers=2, ram="8 MiB") as cluster, distributed.Client(cluster) as client, \
@@ -99,9 +101,12 @@ def test_no_worker_left_is_a_clear_error_within_the_configured_time(tmp_path):
         deadline = time.monotonic() + 60
         while client.scheduler_info()["workers"] and time.monotonic() < deadline:
             time.sleep(0.1)
-        with pytest.raises(dmdask.NoWorkersError, match="no workers for 2 s"):
+        with caplog.at_level(logging.WARNING, logger="dmdask"), \
+                pytest.raises(dmdask.NoWorkersError, match="no workers for 2 s"):
             for _ in it:
                 pass
+        said = [r.getMessage() for r in caplog.records if "waiting up to 2 s" in r.getMessage()]
+        assert len(said) == 1 and "--worker-class dmdask.Worker" in said[0]
         with pytest.raises(dmdask.NoWorkersError, match="recovery-seconds"):
             next(iter(dmdask.batches(client, spec, epoch=1)))
         assert len(first["index"]) == 20

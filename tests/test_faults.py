@@ -126,14 +126,17 @@ def all_chunk_requests(server):
     return {p: v["requests"] for p, v in server.stats()["by_path"].items() if "/c/" in p}
 
 
-@pytest.mark.parametrize("path", ["worker", "mapped"])
-def test_ssd_block_whose_files_vanish_is_read_again_once(tmp_path, http_store, path):
+@pytest.mark.parametrize("path, how", [("worker", "deleted"), ("mapped", "deleted"), ("worker", "replaced"),
+                                       ("mapped", "replaced")])
+def test_ssd_block_whose_files_vanish_is_read_again_once(tmp_path, http_store, path, how):
     """An SSD block's files deleted between epochs: the next epoch still delivers every
     sample once, the block is read again from the store exactly once (and put back on
     the SSD), and the drop is counted. "worker": rows taken by the workers (a
     transform), ranks and requests concurrent; "mapped": after an epoch with a
     transform, the training process maps the SSD files itself; the deleted block's
-    rows then come through `dmdask_rows`."""
+    rows then come through `dmdask_rows`. "replaced": a file of the block overwritten
+    with 400 bytes of garbage (its size no longer matches the block's layout) is treated
+    as gone the same way, never reshaped into a raw ValueError."""
     server, _ = http_store
     ssd = tmp_path / "ssd"
     with dmdask.LocalCluster(n_workers=2, ram=0, ssd="1 MiB", ssd_dir=str(ssd)) as cluster, \
@@ -146,7 +149,10 @@ def test_ssd_block_whose_files_vanish_is_read_again_once(tmp_path, http_store, p
         assert dmdask.stats(client)["total"]["ssd"]["blocks"] == 8
 
         (victim,) = ssd.glob("dmdask-ssd-*/b150-*")  # block 3: samples 150..199
-        shutil.rmtree(victim)
+        if how == "deleted":
+            shutil.rmtree(victim)
+        else:
+            (victim / "x").write_bytes(os.urandom(400))
         concurrent = path == "worker"  # requests for the block at once: still read once
         if path == "mapped":  # one request at a time: no retry of one can help another
             spec = spec.replace(transform=None, prefetch=1)
@@ -298,3 +304,137 @@ def test_http_statuses(status, transient):
     assert is_transient(exc) is transient
     assert is_transient(aiohttp.ServerDisconnectedError()) and not is_transient(
         aiohttp.ClientSSLError(None, OSError(1, "certificate verify failed")))
+
+
+def tampered(state, path, value):
+    """A copy of `state` with the value at `path` (keys and indices) replaced."""
+    import copy
+
+    out = copy.deepcopy(state)
+    target = out
+    for step in path[:-1]:
+        target = target[step]
+    target[path[-1]] = value
+    return out
+
+
+@pytest.mark.parametrize("path, value, field", [
+    (("history", 0, "consumed", 0), -5, "resume['history'][0]['consumed'][0]"),
+    (("history", 0, "consumed", 1), 10**9, "resume['history'][0]['consumed'][1]"),
+    (("history", 0, "world_size"), 0, "resume['history'][0]['world_size']"),
+    (("history", 0, "world_size"), 10**9, "resume['history'][0]['world_size']"),
+    (("history", 0, "world_size"), "2", "resume['history'][0]['world_size']"),
+    (("history", 0), "a generation", "resume['history'][0]"),
+    (("history",), "none", "resume['history']"),
+    (("world_size",), 0, "resume['world_size']"),
+    (("world_size",), "1", "resume['world_size']"),
+    (("rank",), 10**9, "resume['rank']"),
+    (("rank",), -1, "resume['rank']"),
+    (("batch_size",), 0, "resume['batch_size']"),
+    (("position",), "3", "resume['position']"),
+    (("position",), 10**9, "resume"),
+    (("epoch",), -1, "resume['epoch']"),
+    (("shuffle_window",), 0, "resume['shuffle_window']"),
+    (("surprise",), 1, "resume['surprise']"),
+])
+def test_a_tampered_resume_state_is_a_spec_error_naming_the_field(client, tmp_path, path, value, field):
+    """States edited into what no iterator writes (the list of every rank's, resumed
+    elastically, has a `history`) are refused with `SpecError` naming the field, never an
+    IndexError, ValueError or TypeError from inside."""
+    source = str(tmp_path / "d.zarr")
+    write_zarr(source, 200, chunk=20)
+    spec = dmdask.Spec(source, batch_size=10, world_size=2, seed=3)
+    states = []
+    for rank in range(2):
+        it = dmdask.batches(client, spec.replace(rank=rank), epoch=0)
+        for _ in range(2 + rank):
+            next(it)
+        states.append(it.state_dict())
+    one = spec.replace(world_size=1, rank=0)
+    resumed = dmdask.batches(client, one, epoch=0, resume=states)  # elastic: 2 ranks -> 1
+    next(resumed)
+    state = resumed.state_dict()
+    assert state["history"]
+    rest = [b["index"] for b in dmdask.batches(client, one, epoch=0, resume=state)]  # untouched: resumes
+    assert len(np.concatenate(rest)) == 200 - 10 * 5 - 10
+    with pytest.raises(dmdask.SpecError) as info:
+        dmdask.batches(client, one, epoch=0, resume=tampered(state, path, value))
+    assert str(info.value).startswith(field + "="), str(info.value)
+
+
+def test_an_arena_file_seen_mid_write_gives_whole_rows(tmp_path):
+    """The corrupt-chunk race: a worker writing a block into a new slot of its arena
+    makes the file grow a page at a time, so a reader mapping it meanwhile may see a size
+    that is no multiple of a row (rows of 48 float32 = 192 bytes here). The reader maps
+    the whole rows, and the slot's labels say which of them hold data (never a raw
+    "cannot reshape" ValueError)."""
+    from dmdask.worker.arena import ID_FIELD, Arena, ArenaMaps
+    from dmdask.worker.holdings import Block
+
+    folder = tmp_path / "shm"
+    folder.mkdir()
+
+    def block(k, n=1194):
+        ids = np.arange(k * n, (k + 1) * n)
+        return Block({"x": zarr_sample(ids, (48,))}, int(ids[0]), int(ids[-1]) + 1)
+
+    arena = Arena(str(folder), "ds", 1194, block(0))
+    assert arena.write(block(0)) == 0
+    path, dtype, shape = arena.fields["x"]
+    os.truncate(path, 14 * 4096)  # what a reader sees while slot 1 is being written: 57344 bytes
+    rows = ArenaMaps().rows(path, dtype, shape, 100)
+    assert rows.shape == (57344 // 192, 48)
+    np.testing.assert_array_equal(rows[:100], zarr_sample(np.arange(100), (48,)))
+    # and with a writer really extending the file while readers map it
+    done = threading.Event()
+    seen = []
+
+    def read():
+        while not done.is_set():
+            maps = ArenaMaps()
+            got = maps.rows(path, dtype, shape, 1)
+            labels = maps.rows(*arena.fields[ID_FIELD], 1)
+            seen.append((len(got), len(labels)))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for k in range(1, 40):
+            assert arena.write(block(k)) == k
+    finally:
+        done.set()
+        reader.join()
+    arena.close()
+    assert seen
+
+
+@pytest.mark.skipif(not can_mount(), reason="mounting a small tmpfs needs root")
+def test_a_ram_tier_larger_than_shared_memory_warns_once_and_shows_on_status(tmp_path, capfd):
+    """A 20 MiB tmpfs as shm-dir under ram=64 MiB: each worker warns once at start with
+    both sizes, logs its one line of tiers, and `dmdask status` and the dashboard's JSON show it."""
+    import json
+    import sys
+    import urllib.request
+
+    shm = tmp_path / "small-shm"
+    shm.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(shm)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        with dmdask.LocalCluster(n_workers=1, ram="64 MiB", shm_dir=str(shm), silence_logs=logging.INFO) as cluster, \
+                distributed.Client(cluster) as client:
+            warning = dmdask.stats(client)["total"]["ram"]["warning"]
+            assert "64.00 MiB" in warning and "20.00 MiB free" in warning and str(shm) in warning
+            done = subprocess.run([sys.executable, "-m", "dmdask.cli", "status", cluster.scheduler_address],
+                                  capture_output=True, text=True, timeout=60,
+                                  env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(__file__))))
+            assert done.returncode == 0, done.stderr
+            assert "ram warning: the RAM tier (64.00 MiB) does not fit" in done.stdout
+            url = client.dashboard_link.rsplit("/", 1)[0] + "/dmdask/tiers.json"
+            snap = json.load(urllib.request.urlopen(url, timeout=30))
+            assert "does not fit" in snap["total"]["ram"]["warning"]
+        err = capfd.readouterr().err
+        assert err.count("does not fit in") == 1, err
+        assert err.count("dmdask tiers: RAM 64.00 MiB in") == 1, err
+    finally:
+        subprocess.run(["umount", "-l", str(shm)])

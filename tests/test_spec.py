@@ -101,3 +101,10 @@ def test_batches_take_numpy_integers_for_epoch_and_resume(client, tmp_path):
         with pytest.raises(dmdask.SpecError, match="epoch=") as info:
             dmdask.batches(client, spec, epoch=bad)
         assert info.value.field == "epoch"
+
+
+def test_a_misspelt_field_names_the_nearest_one():
+    with pytest.raises(TypeError, match="'batchsize'; did you mean 'batch_size'"):
+        dmdask.Spec("/data/x.zarr", batchsize=32)
+    with pytest.raises(TypeError, match="the fields are"):
+        dmdask.Spec("/data/x.zarr", 32, zzz=1)

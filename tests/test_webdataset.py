@@ -246,7 +246,7 @@ def test_spec_takes_a_list_of_shards():
     from pathlib import Path
 
     spec = dmdask.Spec(["a.tar", Path("b.tar")], batch_size=2)
-    assert spec.source == ("a.tar", "b.tar")
+    assert spec.source == (os.path.abspath("a.tar"), os.path.abspath("b.tar"))  # resolved on the client
     assert dataset_name(spec) == dataset_name(dmdask.Spec(("a.tar", "b.tar/"), batch_size=2))
     assert dataset_name(spec) != dataset_name(dmdask.Spec(["b.tar", "a.tar"], batch_size=2))
     for bad in ([], ["a.tar", ""], ["a.tar", 3], [None]):

@@ -21,15 +21,18 @@ from collections import OrderedDict, defaultdict
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
+from distributed.core import send_recv
 from distributed.protocol.serialize import to_serialize
 
 from ..source import parse_block_key
 from ..worker.arena import ID_FIELD, ArenaMaps
-from ..worker.holdings import map_arrays, take_rows
+from ..worker.holdings import map_arrays, readable, take_rows
 from .memory import empty_batch
 from .window import MAX_ARENAS, Window
 
 HITS_TIMEOUT = 2.0  # seconds a hit report may take (a worker that left does not answer)
+CONNECT_SECONDS = 5.0  # a connection to a worker that takes longer: the worker is gone
+LOAD_WAIT = 2.0  # seconds a holder may wait for a block it is loading before it answers "missing"
 MAPPED_BLOCKS = 4096  # blocks kept mapped per process (each costs a mapping per field)
 _pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="dmdask-gather")
 # Warm batches of every iterator in this process are copied by this one thread: one core's
@@ -224,9 +227,11 @@ class Gatherer:
             local.remember(holder, parsed[1], description)
 
     async def gather(self, plan: Dict[str, Dict[str, np.ndarray]], positions: Dict[str, np.ndarray],
-                     n: int) -> Dict[str, np.ndarray]:
-        """The group's rows, field by field, in group order. `plan`: holder -> block key ->
-        rows; `positions`: holder -> where those rows go (in the same order)."""
+                     n: int, priority: Optional[int] = None) -> Tuple[Dict[str, np.ndarray], int]:
+        """(the group's rows, field by field, in group order; how many of them the holders
+        read from the store for it). `plan`: holder -> block key -> rows; `positions`:
+        holder -> where those rows go (in the same order); `priority`: the position of the
+        group's first batch in its epoch (holders serve lower ones first)."""
         local = [h for h in plan if _host(h) == self.my_host]
         await asyncio.gather(*(self._describe(h, list(plan[h])) for h in local))
         from_files: List[tuple] = []  # (description, rows, positions, holder, key, ids or None)
@@ -253,13 +258,14 @@ class Gatherer:
                     asked, places = remote.setdefault(holder, ({}, []))
                     asked[key] = rows
                     places.append(where)
-        replies = await asyncio.gather(*(self._rows(h, asked) for h, (asked, _) in remote.items()))
-        parts = [(np.concatenate(places), rows) for (_, places), rows in zip(remote.values(), replies)]
+        replies = await asyncio.gather(*(self._rows(h, asked, priority) for h, (asked, _) in remote.items()))
+        parts = [(np.concatenate(places), rows) for (_, places), (rows, _) in zip(remote.values(), replies)]
         loop = asyncio.get_running_loop()
         for (holder, _), (fields, arena_rows, places, arena_keys, ids) in from_arenas.items():
             from_files.append(({"arena": fields, "tier": "ram"}, np.concatenate(arena_rows), np.concatenate(places),
                                holder, arena_keys, np.concatenate(ids)))
-        return await loop.run_in_executor(_pool, self._assemble, from_files, parts, n)
+        arrays = await loop.run_in_executor(_pool, self._assemble, from_files, parts, n)
+        return arrays, sum(from_store for _, from_store in replies)
 
     def take_local(self, plan: Dict[str, Dict[str, np.ndarray]], positions: Dict[str, np.ndarray],
                    n: int) -> Optional[Dict[str, np.ndarray]]:
@@ -279,6 +285,20 @@ class Gatherer:
                 offset += len(rows)
         return self._assemble(from_files, [], n)
 
+    async def learn(self, holders: Dict[str, str]) -> None:
+        """Learn the layout of these blocks (key -> holder) where they are held in files on
+        this host, and remember those in arenas (`LocalArenas`), so that groups of them
+        take the warm path."""
+        by_holder: Dict[str, List[str]] = defaultdict(list)
+        for key, holder in holders.items():
+            by_holder[holder].append(key)
+        await self.describe(by_holder)
+        for holder, keys in by_holder.items():
+            for key in keys:
+                description = _mapped.described.get((holder, key))
+                if description is not None and "arena" in description:
+                    self._remember(holder, key, description)
+
     async def describe(self, keys: Dict[str, List[str]]) -> None:
         """Learn how blocks held on this host are laid out in files (holder -> keys), ahead
         of `gather` or `take_local`; blocks held elsewhere are left out."""
@@ -287,16 +307,21 @@ class Gatherer:
     async def _describe(self, holder: str, keys: List[str]) -> None:
         unknown = [k for k in keys if (holder, k) not in _mapped.described]
         if unknown:
-            reply = await self.client.rpc(holder).dmdask_describe(keys=unknown)
+            reply = await call_worker(self.client, holder, "dmdask_describe", keys=unknown)
             with _mapped.lock:
                 for key in unknown:
-                    _mapped.described[(holder, key)] = reply.get(key)
+                    if key in reply:  # not held yet (still loading): asked again next time
+                        found = reply[key]  # a worker of another user: its rows come by request
+                        _mapped.described[(holder, key)] = found if readable(found) else None
 
-    async def _rows(self, holder: str, wanted: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
-        reply = await self.client.rpc(holder).dmdask_rows(msg=to_serialize(wanted))
+    async def _rows(self, holder: str, wanted: Dict[str, np.ndarray], priority: Optional[int]):
+        """(rows from `holder`, how many it read from the store for them). The holder
+        waits a moment for blocks it is still loading (`locate(planned=True)`)."""
+        reply = await call_worker(self.client, holder, "dmdask_rows", msg=to_serialize(wanted), priority=priority,
+                                  wait=LOAD_WAIT)
         if reply["status"] == "missing":
             raise Moved(reply["keys"])
-        return reply["rows"]
+        return reply["rows"], reply["from_store"]
 
     def _assemble(self, from_files, parts, n: int) -> Dict[str, np.ndarray]:
         """Runs in a thread: take the rows of mapped blocks and put every row in place."""
@@ -352,6 +377,16 @@ class Gatherer:
                 pass
 
         await asyncio.gather(*(report(holder, tiers) for holder, tiers in hits.items()))
+
+
+async def call_worker(client, address: str, op: str, **kwargs):
+    """`op` on the worker at `address`, reply and all, whose connection waits at most
+    CONNECT_SECONDS: a worker that has gone away fails the call with an OSError at once
+    instead of after Dask's whole connect timeout (30 s of retries against a closed port)."""
+    comm = await client.rpc.connect(address, timeout=CONNECT_SECONDS)
+    reply = await send_recv(comm, op=op, **kwargs)
+    client.rpc.reuse(address, comm)
+    return reply
 
 
 def plan_rows(blocks: np.ndarray, offsets: np.ndarray, keys: Dict[int, str], holders: Dict[str, str]):

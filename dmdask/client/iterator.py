@@ -34,7 +34,7 @@ from ..plan.order import ORDER_VERSION, EpochOrder, RankShare
 from ..spec import Mix, Spec, as_int, dumps_transform
 from ..worker.results import map_batches
 from .datasets import open_dataset
-from .gather import Gatherer, LocalArenas, Moved, copier, plan_rows, split_batches
+from .gather import LOAD_WAIT, Gatherer, LocalArenas, Moved, call_worker, copier, plan_rows, split_batches
 from .mixture import MixedInfo, check_fields_match, take_mixed
 from .progress import make as _make_progress
 from .resume import resume_point
@@ -44,6 +44,7 @@ _matching_mixtures: set = set()  # (identity, fields) of mixtures whose sources'
 
 REQUEST_BYTES = 8 << 20  # small batches are fetched several per request, up to about this size
 LOCATE_SECONDS = 2.0  # one wait on the scheduler for blocks still loading
+LEARN_BLOCKS = 1 << 16  # datasets up to this many blocks: where every block is, learnt before the first batch
 HITS_SECONDS = 1.0  # how often workers hear of the rows taken from their files (progress bar, dashboard)
 
 
@@ -118,7 +119,7 @@ class BatchIterator:
         if spec.drop_last and not len(self._batches) and not self._history:
             raise SpecError("batch_size", f"at most {positions // spec.world_size} with "
                             f"drop_last=True and world_size={spec.world_size}", spec.batch_size)
-        self._next_request = self._first_position = self._position
+        self._next_request = self._position
         self._in_flight: Deque = deque()  # concurrent futures, each of a list of batches
         self._ready_batches: Deque = deque()
         self._holders: Dict[str, str] = {}  # block key -> a worker holding it
@@ -130,13 +131,14 @@ class BatchIterator:
         self._gatherer = Gatherer(client, _my_host(client), {d.identity: a for d, a in zip(datasets, self._locals)})
         self._worker: Optional[str] = None
         self._transform = dumps_transform(spec.transform)
-        self._warm = self._transform is None and all(a.knows(np.arange(d.num_blocks))
-                                                     for d, a in zip(datasets, self._locals))
         self._loop = client.loop.asyncio_loop
+        if self._transform is None and not self._all_known():
+            asyncio.run_coroutine_threadsafe(self._learn_where_blocks_are(datasets), self._loop).result()
+        self._cold = not self._all_known()  # until a fetched batch needed no read from the store
         if self._mixed is not None:
             self._check_mixed_rows()
         self.wait_seconds = 0.0  # time the consumer spent waiting for batches
-        self.requests = 0  # requests sent to the local worker
+        self.requests = 0  # requests sent to workers (batches taken from arenas on this host need none)
         # several batches a request, up to REQUEST_BYTES, keeping two requests in flight
         self.group = max(1, spec.prefetch // 2)
         if info.nbytes is not None:
@@ -180,41 +182,68 @@ class BatchIterator:
         return batch
 
     def _fill(self) -> None:
-        """Keep up to `spec.prefetch` batches requested or ready, in groups of `self.group`
-        batches (one request per group amortises its fixed cost). The first request is
-        of one batch and goes out alone, so that it comes as early as it can (cold, its
-        reads would otherwise share the store with those of the batches behind it)."""
+        """Keep up to `spec.prefetch` batches requested or ready, all requested at once,
+        earliest first: workers serve each request at the priority of its first batch's
+        position, so batch k's reads go before batch k+1's, across every rank they serve,
+        and the store is busy from the first batch to the last. While cold (the last batch
+        fetched needed rows read from the store), each batch is a request of its own and
+        is handed out as soon as its own rows are in; warm, `self.group` batches share a
+        request (one request amortises its fixed cost)."""
         while self._next_request < len(self._batches):
-            if self.requests and self._position == self._first_position:
-                break
-            group = self.group if self.requests else 1
+            group = 1 if self._cold else self.group
             pending = self._next_request - self._position
             if pending + group > max(self.spec.prefetch, group):
                 break
             stop = min(len(self._batches), self._next_request + group)
             self._in_flight.append(self._request(self._next_request, stop))
             self._next_request = stop
-            self.requests += 1
 
     def _request(self, first: int, stop: int):
-        """A future of batches first..stop-1. Warm (no transform, every block of the
-        dataset in an arena on this host when the epoch started): copied by this
-        process's copier thread, no request at all; otherwise fetched on the client's
-        event loop (`_fetch`)."""
-        if self._warm:
-            return copier.submit(self._copy_known, first, stop)
+        """A future of batches first..stop-1. Warm (no transform, every block of the group
+        known in an arena on this host): copied by this process's copier thread, no
+        request at all; otherwise fetched on the client's event loop (`_fetch`)."""
+        group = self._batches.batches(first, stop)
+        if self._transform is None and self._known(group):
+            return copier.submit(self._copy_known, first, stop, group)
+        self.requests += 1
         return asyncio.run_coroutine_threadsafe(self._fetch(first, stop), self._loop)
 
-    def _copy_known(self, first: int, stop: int) -> list:
-        """In the copier thread: the group's ids, then its rows from the arenas."""
+    def _all_known(self) -> bool:
+        """Whether every block of every dataset read is in a known arena on this host."""
+        datasets = self.info.sources if self._mixed is not None else [self.info]
+        return all(a.knows(np.arange(d.num_blocks)) for d, a in zip(datasets, self._locals))
+
+    def _known(self, group: List[np.ndarray]) -> bool:
+        """Whether the arenas on this host hold every block of the group (a mixture: of
+        every source) as far as this process knows (`LocalArenas.take` applies)."""
+        if self._mixed is not None:
+            return self._all_known()
+        return self._local.knows(np.concatenate(group) // self.info.block_len)
+
+    async def _learn_where_blocks_are(self, datasets) -> None:
+        """Ahead of the first batch: the holders of every block loaded already, and the
+        layout of those held in arenas on this host, so that a new process on a warm cache
+        takes its rows straight from the arenas from its first batch on. One request to
+        the scheduler (it does not wait for blocks still loading) and one per local worker
+        holding some; skipped for datasets of more than LEARN_BLOCKS blocks."""
+        keys = [d.block_key(k) for d in datasets if d.num_blocks <= LEARN_BLOCKS for k in range(d.num_blocks)]
+        if not keys:
+            return
+        await self._check_scheduler()
+        mine = _host(await self._local_worker())
+        reply = await self.client.scheduler.dmdask_locate(keys=keys, host=mine, timeout=0)
+        self._holders.update(reply["holders"])
+        await self._gatherer.learn(reply["holders"])
+
+    def _copy_known(self, first: int, stop: int, group: List[np.ndarray]) -> list:
+        """In the copier thread: the group's rows from the arenas."""
         try:
-            group = self._batches.batches(first, stop)
             if self._mixed is not None:
                 out = take_mixed(self._mixed, self._locals, group, self._gatherer.count)
             else:
                 out = self._local.take(group, self._gatherer.count)
         except Moved:  # released or moved since it was known: locate the blocks again
-            self._warm = False
+            self.requests += 1
             return asyncio.run_coroutine_threadsafe(self._fetch(first, stop), self._loop).result()
         if self._gatherer.due(HITS_SECONDS):  # wakes the event loop only when a report is due
             self._loop.call_soon_threadsafe(self._gatherer.flush_hits_every, HITS_SECONDS)
@@ -285,15 +314,20 @@ class BatchIterator:
             await self._check_scheduler()
             try:
                 holders = await self._holders_of(list(keys.values()))
-                if len(holders) < len(keys):  # still loading, or being recomputed after a loss
+                if len(holders) < len(keys):  # still loading, being recomputed after a loss, or no worker left
+                    if not await self._workers(wait=False):
+                        self._worker = None
+                        await self._workers()  # says once what it waits for; NoWorkersError after recovery-seconds
+                        deadline = time.monotonic() + recovery
                     continue
                 plan, positions = plan_rows(blocks, offsets, keys, holders)
                 if self._transform is None:  # assembled here: local rows straight from the files
-                    arrays = await self._gatherer.gather(plan, positions, len(ids))
+                    arrays, from_store = await self._gatherer.gather(plan, positions, len(ids), priority=first)
+                    self._cold = from_store > 0
                     self._gatherer.flush_hits_every(HITS_SECONDS)
                     index, extra = self._index(ids)
                     return split_batches({**arrays, **extra}, index, [len(b) for b in group])
-                return await self._from_local_worker(plan, positions, ids, group, isolate)
+                return await self._from_local_worker(plan, positions, ids, group, first, isolate)
             except BlockReadError:
                 raise
             except (OSError, CommClosedError) as exc:  # a worker left: ask again
@@ -305,6 +339,9 @@ class BatchIterator:
                                    self.spec.rank)
                     isolate = True
                 self._worker = None
+                if not await self._workers(wait=False):  # none left: wait as a new iterator does, saying so once
+                    await self._workers()  # NoWorkersError after recovery-seconds
+                    deadline = time.monotonic() + recovery  # one joined: the group gets its full time again
             except Moved as exc:
                 last_error = exc
             except RuntimeError as exc:  # "ConnectionPool is closed": the client is losing its scheduler
@@ -332,9 +369,10 @@ class BatchIterator:
                     "scheduler runs again")
             await asyncio.sleep(0.2)
 
-    async def _from_local_worker(self, plan, positions, ids, group, isolate: bool = False) -> list:
+    async def _from_local_worker(self, plan, positions, ids, group, first: int, isolate: bool = False) -> list:
         """Batches gathered and transformed by a worker on this node (`dmdask_batch`); when
         the transform failed on one, the batches before it and its `TransformError`.
+        first: the position of the group's first batch (its reads' priority).
         isolate: the worker runs the transform in a process of its own (after a worker
         loss), so a transform that kills its process fails its batch, not another worker."""
         worker = await self._local_worker()
@@ -342,10 +380,12 @@ class BatchIterator:
         msg = {"requests": plan, "positions": positions, "index": index, "extra": extra,
                "sizes": [len(b) for b in group], "fields": list(self.info.fields), "transform": self._transform,
                "context": {"epoch": self.epoch, "seed": self.spec.seed},  # dmdask.transform_context()
-               "same_host": _host(worker) == _my_host(self.client), "isolate": isolate}
-        reply = await self.client.rpc(worker).dmdask_batch(msg=to_serialize(msg))
+               "same_host": _host(worker) == _my_host(self.client), "isolate": isolate, "priority": first,
+               "wait": LOAD_WAIT}
+        reply = await call_worker(self.client, worker, "dmdask_batch", msg=to_serialize(msg))
         if reply["status"] != "OK":
             raise Moved(reply["keys"])
+        self._cold = reply["from_store"] > 0
         # written into the worker's shared memory: mapped, not copied
         batches = map_batches(reply["shared"]) if "shared" in reply else list(reply["batches"])
         return batches + [reply["error"]] if reply.get("error") is not None else batches
@@ -411,19 +451,24 @@ class BatchIterator:
 
     async def _holders_of(self, keys: List[str]) -> Dict[str, str]:
         """Holders of the given blocks, asking the scheduler plugin for those not known yet
-        (it waits up to LOCATE_SECONDS while they load). Raises the load's error for a
-        block that failed to load, `NotADmdaskWorker` if the dataset was released."""
+        (it waits up to LOCATE_SECONDS while they load, but names at once the worker
+        loading a block right now: that one holds it in a moment, and waits for it when
+        asked for its rows). Raises the load's error for a block that failed to load,
+        `NotADmdaskWorker` if the dataset was released."""
         unknown = [k for k in keys if k not in self._holders]
+        loading: Dict[str, str] = {}
         if unknown:
             mine = _host(await self._local_worker())
-            reply = await self.client.scheduler.dmdask_locate(keys=unknown, host=mine, timeout=LOCATE_SECONDS)
+            reply = await self.client.scheduler.dmdask_locate(keys=unknown, host=mine, timeout=LOCATE_SECONDS,
+                                                              planned=True)
             for key, exception in reply["erred"].items():
                 raise clean_exception(exception)[1]
             if reply["unknown"]:
                 raise NotADmdaskWorker(f"the cluster no longer has the blocks of {self.spec.source} "
                                        f"(released by dmdask.release?): {reply['unknown'][:2]}")
             self._holders.update(reply["holders"])
-        return {k: self._holders[k] for k in keys if k in self._holders}
+            loading = reply["planned"]  # not remembered: located again once loaded
+        return {k: self._holders.get(k) or loading[k] for k in keys if k in self._holders or k in loading}
 
     async def _local_worker(self) -> str:
         """A worker on this rank's own node: rank r takes local worker r mod n."""
@@ -450,8 +495,15 @@ class BatchIterator:
                 workers = sorted((await self.client.scheduler.identity())["workers"])
             except (OSError, CommClosedError):  # the scheduler's connection dropped: _check_scheduler decides
                 workers = []
+            if workers:
+                self._said_waiting = False
             if workers or not wait:
                 return workers
             if time.monotonic() > deadline:
                 raise _no_workers(limit)
+            if not getattr(self, "_said_waiting", False):  # once per iterator and outage: a pause explained
+                self._said_waiting = True
+                logger.warning("the cluster has no workers: waiting up to %.0f s (dmdask.client.recovery-seconds) "
+                               "for dmdask workers to join (`dask worker SCHEDULER --worker-class dmdask.Worker`)",
+                               limit)
             await asyncio.sleep(0.5)

@@ -3,7 +3,8 @@
 `resume_point` checks a `state_dict()` (or the list of every rank's) against the
 iterator being made and returns (history, position): the generations of ranks before
 this one in the epoch (`dmdask.plan.elastic`) and the batches of this rank's share
-already handed out. Every refusal is a `SpecError` naming what differs.
+already handed out. Every refusal is a `SpecError` naming what differs, or the field
+of a state that was edited into something no iterator writes (`check_state`).
 """
 from __future__ import annotations
 
@@ -28,7 +29,9 @@ def resume_point(resume, spec, current: dict, share: Callable[[int, int, int, Li
     if not states or not all(isinstance(s, dict) and "position" in s for s in states):
         raise SpecError("resume", "a dict from BatchIterator.state_dict(), or the list of every rank's "
                         "state_dict() (for another world size)", resume)
+    num_samples = share(spec.rank, spec.world_size, spec.batch_size, []).order.num_samples
     for state in states:
+        check_state(state, num_samples)
         _check_state(state, current)
     worlds = {(s.get("world_size"), s.get("batch_size")) for s in states}
     if isinstance(resume, dict) or worlds == {(spec.world_size, spec.batch_size)}:
@@ -57,6 +60,60 @@ def resume_point(resume, spec, current: dict, share: Callable[[int, int, int, Li
         old = share(state["rank"], world, batch, history)
         consumed.append(min(_check_position(state, old) * batch, old.num_samples))
     return history + [{"world_size": world, "consumed": consumed}], 0
+
+
+# a state's fields: (type check, what it must be)
+def _is_int(low):
+    return lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) and v >= low
+
+
+_FIELDS = {
+    "order": (_is_int(0), "an integer (the order's version)"),
+    "identity": (lambda v: isinstance(v, str) and bool(v), "the dataset's identity (a string)"),
+    "epoch": (_is_int(0), "an integer >= 0"),
+    "seed": (_is_int(0), "an integer >= 0"),
+    "shuffle": (lambda v: isinstance(v, bool), "True or False"),
+    "shuffle_window": (lambda v: v is None or _is_int(1)(v), "None or an integer >= 1"),
+    "rank": (_is_int(0), "an integer >= 0, below world_size"),
+    "world_size": (_is_int(1), "an integer >= 1"),
+    "batch_size": (_is_int(1), "an integer >= 1"),
+    "drop_last": (lambda v: isinstance(v, bool), "True or False"),
+    "position": (_is_int(0), "an integer >= 0"),
+    "history": (lambda v: isinstance(v, (list, tuple)), "a list of {'world_size', 'consumed'} generations"),
+}
+
+
+def check_state(state: dict, num_samples: int) -> None:
+    """`SpecError` naming the field unless every field of a `state_dict()` has the type and
+    range an iterator writes: known keys only, ints in range, a `history` whose
+    generations each list one consumed count (0..that rank's share) per rank."""
+    unknown = sorted(set(state) - set(_FIELDS))
+    if unknown:
+        raise SpecError(f"resume[{unknown[0]!r}]", f"only the keys of a state_dict(): {sorted(_FIELDS)}",
+                        state[unknown[0]])
+    for name, (ok, allowed) in _FIELDS.items():
+        if name not in state and name == "history":
+            continue
+        if name not in state or not ok(state[name]):
+            raise SpecError(f"resume[{name!r}]", allowed, state.get(name, "<missing>"))
+    if state["rank"] >= state["world_size"]:
+        raise SpecError("resume['rank']", f"an integer in 0..{state['world_size'] - 1} (world_size)", state["rank"])
+    left = num_samples
+    for i, generation in enumerate(state.get("history", [])):
+        field = f"resume['history'][{i}]"
+        if not isinstance(generation, dict) or set(generation) != {"world_size", "consumed"}:
+            raise SpecError(field, "a dict of 'world_size' and 'consumed'", generation)
+        world, consumed = generation["world_size"], generation["consumed"]
+        listed = isinstance(consumed, (list, tuple))
+        if not listed or not _is_int(1)(world) or len(consumed) != world:
+            raise SpecError(f"{field}['world_size']", f"an integer >= 1, the length of 'consumed' "
+                            f"({len(consumed) if listed else 'not a list'})", world)
+        for r, c in enumerate(consumed):
+            most = len(range(r, left, world))
+            if not _is_int(0)(c) or c > most:
+                raise SpecError(f"{field}['consumed'][{r}]", f"an integer in 0..{most} (rank {r}'s share of the "
+                                f"{left} positions left)", c)
+        left -= sum(int(c) for c in consumed)
 
 
 def _check_state(state: dict, current: dict) -> None:

@@ -106,6 +106,30 @@ def add_nav_link(scheduler) -> None:
         pages.insert(pages.index("info") if "info" in pages else len(pages), _NAV)
 
 
+class ClosedPageFilter(logging.Filter):
+    """Drops tornado's "Uncaught exception GET /dmdask/ws" error (a 25-line traceback)
+    logged when a browser closed the page while its websocket was being written to;
+    every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not (record.exc_info and record.exc_info[1] is not None):
+            return True
+        from tornado.iostream import StreamClosedError
+        from tornado.websocket import WebSocketClosedError
+
+        closed = (WebSocketClosedError, StreamClosedError, ConnectionResetError, BrokenPipeError)
+        message = record.getMessage()
+        return not (message.startswith("Uncaught exception") and f"{PAGE}/ws" in message
+                    and isinstance(record.exc_info[1], closed))
+
+
+def quiet_closed_pages() -> None:
+    """Install `ClosedPageFilter` on tornado's application log (idempotent)."""
+    log = logging.getLogger("tornado.application")
+    if not any(isinstance(f, ClosedPageFilter) for f in log.filters):
+        log.addFilter(ClosedPageFilter())
+
+
 def dask_setup(scheduler) -> None:
     """Preload entry point, run when the scheduler has started."""
     from . import prometheus
@@ -118,6 +142,7 @@ def dask_setup(scheduler) -> None:
     install(scheduler)  # the registry the page reads
     add_routes(scheduler)
     add_nav_link(scheduler)
+    quiet_closed_pages()
     monitor(scheduler).start()
     prometheus.register(scheduler)
 

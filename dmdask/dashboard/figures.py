@@ -28,7 +28,7 @@ SAMPLE_INTERVAL = 1.0  # seconds between two history points
 def empty_stats() -> dict:
     """A worker's stats with every counter at zero (the shape of `BlockCache.stats()`)."""
     tier = {"capacity": 0, "bytes": 0, "blocks": 0, "samples": 0, "hits": 0, "hit_bytes": 0, "full": False,
-            "error": None, "read_errors": 0}
+            "error": None, "read_errors": 0, "warning": None}
     return {"ram": dict(tier), "ssd": dict(tier), "streamed_blocks": 0,
             "stream": {"hits": 0, "buffer_bytes": 0, "buffer_capacity": 0},
             "shared_store": {"requests": 0, "bytes": 0, "retries": 0}, "peer": {"bytes_out": 0, "bytes_in": 0}}
@@ -59,13 +59,16 @@ def worker_metrics(scheduler):
 
 
 def datasets(scheduler) -> Dict[str, dict]:
-    """The datasets in dmdask's registry (the scheduler plugin): blocks, blocks loaded
-    (cached in a tier or streamed), samples and decoded bytes (None when unknown)."""
+    """The datasets in dmdask's registry (the scheduler plugin): the source URL (without
+    credentials), blocks, blocks loaded (cached in a tier or streamed), samples and
+    decoded bytes (None when unknown)."""
+    from ..source.urls import public
+
     plugin = scheduler.extensions.get("dmdask")
     out = {}
     for d in plugin.summaries() if plugin is not None else ():
-        out[d["name"]] = {"blocks": d["blocks"], "loaded_blocks": d["loaded"], "samples": d["samples"],
-                          "bytes": d["nbytes"]}
+        out[d["name"]] = {"url": public(str(d["url"])) if d["url"] else None, "blocks": d["blocks"],
+                          "loaded_blocks": d["loaded"], "samples": d["samples"], "bytes": d["nbytes"]}
     return dict(sorted(out.items()))
 
 
@@ -92,7 +95,8 @@ def cluster_summary(total: dict, sets: Dict[str, dict]) -> dict:
         "shared_store_requests": total["shared_store"]["requests"],
         "shared_store_reads_per_dataset": (total["shared_store"]["bytes"] / dataset_bytes
                                            if dataset_bytes else None),
-        "peer_bytes": total["peer"]["bytes_in"],
+        "peer_bytes": total["peer"]["bytes_in"],  # received by workers from other workers
+        "peer_bytes_out": total["peer"]["bytes_out"],  # sent by workers: to other workers and to ranks
         "hit_shares": hit_shares(total),
     }
 
@@ -155,7 +159,8 @@ class Monitor:
             "ram_hits": total["ram"]["hits"],
             "ssd_hits": total["ssd"]["hits"],
             "stream_hits": total["stream"]["hits"],
-            "peer_bytes": total["peer"]["bytes_in"],
+            "peer_bytes": total["peer"]["bytes_in"],  # received by workers from other workers
+        "peer_bytes_out": total["peer"]["bytes_out"],  # sent by workers: to other workers and to ranks
         })
 
     def start(self) -> None:

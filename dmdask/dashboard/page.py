@@ -250,6 +250,7 @@ class TiersPage:
                 continue
             full = " · full" if s[tier]["full"] else ""
             full += " · folder unusable" if s[tier].get("error") else ""
+            full += " · larger than its shared memory" if s[tier].get("warning") else ""
             text.append(f"{fmt_bytes(u)} / {fmt_bytes(c)} ({fmt_pct(u / c)}) · {b:,} blocks{full}")
         self.occupancy[tier].data = {
             "worker": labels, "bytes": used, "capacity": caps, "label": text, "blocks": blocks,
@@ -302,9 +303,10 @@ CARD_TITLE = "font-size:11px;color:#666;text-transform:uppercase;letter-spacing:
 CARD_VALUE = "font-size:22px;font-weight:bold;color:#222;margin:2px 0"
 CARD_NOTE = "font-size:12px;color:#444"
 TABLE = "border-collapse:collapse;font-family:Helvetica,Arial,sans-serif;font-size:12px;margin:6px 0 14px 0"
-TH = "text-align:right;padding:3px 9px;border-bottom:2px solid #ccc;color:#444;white-space:nowrap;"
-TD = "text-align:right;padding:3px 9px;border-bottom:1px solid #eee;white-space:nowrap;"
+TH = "text-align:right;padding:3px 6px;border-bottom:2px solid #ccc;color:#444;white-space:nowrap;"
+TD = "text-align:right;padding:3px 6px;border-bottom:1px solid #eee;white-space:nowrap;"
 TH_GROUP = "text-align:center;padding:2px 9px 0 9px;color:#666;font-weight:normal;font-size:11px;white-space:nowrap;"
+URL_TD = "white-space:normal;word-break:break-all;max-width:520px;"  # long URLs wrap instead of widening the table
 SECTION = "font-family:Helvetica,Arial,sans-serif;font-size:13px;font-weight:bold;color:#333;margin-top:8px"
 
 
@@ -330,6 +332,9 @@ def summary_html(snap: dict) -> str:
     note = (f"RAM {fmt_bytes(total['ram']['capacity'])}, SSD {fmt_bytes(total['ssd']['capacity'])} in all")
     if others:
         note += f'<br><span style="color:#b94a48">{len(others)} without dmdask tiers</span>'
+    for tier in ("ram", "ssd"):
+        for text in filter(None, (total[tier].get("warning"), total[tier].get("error"))):
+            note += f'<br><span style="color:#b94a48;white-space:normal">{html.escape(text)}</span>'
     parts.append(_card("workers", str(c["workers"]), note))
     if c["cached_share"] is None:
         parts.append(_card("dataset cached", "–", "no dataset registered yet"))
@@ -354,8 +359,9 @@ def summary_html(snap: dict) -> str:
             "hit rate (RAM + SSD)", fmt_pct(shares["ram"] + shares["ssd"]),
             f"of {served:,} samples served<br>{_dot(RAM, True)}RAM {fmt_pct(shares['ram'])}{_dot(SSD)}SSD "
             f"{fmt_pct(shares['ssd'])}{_dot(STREAM)}streamed {fmt_pct(shares['stream'])}"))
-    parts.append(_card("peer transfer", fmt_bytes(total["peer"]["bytes_in"]),
-                       "rows fetched from other workers"))
+    parts.append(_card("peer transfer", fmt_bytes(total["peer"]["bytes_out"]),
+                       f"rows sent by workers (to peers and to ranks)<br>"
+                       f"{fmt_bytes(total['peer']['bytes_in'])} received from peers"))
     parts.append("</div>")
     return "".join(parts)
 
@@ -399,19 +405,20 @@ def workers_html(snap: dict) -> str:
 
 def datasets_html(snap: dict) -> str:
     sets = snap["datasets"]
-    heads = ["dataset", "samples", "blocks", "blocks loaded", "decoded size"]
-    head = "".join(f'<th style="{TH}{"text-align:left;" if i == 0 else ""}">{h}</th>' for i, h in enumerate(heads))
+    heads = ["dataset", "source", "samples", "blocks", "blocks loaded", "decoded size"]
+    head = "".join(f'<th style="{TH}{"text-align:left;" if i < 2 else ""}">{h}</th>' for i, h in enumerate(heads))
     rows = []
     for name, d in sets.items():
-        cells = [name, fmt_int(d["samples"]), fmt_int(d["blocks"]), fmt_int(d.get("loaded_blocks")),
+        cells = [name, d.get("url") or "", fmt_int(d["samples"]), fmt_int(d["blocks"]), fmt_int(d.get("loaded_blocks")),
                  fmt_bytes(d["bytes"])]
         rows.append("<tr>" + "".join(
-            f'<td style="{TD}{"text-align:left;" if i == 0 else ""}">{html.escape(str(v))}</td>'
-            for i, v in enumerate(cells)) + "</tr>")
+            f'<td style="{TD}{URL_TD if i == 1 else ""}{"text-align:left;" if i < 2 else ""}">'
+            f'{html.escape(str(v))}</td>' for i, v in enumerate(cells)) + "</tr>")
     if not rows:
-        rows.append(f'<tr><td colspan="5" style="{TD}text-align:left;color:#666">none yet: '
+        rows.append(f'<tr><td colspan="6" style="{TD}text-align:left;color:#666">none yet: '
                     "datasets appear when a training process first iterates over them</td></tr>")
-    return f'<div style="{SECTION}">Datasets</div><table style="{TABLE}"><tr>{head}</tr>{"".join(rows)}</table>'
+    return (f'<div style="{SECTION}">Datasets</div><div style="max-width:100%;overflow-x:auto">'
+            f'<table style="{TABLE}"><tr>{head}</tr>{"".join(rows)}</table></div>')
 
 
 @log_errors

@@ -119,4 +119,6 @@ def mount(url: str, mountpoint: str, scheduler=None, block_size=None, debug: boo
     chained = url if url.startswith(("dmdask::", "dmdask://")) else f"dmdask::{url}"
     fs, path = fsspec.core.url_to_fs(chained, scheduler=scheduler, block_size=block_size)
     ops = operations(fs, path)
-    _fuse().FUSE(ops, mountpoint, foreground=True, nothreads=False, debug=debug, ro=True, fsname="dmdask")
+    # max_idle_threads: libfuse 3.14 otherwise warns "Ignoring invalid max threads value" (10: its default)
+    _fuse().FUSE(ops, mountpoint, foreground=True, nothreads=False, debug=debug, ro=True, fsname="dmdask",
+                 max_idle_threads=10)

@@ -425,7 +425,7 @@ class Session:
             try:
                 arrays = self.gatherer.take_local(plan, positions, len(blocks))
                 if arrays is None:  # a block held elsewhere, or not described yet
-                    arrays = self.client.sync(self.gatherer.gather, plan, positions, len(blocks))
+                    arrays, _ = self.client.sync(self.gatherer.gather, plan, positions, len(blocks))
                 return arrays["data"]
             except BlockReadError:
                 raise

@@ -37,12 +37,14 @@ from typing import Dict, List, Optional
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from .. import arguments as check
 from ..source.base import block_key, parse_block_key
 from .files import FileMetadata
 
 logger = logging.getLogger(__name__)
 
 CLAIM_SECONDS = 120  # a creator that sent nothing for this long is presumed gone
+LOCATE_LONGEST = 60.0  # the longest a `locate` call may wait
 
 
 class DatasetState:
@@ -125,6 +127,8 @@ class DatasetsPlugin(SchedulerPlugin):
         """{"status": "ready", "info": ...} when the dataset exists (erred blocks are
         retried, so a repaired file is read again), else {"status": "claimed"}: the
         caller must list the source, `register` it and submit its blocks."""
+        check.text("dmdask_get_or_claim", "name", name)
+        check.text("dmdask_get_or_claim", "claimant", claimant)
         while True:
             ds = self.datasets.get(name)
             if ds is None:
@@ -155,6 +159,11 @@ class DatasetsPlugin(SchedulerPlugin):
         blocks are first needed; None: index order) goes to worker i mod W and loads with
         priority -i. A lazy dataset is ready now (its blocks come when first wanted) and
         its plan starts where the previous lazy dataset's stopped."""
+        check.text("dmdask_register", "name", name)
+        check.text("dmdask_register", "claimant", claimant)
+        check.dataset_info("dmdask_register", info)
+        check.block_order("dmdask_register", order, -(-info["num_samples"] // info["block_len"]))
+        check.flag("dmdask_register", "lazy", lazy)
         ds = self.datasets.get(name)
         if ds is None or ds.claimant != claimant:
             return {"status": "not-claimed"}
@@ -182,6 +191,8 @@ class DatasetsPlugin(SchedulerPlugin):
         request: {"status": "ready", "info"} when it exists (erred blocks are retried), else
         registered now: {"status": "created"} (none of its blocks exists yet), or
         {"status": "no-workers"}; {"status": "busy"} while another caller creates it."""
+        check.text("dmdask_get_or_register", "name", name)
+        check.dataset_info("dmdask_get_or_register", info)
         ds = self.datasets.get(name)
         if ds is not None and ds.ready.is_set() and ds.info is not None:
             self._retry_erred(ds)
@@ -204,6 +215,16 @@ class DatasetsPlugin(SchedulerPlugin):
         from the store and submits their loads), "pending": [keys being loaded, or read
         by another reader: `locate` waits for them], "unknown": [keys of datasets being
         created otherwise]}, or {"status": "no-workers"}."""
+        handler = "dmdask_open_blocks"
+        if not isinstance(datasets, (list, tuple)) or not all(
+                isinstance(d, (list, tuple)) and len(d) == 2 for d in datasets):
+            raise check.refuse(handler, "datasets", "a list of [name, info] pairs", datasets)
+        for name, info in datasets:
+            check.text(handler, "datasets name", name)
+            check.dataset_info(handler, info)
+        check.texts(handler, "keys", keys)
+        check.text(handler, "client", client)
+        check.text(handler, "host", host, optional=True)
         for name, info in datasets:
             if self.get_or_register(name, info)["status"] == "no-workers":
                 return {"status": "no-workers"}
@@ -241,6 +262,8 @@ class DatasetsPlugin(SchedulerPlugin):
 
     def abandon(self, name: str, claimant: str) -> None:
         """Drop a claim whose holder could not create the dataset (waiters claim it next)."""
+        check.text("dmdask_abandon", "name", name)
+        check.text("dmdask_abandon", "claimant", claimant)
         ds = self.datasets.get(name)
         if ds is not None and ds.claimant == claimant and not ds.ready.is_set():
             self._forget(ds)
@@ -280,16 +303,23 @@ class DatasetsPlugin(SchedulerPlugin):
 
     # -- where the blocks are ----------------------------------------------------------
     async def locate(self, keys: List[str], host: Optional[str] = None, timeout: float = 2.0,
-                     expect: List[str] = ()) -> dict:
+                     expect: List[str] = (), planned: bool = False) -> dict:
         """{"holders": {key: address}, "erred": {key: exception}, "unknown": [keys]} once every
         key is held or erred, or after `timeout` seconds with what is known then. A holder on
         `host` is preferred. Never raises for a missing key: it is reported as unknown, but
         keys in `expect` (just submitted by the caller, on another connection) and keys a live
-        reader claimed (`open_blocks`) are waited for like keys still loading."""
+        reader claimed (`open_blocks`) are waited for like keys still loading. planned: a
+        block being loaded right now is not waited for but named in "planned" with the
+        worker loading it (it holds the block in a moment: `dmdask_rows` waits for it)."""
+        check.texts("dmdask_locate", "keys", keys)
+        check.text("dmdask_locate", "host", host, optional=True)
+        check.number("dmdask_locate", "timeout", timeout, 0, LOCATE_LONGEST)
+        check.texts("dmdask_locate", "expect", expect)
+        check.flag("dmdask_locate", "planned", planned)
         deadline = time.monotonic() + timeout
         expect = set(expect)
         while True:
-            holders, erred, pending, unknown = {}, {}, [], []
+            holders, erred, pending, unknown, loading = {}, {}, [], [], {}
             for key in keys:
                 ts = self.scheduler.tasks.get(key)
                 if ts is None:
@@ -299,11 +329,14 @@ class DatasetsPlugin(SchedulerPlugin):
                 elif ts.state == "erred":
                     blame = ts.exception_blame or ts
                     erred[key] = blame.exception
+                elif planned and ts.state == "processing" and ts.processing_on is not None:
+                    loading[key] = ts.processing_on.address
                 else:
                     pending.append(key)
             left = deadline - time.monotonic()
             if not pending or left <= 0:
-                return {"holders": holders, "erred": erred, "unknown": unknown, "pending": pending}
+                return {"holders": holders, "erred": erred, "unknown": unknown, "pending": pending,
+                        "planned": loading}
             waiters = []
             for key in pending:
                 fut = asyncio.get_running_loop().create_future()
@@ -423,6 +456,7 @@ class DatasetsPlugin(SchedulerPlugin):
     def release(self, name: str) -> bool:
         """Forget a dataset: its blocks leave every tier now; an iterator still reading it
         fails with `NotADmdaskWorker` (released)."""
+        check.text("dmdask_release", "name", name)
         ds = self.datasets.get(name)
         if ds is None:
             return False

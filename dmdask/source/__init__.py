@@ -14,6 +14,7 @@ import fsspec
 from dask.base import tokenize
 
 from ..errors import SourceError, SourceNotFoundError, SpecError
+from .urls import LOCAL_PROTOCOLS, normalize
 from .base import BlockReader, DatasetInfo, Source, block_key, is_block_key, options_json, parse_block_key
 from .folder import folder_fields, open_folder
 from .hdf5 import SIGNATURE as HDF5_SIGNATURE
@@ -31,11 +32,18 @@ __all__ = ["BlockReader", "DatasetInfo", "Source", "block_key", "dataset_name", 
 
 
 def dataset_name(spec) -> str:
-    """The registry name of the dataset `spec` reads: its URL (or shard URLs), storage
+    """The registry name of the dataset `spec` reads: its URL (or shard URLs) in one
+    spelling (a local path or `file://` URL absolute, without `.` and `..`), storage
     options, fields and block size (no I/O)."""
     keys = None if spec.keys is None else sorted(spec.keys)
-    source = tuple(s.rstrip("/") for s in spec.source) if isinstance(spec.source, tuple) else spec.source.rstrip("/")
+    source = tuple(map(_named, spec.source)) if isinstance(spec.source, tuple) else _named(spec.source)
     return f"ds-{tokenize(source, options_json(spec.storage_options), keys, spec.block_size)[:16]}"
+
+
+def _named(url: str) -> str:
+    if "::" not in url and ("://" not in url or url.startswith(LOCAL_PROTOCOLS)):
+        return normalize(url)
+    return url.rstrip("/")
 
 
 def open_source(spec) -> Source:

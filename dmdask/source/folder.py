@@ -17,7 +17,8 @@ import numpy as np
 from dask.base import tokenize
 
 from ..errors import SourceError, SourceNotFoundError, SpecError
-from .base import BlockReader, DatasetInfo, Source, block_key, filesystem, options_json, protocol_of
+from .base import (BlockReader, DatasetInfo, Source, block_key, filesystem, options_json, prepare_filesystem,
+                   protocol_of)
 
 DEFAULT_FILES_PER_BLOCK = 256
 FIELDS = ("data", "label")
@@ -102,6 +103,9 @@ class FolderBlockReader(BlockReader):
         self.files, self.labels, self.fields = list(files), np.asarray(labels, dtype=np.int64), fields
         self.index, self.start, self.stop, self.nbytes = index, start, stop, nbytes
         self.key = block_key(identity, index)
+
+    def prepare(self) -> None:
+        prepare_filesystem(self.protocol, self.options)
 
     def _read(self) -> Dict[str, np.ndarray]:
         return self._read_rows(np.arange(self.stop - self.start))

@@ -33,7 +33,7 @@ import numpy as np
 from dask.base import tokenize
 
 from ..errors import SourceError, SourceNotFoundError, SpecError
-from .base import BlockReader, DatasetInfo, Source, block_key, filesystem, options_json
+from .base import BlockReader, DatasetInfo, Source, block_key, filesystem, options_json, prepare_filesystem
 
 DEFAULT_SAMPLES_PER_BLOCK = 256
 KEY = "__key__"
@@ -243,6 +243,9 @@ class TarBlockReader(BlockReader):
         self.index, self.start, self.stop, self.nbytes = index, start, stop, nbytes
         self.url = ", ".join(self.urls)
         self.key = block_key(identity, index)
+
+    def prepare(self) -> None:
+        prepare_filesystem(self.protocol, self.options)
 
     def _read(self) -> Dict[str, np.ndarray]:
         return self._read_rows(np.arange(self.stop - self.start))

@@ -22,6 +22,7 @@ from typing import Dict, List, Tuple
 import numpy as np
 
 from .holdings import Arrays, Block
+from .modes import create_file, group_of
 
 ID_FIELD = "__id__"  # the arena file that labels each row with the sample id it holds
 
@@ -43,11 +44,12 @@ class Arena:
         self.block_len = block_len
         self.fields: Dict[str, Tuple[str, str, tuple]] = {}  # name -> (path, dtype, row shape)
         self._fds: Dict[str, int] = {}
+        gid = group_of(folder)
         layouts = {name: (arr.dtype.str, tuple(arr.shape[1:])) for name, arr in block.arrays.items()}
         for name, (dtype, row_shape) in {**layouts, ID_FIELD: ("<i8", ())}.items():
             path = os.path.join(folder, f"{identity}.{name}")
             self.fields[name] = (path, dtype, row_shape)
-            self._fds[name] = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            self._fds[name] = create_file(path, gid, os.O_RDWR)
         self._free: List[int] = []
         self._slots = 0
         self._lock = threading.Lock()
@@ -158,9 +160,13 @@ class ArenaMaps:
             size = os.fstat(f.fileno()).st_size
             row_bytes = np.dtype(dtype).itemsize * int(np.prod(row_shape, dtype=np.int64))
             if size < needed * row_bytes:
-                raise FileNotFoundError(f"{path} holds fewer rows than {needed}")
+                raise NotHeld(f"{path} holds fewer rows than {needed}")
             pages = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
-        array = np.frombuffer(pages, dtype=dtype).reshape((size // row_bytes,) + tuple(row_shape))
+        # Whole rows only: a writer extending the file (a block written into a new slot)
+        # makes its size grow a page at a time, so a reader may see any page-aligned size.
+        rows = size // row_bytes
+        count = rows * (row_bytes // np.dtype(dtype).itemsize)
+        array = np.frombuffer(pages, dtype=dtype, count=count).reshape((rows,) + tuple(row_shape))
         with self._lock:
             self._maps[path] = array
         return array

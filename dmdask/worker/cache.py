@@ -20,16 +20,18 @@ import asyncio
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict
+from typing import Dict, Tuple
 
 import distributed
 import numpy as np
 from distributed.comm.core import CommClosedError
 from distributed.protocol.serialize import to_serialize
 
+from .. import arguments as check
 from ..spec import TransformContext, loads_transform
 from .arena import ArenaBlock
 from .handover import Handovers
+from .reads import LAST, PriorityPool
 from .holdings import Arrays, Block, FileBlock, FillingBlock, Streamed, sample_nbytes
 from .results import shareable, write_batches
 from .stream import StreamBuffer
@@ -68,7 +70,7 @@ class BlockCache:
         self.store = store
         # Two pools of their own: one job's slow transform never holds up another's reads
         # (and neither waits behind Dask's or other extensions' use of the default executor).
-        self.reads = ThreadPoolExecutor(read_threads, thread_name_prefix="dmdask-read")
+        self.reads = PriorityPool(read_threads, "dmdask-read")  # the earliest batch's reads first
         self.transforms = ThreadPoolExecutor(transform_threads, thread_name_prefix="dmdask-transform")
         self.store_reads = StoreCounters()
         self.stream = StreamBuffer(stream_buffer, self.read, self.reads)
@@ -76,6 +78,8 @@ class BlockCache:
         self.peer_bytes_out = 0
         self.peer_bytes_in = 0
         self.handovers = Handovers()
+        self._arrivals: Dict[str, list] = {}  # key -> futures of requests waiting for its load task
+        store.on_block = self._arrived
         self._rereads: Dict[str, asyncio.Future] = {}  # key -> (block, value) being read again (`_reread`)
         worker.handlers["dmdask_rows"] = self.rows_handler
         worker.handlers["dmdask_batch"] = self.batch_handler
@@ -108,6 +112,8 @@ class BlockCache:
 
         Room is reserved before the read when the block's size is known; a block whose
         size only the read tells (an HTTP folder lists no sizes) is charged once read."""
+        if reader.row_granular:  # its rows are read when ranks ask: have the store's filesystem ready
+            self.reads.submit(reader.prepare)
         if reader.nbytes is None:
             return self._load_unsized(reader)
         tier = self.store.reserve(reader.nbytes)
@@ -145,65 +151,128 @@ class BlockCache:
         return value
 
     # -- serving rows ------------------------------------------------------------------
-    async def take(self, key: str, rows: np.ndarray) -> Arrays:
-        """Rows of a block this worker holds; KeyError if it holds no such block,
+    async def take(self, key: str, rows: np.ndarray, priority: float = LAST) -> Tuple[Arrays, int]:
+        """(rows of a block this worker holds, how many of them were read from the store
+        for this request); KeyError if it holds no such block,
         ValueError naming the block and the bad offsets (before anything is read) unless
-        `rows` are offsets inside the block."""
+        `rows` are offsets inside the block. Reads it needs run at `priority` (lower
+        first: the position of the batch that waits for them, `PriorityPool`)."""
         value = self.store[key]
         if isinstance(value, (Block, FillingBlock, FileBlock, ArenaBlock, Streamed)):
             rows = check_rows(key, rows, _length(value))
         if key in self._rereads:  # its files failed and it is being read again: wait for that read
             block, _ = await asyncio.shield(self._rereads[key])
             self.streamed_hits += len(rows)
-            return block.take(rows)
+            return block.take(rows), len(rows)
         if isinstance(value, Block):
             out = value.take(rows)
             tier = "ram"
         elif isinstance(value, FillingBlock):
-            async with value.filling:  # a retried request must not read rows still being read
-                missing = value.missing(rows)
-                arrays = None
-                if len(missing):
-                    arrays = await asyncio.get_running_loop().run_in_executor(
-                        self.reads, self.read_rows, value.reader, missing)
-                    self.streamed_hits += len(missing)
-                    kept = len(missing)
-                    if not value.sized:
-                        sizes = sample_nbytes(arrays)
-                        kept = self.store.charge("ram", sizes)
-                        value.samples += kept
-                        value.nbytes += int(sizes[:kept].sum())
-                    value.fill(missing[:kept], {f: a[:kept] for f, a in arrays.items()})
-            out = value.take(rows, missing, arrays)
-            hits = len(rows) - len(missing)
-            if hits:
-                self.store.count_hit("ram", hits, _nbytes(out) * hits // len(rows))
-            return out
+            out, read = await self._take_filling(value, rows, priority)
+            self.streamed_hits += read
+            if len(rows) > read:
+                self.store.count_hit("ram", len(rows) - read, _nbytes(out) * (len(rows) - read) // len(rows))
+            return out, read
         elif isinstance(value, (FileBlock, ArenaBlock)):
             try:
-                out = await asyncio.get_running_loop().run_in_executor(self.reads, value.take, rows)
+                out = await asyncio.wrap_future(self.reads.submit_at(priority, value.take, rows))
             except OSError as exc:  # its files were deleted or cannot be read
                 if not isinstance(value, FileBlock) or value.reader is None:
                     raise
                 if self.store.get(key) is value:  # the first request to find out
                     self._reread(key, value, exc)
-                return await self.take(key, rows)  # from the block read again
+                return await self.take(key, rows, priority)  # from the block read again
             tier = value.tier
         elif isinstance(value, Streamed) and value.reader.row_granular:
             # one file per sample: read just these samples, nothing is held afterwards
-            out = await asyncio.get_running_loop().run_in_executor(self.reads, self.read_rows, value.reader, rows)
+            out = await asyncio.wrap_future(self.reads.submit_at(priority, self.read_rows, value.reader, rows))
             self.streamed_hits += len(rows)
-            return out
+            return out, len(rows)
         elif isinstance(value, Streamed):
-            block = await self.stream.get(value.reader)
+            block = await self.stream.get(value.reader, priority)
             self.streamed_hits += len(rows)
             out = block.take(rows)
             self.stream.served(key, len(rows))
-            return out
+            return out, len(rows)
         else:
             raise KeyError(key)
         self.store.count_hit(tier, len(rows), _nbytes(out))
-        return out
+        return out, 0
+
+    async def _take_filling(self, block: FillingBlock, rows: np.ndarray, priority: float):
+        """(the rows of a filling block, how many of them this request read from the store).
+        Rows not held yet are read now, at `priority`, unless a read under way for another
+        request brings them: then that read is awaited, so each row is read once and a
+        request waits only for the reads of its own rows."""
+        missing = block.missing(rows)
+        under_way = {id(f): f for f in map(block.reading.get, missing.tolist()) if f is not None}
+        mine = np.array([r for r in missing.tolist() if r not in block.reading], dtype=np.int64)
+        reads = list(under_way.values())
+        if len(mine):
+            read = asyncio.ensure_future(self._fill(block, mine, priority))  # not cancelled with this request
+            for r in mine.tolist():
+                block.reading[r] = read
+            reads.append(read)
+        spares = [await asyncio.shield(read) for read in reads]
+        if not spares:
+            return block.take(rows), 0
+        spare_rows = np.concatenate([r for r, _ in spares])
+        order = np.argsort(spare_rows, kind="stable")
+        spare = {f: _concat([a[f] for _, a in spares])[order] for f in spares[0][1]}
+        return block.take(rows, spare_rows[order], spare), len(mine)
+
+    async def _fill(self, block: FillingBlock, rows: np.ndarray, priority: float):
+        """Read `rows` (increasing) of a filling block from the store and keep those the
+        tier has room for; (rows, their arrays), kept or not."""
+        try:
+            arrays = await asyncio.wrap_future(self.reads.submit_at(priority, self.read_rows, block.reader, rows))
+            kept = len(rows)
+            if not block.sized:
+                sizes = sample_nbytes(arrays)
+                kept = self.store.charge("ram", sizes)
+                block.samples += kept
+                block.nbytes += int(sizes[:kept].sum())
+            block.fill(rows[:kept], {f: a[:kept] for f, a in arrays.items()})
+            return rows, arrays
+        finally:
+            for r in rows.tolist():
+                block.reading.pop(r, None)
+
+    def _arrived(self, key: str) -> None:
+        """A block was stored (from any thread): wake the requests waiting for it."""
+        if key in self._arrivals:
+            self.worker.loop.add_callback(self._wake, key)  # thread-safe
+
+    def _wake(self, key: str) -> None:
+        for fut in self._arrivals.pop(key, ()):
+            if not fut.done():
+                fut.set_result(None)
+
+    async def _wait_for_loads(self, keys, seconds: float) -> None:
+        """Wait up to `seconds` for those of `keys` whose load task this worker has (the
+        scheduler sent it): a rank sent there by `locate(planned=True)` does not wait for
+        a round trip through the scheduler once the block is in."""
+        tasks = self.worker.state.tasks
+        coming = [k for k in keys if k in tasks and tasks[k].state in LOADING_STATES]
+        if not coming:
+            return
+        waiters = []
+        for key in coming:
+            fut = asyncio.get_running_loop().create_future()
+            self._arrivals.setdefault(key, []).append(fut)
+            waiters.append(fut)
+        done = [k for k in coming if k in self.store]  # stored between the check and now
+        for key in done:
+            self._wake(key)
+        await asyncio.wait(waiters, timeout=seconds)
+        for key, fut in zip(coming, waiters):
+            if not fut.done():
+                fut.cancel()
+                left = [f for f in self._arrivals.get(key, ()) if f is not fut]
+                if left:
+                    self._arrivals[key] = left
+                else:
+                    self._arrivals.pop(key, None)
 
     def _reread(self, key: str, broken: FileBlock, exc: OSError) -> None:
         """Drop a block whose files cannot be read (counted in its tier's `read_errors`,
@@ -217,8 +286,7 @@ class BlockCache:
                        key, broken.tier, broken.path, type(exc).__name__, exc, reader.url)
         marker = Streamed(reader)
         self.store[key] = marker  # frees the tier's room and removes what is left of the files
-        loop = asyncio.get_running_loop()
-        pending = self._rereads[key] = loop.run_in_executor(self.reads, self._read_and_place, reader)
+        pending = self._rereads[key] = asyncio.wrap_future(self.reads.submit_at(0, self._read_and_place, reader))
 
         def done(fut):
             del self._rereads[key]
@@ -233,33 +301,53 @@ class BlockCache:
         tier = self.store.reserve(block.nbytes)
         return block, Streamed(reader) if tier is None else self._place(reader, tier, block, block.nbytes)
 
-    async def serve(self, requests: Dict[str, np.ndarray]) -> Arrays:
-        """The rows of several held blocks, concatenated per field in request order.
+    async def serve(self, requests: Dict[str, np.ndarray], priority: float = LAST,
+                    wait: float = 0.0) -> Tuple[Arrays, int]:
+        """(the rows of several held blocks, concatenated per field in request order; how
+        many of them were read from the store for this request). A block whose load task
+        this worker is running or about to run is waited for, up to `wait` seconds;
+        `MissingBlocks` names those it does not hold then.
 
         One array per field (not one per block) keeps messages to a few frames."""
         missing = [key for key in requests if key not in self.store]
+        if missing and wait > 0:
+            await self._wait_for_loads(missing, wait)
+            missing = [key for key in requests if key not in self.store]
         if missing:
             raise MissingBlocks(missing)
-        parts = await asyncio.gather(*(self.take(key, rows) for key, rows in requests.items()))
-        return {f: _concat([p[f] for p in parts]) for f in parts[0]} if parts else {}
+        taken = await asyncio.gather(*(self.take(key, rows, priority) for key, rows in requests.items()))
+        parts = [arrays for arrays, _ in taken]
+        return ({f: _concat([p[f] for p in parts]) for f in parts[0]} if parts else {}), sum(n for _, n in taken)
 
-    async def rows_handler(self, msg):
-        """RPC `dmdask_rows`: {key: rows} -> one array per field, or the missing keys.
-        Rows that are not offsets inside their block raise `ValueError` (`take`), which
-        the caller's RPC re-raises."""
+    async def rows_handler(self, msg, priority=None, wait=0.0):
+        """RPC `dmdask_rows`: {key: rows} -> one array per field and "from_store" (how many
+        of the rows were read from the store for this request), or the missing keys.
+        `priority`: the position of the batch that waits for these rows (lower is served
+        first; None: after every prioritised read). `wait`: seconds to wait for blocks
+        this worker is loading (at most `MAX_WAIT`). Rows that are not offsets inside
+        their block raise `ValueError` (`take`), which the caller's RPC re-raises."""
+        check.mapping("dmdask_rows", "msg", msg)
+        if priority is not None:
+            check.number("dmdask_rows", "priority", priority, 0, float("inf"))
+        check.number("dmdask_rows", "wait", wait, 0, MAX_WAIT)
         try:
-            rows = await self.serve(msg)
+            rows, from_store = await self.serve(msg, LAST if priority is None else float(priority),
+                                                float(wait))
         except MissingBlocks as exc:
             return {"status": "missing", "keys": exc.keys}
         self.peer_bytes_out += _nbytes(rows)
-        return {"status": "OK", "rows": to_serialize(rows)}
+        return {"status": "OK", "rows": to_serialize(rows), "from_store": from_store}
 
     def describe_handler(self, keys):
         """RPC `dmdask_describe`: {key: how to map the block's files, or None} for held
-        blocks; a block held in files can be read by any process on this host."""
+        blocks (keys not held are left out); a block held in files can be read by the
+        worker's user (or group) on this host."""
+        check.texts("dmdask_describe", "keys", keys)
         out = {}
         for key in keys:
-            value = self.store[key] if key in self.store else None
+            if key not in self.store:
+                continue  # not held (yet): the caller asks again
+            value = self.store[key]
             if isinstance(value, FileBlock) and not value.files_exist():
                 value = None  # its files are gone: rows through `dmdask_rows`, which reads it again
             out[key] = value.describe() if isinstance(value, (FileBlock, ArenaBlock)) else None
@@ -267,9 +355,17 @@ class BlockCache:
 
     def count_hits_handler(self, hits):
         """RPC `dmdask_count_hits`: {tier: [samples, bytes]} that training processes on this
-        host took from this worker's files themselves, counted like any other hit."""
-        for tier, (samples, nbytes) in hits.items():
-            self.store.count_hit(tier, int(samples), int(nbytes))
+        host took from this worker's files themselves, counted like any other hit. Every
+        count is checked before any is added."""
+        check.mapping("dmdask_count_hits", "hits", hits, known=("ram", "ssd"))
+        counted = []
+        for tier, pair in hits.items():
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise check.refuse("dmdask_count_hits", f"hits[{tier!r}]", "[samples, bytes]", pair)
+            counted.append((tier, check.count("dmdask_count_hits", f"hits[{tier!r}] samples", pair[0]),
+                            check.count("dmdask_count_hits", f"hits[{tier!r}] bytes", pair[1])))
+        for tier, samples, nbytes in counted:
+            self.store.count_hit(tier, samples, nbytes)
 
     async def batch_handler(self, msg):
         """RPC `dmdask_batch`: gather consecutive batches from their holders, in batch order.
@@ -277,26 +373,35 @@ class BlockCache:
         msg: "requests" holder -> block key -> rows; "positions" holder -> where its rows
         go in the group; "index", "sizes" (batch lengths), "fields", "transform",
         "context" ({"epoch", "seed"}: what `dmdask.transform_context()` gives the transform),
-        and optionally "extra": more fields of the group, given whole (a mixture's "source")."""
+        and optionally "extra": more fields of the group, given whole (a mixture's "source"),
+        "priority": the position of the group's first batch (its reads go first), and
+        "wait": seconds a holder may wait for blocks it is loading (`serve`), so that a
+        group sent to a block's planned holder is not served in part and asked again."""
+        check_batch_request(msg)
         requests: Dict[str, Dict[str, np.ndarray]] = msg["requests"]
         me = self.worker.address
 
+        priority = msg.get("priority")
+        wait = check.number("dmdask_batch", "wait", msg.get("wait", 0.0), 0, MAX_WAIT)
+
         async def from_holder(holder, wanted):
             if holder == me:
-                return await self.serve(wanted)
+                return await self.serve(wanted, LAST if priority is None else float(priority), float(wait))
             try:
-                reply = await self.worker.rpc(holder).dmdask_rows(msg=to_serialize(wanted))
+                reply = await self.worker.rpc(holder).dmdask_rows(msg=to_serialize(wanted), priority=priority,
+                                                                  wait=wait)
             except RuntimeError as exc:  # this worker is closing ("ConnectionPool is closed"): a lost worker
                 raise CommClosedError(f"worker {me} is closing: {exc}") from None
             if reply["status"] == "missing":
                 raise MissingBlocks(reply["keys"])
             self.peer_bytes_in += _nbytes(reply["rows"])
-            return reply["rows"]
+            return reply["rows"], reply["from_store"]
 
         try:
-            replies = await asyncio.gather(*(from_holder(h, w) for h, w in requests.items()))
+            taken = await asyncio.gather(*(from_holder(h, w) for h, w in requests.items()))
         except MissingBlocks as exc:
             return {"status": "missing", "keys": exc.keys}
+        replies, from_store = [rows for rows, _ in taken], sum(n for _, n in taken)
         index = msg["index"]
         group = {}
         for f in msg["fields"]:
@@ -310,7 +415,7 @@ class BlockCache:
         bounds = np.cumsum([0] + list(msg["sizes"]))
         batches = [{f: v[a:b] for f, v in group.items()} for a, b in zip(bounds[:-1], bounds[1:])]
         if msg["transform"] is None:
-            return {"status": "OK", "batches": to_serialize(batches)}
+            return {"status": "OK", "batches": to_serialize(batches), "from_store": from_store}
         context = TransformContext(**msg["context"]) if msg.get("context") else None
         if msg.get("isolate"):  # after a worker loss: in a process of its own, which may die
             done, error = await asyncio.get_running_loop().run_in_executor(
@@ -318,7 +423,7 @@ class BlockCache:
         else:
             done, error = await asyncio.get_running_loop().run_in_executor(
                 self.transforms, transform_in_order, loads_transform(msg["transform"]), batches, context)
-        reply = {"status": "OK", "error": error}
+        reply = {"status": "OK", "error": error, "from_store": from_store}
         folder = self.store.shared_folder() if msg.get("same_host") else None
         if folder is not None and done and shareable(done):  # the trainer maps them: no pickle, no socket
             reply["shared"] = await asyncio.get_running_loop().run_in_executor(
@@ -346,12 +451,54 @@ class BlockCache:
         }
 
 
+MAX_WAIT = 5.0  # seconds a request may wait for blocks this worker is loading
+LOADING_STATES = frozenset({"waiting", "ready", "constrained", "executing", "long-running"})
+
+
 class MissingBlocks(Exception):
     """The asked worker does not hold these blocks (yet, or any more)."""
 
     def __init__(self, keys):
         self.keys = list(keys)
         super().__init__(f"blocks not held here: {self.keys[:3]}...")
+
+
+BATCH_KEYS = ("requests", "positions", "index", "sizes", "fields", "transform", "context", "extra", "isolate",
+              "same_host", "priority", "wait")
+
+
+def check_batch_request(msg) -> None:
+    """`HandlerArgumentError` unless `msg` is a `dmdask_batch` request (the rows
+    themselves are checked against their blocks when taken, `check_rows`)."""
+    handler = "dmdask_batch"
+    check.mapping(handler, "msg", msg, known=BATCH_KEYS, required=("requests", "positions", "index", "sizes",
+                                                                     "fields", "transform"))
+    index = np.asarray(msg["index"])
+    if index.ndim != 1 or (index.size and index.dtype.kind not in "iu"):
+        raise check.refuse(handler, "index", "a 1-d array of sample ids", msg["index"])
+    sizes = msg["sizes"]
+    if not isinstance(sizes, (list, tuple)) or sum(check.count(handler, "sizes", s) for s in sizes) != len(index):
+        raise check.refuse(handler, "sizes", f"batch lengths that add up to {len(index)}", sizes)
+    check.texts(handler, "fields", msg["fields"])
+    requests = check.mapping(handler, "requests", msg["requests"])
+    positions = check.mapping(handler, "positions", msg["positions"], known=list(requests), required=list(requests))
+    for holder, wanted in requests.items():
+        check.mapping(handler, f"requests[{holder!r}]", wanted)
+        check.indices(handler, f"positions[{holder!r}]", positions[holder], len(index))
+    if msg["transform"] is not None and not isinstance(msg["transform"], bytes):
+        raise check.refuse(handler, "transform", "a pickled transform (bytes) or None", type(msg["transform"]))
+    if msg.get("context") is not None:
+        context = check.mapping(handler, "context", msg["context"], known=("epoch", "seed"),
+                                required=("epoch", "seed"))
+        for name in ("epoch", "seed"):
+            check.count(handler, f"context[{name!r}]", context[name])
+    if msg.get("extra") is not None:
+        check.mapping(handler, "extra", msg["extra"])
+    for name in ("isolate", "same_host"):
+        if name in msg:
+            check.flag(handler, name, msg[name])
+    if msg.get("priority") is not None:
+        check.count(handler, "priority", msg["priority"])
 
 
 def check_rows(key: str, rows, length: int) -> np.ndarray:

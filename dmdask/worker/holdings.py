@@ -8,13 +8,16 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import mmap
 import os
 import shutil
 import tempfile
-from typing import Dict
+from typing import Dict, Optional
 
 import numpy as np
+
+from .modes import create_file, group_of, protect_folder
 
 Arrays = Dict[str, np.ndarray]
 
@@ -89,10 +92,12 @@ class FillingBlock:
     from the listing); otherwise (an HTTP folder lists no sizes) each sample is charged
     to the tier when read, and samples the tier has no room for are served and not
     kept. Used only from the worker's event loop (reads run in threads, fills happen on
-    the loop).
+    the loop). `reading`: row -> the future of the read under way that brings it, so a
+    row asked twice at once is read once, and a request never waits for reads of rows
+    it did not ask for.
     """
 
-    __slots__ = ("reader", "arrays", "have", "nbytes", "samples", "sized", "start", "stop", "filling")
+    __slots__ = ("reader", "arrays", "have", "nbytes", "samples", "sized", "start", "stop", "reading")
 
     def __init__(self, reader, sized: bool = True):
         n = reader.stop - reader.start
@@ -103,7 +108,7 @@ class FillingBlock:
         self.nbytes = reader.nbytes if sized else 0
         self.samples = n if sized else 0  # samples charged to the tier
         self.start, self.stop = reader.start, reader.stop
-        self.filling = asyncio.Lock()  # one fill at a time: a row asked twice at once is read once
+        self.reading: Dict[int, "asyncio.Future"] = {}
 
     def __len__(self) -> int:
         return self.stop - self.start
@@ -194,8 +199,9 @@ class FileBlock:
     @classmethod
     def write(cls, directory: str, block: Block, tier: str, reader=None) -> "FileBlock":
         """Write `block` under a new folder of `directory`; on error nothing is left behind."""
+        gid = group_of(directory)
         path = tempfile.mkdtemp(dir=directory, prefix=f"b{block.start}-")
-        os.chmod(path, 0o755)  # mapped read-only by training processes on the node
+        protect_folder(path, gid)  # mapped read-only by training processes of this user (or group)
         layout = []
         try:
             for name, arr in block.arrays.items():
@@ -206,11 +212,11 @@ class FileBlock:
                     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
                     flat = (np.frombuffer(b"".join(values), dtype=np.uint8) if kind == "strings"
                             else np.concatenate(values) if values else np.zeros(0, np.uint8))
-                    _write(path, f"{name}.values", flat)
-                    _write(path, f"{name}.offsets", offsets)
+                    _write(path, f"{name}.values", flat, gid)
+                    _write(path, f"{name}.offsets", offsets, gid)
                     layout.append((name, kind, flat.dtype.str, flat.shape))
                 else:
-                    _write(path, name, arr)
+                    _write(path, name, arr, gid)
                     layout.append((name, "fixed", arr.dtype.str, arr.shape))
         except BaseException:
             shutil.rmtree(path, ignore_errors=True)
@@ -229,10 +235,19 @@ class FileBlock:
         return {"path": self.path, "layout": self.layout, "tier": self.tier}
 
     def files_exist(self) -> bool:
-        """Whether every file of the block is still there (they may have been deleted)."""
-        names = [n for name, kind, _, _ in self.layout
-                 for n in ([name] if kind == "fixed" else [f"{name}.values", f"{name}.offsets"])]
-        return all(os.path.exists(os.path.join(self.path, n)) for n in names)
+        """Whether every file of the block is still there with the size its layout says
+        (they may have been deleted or replaced)."""
+        sizes = {}
+        for name, kind, dtype, shape in self.layout:
+            nbytes = np.dtype(dtype).itemsize * int(np.prod(shape, dtype=np.int64))
+            if kind == "fixed":
+                sizes[name] = nbytes
+            else:
+                sizes[f"{name}.values"], sizes[f"{name}.offsets"] = nbytes, 8 * (len(self) + 1)
+        try:
+            return all(os.path.getsize(os.path.join(self.path, n)) == size for n, size in sizes.items())
+        except OSError:
+            return False
 
     def take(self, rows: np.ndarray) -> Arrays:
         """The given rows, copied out of the files. Thread-safe."""
@@ -248,6 +263,16 @@ class FileBlock:
 
     def __sizeof__(self) -> int:
         return 256
+
+
+def readable(description: Optional[dict]) -> bool:
+    """Whether this process may map the files of a block's description (`FileBlock` or
+    `ArenaBlock.describe`): a worker's folders are its user's (or group's) only, so a
+    process of another user takes the block's rows through the worker instead."""
+    if description is None:
+        return False
+    path = description["path"] if "path" in description else next(iter(description["arena"].values()))[0]
+    return os.access(path, os.R_OK)
 
 
 def map_arrays(description: dict) -> dict:
@@ -288,11 +313,16 @@ def _map(path: str, dtype: str, shape: tuple) -> np.ndarray:
     indexing memory costs, without `np.memmap`'s per-call Python overhead)."""
     if 0 in shape:
         return np.zeros(shape, dtype=dtype)
+    expected = np.dtype(dtype).itemsize * int(np.prod(shape, dtype=np.int64))
     with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size != expected:  # not the file the block wrote (replaced, truncated): as if gone
+            raise FileNotFoundError(errno.ENOENT, f"holds {size} bytes where its block's layout {dtype} {shape} "
+                                    f"takes {expected}: not this block's file any more", path)
         pages = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     return np.frombuffer(pages, dtype=dtype).reshape(shape)
 
 
-def _write(directory: str, name: str, arr: np.ndarray) -> None:
-    with open(os.path.join(directory, name), "wb") as f:  # a full disk raises OSError(ENOSPC)
+def _write(directory: str, name: str, arr: np.ndarray, gid: Optional[int]) -> None:
+    with os.fdopen(create_file(os.path.join(directory, name), gid), "wb") as f:  # a full disk: OSError(ENOSPC)
         f.write(memoryview(np.ascontiguousarray(arr)).cast("B"))

@@ -22,6 +22,8 @@ from typing import List, Optional
 
 import numpy as np
 
+from .modes import file_mode, group_of
+
 ALIGN = 64  # every array starts on a cache line
 STALE_SECONDS = 120.0
 
@@ -45,8 +47,10 @@ def write_batches(folder: str, batches: List[dict]) -> dict:
             fields.append((name, arr.dtype.str, arr.shape, offset))
             offset += arr.nbytes
         layout.append(fields)
-    fd, path = tempfile.mkstemp(dir=folder, prefix="result-")
+    fd, path = tempfile.mkstemp(dir=folder, prefix="result-")  # 0600
     try:
+        if group_of(folder) is not None:
+            os.fchmod(fd, file_mode(group_of(folder)))
         with os.fdopen(fd, "wb") as f:
             for batch, fields in zip(batches, layout):
                 for (name, _, _, at), arr in zip(fields, batch.values()):

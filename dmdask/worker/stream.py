@@ -6,6 +6,7 @@ from collections import OrderedDict
 from typing import Dict
 
 from .holdings import Block
+from .reads import PriorityPool
 
 
 class StreamBuffer:
@@ -17,7 +18,7 @@ class StreamBuffer:
     concurrent askers wait for the same read. Used only from the worker's event loop.
     """
 
-    def __init__(self, capacity_bytes: int, read, executor=None):
+    def __init__(self, capacity_bytes: int, read, executor: PriorityPool):
         self.capacity = capacity_bytes
         self.bytes = 0
         self._read = read
@@ -26,7 +27,9 @@ class StreamBuffer:
         self._served: Dict[str, int] = {}
         self._loading: Dict[str, asyncio.Future] = {}
 
-    async def get(self, reader) -> Block:
+    async def get(self, reader, priority: float = float("inf")) -> Block:
+        """The block of `reader`, read once (in the `PriorityPool` at `priority`) however
+        many ask at once."""
         key = reader.key
         if key in self._blocks:
             self._blocks.move_to_end(key)
@@ -36,7 +39,7 @@ class StreamBuffer:
         loop = asyncio.get_running_loop()
         fut = self._loading[key] = loop.create_future()
         try:
-            block = await loop.run_in_executor(self._executor, self._read, reader)
+            block = await asyncio.wrap_future(self._executor.submit_at(priority, self._read, reader))
         except BaseException as exc:
             fut.set_exception(exc)
             fut.exception()  # mark retrieved: the awaiting callers re-raise it

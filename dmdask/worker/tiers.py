@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import shutil
 import tempfile
 import threading
 from collections.abc import MutableMapping
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import numpy as np
+from dask.utils import format_bytes
 
 from ..source import is_block_key, parse_block_key
 from .arena import Arena, ArenaBlock, all_fixed
@@ -43,6 +45,7 @@ class TierStats:
     full: bool = False  # set when the device refused a write (SSD out of space)
     error: Optional[str] = None  # why the tier's folder cannot be used; the tier then takes no blocks
     read_errors: int = 0  # blocks dropped because their files could not be read
+    warning: Optional[str] = None  # a capacity the device cannot hold (a RAM tier larger than /dev/shm)
 
     def room(self) -> int:
         return self.capacity - self.bytes - self.reserved
@@ -54,7 +57,7 @@ class TierStats:
     def as_dict(self) -> dict:
         return {"capacity": self.capacity, "bytes": self.bytes, "blocks": self.blocks, "samples": self.samples,
                 "hits": self.hits, "hit_bytes": self.hit_bytes, "full": self.full, "error": self.error,
-                "read_errors": self.read_errors}
+                "read_errors": self.read_errors, "warning": self.warning}
 
 
 class TieredStore(MutableMapping):
@@ -66,7 +69,9 @@ class TieredStore(MutableMapping):
     worker's event loop.
     """
 
-    def __init__(self, ram: int, ssd: int = 0, ssd_dir: Optional[str] = None, shm_dir: Optional[str] = None):
+    def __init__(self, ram: int, ssd: int = 0, ssd_dir: Optional[str] = None, shm_dir: Optional[str] = None,
+                 gid: Optional[int] = None):
+        self.gid = gid  # the group that may read the tiers' files too (`dmdask.worker.modes`); None: none
         self.ram = TierStats(int(ram))
         self.ssd = TierStats(int(ssd))
         self._roots = {"ram": shm_dir or None, "ssd": ssd_dir}
@@ -78,6 +83,7 @@ class TieredStore(MutableMapping):
         self._reservations: Dict[str, tuple] = {}  # key -> (tier, bytes) placed, not yet stored
         self._lock = threading.Lock()
         self._closed_to_growth: set = set()  # tiers that refused a sample charged as read
+        self.on_block: Optional[Callable[[str], None]] = None  # called with each block key stored
 
     # -- placement (called from the task that reads a block) -------------------------
     def reserve(self, nbytes: int) -> Optional[str]:
@@ -178,6 +184,39 @@ class TieredStore(MutableMapping):
                 self._unusable("ssd", exc)
         return self.ssd.error
 
+    def check_shared_memory(self) -> Optional[str]:
+        """Warn (once, at worker start) when the RAM tier's capacity exceeds the free room
+        of its shared-memory file system: blocks beyond that room are streamed from the
+        shared store instead. The warning, naming both sizes, is kept in
+        `stats()["ram"]["warning"]` (shown by `dmdask status` and the dashboard) and
+        returned; None when the tier fits."""
+        root = self._roots["ram"]
+        if not root or self.ram.capacity <= 0:
+            return None
+        try:
+            fs = os.statvfs(root)
+        except OSError:
+            return None  # made when first used; `place` reports what goes wrong then
+        free = fs.f_bavail * fs.f_frsize
+        if self.ram.capacity <= free:
+            return None
+        self.ram.warning = (
+            f"the RAM tier ({format_bytes(self.ram.capacity)}) does not fit in {root} "
+            f"({format_bytes(free)} free of {format_bytes(fs.f_blocks * fs.f_frsize)}): blocks beyond "
+            f"{format_bytes(free)} are streamed from the shared store; enlarge {root} (docker --shm-size, "
+            "a tmpfs size) or lower dmdask.worker.ram")
+        logger.warning("dmdask: %s", self.ram.warning)
+        return self.ram.warning
+
+    def describe(self) -> str:
+        """One line: each tier's capacity and folder (and what is wrong with it)."""
+        ram_where = f"in {self._roots['ram']}" if self._roots["ram"] else "in the worker's memory (no shm-dir)"
+        parts = [f"RAM {format_bytes(self.ram.capacity)} {ram_where}"]
+        parts.append(f"SSD {format_bytes(self.ssd.capacity)} in {self._roots['ssd']}" if self.ssd.capacity
+                     else "no SSD tier")
+        mode = "this user only" if self.gid is None else f"group {self.gid}"
+        return "; ".join(parts) + f"; files readable by {mode}"
+
     def _unusable(self, tier: str, exc: OSError) -> None:
         root = self._roots[tier] or tempfile.gettempdir()
         reason = f"cannot use {root!r} for the {tier} tier: {exc.strerror or exc}"  # the same on every worker
@@ -190,7 +229,7 @@ class TieredStore(MutableMapping):
         """This worker's folder of a tier, made on first use (`dmdask.worker.folders`)."""
         with self._lock:
             if tier not in self._folders:
-                self._folders[tier] = make_folder(self._roots[tier] or tempfile.gettempdir(), tier)
+                self._folders[tier] = make_folder(self._roots[tier] or tempfile.gettempdir(), tier, self.gid)
             return self._folders[tier]
 
     def shared_folder(self) -> Optional[str]:
@@ -219,6 +258,8 @@ class TieredStore(MutableMapping):
             self._discard_block(key)
             self._blocks[key] = value
             self._other.pop(key, None)
+            if self.on_block is not None:
+                self.on_block(key)
             if isinstance(value, Streamed):
                 return
             # Charged here, whether placed by `load_block` (its reservation is released)

@@ -1,0 +1,86 @@
+"""URLs in one spelling (`normalize`), without credentials (`public`), and which
+sources workers read for clients: `dmdask.worker.allowed-sources` (`check_source`).
+
+A list of URL prefixes (local paths or fsspec URLs); empty (the default) allows any
+source the worker's user can read. `check_source(url)` runs on the worker before it
+reads a block from the store (every `load_block`: `dmdask.batches`, `dmdask::` reads,
+`dmdask mount`), so the workers' own config decides, whatever a client's says.
+
+A prefix matches whole path components (`/data` allows `/data/train.zarr`, not
+`/database`), compared after normalising both (`normalize`), so `..` cannot climb out
+of an allowed folder. This bounds what dmdask's data API makes a worker read; it is no
+sandbox for clients that run code on workers (`Spec.transform`, Dask tasks).
+"""
+from __future__ import annotations
+
+import os
+import posixpath
+from typing import Iterable, List, Optional
+
+import dask.config
+
+from ..errors import SourceNotAllowedError, SpecError
+
+LOCAL_PROTOCOLS = ("file://", "local://")
+
+
+def normalize(url: str) -> str:
+    """One spelling of a URL: a local path or `file://` URL as an absolute path without
+    `.` or `..` (relative to this process's working directory); any other URL with its
+    path normalised the same way. The last URL of a chain (`simplecache::s3://...`)."""
+    url = url.rsplit("::", 1)[-1]
+    for protocol in LOCAL_PROTOCOLS:
+        if url.startswith(protocol):
+            url = url[len(protocol):]
+            break
+    if "://" not in url:
+        return os.path.abspath(url)
+    protocol, rest = url.split("://", 1)
+    path = posixpath.normpath(rest) if rest else rest
+    return f"{protocol}://{path}"
+
+
+def resolve_local(source: str) -> str:
+    """A local path as an absolute one, resolved in this process's working directory
+    (the client's, not a worker's); URLs (`proto://`, `a::b` chains) as they are."""
+    if "://" in source or "::" in source:
+        return source
+    return os.path.abspath(source)
+
+
+def public(url: str) -> str:
+    """`url` without what may be a credential: the user and password of its address,
+    and its query string (signed URLs carry tokens there)."""
+    parts = url.split("::")
+    for i, part in enumerate(parts):
+        if "://" in part:
+            protocol, rest = part.split("://", 1)
+            host, slash, path = rest.partition("/")
+            host = host.rsplit("@", 1)[-1]
+            parts[i] = f"{protocol}://{host}{slash}{path.split('?', 1)[0]}"
+    return "::".join(parts)
+
+
+def allowed_prefixes() -> List[str]:
+    """The configured prefixes, normalised; [] for any source."""
+    prefixes = dask.config.get("dmdask.worker.allowed-sources", None) or []
+    if isinstance(prefixes, str):
+        prefixes = [prefixes]
+    if not all(isinstance(p, str) and p for p in prefixes):
+        raise SpecError("dmdask.worker.allowed-sources", "a list of URL prefixes (empty: any source)", prefixes)
+    return [normalize(p) for p in prefixes]
+
+
+def is_allowed(url: str, prefixes: Iterable[str]) -> bool:
+    normal = normalize(url)
+    return any(normal == p or normal.startswith(p.rstrip("/") + "/") for p in prefixes)
+
+
+def check_source(url: str, prefixes: Optional[List[str]] = None) -> None:
+    """Nothing when workers may read `url`; `SourceNotAllowedError` naming it and the
+    allowed prefixes otherwise. `prefixes`: normalised ones (default: the config's)."""
+    prefixes = allowed_prefixes() if prefixes is None else prefixes
+    if prefixes and not is_allowed(url, prefixes):
+        raise SourceNotAllowedError(
+            f"{url} is outside the sources this cluster's workers read: {prefixes} "
+            "(dmdask.worker.allowed-sources in the workers' dask config)")

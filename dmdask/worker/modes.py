@@ -1,0 +1,59 @@
+"""Who may read a worker's files: the modes of its tier and result folders and files.
+
+Default: only the worker's user (folders 0700, files 0600, whatever the umask), so
+cached data is never readable by other users of the node; training processes of the
+same user map the files read-only. `dmdask.worker.group` (a group name or id) opens
+them to that group instead: folders 2750 (new files inherit the group), files 0640.
+"""
+from __future__ import annotations
+
+import grp
+import os
+from typing import Optional
+
+import dask.config
+
+from ..errors import SpecError
+
+
+def group_id(value=None) -> Optional[int]:
+    """The gid of the configured group (`dmdask.worker.group`), None for none."""
+    value = dask.config.get("dmdask.worker.group", None) if value is None else value
+    if value is None or value == "":
+        return None
+    try:
+        return int(value) if str(value).isdigit() else grp.getgrnam(str(value)).gr_gid
+    except KeyError:
+        raise SpecError("dmdask.worker.group", "a group of this node (a name or id), or null", value) from None
+
+
+def folder_mode(gid: Optional[int]) -> int:
+    return 0o700 if gid is None else 0o2750
+
+
+def file_mode(gid: Optional[int]) -> int:
+    return 0o600 if gid is None else 0o640
+
+
+def protect_folder(path: str, gid: Optional[int]) -> None:
+    """Give a folder made by this worker its mode (and group)."""
+    if gid is not None:
+        os.chown(path, -1, gid)
+    os.chmod(path, folder_mode(gid))
+
+
+def group_of(folder: str) -> Optional[int]:
+    """The group a worker folder was opened to (`protect_folder`), None for none."""
+    st = os.stat(folder)
+    return st.st_gid if st.st_mode & 0o050 else None
+
+
+def create_file(path: str, gid: Optional[int], flags: int = os.O_WRONLY | os.O_TRUNC) -> int:
+    """Open `path` (created when missing) with the file mode, whatever the umask; an fd."""
+    fd = os.open(path, flags | os.O_CREAT, file_mode(gid))
+    try:
+        os.fchmod(fd, file_mode(gid))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

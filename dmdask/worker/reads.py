@@ -1,0 +1,74 @@
+"""`PriorityPool`: a worker's read threads, serving the most urgent read first.
+
+Ranks ask for the rows of their next batches ahead of time; cold, those rows come from
+the store, and a fair share of the store between all of them would finish every batch
+near the end. Each read carries the priority of the batch that needs it (its position
+in its rank's epoch: lower is sooner), so the threads take the earliest batch's reads
+first, across every rank the worker serves, while later batches' reads fill whatever
+capacity is left.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import heapq
+import itertools
+import threading
+from typing import Callable, List
+
+LAST = float("inf")  # the priority of work no batch waits for (background loads, rereads)
+
+
+class PriorityPool(concurrent.futures.Executor):
+    """`threads` daemon threads running submitted calls, lowest `priority` first, then in
+    submission order. `submit(fn, *args)` (what `loop.run_in_executor` calls) runs at the
+    priority `LAST`. After `shutdown`, queued calls are cancelled and new ones refused."""
+
+    def __init__(self, threads: int, name: str = "dmdask-read"):
+        self._queue: List[tuple] = []
+        self._order = itertools.count()
+        self._ready = threading.Condition()
+        self._closed = False
+        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(threads)]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn: Callable, /, *args, **kwargs) -> concurrent.futures.Future:
+        return self.submit_at(LAST, fn, *args, **kwargs)
+
+    def submit_at(self, priority: float, fn: Callable, /, *args, **kwargs) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._ready:
+            if self._closed:
+                raise RuntimeError("cannot submit to a PriorityPool after shutdown")
+            heapq.heappush(self._queue, (priority, next(self._order), future, fn, args, kwargs))
+            self._ready.notify()
+        return future
+
+    def _work(self) -> None:
+        while True:
+            with self._ready:
+                while not self._queue and not self._closed:
+                    self._ready.wait()
+                if not self._queue:
+                    return
+                _, _, future, fn, args, kwargs = heapq.heappop(self._queue)
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._ready:
+            self._closed = True
+            if cancel_futures:
+                for _, _, future, *_ in self._queue:
+                    future.cancel()
+                self._queue.clear()
+            self._ready.notify_all()
+        if wait:
+            for thread in self._threads:
+                thread.join()

@@ -1,0 +1,69 @@
+"""First contact with data: a cold epoch hands each batch out as soon as its own rows are
+read, and a new process on a warm cache takes its rows from the arenas from its first
+batch on. Real worker processes, a real throttled HTTP store."""
+import multiprocessing
+
+import distributed
+import numpy as np
+import pytest
+
+import dmdask
+from benchmarks.common import write_files
+from benchmarks.store_server import StoreServer
+from dmdask.testing.datasets import write_zarr
+
+FILES, FILE_BYTES, BATCH = 512, 4096, 32
+
+
+@pytest.mark.slow
+def test_a_cold_batch_is_handed_out_before_the_rows_of_later_batches_are_read(tmp_path):
+    """Cold, batches 0..prefetch-1 are all requested at once; batch 1 must come as soon as
+    its own files are in, not with the batches behind it (the store is throttled so that
+    reading all of them takes far longer than reading two batches)."""
+    write_files(str(tmp_path / "files"), FILES, FILE_BYTES)
+    with StoreServer(str(tmp_path), latency=0.002, bandwidth=512 * 1024) as store, \
+            dmdask.LocalCluster(n_workers=2, ram="64 MiB") as cluster, distributed.Client(cluster) as client:
+        spec = dmdask.Spec(store.url + "/files", batch_size=BATCH, block_size=32, seed=0, prefetch=8)
+        it = dmdask.batches(client, spec, progress=False)
+        first_two = [next(it), next(it)]
+        served_then = _file_bytes(store)
+        rest = list(it)
+    window = spec.prefetch * BATCH * FILE_BYTES  # the files of the batches requested with batch 1
+    assert served_then < 0.6 * window, f"batch 1 waited for {served_then} B of the {window} B requested with it"
+    ids = np.concatenate([b["index"] for b in first_two + rest])
+    assert np.array_equal(np.sort(ids), np.arange(FILES))  # every sample once
+    assert _file_bytes(store) == FILES * FILE_BYTES  # each file read once
+
+
+def _file_bytes(store) -> int:
+    return sum(v["bytes"] for p, v in store.stats()["by_path"].items() if p.endswith(".bin"))
+
+
+def _new_process_epoch(address, path, queue):
+    with distributed.Client(address) as client:
+        spec = dmdask.Spec(path, batch_size=64, seed=0)
+        it = dmdask.batches(client, spec, epoch=1, progress=False)
+        ids = np.concatenate([b["index"] for b in it])
+        queue.put({"requests": it.requests, "batches": len(it), "ids": ids.tolist()})
+
+
+@pytest.mark.slow
+def test_a_new_process_on_a_warm_cache_takes_its_rows_from_the_arenas(tmp_path):
+    """Another process loaded the cache; a new one sends no request for rows at all: it
+    learns where every block is before its first batch and maps their arenas."""
+    path = write_zarr(str(tmp_path / "ds.zarr"), 4000, chunk=100)
+    with dmdask.LocalCluster(n_workers=2, ram="64 MiB") as cluster, distributed.Client(cluster) as client:
+        list(dmdask.batches(client, dmdask.Spec(path, batch_size=64), progress=False))  # loads every block
+        ctx = multiprocessing.get_context("spawn")
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_new_process_epoch, args=(cluster.scheduler_address, path, queue))
+        proc.start()
+        try:
+            report = queue.get(timeout=120)
+        finally:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.terminate()
+    assert report["batches"] > 10
+    assert report["requests"] == 0, f"{report['requests']} of {report['batches']} batches asked workers for rows"
+    assert sorted(report["ids"]) == list(range(4000))

@@ -1,0 +1,218 @@
+"""Who may read what: the modes of the workers' files, the sources workers read for
+clients (`dmdask.worker.allowed-sources`), and handlers that refuse bad arguments."""
+import os
+import shutil
+import stat
+import subprocess
+import tempfile
+
+import dask
+import distributed
+import numpy as np
+import pytest
+
+import dmdask
+from dmdask.testing.datasets import write_folder, write_zarr
+
+
+@pytest.fixture
+def open_root():
+    """A folder every local user may enter, as /dev/shm is."""
+    path = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None, prefix="dmdask-test-")
+    os.chmod(path, 0o1777)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def worker_entries(root):
+    """(folders, files) under the workers' tier folders in `root`."""
+    folders, files = [], []
+    for tier in ("shm", "ssd"):
+        for top, dirs, names in os.walk(os.path.join(root, tier)):
+            folders += [os.path.join(top, d) for d in dirs]
+            files += [os.path.join(top, n) for n in names]
+    return folders, files
+
+
+def read_both(client, zarr_path, folder_path):
+    n = 0
+    for spec in (dmdask.Spec(zarr_path, batch_size=50), dmdask.Spec(folder_path, batch_size=50, block_size=50)):
+        n += sum(len(b["index"]) for b in dmdask.batches(client, spec))
+    return n
+
+
+def as_nobody(*command):
+    return subprocess.run(list(command), user="nobody", capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="reads as user nobody need root")
+def test_tier_files_are_the_workers_users_only_under_the_default_umask(open_root, tmp_path):
+    """Under umask 022, every folder of the RAM (shared memory) and SSD tiers is 0700 and
+    every file 0600: another user of the node (nobody) finds nothing of the dataset."""
+    zarr_path = write_zarr(str(tmp_path / "d.zarr"), 300, chunk=50)
+    folder_path = write_folder(str(tmp_path / "folder"), classes=3, per_class=100)
+    old = os.umask(0o022)
+    try:
+        with dmdask.LocalCluster(n_workers=1, ram="64 KiB", ssd="64 MiB", shm_dir=os.path.join(open_root, "shm"),
+                                 ssd_dir=os.path.join(open_root, "ssd")) as cluster, \
+                distributed.Client(cluster) as client:
+            assert read_both(client, zarr_path, folder_path) == 600
+            stats = dmdask.stats(client)["total"]
+            assert stats["ram"]["blocks"] and stats["ssd"]["blocks"]
+            folders, files = worker_entries(open_root)
+            assert any("/shm/" in f for f in files) and any("/ssd/" in f for f in files), files
+            for path in folders:
+                assert stat.S_IMODE(os.stat(path).st_mode) == 0o700, path
+            for path in files:
+                assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, path
+            assert subprocess.run(["grep", "-rl", "sample-0000", open_root], capture_output=True).stdout
+            found = as_nobody("grep", "-rl", "sample-0000", open_root)
+            assert found.stdout == "" and "Permission denied" in found.stderr
+            assert as_nobody("cat", files[0]).returncode != 0
+            # the training process (the worker's user) still maps them: a warm epoch from files
+            assert read_both(client, zarr_path, folder_path) == 600
+    finally:
+        os.umask(old)
+
+
+def test_a_configured_group_may_read_the_tier_files(open_root, tmp_path):
+    """`dmdask.worker.group`: folders 2750 and files 0640 of that group, even under umask 077."""
+    zarr_path = write_zarr(str(tmp_path / "d.zarr"), 300, chunk=50)
+    folder_path = write_folder(str(tmp_path / "folder"), classes=3, per_class=100)
+    gid = os.getgid()
+    old = os.umask(0o077)
+    try:
+        with dask.config.set({"dmdask.worker.group": str(gid)}), \
+                dmdask.LocalCluster(n_workers=1, ram="64 KiB", ssd="64 MiB", shm_dir=os.path.join(open_root, "shm"),
+                                    ssd_dir=os.path.join(open_root, "ssd")) as cluster, \
+                distributed.Client(cluster) as client:
+            assert read_both(client, zarr_path, folder_path) == 600
+            folders, files = worker_entries(open_root)
+            assert files
+            for path in folders:
+                assert stat.S_IMODE(os.stat(path).st_mode) == 0o2750 and os.stat(path).st_gid == gid, path
+            for path in files:
+                assert stat.S_IMODE(os.stat(path).st_mode) == 0o640 and os.stat(path).st_gid == gid, path
+    finally:
+        os.umask(old)
+
+
+def test_an_unknown_group_is_a_clear_error():
+    from dmdask.worker.modes import group_id
+
+    with pytest.raises(dmdask.SpecError, match="dmdask.worker.group"):
+        group_id("no-such-group-here")
+
+
+@pytest.fixture(scope="module")
+def allowed_cluster(tmp_path_factory):
+    """Workers that read only sources under `allowed/`."""
+    root = tmp_path_factory.mktemp("sources")
+    os.makedirs(root / "allowed")
+    with dask.config.set({"dmdask.worker.allowed-sources": [str(root / "allowed")]}):  # the workers' config only
+        cluster = dmdask.LocalCluster(n_workers=2, ram="16 MiB", dashboard_address=":0")
+    with cluster, distributed.Client(cluster) as client:
+        yield root, client
+
+
+def test_workers_read_only_the_allowed_sources(allowed_cluster):
+    root, client = allowed_cluster
+    inside = write_zarr(str(root / "allowed" / "in.zarr"), 200, chunk=50)
+    outside = write_zarr(str(root / "allowed-not" / "out.zarr"), 200, chunk=50)  # a string prefix, not a folder
+    assert sum(len(b["index"]) for b in dmdask.batches(client, dmdask.Spec(inside, batch_size=50))) == 200
+    for source in (outside, str(root / "allowed" / ".." / "allowed-not" / "out.zarr")):
+        with pytest.raises(dmdask.SourceNotAllowedError) as info:
+            list(dmdask.batches(client, dmdask.Spec(source, batch_size=50)))
+        assert isinstance(info.value, ValueError)
+        assert str(root / "allowed") in str(info.value) and "allowed-sources" in str(info.value)
+    assert dmdask.stats(client)["total"]["shared_store"]["bytes"] == 200 * (8 * 4 + 8)  # nothing read outside
+
+
+def test_transparent_reads_are_held_to_the_allowed_sources(allowed_cluster):
+    """A `dmdask::` read of a file outside the prefixes: the reader's own read is its
+    own business, but no worker loads the file (nor takes it handed over)."""
+    import fsspec
+
+    import dmdask.fs
+
+    root, client = allowed_cluster
+    secret = root / "secret.bin"
+    secret.write_bytes(b"not for the workers" * 100)
+    before = dmdask.stats(client)["total"]
+    try:
+        for _ in range(2):
+            with fsspec.open(f"dmdask::file://{secret}", "rb") as f:
+                assert f.read() == secret.read_bytes()  # read by this process itself, with its own rights
+    finally:
+        dmdask.fs.close()
+    after = dmdask.stats(client)["total"]
+    assert after["shared_store"] == before["shared_store"]
+    assert after["ram"]["blocks"] == before["ram"]["blocks"]
+
+
+@pytest.fixture(scope="module")
+def plain_cluster():
+    with dmdask.LocalCluster(n_workers=1, ram="16 MiB", dashboard_address=":0") as cluster, \
+            distributed.Client(cluster) as client:
+        yield client
+
+
+def refused(client, call, /, **msg):
+    with pytest.raises(dmdask.HandlerArgumentError) as info:
+        client.sync(call, **msg)
+    return str(info.value)
+
+
+def test_worker_handlers_refuse_bad_arguments_and_change_nothing(plain_cluster, tmp_path):
+    client = plain_cluster
+    path = write_zarr(str(tmp_path / "d.zarr"), 100, chunk=50)
+    assert sum(len(b["index"]) for b in dmdask.batches(client, dmdask.Spec(path, batch_size=50))) == 100
+    before = dmdask.stats(client)["total"]
+    worker = client.rpc(next(iter(client.scheduler_info()["workers"])))
+    message = refused(client, worker.dmdask_count_hits, hits={"ram": [-999_999_999_999, 0]})
+    assert "dmdask_count_hits" in message and "samples" in message and ">= 0" in message
+    refused(client, worker.dmdask_count_hits, hits={"ram": [1, 1], "gpu": [1, 1]})  # no such tier
+    refused(client, worker.dmdask_count_hits, hits={"ram": [1, 1], "ssd": ["many", 1]})  # nothing of it counted
+    refused(client, worker.dmdask_count_hits, hits={"ram": [1.5, 1]})
+    refused(client, worker.dmdask_count_hits, hits=[1, 2])
+    refused(client, worker.dmdask_describe, keys="dmdask-block-x-0")
+    refused(client, worker.dmdask_rows, msg=["dmdask-block-x-0"])
+    good_batch = {"requests": {}, "positions": {}, "index": np.arange(2), "sizes": [2], "fields": ["x"],
+                  "transform": None}
+    for bad in ({"sizes": [3]}, {"sizes": [-1, 3]}, {"fields": "x"}, {"transform": "code"}, {"nonsense": 1},
+                {"requests": {"tcp://a:1": {}}, "positions": {}}, {"context": {"epoch": -1, "seed": 0}},
+                {"requests": {"tcp://a:1": {}}, "positions": {"tcp://a:1": np.array([0, 5])}}):
+        with pytest.raises(dmdask.HandlerArgumentError, match="dmdask_batch"):
+            client.sync(worker.dmdask_batch, msg=distributed.protocol.to_serialize({**good_batch, **bad}))
+    after = dmdask.stats(client)["total"]
+    assert after["ram"]["hits"] == before["ram"]["hits"] and after["ssd"]["hits"] == before["ssd"]["hits"]
+    client.sync(worker.dmdask_count_hits, hits={"ram": [2, 16]})  # a good report still counts
+    assert dmdask.stats(client)["total"]["ram"]["hits"] == before["ram"]["hits"] + 2
+
+
+def test_scheduler_handlers_refuse_bad_arguments_and_change_nothing(plain_cluster, tmp_path):
+    client = plain_cluster
+    path = write_zarr(str(tmp_path / "d.zarr"), 100, chunk=50)
+    assert sum(len(b["index"]) for b in dmdask.batches(client, dmdask.Spec(path, batch_size=50))) == 100
+    before = client.sync(client.scheduler.dmdask_datasets)
+    s = client.scheduler
+    info = {"name": "ds-x", "identity": "x", "url": "/x", "fields": ["x"], "num_samples": 10, "block_len": 5,
+            "nbytes": 40}
+    assert client.sync(s.dmdask_get_or_claim, name="ds-x", claimant="me") == {"status": "claimed"}
+    for bad in ({"num_samples": -1}, {"block_len": 0}, {"fields": "x"}, {"nbytes": -5}, {"identity": ""},
+                {"extra": 1}):
+        message = refused(client, s.dmdask_register, name="ds-x", claimant="me", info={**info, **bad})
+        assert "dmdask_register" in message and "info" in message
+    for order in ([0, 0], [0, 1, 2], [5, 0], ["a", "b"]):
+        assert "order" in refused(client, s.dmdask_register, name="ds-x", claimant="me", info=info, order=order)
+    refused(client, s.dmdask_get_or_register, name="fs-y", info={**info, "num_samples": "10"})
+    refused(client, s.dmdask_locate, keys="dmdask-block-x-0")
+    refused(client, s.dmdask_locate, keys=["dmdask-block-x-0"], timeout=10**9)
+    refused(client, s.dmdask_locate, keys=["dmdask-block-x-0"], timeout=-1)
+    refused(client, s.dmdask_open_blocks, datasets=[["fs-y", {**info, "block_len": -1}]], keys=[], client="c")
+    refused(client, s.dmdask_open_blocks, datasets="fs-y", keys=[], client="c")
+    refused(client, s.dmdask_release, name=7)
+    refused(client, s.dmdask_get_or_claim, name=None, claimant="me")
+    client.sync(s.dmdask_abandon, name="ds-x", claimant="me")
+    assert client.sync(s.dmdask_datasets) == before  # the registry is as it was
+    assert sum(len(b["index"]) for b in dmdask.batches(client, dmdask.Spec(path, batch_size=50))) == 100
