@@ -30,13 +30,13 @@ from .common import dataset_bytes, dmdask_cluster, ratio, served_bytes, workdir,
 PRESETS = {
     "tiny": {"samples": 512, "sample_bytes": 4096, "batch": 32, "world": 2, "epochs": 2, "rate": 4000,
              "latency": 0.001, "bandwidth": 2 * 2**20, "block": 32, "loader_workers": 2,
-             "warm": {"samples": 4000, "sample_bytes": 3072, "chunk": 100, "batch": 64, "ranks": [1, 2]}},
+             "warm": {"samples": [4000], "sample_bytes": 3072, "chunk": 100, "batch": 64, "ranks": [1, 2]}},
     "quick": {"samples": 3072, "sample_bytes": 16384, "batch": 32, "world": 2, "epochs": 2, "rate": 1000,
               "latency": 0.002, "bandwidth": 16 * 2**20, "block": 64, "loader_workers": 2,
-              "warm": {"samples": 40000, "sample_bytes": 3072, "chunk": 500, "batch": 256, "ranks": [1, 2]}},
+              "warm": {"samples": [40000, 160000], "sample_bytes": 3072, "chunk": 500, "batch": 256, "ranks": [1, 2]}},
     "full": {"samples": 8192, "sample_bytes": 16384, "batch": 64, "world": 2, "epochs": 2, "rate": 1500,
              "latency": 0.002, "bandwidth": 24 * 2**20, "block": 128, "loader_workers": 2,
-             "warm": {"samples": 200000, "sample_bytes": 3072, "chunk": 1000, "batch": 256, "ranks": [1, 2]}},
+             "warm": {"samples": [40000, 200000], "sample_bytes": 3072, "chunk": 1000, "batch": 256, "ranks": [1, 2]}},
 }
 SEED = 0
 GRID = 0.01  # seconds per step of the timelines
@@ -184,29 +184,37 @@ def run(preset: str) -> dict:
 
 
 def _warm_cache(root: str, cfg: dict) -> dict:
-    """Part 2: a new process's first epoch on a warm cache against its second."""
+    """Part 2: a new process's first epoch on a warm cache against its second, for each
+    dataset size: what the first epoch pays more is a fixed cost of a new process."""
+    out = {"sample_bytes": cfg["sample_bytes"], "points": []}
+    for n in cfg["samples"]:
+        out["points"] += _warm_points(root, cfg, n)
+    return out
+
+
+def _warm_points(root: str, cfg: dict, n: int) -> List[dict]:
     import distributed
     import zarr
 
-    n, sample_bytes = cfg["samples"], cfg["sample_bytes"]
-    path = os.path.join(root, "warm.zarr")
+    sample_bytes = cfg["sample_bytes"]
+    path = os.path.join(root, f"warm-{n}.zarr")
     group = zarr.open_group(path, mode="w")
     data = np.random.default_rng(0).integers(0, 256, size=(n, sample_bytes), dtype=np.uint8)
     group.create_array("x", shape=data.shape, chunks=(cfg["chunk"], sample_bytes), dtype="uint8")[:] = data
     group.create_array("label", shape=(n,), chunks=(cfg["chunk"],), dtype="int64")[:] = np.arange(n)
+    del data
     ram = int(n * (sample_bytes + 8) * 0.75) + (32 << 20)  # each of 2 workers: more than half the dataset
-    out = {"samples": n, "sample_bytes": sample_bytes, "points": []}
+    points = []
     with dmdask_cluster(2, ram=ram) as cluster, distributed.Client(cluster):
         address = cluster.scheduler_address
         _spawn(_warm_rank, 1, address, path, dict(cfg, epochs=1))  # loads the cache, then exits
         for world in cfg["ranks"]:
             ranks = _spawn(_warm_rank, world, address, path, dict(cfg, epochs=2))
             first, second = (_span([r["epochs"][e] for r in ranks]) for e in (0, 1))
-            out["points"].append({"ranks": world, "first_s": first, "second_s": second,
-                                  "ratio": ratio(first, second),
-                                  "exactly_once": all(_exactly_once([r["epochs"][e] for r in ranks], n)
-                                                      for e in (0, 1))})
-    return out
+            points.append({"samples": n, "ranks": world, "first_s": first, "second_s": second,
+                           "ratio": ratio(first, second),
+                           "exactly_once": all(_exactly_once([r["epochs"][e] for r in ranks], n) for e in (0, 1))})
+    return points
 
 
 def _span(epochs: List[dict]) -> float:
@@ -264,9 +272,10 @@ def _goals(result: dict) -> List[dict]:
     ]
     for p in result["warm"]["points"]:
         goals.append({"goal": f"a new process on a warm cache: first epoch <= 1.3x its second ({p['ranks']} "
-                              f"rank{'s' if p['ranks'] > 1 else ''})",
+                              f"rank{'s' if p['ranks'] > 1 else ''}, {p['samples']:,} samples)",
                       "met": p["ratio"] <= 1.3 and p["exactly_once"],
-                      "measured": f"{p['ratio']:.2f} ({p['first_s']:.2f} s vs {p['second_s']:.2f} s)"})
+                      "measured": f"{p['ratio']:.2f} ({p['first_s']:.3f} s vs {p['second_s']:.3f} s: "
+                                  f"{(p['first_s'] - p['second_s']) * 1e3:.0f} ms more)"})
     return goals
 
 
@@ -298,11 +307,16 @@ def report(result: dict, plots_dir: str) -> str:
     if plot:
         lines += ["", f"![store requests in flight and batches delivered](benchmarks/{plot})"]
     w = result["warm"]
-    lines += ["", f"Part 2: a warm cache ({w['samples']:,} samples of {w['sample_bytes']:,} B in the RAM of 2 "
-                  "workers, loaded by another process), new rank processes, two epochs each, no compute.", "",
-              "| ranks | first epoch | second epoch | first / second | every sample once |", "|---:|---:|---:|---:|:-:|"]
+    lines += ["", f"Part 2: a warm cache (samples of {w['sample_bytes']:,} B in the RAM of 2 workers, loaded by "
+                  "another process), new rank processes, two epochs each, no compute. The first epoch includes "
+                  "making the iterator (opening the dataset, learning where its blocks are, mapping the arenas) "
+                  "and the first touch of the mapped and output memory: a fixed cost of a new process, so "
+                  "the ratio falls as the dataset grows.", "",
+              "| samples | ranks | first epoch | second epoch | first - second | first / second | every sample once |",
+              "|---:|---:|---:|---:|---:|---:|:-:|"]
     for p in w["points"]:
-        lines.append(f"| {p['ranks']} | {p['first_s']:.3f} s | {p['second_s']:.3f} s | {p['ratio']:.2f} | "
+        lines.append(f"| {p.get('samples', 0):,} | {p['ranks']} | {p['first_s']:.3f} s | {p['second_s']:.3f} s | "
+                     f"{(p['first_s'] - p['second_s']) * 1e3:.0f} ms | {p['ratio']:.2f} | "
                      f"{'yes' if p['exactly_once'] else 'no'} |")
     lines.append(f"\nWhole scenario: {result['seconds']:.0f} s.\n")
     return "\n".join(lines) + "\n"

@@ -40,6 +40,24 @@ def test_harness_runs_every_scenario_and_writes_the_page(tmp_path):
 
 
 @pytest.mark.slow
+def test_cold_scenario_runs_and_reports(tmp_path):
+    """Scenario 10 at tiny size: both loaders deliver every sample once an epoch, dmdask reads the
+    store once over both epochs, and every warm-cache point is reported."""
+    results = run("tiny", ["cold"], out_dir=str(tmp_path), write_doc=False)
+    cold = results["scenarios"]["cold"]
+    assert "error" not in cold, cold
+    for loader in ("baseline", "dmdask"):
+        assert all(e["exactly_once"] for e in cold["loaders"][loader]["epochs"]), loader
+    assert cold["loaders"]["dmdask"]["store_d"] == pytest.approx(1.0, abs=0.02)
+    assert cold["loaders"]["baseline"]["store_d"] == pytest.approx(2.0, abs=0.02)  # 2 epochs, no cache
+    points = cold["warm"]["points"]
+    assert [(p["samples"], p["ranks"]) for p in points] == [(4000, 1), (4000, 2)]
+    assert all(p["exactly_once"] for p in points)
+    page = report.write(results, path=str(tmp_path / "benchmarks.md"), plots_dir=str(tmp_path / "plots"))
+    assert "| 10 |" in open(page).read() and os.listdir(tmp_path / "plots") == ["cold.png"]
+
+
+@pytest.mark.slow
 def test_transparent_scenario_runs_and_reports(tmp_path):
     """Its tiny preset runs in a fresh interpreter: its DataLoader forks worker processes, which must not
     inherit the threads and locks earlier tests left in this one (zarr's IO thread)."""
