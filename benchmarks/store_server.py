@@ -5,7 +5,8 @@ sends, and can emulate a contended store: a latency before each request and one
 bandwidth cap shared by all clients.  It speaks what fsspec's ``HTTPFileSystem`` (and
 so zarr's ``FsspecStore``) needs: ``GET``/``HEAD`` with ``Content-Length`` and
 ``Accept-Ranges`` (and, for files, ``Last-Modified`` and an ``ETag`` of the
-modification time and size, as object stores give), single ``Range`` requests (``206``, ``416``), ``404`` for missing
+modification time and size, as object stores give), single ``Range`` requests (``206``, ``416``), ``If-Match`` (``412`` when the
+file's ETag is another), ``404`` for missing
 files and an HTML index of ``<a href="name">`` links (``name/`` for folders) for a
 folder, which is what fsspec's ``ls``/``find``/``glob`` scrape.  It runs on aiohttp in
 a background thread with its own event loop::
@@ -254,8 +255,11 @@ class StoreServer:
         if rng.start is not None and rng.start >= size > 0:
             raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{size}"})
         start, stop, _ = rng.indices(size)
-        response = web.StreamResponse(status=200, headers={"Accept-Ranges": "bytes",
-                                                           "ETag": f'"{st.st_mtime_ns:x}-{size:x}"'})
+        etag = f'"{st.st_mtime_ns:x}-{size:x}"'
+        wanted = request.headers.get("If-Match")
+        if wanted is not None and wanted.strip() != "*" and etag not in [t.strip() for t in wanted.split(",")]:
+            raise web.HTTPPreconditionFailed(text=f"{key} is no longer the version asked for\n")
+        response = web.StreamResponse(status=200, headers={"Accept-Ranges": "bytes", "ETag": etag})
         response.last_modified = st.st_mtime
         if (rng.start, rng.stop) != (None, None) and size:
             response.set_status(206)

@@ -170,6 +170,37 @@ def test_a_file_changed_between_runs_is_not_served_stale(store, cluster):
     assert sent(server, ["changing.bin"])["changing.bin"]["bytes"] == 0
 
 
+@pytest.mark.parametrize("where", ["http", "file"])
+def test_a_file_rewritten_during_a_run_is_read_in_one_version_or_named(store, cluster, where):
+    """One run reads a file's first block, the file is rewritten (same size, new bytes and
+    modification time), then the run reads it whole: it gets one version's bytes, never
+    blocks of both (as it did: the old size made of blocks of three versions), or an
+    error naming the file and saying it changed."""
+    server, root = store
+    path = root / f"rewritten-{where}.bin"
+    path.write_bytes(b"a" * (3 * 65536))
+    new = b"b" * (3 * 65536)
+    url = f"dmdask::{server.url}/{path.name}" if where == "http" else f"dmdask::file://{path}"
+    code = ("import fsspec, distributed, dmdask, os, pathlib\n"
+            f"path = pathlib.Path({str(path)!r})\n"
+            f"with distributed.Client({cluster.scheduler_address!r}):\n"
+            f"    with fsspec.open({url!r}, 'rb', block_size=65536) as f:\n"
+            "        assert f.read(100) == b'a' * 100\n"
+            f"    st = path.stat(); path.write_bytes(b'b' * {len(new)})\n"
+            "    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 5 * 10**9))\n"
+            "    try:\n"
+            f"        data = fsspec.open({url!r}, 'rb').open().read()\n"
+            "        print('READ', 'old' if data == b'a' * len(data) and len(data) == path.stat().st_size else\n"
+            "              'new' if data == path.read_bytes() else 'MIXED')\n"
+            "    except OSError as exc:\n"
+            "        print('ERROR', exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env(DMDASK_FS_RUN=None, DASK_DMDASK__FS__BLOCK_SIZE="64 KiB"),
+                         capture_output=True, text=True, timeout=PROCESS_SECONDS)
+    said = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-2000:]
+    assert said in ("READ old", "READ new") or (said.startswith("ERROR") and path.name in said and "changed" in said), \
+        said + out.stderr[-2000:]
+
+
 def test_the_protocol_is_registered_by_the_entry_point_and_by_import():
     import importlib
     import tomllib

@@ -16,11 +16,14 @@ it needs comes from the file's info.
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
+import os
 from typing import Optional
 
 import fsspec
+import fsspec.asyn
 import numpy as np
 
 from .base import BlockReader, DatasetInfo, Source, block_key, filesystem
@@ -38,15 +41,47 @@ def file_identity(url: str, options: str, size: int, version, block_bytes: int) 
 
 def read_blocks(readers) -> list:
     """Each block's bytes from the store, one ranged request per block (concurrent on an
-    async filesystem: HTTP, S3, GCS), or the exception its read raised. The readers are of
-    files on one filesystem; it is this process's own (fsspec makes one per process)."""
+    async filesystem: HTTP, S3, GCS), or the exception its read raised (`FileChanged`
+    when the file is no longer the version its dataset was opened at). The readers are
+    of files on one filesystem; it is this process's own (fsspec makes one per process)."""
     first = readers[0]
     try:
         fs = fsspec.filesystem(first.protocol, **json.loads(first.options))
-        return fs.cat_ranges([r.path for r in readers], [r.first for r in readers], [r.last for r in readers],
-                             on_error="return")
+        if not getattr(fs, "async_impl", False):
+            return [_or_error(r.read_bytes, fs) for r in readers]
+        return fsspec.asyn.sync(fs.loop, asyncio.gather, *(r.read_bytes_async(fs) for r in readers),
+                                return_exceptions=True)
     except Exception as exc:  # noqa: BLE001 - the caller leaves these blocks to their workers
         return [exc] * len(readers)
+
+
+def _or_error(read, *args):
+    try:
+        return read(*args)
+    except Exception as exc:  # noqa: BLE001 - returned, as cat_ranges(on_error="return") does
+        return exc
+
+
+class FileChanged(OSError):
+    """A block's file is no longer the version its dataset was opened at."""
+
+
+def _precondition(protocol: str, version) -> dict:
+    """Keyword arguments of a ranged read that make the store refuse another version
+    of the file: HTTP's If-Match on the file's ETag, S3's version id (of a versioned
+    bucket); {} where the store offers neither (a local file is checked by its mtime
+    after the read; other stores are not checked: docs/transparent.md)."""
+    fields = dict(version or ())
+    if protocol in ("http", "https") and fields.get("ETag"):
+        return {"headers": {"If-Match": fields["ETag"]}}
+    if protocol in ("s3", "s3a") and fields.get("VersionId"):
+        return {"version_id": fields["VersionId"]}
+    return {}
+
+
+def _refused(exc: BaseException) -> bool:
+    """Whether a read failed because the store holds another version (HTTP 412)."""
+    return getattr(exc, "status", None) == 412
 
 
 class FileSource(Source):
@@ -62,6 +97,7 @@ class FileSource(Source):
         self.info = DatasetInfo(name=f"fs-{identity}", identity=identity, url=url, fields=FIELDS, num_samples=rows,
                                 block_len=block_bytes // ROW_BYTES, nbytes=size + 8 * rows)
         self.protocol, self.options, self.path, self.size = protocol, options, path, size
+        self.version = version
 
     @property
     def block_bytes(self) -> int:
@@ -71,14 +107,15 @@ class FileSource(Source):
         start, stop = self.info.block_range(k)
         first, last = start * ROW_BYTES, min(self.size, stop * ROW_BYTES)
         return FileBlockReader(self.info.url, self.protocol, self.options, self.path, first, last,
-                               self.info.identity, k, start, stop)
+                               self.info.identity, k, start, stop, self.version)
 
 
 class FileBlockReader(BlockReader):
     """Reads bytes first..last-1 of one file (one ranged read) as rows of ROW_BYTES."""
 
-    def __init__(self, url, protocol, options, path, first, last, identity, index, start, stop):
+    def __init__(self, url, protocol, options, path, first, last, identity, index, start, stop, version=None):
         self.url, self.protocol, self.options, self.path = url, protocol, options, path
+        self.version = version  # [[field, value], ...] of the file's info (`dmdask.fs.session.version_of`)
         self.first, self.last = first, last
         self.index, self.start, self.stop = index, start, stop
         self.key = block_key(identity, index)
@@ -89,8 +126,44 @@ class FileBlockReader(BlockReader):
         return ("dmdask-file-block", self.key, self.url, self.options, self.first, self.last)
 
     def _read(self) -> dict:
-        return self.decode(filesystem(self.protocol, self.options).cat_file(self.path, start=self.first,
-                                                                            end=self.last))
+        return self.decode(self.read_bytes(filesystem(self.protocol, self.options)))
+
+    def read_bytes(self, fs) -> bytes:
+        """The block's bytes of the version the dataset was opened at; `FileChanged` if the
+        store now holds another (so a read never mixes blocks of two versions)."""
+        try:
+            condition = _precondition(self.protocol, self.version)
+            content = fs.cat_file(self.path, start=self.first, end=self.last, **condition)
+        except Exception as exc:
+            if _refused(exc):
+                raise self._changed() from exc
+            raise
+        self._check_local_version()
+        return content
+
+    async def read_bytes_async(self, fs) -> bytes:
+        """`read_bytes` on an async filesystem's event loop."""
+        try:
+            condition = _precondition(self.protocol, self.version)
+            return await fs._cat_file(self.path, start=self.first, end=self.last, **condition)
+        except Exception as exc:
+            if _refused(exc):
+                raise self._changed() from exc
+            raise
+
+    def _check_local_version(self) -> None:
+        fields = dict(self.version or ())
+        if self.protocol in ("file", "local") and "mtime" in fields:
+            try:
+                now = os.stat(self.path).st_mtime
+            except FileNotFoundError:
+                raise self._changed() from None
+            if str(now) != fields["mtime"] and repr(now) != fields["mtime"]:
+                raise self._changed()
+
+    def _changed(self) -> FileChanged:
+        return FileChanged(f"{self.url} changed while it was being read (it is no longer the version "
+                           f"{dict(self.version or ())} it was opened at); read it again to get the new version")
 
     def decode(self, content: bytes) -> dict:
         """The block's rows from its bytes as the store gave them."""
