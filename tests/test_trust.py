@@ -216,3 +216,48 @@ def test_scheduler_handlers_refuse_bad_arguments_and_change_nothing(plain_cluste
     client.sync(s.dmdask_abandon, name="ds-x", claimant="me")
     assert client.sync(s.dmdask_datasets) == before  # the registry is as it was
     assert sum(len(b["index"]) for b in dmdask.batches(client, dmdask.Spec(path, batch_size=50))) == 100
+
+
+def _digest_in_new_process(url: str, scheduler: str) -> str:
+    """sha1 of a file read whole through `dmdask::` by a new process (a run of its own)."""
+    import sys
+
+    code = ("import fsspec, hashlib, distributed, dmdask\n"
+            f"with distributed.Client({scheduler!r}):\n"
+            f"    print(hashlib.sha1(fsspec.open({url!r}).open().read()).hexdigest())\n")
+    env = {k: v for k, v in os.environ.items() if k != "DMDASK_FS_RUN"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240,
+                         check=True)
+    return out.stdout.strip()
+
+
+def test_bytes_handed_over_by_another_client_are_never_served(tmp_path):
+    """A client that computes a block's key sends its own bytes to `dmdask_hand_over` on every
+    worker; readers in new processes must still get the store's bytes, the first (whose
+    load takes only what it handed over itself) and the next (served from the cache)."""
+    import hashlib
+
+    import fsspec
+
+    from benchmarks.store_server import StoreServer
+
+    (tmp_path / "data.bin").write_bytes(b"s" * 5000)
+    with StoreServer(str(tmp_path)) as store, \
+            dmdask.LocalCluster(n_workers=2, ram="16 MiB", dashboard_address=None) as cluster, \
+            distributed.Client(cluster) as client:
+        url = store.url + "/data.bin"
+        fs, path = fsspec.core.url_to_fs("dmdask::" + url)
+        key = fs.source(path, fsspec.filesystem("http").info(url)).reader(0).key  # what an attacker can compute
+        poison = {key: b"p" * 5000}
+        for worker in client.scheduler_info()["workers"]:
+            try:  # whatever the handler takes: with a made-up claim, or none
+                client.sync(client.rpc(worker).dmdask_hand_over, blocks=poison, claim="made-up")
+            except Exception:  # noqa: BLE001 - a handler without claims
+                client.sync(client.rpc(worker).dmdask_hand_over, blocks=poison)
+        truth = hashlib.sha1(b"s" * 5000).hexdigest()
+        assert _digest_in_new_process("dmdask::" + url, cluster.scheduler_address) == truth
+        assert _digest_in_new_process("dmdask::" + url, cluster.scheduler_address) == truth  # from the cache
+        with pytest.raises(dmdask.HandlerArgumentError, match="claim"):
+            client.sync(client.rpc(next(iter(client.scheduler_info()["workers"]))).dmdask_hand_over, blocks=poison)

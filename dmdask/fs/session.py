@@ -25,6 +25,7 @@ import atexit
 import logging
 import multiprocessing.util
 import os
+import secrets
 import threading
 import time
 import uuid
@@ -96,6 +97,7 @@ class Session:
     def __init__(self, address: str, parent: Optional["Session"] = None):
         self.address = address
         self._lock = threading.Lock()
+        self._claim = secrets.token_hex(16)  # what this process hands blocks over with (`Handovers`)
         self._client: Optional[distributed.Client] = None
         self.my_host: Optional[str] = None
         self.gatherer: Optional[Gatherer] = None
@@ -391,8 +393,10 @@ class Session:
         by_worker: Dict[str, dict] = {}
         for worker, reader, content in queued:
             by_worker.setdefault(worker, {})[reader.key] = content
+            reader.claim = self._claim  # its load task takes only the bytes handed over with it
         try:
-            replies = await asyncio.gather(*(client.rpc(w).dmdask_hand_over(blocks=to_serialize(blocks))
+            replies = await asyncio.gather(*(client.rpc(w).dmdask_hand_over(blocks=to_serialize(blocks),
+                                                                            claim=self._claim)
                                              for w, blocks in by_worker.items()), return_exceptions=True)
             for worker, reply in zip(by_worker, replies):
                 if isinstance(reply, BaseException):  # that worker reads those blocks itself

@@ -116,6 +116,7 @@ class FileBlockReader(BlockReader):
     def __init__(self, url, protocol, options, path, first, last, identity, index, start, stop, version=None):
         self.url, self.protocol, self.options, self.path = url, protocol, options, path
         self.version = version  # [[field, value], ...] of the file's info (`dmdask.fs.session.version_of`)
+        self.claim: Optional[str] = None  # the secret its reader handed its bytes over with (`Handovers`)
         self.first, self.last = first, last
         self.index, self.start, self.stop = index, start, stop
         self.key = block_key(identity, index)

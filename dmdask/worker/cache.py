@@ -92,15 +92,21 @@ class BlockCache:
     def read(self, reader) -> Block:
         """The block, read from the store, or as a reader handed it over (read from the
         store by that reader for this block: counted as this worker's store read)."""
-        content = self.handovers.take(reader.key)
+        content = self.handovers.take(reader.key, getattr(reader, "claim", None))
         arrays = reader.decode(content) if content is not None else reader.read(on_retry=self.store_reads.retried)
         block = Block(arrays, reader.start, reader.stop)
         self.store_reads.add(block.nbytes)
         return block
 
-    def hand_over_handler(self, blocks: Dict[str, bytes]) -> list:
-        """Keep blocks' bytes for their load tasks; the keys kept (others had no room)."""
-        return [key for key, content in blocks.items() if self.handovers.put(key, content)]
+    def hand_over_handler(self, blocks: Dict[str, bytes], claim: str = None) -> list:
+        """Keep blocks' bytes for their load tasks of claim `claim` (`Handovers`); the keys
+        kept (others had no room)."""
+        check.mapping("dmdask_hand_over", "blocks", blocks)
+        check.text("dmdask_hand_over", "claim", claim)
+        wrong = [key for key, content in blocks.items() if not isinstance(content, (bytes, bytearray, memoryview))]
+        if wrong:
+            raise check.refuse("dmdask_hand_over", f"blocks[{wrong[0]!r}]", "bytes", type(blocks[wrong[0]]).__name__)
+        return [key for key, content in blocks.items() if self.handovers.put(key, claim, content)]
 
     def read_rows(self, reader, rows) -> Arrays:
         arrays = reader.read_rows(rows, on_retry=self.store_reads.retried)
@@ -118,7 +124,7 @@ class BlockCache:
             return self._load_unsized(reader)
         tier = self.store.reserve(reader.nbytes)
         if tier is None:
-            self.handovers.take(reader.key)  # no room: its reader has the bytes; later reads stream them
+            self.handovers.take(reader.key, getattr(reader, "claim", None))  # no room: later reads stream them
             return Streamed(reader)
         if tier == "ram" and reader.row_granular:  # filled sample by sample as ranks ask
             return self.store.place(reader.key, tier, FillingBlock(reader), reader.nbytes)

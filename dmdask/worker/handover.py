@@ -5,9 +5,16 @@ is waiting) and then hands the bytes to the block's planned worker, before it su
 the block's load task (`dmdask.scheduler.plugin.DatasetsPlugin.open_blocks`). The task
 takes them from here instead of reading the store a second time.
 
+Bytes are kept under the claim they came with: a secret of the reading process, which
+it also puts in the block's load task (`FileBlockReader.claim`). A task takes only bytes
+handed over with its own claim, so bytes another client sends for the same key (to
+poison the cache) are never served: that block is read from the store. (A client that
+submits load tasks of its own runs code on the workers, which Dask's trust model lets
+any connected client do: docs/failures.md#trust-model.)
+
 Guarantees: memory is bounded (`capacity` bytes; a block that does not fit is dropped,
 and its task then reads the store); a block not taken within `seconds` is dropped; a
-block is taken at most once.
+block is taken at most once, and only with the claim it was handed over with.
 """
 from __future__ import annotations
 
@@ -26,24 +33,25 @@ class Handovers:
     def __init__(self, capacity: int = HANDOVER_BYTES, seconds: float = HANDOVER_SECONDS):
         self.capacity, self.seconds = capacity, seconds
         self.bytes = 0
-        self._blocks: "OrderedDict[str, tuple]" = OrderedDict()  # key -> (bytes, when)
+        self._blocks: "OrderedDict[tuple, tuple]" = OrderedDict()  # (key, claim) -> (bytes, when)
         self._lock = threading.Lock()
 
-    def put(self, key: str, content: bytes) -> bool:
-        """Keep `content` for the block `key`; False when there is no room for it."""
+    def put(self, key: str, claim: str, content: bytes) -> bool:
+        """Keep `content` for the block `key`'s task of claim `claim`; False when there is
+        no room for it."""
         now = time.monotonic()
         with self._lock:
             self._expire(now)
-            if key in self._blocks or self.bytes + len(content) > self.capacity:
-                return key in self._blocks
-            self._blocks[key] = (content, now)
+            if (key, claim) in self._blocks or self.bytes + len(content) > self.capacity:
+                return (key, claim) in self._blocks
+            self._blocks[(key, claim)] = (content, now)
             self.bytes += len(content)
             return True
 
-    def take(self, key: str) -> Optional[bytes]:
-        """The bytes handed over for `key` (removed), or None."""
+    def take(self, key: str, claim: Optional[str]) -> Optional[bytes]:
+        """The bytes handed over for `key` with `claim` (removed), or None."""
         with self._lock:
-            found = self._blocks.pop(key, None)
+            found = self._blocks.pop((key, claim), None) if claim is not None else None
             if found is None:
                 return None
             self.bytes -= len(found[0])
