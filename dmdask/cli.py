@@ -83,6 +83,8 @@ def status(argv) -> int:
         print(f"dmdask status: {exc}", file=sys.stderr)
         return 1
     print(format_table(stats))
+    for line in format_tiers(stats):
+        print(line)
     for line in format_warnings(stats):
         print(line)
     print()
@@ -162,6 +164,17 @@ def format_table(stats: dict) -> str:
         "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
         for row in cells
     )
+
+
+def format_tiers(stats: dict) -> list:
+    """One line per worker and tier: its folder and where its size came from (a setting,
+    the job's memory limit, the free space of its temp dir: `dmdask.worker.sizing`)."""
+    lines = []
+    for worker, s in sorted(stats["workers"].items()):
+        for tier in ("ram", "ssd"):
+            where = s[tier].get("dir") or ("the worker's memory" if tier == "ram" else "-")
+            lines.append(f"{worker} {tier}: {where}; size from {s[tier].get('source') or '-'}")
+    return lines
 
 
 def format_warnings(stats: dict) -> list:
