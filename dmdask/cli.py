@@ -83,12 +83,12 @@ def status(argv) -> int:
         print(f"dmdask status: {exc}", file=sys.stderr)
         return 1
     print(format_table(stats))
-    for line in format_tiers(stats):
-        print(line)
     for line in format_warnings(stats):
         print(line)
     print()
     print(format_datasets(stats["datasets"]))
+    print()
+    print("\n".join(format_tiers(stats)))
     if dashboard:
         print(f"\ndashboard page: {dashboard.rsplit('/', 1)[0]}/dmdask (with `dask scheduler --preload dmdask.dashboard`)")
     return 0

@@ -7,7 +7,7 @@
 #   export SLURM_CONF=STATE_DIR/slurm.conf    # what sinfo, srun and sbatch then need
 #   bash scripts/slurm-stop.sh [STATE_DIR]
 #
-# The node is named after `hostname`, with all of this machine's CPUs and memory. Every
+# The node is named after `hostname`, with all of this machine's CPUs (2 at least) and memory. Every
 # job gets a node-local temp dir, $SLURM_TMPDIR (STATE_DIR/tmp/JOBID, made by a task
 # prolog, removed by the epilog), as HPC sites provide. No cgroups: ProctrackType
 # linuxproc, TaskPlugin none (memory is not enforced; jobs see their grant in
@@ -20,6 +20,7 @@ PORT="${DMDASK_SLURM_PORT:-16817}"
 NODE="$(hostname -s)"
 USER_NAME="$(id -un)"
 CPUS="$(nproc)"
+[ "$CPUS" -ge 2 ] || CPUS=2  # the recipes run two ranks on the node; config_overrides lets a 1-CPU machine claim 2
 MEM_MB="$(awk '/MemTotal/ {print int($2 / 1024)}' /proc/meminfo)"
 
 for tool in munged slurmctld slurmd sinfo; do
@@ -79,6 +80,7 @@ SelectTypeParameters=CR_Core_Memory
 SchedulerType=sched/backfill
 MpiDefault=none
 ReturnToService=2
+SlurmdParameters=config_overrides
 SlurmdTimeout=30
 InactiveLimit=0
 KillWait=5
