@@ -156,3 +156,51 @@ def test_slurm_cluster_notebook_two_jobs_two_ranks_two_epochs(slurm, dataset, tm
     for epoch in range(2):
         assert f"epoch {epoch}: {SAMPLES} samples, {SAMPLES} distinct, ids 0..{SAMPLES - 1}" in lines, done.stdout
     assert _queue(slurm) == ""
+
+
+def _wait_for_state(slurm, job_id: str, want, seconds: float = 300) -> str:
+    """Poll squeue until job `job_id` is in one of `want` ("" once it left the queue)."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        state = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], env=slurm["env"], capture_output=True,
+                               text=True, timeout=30).stdout.strip()
+        if state in want:
+            return state
+        time.sleep(0.5)
+    raise AssertionError(f"job {job_id} did not reach {want} in {seconds} s (last: {state!r})")
+
+
+def test_a_requeued_job_refills_its_cache_and_reads_its_epoch_once(slurm, dataset, tmp_path):
+    """docs/hpc.md (c): the same script, requeued while it runs, on a fresh $SLURM_TMPDIR."""
+    import time
+
+    _write_doc_files(tmp_path)
+    record = tmp_path / "record"
+    submitted = subprocess.run(["sbatch", "--parsable", "--requeue", "-o", str(tmp_path / "job.out"),
+                                "--open-mode=append", "train.sbatch", "--source", dataset, "--epochs", "1",
+                                "--record", str(record)],
+                               cwd=tmp_path, env=slurm["env"], capture_output=True, text=True, timeout=60)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip().split(";")[0]
+    _wait_for_state(slurm, job_id, {"RUNNING"})
+    time.sleep(3)  # its scheduler and worker are starting or up
+    scontrol = ["scontrol"]
+    assert subprocess.run(scontrol + ["requeue", job_id], env=slurm["env"], timeout=60).returncode == 0
+    _wait_for_state(slurm, job_id, {"PENDING"})
+    # Slurm holds a requeued job back for a while (Reason=BeginTime): let it start now
+    subprocess.run(scontrol + ["update", f"JobId={job_id}", "StartTime=now"], env=slurm["env"], timeout=60)
+    _wait_for_state(slurm, job_id, {""})
+    log = (tmp_path / "job.out").read_text()
+    shown = subprocess.run(scontrol + ["show", "job", job_id], env=slurm["env"], capture_output=True, text=True,
+                           timeout=60).stdout
+    assert "Restarts=1" in shown and "JobState=COMPLETED" in shown, shown + log[-3000:]
+    assert "DUE TO JOB REQUEUE" in log
+
+    ranks = [json.loads((record / f"rank-{r}.json").read_text()) for r in range(2)]
+    assert sorted(i for r in ranks for i in r["epochs"]["0"]) == list(range(SAMPLES))
+    stats = json.loads((record / "stats.json").read_text())
+    (worker,) = stats["workers"].values()
+    assert worker["ssd"]["dir"].startswith(os.path.join(slurm["state"], "tmp", job_id) + os.sep)
+    assert stats["total"]["shared_store"]["bytes"] > 0  # the second run filled its cache from the store again
