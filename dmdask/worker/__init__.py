@@ -72,7 +72,7 @@ class Worker(distributed.Worker):
             return value if value is not None else dask.config.get(f"dmdask.worker.{name}")
 
         shm = _shm_folder(config("shm-dir", shm_dir))
-        ram_size = _ram_size(config("ram", ram), shm)
+        ram_size = _sized_ram(config("ram", ram), shm)
         ssd_setting = config("ssd", ssd)
         ssd_root, ssd_dir_source = sizing.ssd_folder(os.environ, config("ssd-dir", ssd_dir))
         store = TieredStore(
@@ -82,7 +82,7 @@ class Worker(distributed.Worker):
             shm_dir=shm,
             gid=group_id(config("group", group)),
         )
-        store.ram.source = ram_size.source
+        store.set_capacity("ram", ram_size.bytes, ram_size.source)
         kwargs["data"] = store
         super().__init__(*args, **kwargs)
         store.default_ssd_root(self.local_directory)
@@ -91,8 +91,7 @@ class Worker(distributed.Worker):
                                        float(dask.config.get("dmdask.worker.job.ssd-share")))
         else:
             ssd_size = sizing.explicit(store.ssd.capacity, "ssd")
-        store.ssd.capacity = ssd_size.bytes
-        store.ssd.source = f"{ssd_size.source}; folder: {ssd_dir_source}"
+        store.set_capacity("ssd", ssd_size.bytes, f"{ssd_size.source}; folder: {ssd_dir_source}")
         store.remove_stale()  # what crashed workers of this node left behind
         store.open_ssd()  # an unusable ssd_dir: a warning and stats()["ssd"]["error"], not a crash
         store.check_shared_memory()  # a RAM tier larger than /dev/shm: a warning and stats()["ram"]["warning"]
@@ -113,7 +112,7 @@ class Worker(distributed.Worker):
             self.dmdask.store.close()
 
 
-def _ram_size(setting, shm_dir) -> "sizing.Sized":
+def _sized_ram(setting, shm_dir) -> "sizing.Sized":
     """The RAM tier's size: `setting` when given, else from the job (`dmdask.worker.sizing`)."""
     if setting is not None:
         return sizing.explicit(capacity(setting, "ram"), "ram")

@@ -176,6 +176,13 @@ class TieredStore(MutableMapping):
         with self._lock:
             self._roots["ssd"] = self._roots["ssd"] or root
 
+    def set_capacity(self, tier: str, nbytes: int, source: str) -> None:
+        """A tier's capacity and where it came from (`dmdask.worker.sizing`); set by the
+        worker at start, before any block is placed."""
+        with self._lock:
+            stats = getattr(self, tier)
+            stats.capacity, stats.source = int(nbytes), source
+
     def open_ssd(self) -> Optional[str]:
         """Make the SSD tier's folder now when the tier has capacity, so that an unusable
         `ssd_dir` (a file, read-only, under a file) shows at start. Such a tier takes no
