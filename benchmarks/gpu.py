@@ -72,10 +72,10 @@ def run(preset: str) -> dict:
     model = torchvision.models.resnet50(weights=None).to(device, memory_format=torch.channels_last)
     step = _trainer(torch, model, device)
 
-    with workdir("gpu-") as root:
+    with workdir("gpu") as root:
         # in GPU memory: the ceiling
-        on_device = [(torch.from_numpy(images[i:i + batch]).to(device), torch.from_numpy(labels[i:i + batch]).to(device))
-                     for i in range(0, n - batch + 1, batch)]
+        on_device = [(torch.from_numpy(images[i:i + batch]).to(device),
+                      torch.from_numpy(labels[i:i + batch]).to(device)) for i in range(0, n - batch + 1, batch)]
         result["feeds"]["in_gpu_memory"] = _measure(torch, step, _cycle(on_device), cfg)
 
         # dmdask, warm cache
