@@ -147,3 +147,14 @@ def test_explicit_settings_win_over_the_job(job_env, tmp_path):
             dmdask.LocalCluster(n_workers=1, processes=False) as cluster, distributed.Client(cluster) as client:
         (worker,) = client.run(_tiers).values()
         assert worker["ram"]["capacity"] == 4 * MIB and worker["ssd"]["capacity"] == 0
+
+
+def test_status_prints_each_tiers_folder_and_size_source():
+    from dmdask.cli import format_tiers
+
+    tier = {"dir": "/job/tmp/dmdask-ssd-1-x", "source": "0.9 x free space of /job/tmp (1 TiB)"}
+    stats = {"workers": {"tcp://a:1": {"ram": {"dir": None, "source": "dmdask.worker.ram"}, "ssd": tier}}}
+    assert format_tiers(stats) == [
+        "tcp://a:1 ram: the worker's memory; size from dmdask.worker.ram",
+        "tcp://a:1 ssd: /job/tmp/dmdask-ssd-1-x; size from 0.9 x free space of /job/tmp (1 TiB)",
+    ]
