@@ -1,7 +1,7 @@
 # Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
 #
 # Three virtual environments, because the frameworks pin numpy differently:
-#   .venv     dmdask + PyTorch + JAX (CPU builds)   the main suite (tests/), with the formats extra
+#   .venv     dmdask + PyTorch + JAX (CPU builds)   the main suite (tests/), with the formats and jobqueue extras
 #   .venv-tf  dmdask + TensorFlow (tensorflow-cpu)  tests/test_tensorflow.py
 #   .venv-mx  dmdask + MXNet 1.9.1 + numpy 1.26.4   tests/test_mxnet.py
 #   .venv-peers  dmdask + the loaders it is compared with (Mosaic streaming, LitData, Grain,
@@ -26,7 +26,7 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/python -m pip install --upgrade pip
 	# The pinned CPU builds first, so the extras' ranges install nothing more.
 	$(BIN)/python -m pip install torch==2.13.0 jax==0.10.2 jaxlib==0.10.2
-	$(BIN)/python -m pip install -e ".[torch,jax,dashboard,images,demo,formats,test]"
+	$(BIN)/python -m pip install -e ".[torch,jax,dashboard,images,demo,formats,jobqueue,test]"
 	touch $@
 
 $(TF_BIN)/.installed: pyproject.toml
@@ -65,11 +65,13 @@ test: $(BIN)/.installed $(TF_BIN)/.installed $(MX_BIN)/.installed
 	$(MAKE) --no-print-directory test-mx || status=1; \
 	exit $$status
 
-# The dashboard test drives Debian's Chromium, the mount test libfuse (Debian's fuse3);
+# The dashboard test drives Debian's Chromium, the mount test libfuse (Debian's fuse3), the
+# Slurm tests Debian's slurm-wlm and munge (tests/test_slurm.py starts and stops them itself);
 # the scripts install them when missing.
 test-main: $(BIN)/.installed
 	bash scripts/install-browser.sh
 	bash scripts/install-fuse.sh
+	bash scripts/install-slurm.sh
 	$(BIN)/python -m pytest
 
 test-tf: $(TF_BIN)/.installed

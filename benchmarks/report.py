@@ -18,6 +18,7 @@ TITLES = {
     "scale": "6. Planning and block creation at 10^8 samples and 10^5 blocks",
     "transparent": "7. Transparent mode: an unmodified DataLoader through dmdask::",
     "cold": "10. First contact: epoch 1 in rank processes, and a new process on a warm cache",
+    "gpu": "11. GPUs fed from the cache: ResNet-50 images/s",
 }
 # `python -m benchmarks run --peers`: their own results file, merged into the page when present
 PEER_TITLES = {

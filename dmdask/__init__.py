@@ -18,6 +18,7 @@ from .errors import (BlockReadError, DmdaskError, HandlerArgumentError, NoWorker
                      SchedulerLostError, SourceError, SourceNotAllowedError, SourceNotFoundError, SpecError,
                      TransformError)
 from .spec import Mix, Spec, TransformContext, per_sample, transform_context
+from .ranks import Rank, rank_from_environment
 from .stats import stats
 from .worker import Worker
 from .fs.register import register as _register_fs
@@ -28,9 +29,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BatchIterator", "BlockReadError", "DmdaskError", "HandlerArgumentError", "LocalCluster", "Mix",
-    "NoWorkersError", "NotADmdaskWorker", "SchedulerLostError", "SourceError", "SourceNotAllowedError",
+    "NoWorkersError", "NotADmdaskWorker", "Rank", "SchedulerLostError", "SourceError", "SourceNotAllowedError",
     "SourceNotFoundError", "Spec", "SpecError", "TransformContext", "TransformError", "Worker", "batches",
-    "per_sample", "release", "stats", "transform_context",
+    "per_sample", "rank_from_environment", "release", "stats", "transform_context",
 ]
 
 

@@ -87,6 +87,8 @@ def status(argv) -> int:
         print(line)
     print()
     print(format_datasets(stats["datasets"]))
+    print()
+    print("\n".join(format_tiers(stats)))
     if dashboard:
         print(f"\ndashboard page: {dashboard.rsplit('/', 1)[0]}/dmdask (with `dask scheduler --preload dmdask.dashboard`)")
     return 0
@@ -162,6 +164,17 @@ def format_table(stats: dict) -> str:
         "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
         for row in cells
     )
+
+
+def format_tiers(stats: dict) -> list:
+    """One line per worker and tier: its folder and where its size came from (a setting,
+    the job's memory limit, the free space of its temp dir: `dmdask.worker.sizing`)."""
+    lines = []
+    for worker, s in sorted(stats["workers"].items()):
+        for tier in ("ram", "ssd"):
+            where = s[tier].get("dir") or ("the worker's memory" if tier == "ram" else "-")
+            lines.append(f"{worker} {tier}: {where}; size from {s[tier].get('source') or '-'}")
+    return lines
 
 
 def format_warnings(stats: dict) -> list:

@@ -28,7 +28,7 @@ SAMPLE_INTERVAL = 1.0  # seconds between two history points
 def empty_stats() -> dict:
     """A worker's stats with every counter at zero (the shape of `BlockCache.stats()`)."""
     tier = {"capacity": 0, "bytes": 0, "blocks": 0, "samples": 0, "hits": 0, "hit_bytes": 0, "full": False,
-            "error": None, "read_errors": 0, "warning": None}
+            "error": None, "read_errors": 0, "warning": None, "dir": None, "source": None}
     return {"ram": dict(tier), "ssd": dict(tier), "streamed_blocks": 0,
             "stream": {"hits": 0, "buffer_bytes": 0, "buffer_capacity": 0},
             "shared_store": {"requests": 0, "bytes": 0, "retries": 0}, "peer": {"bytes_out": 0, "bytes_in": 0}}

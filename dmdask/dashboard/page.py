@@ -125,7 +125,8 @@ class TiersPage:
     # -- figures ------------------------------------------------------------------------
     @staticmethod
     def _empty_occupancy() -> dict:
-        return {k: [] for k in ("worker", "bytes", "capacity", "label", "blocks", "bytes_text", "capacity_text")}
+        return {k: [] for k in ("worker", "bytes", "capacity", "label", "blocks", "bytes_text", "capacity_text",
+                                "dir", "source")}
 
     def _occupancy_figure(self, tier: str, title: str, color: str):
         source = self.occupancy[tier]
@@ -140,7 +141,8 @@ class TiersPage:
         fig.xgrid.grid_line_alpha = 0.4
         fig.yaxis.major_label_text_font_size = "11px"
         fig.add_tools(HoverTool(renderers=[bars], point_policy="follow_mouse", tooltips=[
-            ("worker", "@worker"), ("held", "@bytes_text"), ("capacity", "@capacity_text"), ("blocks", "@blocks")]))
+            ("worker", "@worker"), ("held", "@bytes_text"), ("capacity", "@capacity_text"), ("blocks", "@blocks"),
+            ("folder", "@dir"), ("size from", "@source")]))
         return fig
 
     def _hits_figure(self):
@@ -255,6 +257,8 @@ class TiersPage:
         self.occupancy[tier].data = {
             "worker": labels, "bytes": used, "capacity": caps, "label": text, "blocks": blocks,
             "bytes_text": [fmt_bytes(u) for u in used], "capacity_text": [fmt_bytes(c) for c in caps],
+            "dir": [str(s[tier].get("dir") or "-") for s in stats],
+            "source": [str(s[tier].get("source") or "-") for s in stats],
         }
         end = max(caps + used + [1])
         fig.x_range.end = end * 1.75  # room for the labels right of the bars

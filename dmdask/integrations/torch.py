@@ -22,6 +22,7 @@ import torch.distributed
 import torch.utils.data
 
 import dmdask
+from ._device import CudaFeeder, check_device
 from ._passes import _EpochPasses
 from ._rank import spec_for_rank
 
@@ -108,8 +109,15 @@ class TorchLoader(_EpochPasses):
         explicit values that disagree with it raise ValueError. Resolved once, here.
     pin_memory: pin tensors in page-locked memory for faster host-to-GPU copies. Only
         when `torch.cuda.is_available()`; on CPU-only builds or machines it is a no-op
-        (pinning would raise there).
-    device: move tensors there (e.g. "cuda:0"), non-blocking when pinned.
+        (pinning would raise there). A CUDA `device` always pins.
+    device: where batches are handed out. None (default): host memory, as converted by
+        `to_torch`. A CUDA device ("cuda", "cuda:1", `rank.device` of
+        `dmdask.rank_from_environment()`): batches are copied through pinned buffers on a
+        CUDA stream of their own (`non_blocking`), `device_prefetch` batches ahead of the
+        training step, which waits for each batch's copy on its current stream
+        (`dmdask.integrations._device`); without CUDA, RuntimeError saying so, here. Any
+        other device ("cpu"): tensors moved there with `.to`.
+    device_prefetch: batches in flight on a CUDA device (default 2; 0: one at a time).
     epoch: the first epoch.
 
     With DistributedDataParallel, set `spec.drop_last=True` so that every rank takes the
@@ -121,12 +129,18 @@ class TorchLoader(_EpochPasses):
     """
 
     def __init__(self, client, spec: dmdask.Spec, *, pin_memory: bool = False,
-                 device: Union[str, torch.device, None] = None, epoch: int = 0):
+                 device: Union[str, torch.device, None] = None, device_prefetch: int = 2, epoch: int = 0):
         if not isinstance(spec, dmdask.Spec):
             raise TypeError(f"spec must be a dmdask.Spec, got {type(spec).__name__}")
-        self._init_passes(client, distributed_spec(spec), epoch, moves_on=False)
-        self.pin_memory = bool(pin_memory) and torch.cuda.is_available()
+        if int(device_prefetch) < 0:
+            raise ValueError(f"device_prefetch must be 0 or more (batches in flight on the device), "
+                             f"got {device_prefetch}")
         self.device = torch.device(device) if device is not None else None
+        cuda = check_device(torch, self.device)  # before anything starts: a clear error without CUDA
+        self.device_prefetch = int(device_prefetch)
+        self._init_passes(client, distributed_spec(spec), epoch, moves_on=False)
+        self.pin_memory = cuda or (bool(pin_memory) and torch.cuda.is_available())
+        self._feeder = CudaFeeder(torch, self.device, self.device_prefetch) if cuda else None
 
     def __iter__(self):
         if torch.utils.data.get_worker_info() is not None:
@@ -135,6 +149,8 @@ class TorchLoader(_EpochPasses):
                 "the Dask cluster itself; iterate it directly in the training process"
             )
         batches = self._pass()  # starts the pass here, at iter()
+        if self._feeder is not None:
+            return self._feeder(to_torch(batch) for batch in batches)
         return (self._place(to_torch(batch)) for batch in batches)
 
     def _place(self, batch: Dict[str, Any]) -> Dict[str, Any]:

@@ -16,6 +16,7 @@ from dask.utils import parse_bytes
 from ..errors import NotADmdaskWorker, SpecError
 from ..source.urls import check_source
 from .cache import BlockCache
+from . import sizing
 from .modes import group_id
 from .tiers import TieredStore
 
@@ -52,7 +53,10 @@ class Worker(distributed.Worker):
     """A Dask worker whose storage holds dmdask blocks in a RAM and an SSD tier.
 
     ram, ssd: per-worker capacities (bytes or "4 GiB"); ssd=0 disables the SSD tier.
-    ssd_dir: folder of the SSD tier (default: the worker's local directory). One that
+    Unset (and null in config), they come from the job the worker runs in: its memory
+    limit (Slurm, cgroup v2) and the free space of its temp dir (`dmdask.worker.sizing`).
+    ssd_dir: folder of the SSD tier (default: $SLURM_TMPDIR, else a batch job's $TMPDIR,
+    else the worker's local directory). One that
     cannot be used does not stop the worker: see `TieredStore.open_ssd`.
     shm_dir: shared-memory folder of the RAM tier (default /dev/shm; "" keeps RAM blocks
     in the worker's own memory, readable only through it).
@@ -67,16 +71,27 @@ class Worker(distributed.Worker):
         def config(name, value):
             return value if value is not None else dask.config.get(f"dmdask.worker.{name}")
 
+        shm = _shm_folder(config("shm-dir", shm_dir))
+        ram_size = _sized_ram(config("ram", ram), shm)
+        ssd_setting = config("ssd", ssd)
+        ssd_root, ssd_dir_source = sizing.ssd_folder(os.environ, config("ssd-dir", ssd_dir))
         store = TieredStore(
-            ram=capacity(config("ram", ram), "ram"),
-            ssd=capacity(config("ssd", ssd), "ssd"),
-            ssd_dir=config("ssd-dir", ssd_dir),
-            shm_dir=_shm_folder(config("shm-dir", shm_dir)),
+            ram=ram_size.bytes,
+            ssd=capacity(ssd_setting, "ssd") if ssd_setting is not None else 0,
+            ssd_dir=ssd_root,
+            shm_dir=shm,
             gid=group_id(config("group", group)),
         )
+        store.set_capacity("ram", ram_size.bytes, ram_size.source)
         kwargs["data"] = store
         super().__init__(*args, **kwargs)
         store.default_ssd_root(self.local_directory)
+        if ssd_setting is None:  # sized from the free space where the tier goes (dmdask.worker.sizing)
+            ssd_size = sizing.ssd_size(os.environ, store.root("ssd"),
+                                       float(dask.config.get("dmdask.worker.job.ssd-share")))
+        else:
+            ssd_size = sizing.explicit(store.ssd.capacity, "ssd")
+        store.set_capacity("ssd", ssd_size.bytes, f"{ssd_size.source}; folder: {ssd_dir_source}")
         store.remove_stale()  # what crashed workers of this node left behind
         store.open_ssd()  # an unusable ssd_dir: a warning and stats()["ssd"]["error"], not a crash
         store.check_shared_memory()  # a RAM tier larger than /dev/shm: a warning and stats()["ram"]["warning"]
@@ -95,6 +110,15 @@ class Worker(distributed.Worker):
         finally:
             self.dmdask.close()
             self.dmdask.store.close()
+
+
+def _sized_ram(setting, shm_dir) -> "sizing.Sized":
+    """The RAM tier's size: `setting` when given, else from the job (`dmdask.worker.sizing`)."""
+    if setting is not None:
+        return sizing.explicit(capacity(setting, "ram"), "ram")
+    return sizing.ram_size(os.environ, shm_dir,
+                           headroom=capacity(dask.config.get("dmdask.worker.job.headroom"), "job.headroom"),
+                           share=float(dask.config.get("dmdask.worker.job.ram-share")))
 
 
 def _shm_folder(value):

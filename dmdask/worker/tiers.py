@@ -46,6 +46,7 @@ class TierStats:
     error: Optional[str] = None  # why the tier's folder cannot be used; the tier then takes no blocks
     read_errors: int = 0  # blocks dropped because their files could not be read
     warning: Optional[str] = None  # a capacity the device cannot hold (a RAM tier larger than /dev/shm)
+    source: Optional[str] = None  # where the capacity came from (a setting, the job's limits: `sizing`)
 
     def room(self) -> int:
         return self.capacity - self.bytes - self.reserved
@@ -57,7 +58,11 @@ class TierStats:
     def as_dict(self) -> dict:
         return {"capacity": self.capacity, "bytes": self.bytes, "blocks": self.blocks, "samples": self.samples,
                 "hits": self.hits, "hit_bytes": self.hit_bytes, "full": self.full, "error": self.error,
-                "read_errors": self.read_errors, "warning": self.warning}
+                "read_errors": self.read_errors, "warning": self.warning, "source": self.source}
+
+
+def _from(source: Optional[str]) -> str:
+    return f" (from {source})" if source else ""
 
 
 class TieredStore(MutableMapping):
@@ -171,6 +176,13 @@ class TieredStore(MutableMapping):
         with self._lock:
             self._roots["ssd"] = self._roots["ssd"] or root
 
+    def set_capacity(self, tier: str, nbytes: int, source: str) -> None:
+        """A tier's capacity and where it came from (`dmdask.worker.sizing`); set by the
+        worker at start, before any block is placed."""
+        with self._lock:
+            stats = getattr(self, tier)
+            stats.capacity, stats.source = int(nbytes), source
+
     def open_ssd(self) -> Optional[str]:
         """Make the SSD tier's folder now when the tier has capacity, so that an unusable
         `ssd_dir` (a file, read-only, under a file) shows at start. Such a tier takes no
@@ -211,9 +223,9 @@ class TieredStore(MutableMapping):
     def describe(self) -> str:
         """One line: each tier's capacity and folder (and what is wrong with it)."""
         ram_where = f"in {self._roots['ram']}" if self._roots["ram"] else "in the worker's memory (no shm-dir)"
-        parts = [f"RAM {format_bytes(self.ram.capacity)} {ram_where}"]
-        parts.append(f"SSD {format_bytes(self.ssd.capacity)} in {self._roots['ssd']}" if self.ssd.capacity
-                     else "no SSD tier")
+        parts = [f"RAM {format_bytes(self.ram.capacity)} {ram_where}" + _from(self.ram.source)]
+        parts.append(f"SSD {format_bytes(self.ssd.capacity)} in {self._roots['ssd']}{_from(self.ssd.source)}"
+                     if self.ssd.capacity else "no SSD tier")
         mode = "this user only" if self.gid is None else f"group {self.gid}"
         return "; ".join(parts) + f"; files readable by {mode}"
 
@@ -231,6 +243,17 @@ class TieredStore(MutableMapping):
             if tier not in self._folders:
                 self._folders[tier] = make_folder(self._roots[tier] or tempfile.gettempdir(), tier, self.gid)
             return self._folders[tier]
+
+    def root(self, tier: str) -> Optional[str]:
+        """The folder a tier's own folder is made in (None: RAM in the worker's memory)."""
+        with self._lock:
+            return self._roots[tier]
+
+    def tier_dir(self, tier: str) -> Optional[str]:
+        """Where a tier's blocks are: this worker's folder once made, else its parent
+        folder; None for a RAM tier in the worker's own memory."""
+        with self._lock:
+            return self._folders.get(tier) or self._roots[tier]
 
     def shared_folder(self) -> Optional[str]:
         """This worker's shared-memory folder (made on first use); None when it keeps RAM
@@ -329,6 +352,7 @@ class TieredStore(MutableMapping):
         self.remove_stale()
 
     def stats(self) -> dict:
+        dirs = {tier: self.tier_dir(tier) for tier in ("ram", "ssd")}
         with self._lock:
-            return {"ram": self.ram.as_dict(), "ssd": self.ssd.as_dict(),
+            return {"ram": dict(self.ram.as_dict(), dir=dirs["ram"]), "ssd": dict(self.ssd.as_dict(), dir=dirs["ssd"]),
                     "streamed_blocks": sum(isinstance(v, Streamed) for v in self._blocks.values())}

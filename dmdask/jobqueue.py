@@ -1,0 +1,71 @@
+"""dask-jobqueue clusters of dmdask workers: `SLURMCluster`, `PBSCluster`.
+
+    from dmdask.jobqueue import SLURMCluster
+    cluster = SLURMCluster(cores=8, memory="64 GiB", walltime="02:00:00", job_extra_directives=["--tmp=500G"])
+    cluster.scale(jobs=4)                      # four batch jobs, one dmdask worker each
+    client = distributed.Client(cluster)
+
+Each job runs `dask worker ... --worker-class dmdask.Worker`: its RAM and SSD tiers are
+sized from what the job actually got (`SLURM_MEM_PER_NODE`, the cgroup limit,
+`$SLURM_TMPDIR`: `dmdask.worker.sizing`), not from the `memory=` asked for
+(dask-jobqueue rounds 1 GiB and more up to whole GiB in `--mem`). The scheduler runs in
+this process with dmdask's plugin and its `/dmdask` dashboard page. Every other keyword
+goes to dask-jobqueue's own class. Needs the `jobqueue` extra:
+`pip install "dmdask[jobqueue]"`.
+"""
+from __future__ import annotations
+
+from .cluster import release_datasets, with_dashboard_preload
+
+__all__ = ["PBSCluster", "SLURMCluster", "dmdask_options"]
+
+WORKER_ARGS = ["--worker-class", "dmdask.Worker"]
+
+
+def _jobqueue():
+    try:
+        import dask_jobqueue
+    except ImportError:
+        raise ImportError('dmdask.jobqueue needs dask-jobqueue: pip install "dmdask[jobqueue]" '
+                          "(or pip install dask-jobqueue)") from None
+    return dask_jobqueue
+
+
+def dmdask_options(kwargs: dict) -> dict:
+    """dask-jobqueue keyword arguments with dmdask's worker class added to the workers'
+    arguments and dmdask's dashboard preload to the scheduler's options."""
+    options = dict(kwargs)
+    extra = list(options.get("worker_extra_args") or [])
+    if "--worker-class" in extra:
+        raise ValueError("dmdask.jobqueue sets the workers' --worker-class (dmdask.Worker); "
+                         "remove it from worker_extra_args")
+    options["worker_extra_args"] = extra + WORKER_ARGS
+    options["scheduler_options"] = with_dashboard_preload(options.get("scheduler_options"))
+    return options
+
+
+def _cluster_class(name: str):
+    base = getattr(_jobqueue(), name)
+
+    class Cluster(base):
+        __doc__ = f"`dask_jobqueue.{name}` whose jobs run dmdask workers sized from their job (dmdask.jobqueue)."
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **dmdask_options(kwargs))
+
+        async def _close(self):
+            release_datasets(self.scheduler)  # as dmdask.LocalCluster: no "lost" warnings as jobs end
+            await super()._close()
+
+    Cluster.__name__ = Cluster.__qualname__ = name
+    Cluster.__module__ = __name__
+    return Cluster
+
+
+def __getattr__(name):
+    """`SLURMCluster` and `PBSCluster`, made on first use (dask-jobqueue is imported then)."""
+    if name in ("SLURMCluster", "PBSCluster"):
+        cls = _cluster_class(name)
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
