@@ -363,11 +363,29 @@ class BatchIterator:
         deadline = time.monotonic() + limit
         while self.client.status != "running" or self.client.scheduler is None:
             if self.client.status in ("closing", "closed") or time.monotonic() > deadline:
-                raise SchedulerLostError(
-                    f"rank {self.spec.rank} lost the scheduler of its client (status {self.client.status!r} for "
-                    f"{limit:.0f} s, dmdask.client.scheduler-seconds): resume from the last state_dict() once a "
-                    "scheduler runs again")
+                raise self._scheduler_lost(f"status {self.client.status!r}", limit)
             await asyncio.sleep(0.2)
+
+    def _scheduler_lost(self, how: str, limit: float) -> SchedulerLostError:
+        return SchedulerLostError(
+            f"rank {self.spec.rank} lost the scheduler of its client ({how} for {limit:.0f} s, "
+            "dmdask.client.scheduler-seconds): resume from the last state_dict() once a scheduler runs again")
+
+    async def _identity(self) -> dict:
+        """The scheduler's identity. A scheduler that does not answer (its connection
+        refused or reset while the client still says "running") is asked again until
+        `dmdask.client.scheduler-seconds` have passed, then `SchedulerLostError`: it is
+        never mistaken for a cluster without workers."""
+        limit = float(dask.config.get("dmdask.client.scheduler-seconds"))
+        deadline = time.monotonic() + limit
+        while True:
+            await self._check_scheduler()
+            try:
+                return await asyncio.wait_for(self.client.scheduler.identity(), max(0.5, deadline - time.monotonic()))
+            except (OSError, CommClosedError):  # TimeoutError is an OSError
+                if time.monotonic() > deadline:
+                    raise self._scheduler_lost("no answer", limit) from None
+                await asyncio.sleep(0.2)
 
     async def _from_local_worker(self, plan, positions, ids, group, first: int, isolate: bool = False) -> list:
         """Batches gathered and transformed by a worker on this node (`dmdask_batch`); when
@@ -490,11 +508,7 @@ class BatchIterator:
         limit = float(dask.config.get("dmdask.client.recovery-seconds"))
         deadline = time.monotonic() + limit
         while True:
-            await self._check_scheduler()
-            try:
-                workers = sorted((await self.client.scheduler.identity())["workers"])
-            except (OSError, CommClosedError):  # the scheduler's connection dropped: _check_scheduler decides
-                workers = []
+            workers = sorted((await self._identity())["workers"])
             if workers:
                 self._said_waiting = False
             if workers or not wait:
