@@ -25,6 +25,9 @@ SCHEDULER_ENV = "DMDASK_BENCH_SCHEDULER"
 
 
 def available():
+    import distributed  # noqa: F401 - what a training script imports at its top
+
+    import dmdask  # noqa: F401
     return None
 
 

@@ -3,7 +3,8 @@
 It joins a gloo process group (as a torchrun job would: the peers read the world from it
 or from RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), then for each epoch: a barrier,
 the loader's batches with an emulated training step (a sleep of batch / rate), a barrier.
-The loader is built inside epoch 1's clock. Rank 0 then tells the runner the epoch ended
+Its library is imported before the first barrier (`module.available()`), as a training
+script imports at its top; the loader is built inside epoch 1's clock. Rank 0 then tells the runner the epoch ended
 (`epoch-E.done`) and waits for it to take its counts (`epoch-E.ack`). Written: the
 timings to `rank-R.json` and the sample ids each epoch to `ids-R-E.npy`.
 """
@@ -41,6 +42,7 @@ def main(run_dir: str, rank: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ctx['port']}", rank=rank,
                             world_size=ctx["world"])
     module = importlib.import_module(f"benchmarks.peers.{ctx['module']}")
+    module.available()  # imports the loader's library, outside every epoch's clock
     loader, epochs = None, []
     for epoch in range(ctx["epochs"]):
         dist.barrier()

@@ -12,6 +12,8 @@ CAN = {"exactly_once": "pads the last round with repeated samples so ranks get e
 
 
 def available():
+    import fsspec.implementations.http  # noqa: F401 - what the dataset reads with
+    import torch.utils.data  # noqa: F401
     return None
 
 

@@ -15,6 +15,8 @@ batch_ids = torch_dataloader.batch_ids
 def available():
     import fsspec
 
+    import dmdask  # noqa: F401 - what a training script imports at its top
+
     if "dmdask" not in fsspec.available_protocols():
         return "transparent mode not in this build"
     return None
