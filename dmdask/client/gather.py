@@ -34,11 +34,36 @@ HITS_TIMEOUT = 2.0  # seconds a hit report may take (a worker that left does not
 CONNECT_SECONDS = 5.0  # a connection to a worker that takes longer: the worker is gone
 LOAD_WAIT = 2.0  # seconds a holder may wait for a block it is loading before it answers "missing"
 MAPPED_BLOCKS = 4096  # blocks kept mapped per process (each costs a mapping per field)
-_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="dmdask-gather")
+
+
+class ForkSafeExecutor(concurrent.futures.Executor):
+    """A thread pool that a forked child makes anew when it first submits (a forked
+    process has none of its parent's threads: work queued on the parent's pool would
+    wait forever)."""
+
+    def __init__(self, threads: int, name: str):
+        self.threads, self.name = threads, name
+        self._pid, self._pool = -1, None
+        self._lock = threading.Lock()
+
+    def submit(self, fn, /, *args, **kwargs):
+        if self._pid != os.getpid():
+            with self._lock:
+                if self._pid != os.getpid():
+                    self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix=self.name)
+                    self._pid = os.getpid()
+        return self._pool.submit(fn, *args, **kwargs)
+
+    def shutdown(self, wait=True, *, cancel_futures=False):
+        if self._pool is not None and self._pid == os.getpid():
+            self._pool.shutdown(wait, cancel_futures=cancel_futures)
+
+
+_pool = ForkSafeExecutor(2, "dmdask-gather")
 # Warm batches of every iterator in this process are copied by this one thread: one core's
 # worth of copying per training process, overlapping the training step (numpy releases
 # the GIL while it copies), leaving the node's other cores to the other ranks.
-copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dmdask-copy")
+copier = ForkSafeExecutor(1, "dmdask-copy")
 
 
 class Moved(Exception):
@@ -80,6 +105,15 @@ class _Mapped:
 
 
 _mapped = _Mapped()
+
+
+def _after_fork() -> None:
+    """In a forked child: locks a parent thread may have held at the fork made anew."""
+    _mapped.lock = threading.Lock()
+    LocalArenas._registry = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 class LocalArenas:

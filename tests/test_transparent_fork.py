@@ -1,0 +1,82 @@
+"""Transparent mode in the processes a training job makes: forked DataLoader workers
+after `dmdask.batches`, one run per job whatever the workers' lifetimes, and reads
+that start before any worker joins. Real processes; store requests counted by the
+HTTP store itself (benchmarks.store_server)."""
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import dmdask
+from dmdask.testing.datasets import write_zarr
+from benchmarks.store_server import StoreServer
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+PROCESS_SECONDS = 240  # the most a training process may take
+
+
+def env(**extra):
+    out = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    out.update(extra)
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def write_files(folder, n):
+    os.makedirs(folder)
+    names = []
+    for i in range(n):
+        name = f"f{i:03d}.bin"
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(bytes([i % 251]) * (2000 + 37 * i))
+        names.append(name)
+    return names
+
+
+def run_manifest(scheduler, store, names, epochs, batches_first, out, zarr_path="", run=None):
+    cmd = [sys.executable, os.path.join(HERE, "transparent_manifest.py"), scheduler, store.url, str(epochs),
+           "1" if batches_first else "0", str(out), zarr_path]
+    proc = subprocess.run(cmd, input=json.dumps(names), env=env(DMDASK_FS_RUN=run), capture_output=True, text=True,
+                          timeout=PROCESS_SECONDS)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with dmdask.LocalCluster(n_workers=2, ram="64 MiB", dashboard_address=None) as c:
+        yield c
+
+
+@pytest.mark.slow
+def test_forked_loader_workers_after_batches_read_correctly(cluster, tmp_path):
+    """The parent iterated `dmdask.batches` (its client, gather pools and threads live)
+    and then forks DataLoader workers that read `dmdask::`: every file right, no hang."""
+    root = tmp_path / "pfs"
+    names = [f"files/{n}" for n in write_files(str(root / "files"), 24)]
+    zarr_path = write_zarr(str(tmp_path / "x.zarr"), 256)
+    expected = [hashlib.sha1((root / n).read_bytes()).hexdigest() for n in names]
+    with StoreServer(str(root)) as store:
+        got = run_manifest(cluster.scheduler_address, store, names, 2, True, tmp_path / "out.json", zarr_path)
+    assert got["digests"] == [expected, expected]
+
+
+@pytest.mark.slow
+def test_non_persistent_loader_workers_send_no_request_for_cached_files(cluster, tmp_path):
+    """A manifest (the main process never reads `dmdask::`), fork workers made anew each
+    of 3 epochs: the store sees one request per file over the whole job (no HEAD or GET
+    in epochs 2 and 3), and every file's bytes once."""
+    root = tmp_path / "pfs"
+    names = [f"files/{n}" for n in write_files(str(root / "files"), 40)]
+    expected = [hashlib.sha1((root / n).read_bytes()).hexdigest() for n in names]
+    with StoreServer(str(root)) as store:
+        store.reset_stats()
+        got = run_manifest(cluster.scheduler_address, store, names, 3, False, tmp_path / "out.json")
+        stats = store.stats()
+    assert got["digests"] == [expected] * 3
+    files = {p: v for p, v in stats["by_path"].items() if p.endswith(".bin")}
+    assert {p: v["bytes"] for p, v in files.items()} == {n: os.path.getsize(root / n) for n in names}
+    assert stats["head_requests"] + sum(v["requests"] for v in files.values()) <= len(names), stats
