@@ -27,7 +27,6 @@ import multiprocessing.util
 import os
 import threading
 import time
-import uuid
 from typing import Dict, List, Optional
 
 import dask.config
@@ -45,10 +44,10 @@ from ..client.gather import Gatherer, LocalArenas, Moved, plan_rows
 from ..client.iterator import _my_host
 from ..errors import BlockReadError, DmdaskError, NotADmdaskWorker, NoWorkersError
 from ..source.files import ROW_BYTES, FileSource, read_blocks
+from .run import RUN_ENV, new_run, run_token  # noqa: F401  (RUN_ENV: re-exported)
 
 logger = logging.getLogger(__name__)
 
-RUN_ENV = "DMDASK_FS_RUN"
 SCHEDULER_ENV = "DMDASK_FS_SCHEDULER"  # set for child processes: the scheduler their parent read through
 LOCATE_SECONDS = 2.0  # one wait on the scheduler for blocks still loading
 HITS_SECONDS = 1.0  # how often workers hear of the rows taken from their files
@@ -63,17 +62,6 @@ VERSION_KEYS = ("mtime", "LastModified", "last_modified", "Last-Modified", "ETag
 
 class NoClusterError(DmdaskError, RuntimeError):
     """Transparent mode found no cluster to read through."""
-
-
-def run_token() -> str:
-    """This run's token: this process's, or the one it inherited from its parent."""
-    return os.environ.setdefault(RUN_ENV, uuid.uuid4().hex)
-
-
-def new_run() -> str:
-    """Start a new run in this process (and the processes it starts from now on)."""
-    os.environ[RUN_ENV] = uuid.uuid4().hex
-    return os.environ[RUN_ENV]
 
 
 def version_of(info: dict) -> list:
@@ -137,9 +125,17 @@ class Session:
         return self._client
 
     def at_exit(self) -> None:
+        """Hand over the blocks read here, share the infos read here with the run (so the
+        run's next processes ask the store for none of them) and report the last hits;
+        each bounded in time."""
         if self._client is not None and self._to_hand:
             self._client.loop.add_callback(self._hand_over)
         self.wait_handed_over(HANDOVER_EXIT_SECONDS)
+        if self._client is not None and self._to_tell and self._client.status == "running":
+            try:
+                self._client.sync(self._tell_queued, callback_timeout=EXIT_SECONDS)
+            except Exception:  # noqa: BLE001 - shared metadata is an optimisation
+                pass
         self.flush_hits()
 
     def wait_handed_over(self, timeout: float) -> bool:
