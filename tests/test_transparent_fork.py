@@ -81,3 +81,47 @@ def test_non_persistent_loader_workers_send_no_request_for_cached_files(cluster,
     assert {p: v["bytes"] for p, v in files.items()} == {n: os.path.getsize(root / n) for n in names}
     assert all(v["requests"] == 1 for v in files.values())
     assert stats["head_requests"] <= len(names), stats  # epoch 1's at most: none in epochs 2 and 3
+
+
+READ = ("import hashlib, sys, fsspec\n"
+        "import dmdask\n"
+        "fs = fsspec.filesystem('dmdask', target_protocol='http', scheduler=sys.argv[1])\n"
+        "print(hashlib.sha1(fs.cat_file(sys.argv[2])).hexdigest(), flush=True)\n")
+
+
+def test_a_read_before_any_worker_joins_waits_for_one(tmp_path):
+    """A process reads while the cluster has no workers: it says so once and waits; a
+    worker joins 3 s later and the read returns the file's bytes."""
+    import time
+
+    root = tmp_path / "pfs"
+    names = write_files(str(root / "files"), 1)
+    with StoreServer(str(root)) as store, \
+            dmdask.LocalCluster(n_workers=0, ram="64 MiB", dashboard_address=None) as empty:
+        reader = subprocess.Popen([sys.executable, "-c", READ, empty.scheduler_address,
+                                   f"{store.url}/files/{names[0]}"], env=env(), stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        time.sleep(3)
+        assert reader.poll() is None  # waiting, not failed
+        empty.scale(1)
+        out, err = reader.communicate(timeout=PROCESS_SECONDS)
+    assert reader.returncode == 0, err
+    assert out.strip() == hashlib.sha1((root / "files" / names[0]).read_bytes()).hexdigest()
+    assert err.count("has no workers: waiting up to") == 1, err
+
+
+def test_waits_are_bounded_with_errors_that_say_what_is_missing(tmp_path):
+    """No worker within dmdask.client.recovery-seconds: NoWorkersError; no scheduler at
+    the address: SchedulerLostError naming it."""
+    root = tmp_path / "pfs"
+    names = write_files(str(root / "files"), 1)
+    quick = env(DASK_DMDASK__CLIENT__RECOVERY_SECONDS="2", DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT="2s")
+    with StoreServer(str(root)) as store, \
+            dmdask.LocalCluster(n_workers=0, ram="64 MiB", dashboard_address=None) as empty:
+        url = f"{store.url}/files/{names[0]}"
+        done = subprocess.run([sys.executable, "-c", READ, empty.scheduler_address, url], env=quick,
+                              capture_output=True, text=True, timeout=PROCESS_SECONDS)
+        assert done.returncode != 0 and "NoWorkersError" in done.stderr and "recovery-seconds" in done.stderr
+        done = subprocess.run([sys.executable, "-c", READ, "tcp://127.0.0.1:9", url], env=quick,
+                              capture_output=True, text=True, timeout=PROCESS_SECONDS)
+    assert done.returncode != 0 and "SchedulerLostError" in done.stderr and "tcp://127.0.0.1:9" in done.stderr

@@ -42,7 +42,7 @@ from distributed.protocol.serialize import to_serialize
 from ..client.datasets import ensure_plugin, get_or_register, submit_blocks
 from ..client.gather import Gatherer, LocalArenas, Moved, plan_rows
 from ..client.iterator import _my_host
-from ..errors import BlockReadError, DmdaskError, NotADmdaskWorker, NoWorkersError
+from ..errors import BlockReadError, DmdaskError, NoWorkersError, SchedulerLostError
 from ..source.files import ROW_BYTES, FileSource, read_blocks
 from .run import RUN_ENV, new_run, run_token  # noqa: F401  (RUN_ENV: re-exported)
 
@@ -72,6 +72,11 @@ def version_of(info: dict) -> list:
 def plain(info: dict) -> dict:
     """An info with only values that travel as they are (others as strings)."""
     return {k: v if v is None or isinstance(v, (str, int, float, bool)) else str(v) for k, v in info.items()}
+
+
+def recovery_seconds() -> float:
+    """The most any wait of transparent mode lasts (`dmdask.client.recovery-seconds`)."""
+    return float(dask.config.get("dmdask.client.recovery-seconds"))
 
 
 def folder_of(path: str) -> str:
@@ -104,6 +109,7 @@ class Session:
         self.holders: Dict[str, str] = dict(parent.holders) if parent else {}  # block key -> a holder
         self.retried: set = set()  # datasets whose erred blocks this process had retried
         self._exit_hook = False
+        self._said_waiting = False  # the warning that the cluster has no workers yet was logged
 
     # -- the connection -----------------------------------------------------------------
     @property
@@ -111,8 +117,14 @@ class Session:
         if self._client is None:
             with self._lock:
                 if self._client is None:
-                    client = distributed.Client(self.address, set_as_default=False,
-                                                timeout=dask.config.get("distributed.comm.timeouts.connect"))
+                    connect = dask.config.get("distributed.comm.timeouts.connect")
+                    try:
+                        client = distributed.Client(self.address, set_as_default=False, timeout=connect)
+                    except OSError as exc:
+                        raise SchedulerLostError(
+                            f"dmdask:: cannot reach the scheduler at {self.address} (waited {connect}, "
+                            "distributed.comm.timeouts.connect): is the cluster running? Name it with the storage "
+                            "option scheduler=ADDRESS or the dask config dmdask.fs.scheduler") from exc
                     ensure_plugin(client)
                     self.my_host = _my_host(client)
                     self.gatherer = Gatherer(client, self.my_host, LocalArenas(0, 1))
@@ -158,8 +170,25 @@ class Session:
             client.close(timeout=EXIT_SECONDS)
 
     def _call(self, op: str, **msg):
+        """Scheduler handler `op`'s reply, waiting at most `dmdask.client.recovery-seconds`;
+        `SchedulerLostError` when the scheduler does not answer by then or is gone."""
         client = self.client
-        return client.sync(getattr(client.scheduler, op), **msg)
+        limit = recovery_seconds()
+
+        async def call():
+            if client.scheduler is None or client.status != "running":
+                raise CommClosedError(f"client status {client.status!r}")
+            return await getattr(client.scheduler, op)(**msg)
+
+        try:
+            return client.sync(call, callback_timeout=limit)
+        except DmdaskError:
+            raise
+        except (OSError, AttributeError) as exc:  # comms closed, a timeout; AttributeError: scheduler gone meanwhile
+            raise SchedulerLostError(
+                f"dmdask:: lost the scheduler at {self.address}: {op} got no answer within {limit:.0f} s "
+                f"(dmdask.client.recovery-seconds; {type(exc).__name__}: {exc}). Is the scheduler still "
+                "running? dmdask.fs.close() drops this process's connection; the next read makes a new one") from exc
 
     def flush_hits(self) -> None:
         """Report the rows this process took from workers' files (best effort, bounded)."""
@@ -287,7 +316,7 @@ class Session:
     def read_ranges(self, fs, ranges: List[tuple]) -> List[bytes]:
         """The bytes of each (source, start, stop), with one scheduler request for the
         blocks new to this process and concurrent store reads for those it claims."""
-        deadline = time.monotonic() + float(dask.config.get("dmdask.client.recovery-seconds"))
+        deadline = time.monotonic() + recovery_seconds()
         cuts, wanted = [], {}
         for source, start, stop in ranges:
             if stop <= start:
@@ -346,10 +375,7 @@ class Session:
         if not new:
             return have
         sources = {wanted[key][0].info.name: wanted[key][0] for key in new}
-        reply = self._call("dmdask_open_blocks", datasets=[[n, s.info.as_dict()] for n, s in sources.items()],
-                           keys=new, client=client.id, host=self.my_host)
-        if reply["status"] == "no-workers":
-            raise NotADmdaskWorker("the cluster has no workers; start `dask worker ... --worker-class dmdask.Worker`")
+        reply = self._open_blocks([[n, s.info.as_dict()] for n, s in sources.items()], new)
         self.registered.update(sources)
         self.holders.update(reply["holders"])
         mine = [(key, worker, wanted[key][0].reader(wanted[key][1])) for key, worker in reply["mine"].items()]
@@ -374,6 +400,28 @@ class Session:
             if first:
                 client.loop.call_later(HANDOVER_DELAY, self._hand_over)
         return have
+
+    def _open_blocks(self, datasets: List[list], keys: List[str]) -> dict:
+        """`dmdask_open_blocks`' reply; while the cluster has no workers, waits for one to
+        join (said once in a warning per process), as `dmdask.batches` does;
+        `NoWorkersError` after `dmdask.client.recovery-seconds` without any."""
+        limit = recovery_seconds()
+        deadline = time.monotonic() + limit
+        while True:
+            reply = self._call("dmdask_open_blocks", datasets=datasets, keys=keys, client=self.client.id,
+                               host=self.my_host)
+            if reply["status"] != "no-workers":
+                return reply
+            if time.monotonic() > deadline:
+                raise NoWorkersError(
+                    f"the cluster at {self.address} has had no workers for {limit:.0f} s "
+                    "(dmdask.client.recovery-seconds): start `dask worker SCHEDULER --worker-class dmdask.Worker`")
+            if not self._said_waiting:
+                self._said_waiting = True
+                logger.warning("dmdask:: the cluster at %s has no workers: waiting up to %.0f s "
+                               "(dmdask.client.recovery-seconds) for dmdask workers to join "
+                               "(`dask worker SCHEDULER --worker-class dmdask.Worker`)", self.address, limit)
+            time.sleep(0.5)
 
     async def _hand_over(self) -> None:
         """Give the planned workers the bytes of the blocks read here lately (one request
@@ -421,7 +469,8 @@ class Session:
             try:
                 arrays = self.gatherer.take_local(plan, positions, len(blocks))
                 if arrays is None:  # a block held elsewhere, or not described yet
-                    arrays, _ = self.client.sync(self.gatherer.gather, plan, positions, len(blocks))
+                    arrays, _ = self.client.sync(self.gatherer.gather, plan, positions, len(blocks),
+                                                 callback_timeout=max(1.0, deadline - time.monotonic()))
                 return arrays["data"]
             except BlockReadError:
                 raise
@@ -487,7 +536,7 @@ class Session:
         for key, holder in reply["holders"].items():
             by_holder.setdefault(holder, []).append(key)
         client = self.client
-        client.sync(self.gatherer.describe, by_holder)
+        client.sync(self.gatherer.describe, by_holder, callback_timeout=recovery_seconds())
 
 
 async def _quietly(call, **msg) -> None:
