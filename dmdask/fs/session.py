@@ -27,6 +27,7 @@ import multiprocessing.util
 import os
 import threading
 import time
+from collections import OrderedDict
 from typing import Dict, List, Optional
 
 import dask.config
@@ -44,6 +45,7 @@ from ..client.gather import Gatherer, LocalArenas, Moved, plan_rows
 from ..client.iterator import _my_host
 from ..errors import BlockReadError, DmdaskError, NoWorkersError, SchedulerLostError
 from ..source.files import ROW_BYTES, FileSource, read_blocks
+from . import probe
 from .run import RUN_ENV, new_run, run_token  # noqa: F401  (RUN_ENV: re-exported)
 
 logger = logging.getLogger(__name__)
@@ -54,6 +56,9 @@ HITS_SECONDS = 1.0  # how often workers hear of the rows taken from their files
 EXIT_SECONDS = 2.0  # the most a process's exit waits to report its last hits
 HANDOVER_EXIT_SECONDS = 10.0  # the most a process's exit waits for its hand-overs to reach the workers
 HANDOVER_DELAY = 0.05  # blocks read from the store within this long are handed over together
+PREFETCHED_BYTES = 64 << 20  # first blocks read with their files' infos, kept for the read that follows
+ELSEWHERE = object()  # `_claim_info`: another run read the info
+CLAIM_POLL_SECONDS = 0.02  # how often a process waiting for a file's info another one reads asks again
 FOLDER_FILES = 10_000  # other files of a folder located along with the first one a process reads
 # what identifies a version of a file, among the keys of fsspec infos (local, S3, GCS, HTTP, ...)
 VERSION_KEYS = ("mtime", "LastModified", "last_modified", "Last-Modified", "ETag", "etag", "updated",
@@ -109,7 +114,9 @@ class Session:
         self.holders: Dict[str, str] = dict(parent.holders) if parent else {}  # block key -> a holder
         self.retried: set = set()  # datasets whose erred blocks this process had retried
         self._exit_hook = False
-        self._said_waiting = False  # the warning that the cluster has no workers yet was logged
+        self._said_waiting = False
+        self._prefetched: "OrderedDict[str, bytes]" = OrderedDict()  # block key -> bytes read with its file's info
+        self._prefetched_bytes = 0  # the warning that the cluster has no workers yet was logged
 
     # -- the connection -----------------------------------------------------------------
     @property
@@ -218,7 +225,7 @@ class Session:
         self.infos[f"{fsid}|{path}"] = info
         self.files.setdefault(f"{fsid}|{folder_of(path)}", set()).add(path)
 
-    def _tell(self, fsid: str, puts: List[list]) -> None:
+    def _tell(self, fsid: str, puts: List[list], delay: float = HANDOVER_DELAY) -> None:
         """Share infos read from the store with the run, in the background and a batch at
         a time (a process that exits first only costs the next one a store request)."""
         client = self.client
@@ -226,7 +233,7 @@ class Session:
             first = not self._to_tell
             self._to_tell.extend([f"{fsid}|{f}", kind, p, v] for f, kind, p, v in puts)
         if first:
-            client.loop.call_later(HANDOVER_DELAY, self._tell_queued)
+            client.loop.call_later(delay, self._tell_queued)
 
     async def _tell_queued(self) -> None:
         with self._lock:
@@ -234,8 +241,8 @@ class Session:
         if msg:
             await _quietly(self.client.scheduler.dmdask_fs_metadata, run=self.run, put=msg)
 
-    def info(self, fsid: str, target, path: str) -> dict:
-        """The target's info of `path`, read from the store once per run."""
+    def known_info(self, fsid: str, path: str) -> Optional[dict]:
+        """The info of `path` this run read, or None (no store request)."""
         key = f"{fsid}|{path}"
         found = self.infos.get(key)
         if found is None and f"{fsid}|{folder_of(path)}" not in self.asked_infos:
@@ -243,6 +250,67 @@ class Session:
             # only: the run may have read its files' infos since)
             self._ask(fsid, folder_of(path))
             found = self.infos.get(key)
+        return found
+
+    def first_info(self, fs, path: str, start: Optional[int] = 0) -> dict:
+        """The info of file `path` of `fs` (a `DmdaskFileSystem`) for reading it from byte
+        `start` on (None: from its end): where the store's infos each cost a request
+        (HTTP), a file new to the run is asked with the ranged GET of the block holding
+        `start` (`dmdask.fs.probe`), which this process claims before the run learns the
+        info (so no other process reads it too) and whose bytes the read then takes
+        (kept up to `PREFETCHED_BYTES`): its first read is one store request."""
+        fsid = fs._fsid
+        found = self.known_info(fsid, path)
+        if found is not None:
+            return found
+        target = fsspec.filesystem(fs.target_protocol, **fs.target_options)  # this process's own
+        if start is None or start < 0 or not probe.applies(target):
+            return self.info(fsid, fs.fs, path)
+        found = self._claim_info(fsid, path)
+        if found is ELSEWHERE:  # a HEAD, not a GET: the bytes may be cached already
+            return self.info(fsid, fs.fs, path)
+        if found is not None:
+            return found
+        block_bytes = FileSource.block_bytes_of(fs.block_bytes)
+        index = start // block_bytes
+        got = probe.first_block(target, path, index * block_bytes, block_bytes)
+        if got is None:
+            return self.info(fsid, fs.fs, path)
+        info, content = plain(got[0]), got[1]
+        with self._lock:
+            self._know(fs._fsid, path, info)
+        if info["size"] and index * block_bytes < info["size"]:
+            source = fs.source(path, info)
+            reader = source.reader(index)
+            if len(content) == reader.last - reader.first:
+                self._keep_early(reader.key, content)
+                self._first_reads(fs, {reader.key: (source, index)}, keep=True)  # claimed before the run knows the info
+        self._tell(fsid, [[folder_of(path), "info", path, info]], delay=0)  # others of the run may be waiting
+        return info
+
+    def _claim_info(self, fsid: str, path: str):
+        """The run's info of `path` once known, waiting while another process of the run
+        reads it from the store; None: this process is to read it (claimed); ELSEWHERE:
+        another run read it (its blocks may be cached: check its version with `info`)."""
+        folder = f"{fsid}|{folder_of(path)}"
+        deadline = time.monotonic() + recovery_seconds()
+        while True:
+            reply = self._call("dmdask_fs_metadata", run=self.run, claim=[[folder, path]])
+            found = reply.get(folder, {"infos": {}})["infos"].get(path)
+            if found is not None:
+                with self._lock:
+                    self._know(fsid, path, found)
+                return found
+            if reply.get("elsewhere"):
+                return ELSEWHERE
+            if not reply.get("probing") or time.monotonic() > deadline:
+                return None
+            time.sleep(CLAIM_POLL_SECONDS)
+
+    def info(self, fsid: str, target, path: str) -> dict:
+        """The target's info of `path`, read from the store once per run."""
+        key = f"{fsid}|{path}"
+        found = self.known_info(fsid, path)
         if found is None:
             found = plain(target.info(path))
             self._tell(fsid, [[folder_of(path), "info", path, found]])
@@ -358,15 +426,22 @@ class Session:
             self.client.loop.add_callback(self.gatherer.flush_hits_every, HITS_SECONDS)
         return out
 
-    def _first_reads(self, fs, wanted: Dict[str, tuple]) -> Dict[str, dict]:
+    def _first_reads(self, fs, wanted: Dict[str, tuple], keep: bool = False) -> Dict[str, dict]:
         """Blocks of `wanted` (key -> (source, index)) this process has no holder for:
         one `open_blocks` request registers their files, claims the blocks nobody holds
         or reads, and names the holders of the others. The claimed ones are read from the
         store here (and handed over); their rows are returned (key -> arrays). The rest
-        are left to `_gather` (held, loading, or read by another process)."""
+        are left to `_gather` (held, loading, or read by another process). Blocks read
+        with their file's info (`first_info`) are taken from there; keep: those that are
+        not this process's to hand over stay there for the read that follows."""
         client = self.client
         with self._lock:
             have = {key: self.handing[key] for key in wanted if key in self.handing}
+            early = {key: self._prefetched.pop(key) for key in wanted if key in self._prefetched and key not in have}
+            self._prefetched_bytes -= sum(len(c) for c in early.values())
+        for key, content in early.items():  # read with the file's info (`first_info`): no other request
+            if key in self.holders:
+                have[key] = wanted[key][0].reader(wanted[key][1]).decode(content)
         new = [key for key in wanted if key not in have and key not in self.holders]
         for folder in {f"{fs._fsid}|{folder_of(wanted[key][0].path)}" for key in new} - self.located:
             self.located.add(folder)
@@ -378,10 +453,16 @@ class Session:
         reply = self._open_blocks([[n, s.info.as_dict()] for n, s in sources.items()], new)
         self.registered.update(sources)
         self.holders.update(reply["holders"])
+        for key in set(early) - set(reply["mine"]) - set(have):  # held or claimed by another: ours will do
+            have[key] = wanted[key][0].reader(wanted[key][1]).decode(early[key])
+            if keep:
+                self._keep_early(key, early[key])
         mine = [(key, worker, wanted[key][0].reader(wanted[key][1])) for key, worker in reply["mine"].items()]
         if not mine:
             return have
-        contents = read_blocks([reader for _, _, reader in mine])
+        unread = [reader for key, _, reader in mine if key not in early]
+        read = iter(read_blocks(unread) if unread else ())
+        contents = [early[key] if key in early else next(read) for key, _, _ in mine]
         handed, failed = [], []
         for (key, worker, reader), content in zip(mine, contents):
             if isinstance(content, bytes) and len(content) == reader.last - reader.first:
@@ -400,6 +481,15 @@ class Session:
             if first:
                 client.loop.call_later(HANDOVER_DELAY, self._hand_over)
         return have
+
+    def _keep_early(self, key: str, content: bytes) -> None:
+        """Keep bytes read with a file's info for the next read of their block (`first_info`
+        claims it, then the read takes it)."""
+        with self._lock:
+            self._prefetched[key] = content
+            self._prefetched_bytes += len(content)
+            while self._prefetched_bytes > PREFETCHED_BYTES:
+                self._prefetched_bytes -= len(self._prefetched.popitem(last=False)[1])
 
     def _open_blocks(self, datasets: List[list], keys: List[str]) -> dict:
         """`dmdask_open_blocks`' reply; while the cluster has no workers, waits for one to
