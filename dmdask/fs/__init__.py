@@ -42,6 +42,7 @@ from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 
 from ..source.base import options_json, protocol_of
 from ..source.files import FileSource
+from . import globbing, probe
 from .session import NoClusterError, close_sessions, get_session, version_of
 
 try:  # fsspec >= 2025.x: the marker that makes `url_to_fs` hand the inner path over
@@ -124,6 +125,11 @@ class DmdaskFileSystem(_Base):
 
     def info(self, path, **kwargs):
         return dict(self._session().info(self._fsid, self.fs, self._path(path)))
+
+    def glob(self, path, maxdepth=None, **kwargs):
+        """As the target's `glob` answers (HTTP's keeps sub-folders, which the generic
+        glob drops: `dmdask.fs.globbing`), over this run's listings."""
+        return globbing.glob(self, path, maxdepth=maxdepth, url_rules=probe.applies(self.fs), **kwargs)
 
     def isdir(self, path) -> bool:
         return self.fs.isdir(self._path(path))
