@@ -78,6 +78,7 @@ def test_non_persistent_loader_workers_send_no_request_for_cached_files(cluster,
         got = run_manifest(cluster.scheduler_address, store, names, 3, False, tmp_path / "out.json")
         stats = store.stats()
     assert got["digests"] == [expected] * 3
+    assert got["listings"][0] == got["listings"][1]  # the parent's HTTP filesystem survived its forks
     files = {p: v for p, v in stats["by_path"].items() if p.endswith(".bin")}
     assert {p: v["bytes"] for p, v in files.items()} == {n: os.path.getsize(root / n) for n in names}
     assert all(v["requests"] == 1 for v in files.values())  # one GET per file over the job

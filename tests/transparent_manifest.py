@@ -6,7 +6,10 @@ through `dmdask::` URLs from a manifest: the main process never reads through
 
 BATCHES_FIRST=1: the main process iterates `dmdask.batches` over the Zarr array ZARR
 first (its client, pools and threads exist when the loader forks). Writes the sha1 of
-every file each epoch read, and the seconds each epoch took, to OUT.json.
+every file each epoch read, and the seconds each epoch took, to OUT.json. The main
+process lists the store folder over HTTP before the loader forks and again after the
+last epoch (both listings in OUT.json): forked workers must leave its HTTP connections
+working.
 """
 import hashlib
 import json
@@ -40,6 +43,10 @@ def main(argv):
     scheduler, store_url, epochs, batches_first, out = argv[:5]
     names = json.loads(sys.stdin.read())
     urls = [f"dmdask::{store_url}/{n}" for n in names]
+    def listing():  # the instance held by fsspec's cache only, as a library's would be
+        return sorted(fsspec.filesystem("http").ls(f"{store_url}/files", detail=False))
+
+    before = listing()
     with distributed.Client(scheduler) as client:
         if batches_first == "1":
             spec = dmdask.Spec(source=argv[5], batch_size=16, shuffle=True, seed=0)
@@ -54,8 +61,9 @@ def main(argv):
                 got.update(dict(batch))
             seconds.append(time.monotonic() - started)
             digests.append([got[i] for i in range(len(urls))])
+    after = listing()
     with open(out, "w") as f:
-        json.dump({"digests": digests, "seconds": seconds}, f)
+        json.dump({"digests": digests, "seconds": seconds, "listings": [before, after]}, f)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ WEBDATASET_OPENERS = "webdataset.gopen"
 
 def register() -> None:
     """The protocol, webdataset's opener, and this job's run token (`dmdask.fs.run`)."""
+    from . import forks  # noqa: F401  (a forked child keeps its parent's filesystems working)
     from .run import start
 
     start()
