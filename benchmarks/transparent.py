@@ -223,7 +223,7 @@ def report(result: dict, plots_dir: str) -> str:
 
     cfg, rows, size = result["config"], result["rows"], result["dataset"]
     lines = ["| pipeline | listing (s) | epoch 1 (s) | epochs 2+ (s, mean) | samples/s, epochs 2+ | store bytes "
-             "| store GETs + HEADs of files |", "|---|---:|---:|---:|---:|---:|---:|"]
+             "| file GETs + all HEADs |", "|---|---:|---:|---:|---:|---:|---:|"]
     shown = [(key, label) for key, label in PIPELINES if key in rows]
     for key, label in shown:
         r = rows[key]
