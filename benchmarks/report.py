@@ -46,7 +46,7 @@ def _sections(scenarios: dict, titles: dict, plots_dir: str):
             goals.append((title, {"goal": "scenario ran", "met": False, "measured": result["error"]}))
             continue
         module = importlib.import_module(f"benchmarks.{name}")
-        earlier = f"*Measured in an earlier run, on {result['run']}.*\n\n" if result.get("run") else ""
+        earlier = f"*Measured in another run, on {result['run']}.*\n\n" if result.get("run") else ""
         sections.append(f"## {title}\n\n" + earlier + module.report(result, plots_dir))
         goals += [(title, g) for g in result["goals"]]
     return goals, sections

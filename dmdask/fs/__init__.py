@@ -33,6 +33,8 @@ The cluster: storage option `scheduler=ADDRESS`, else the dask config
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import dask.config
 import fsspec
 from dask.utils import parse_bytes
@@ -40,6 +42,7 @@ from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 
 from ..source.base import options_json, protocol_of
 from ..source.files import FileSource
+from . import globbing, probe
 from .session import NoClusterError, close_sessions, get_session, version_of
 
 try:  # fsspec >= 2025.x: the marker that makes `url_to_fs` hand the inner path over
@@ -123,6 +126,11 @@ class DmdaskFileSystem(_Base):
     def info(self, path, **kwargs):
         return dict(self._session().info(self._fsid, self.fs, self._path(path)))
 
+    def glob(self, path, maxdepth=None, **kwargs):
+        """As the target's `glob` answers (HTTP's keeps sub-folders, which the generic
+        glob drops: `dmdask.fs.globbing`), over this run's listings."""
+        return globbing.glob(self, path, maxdepth=maxdepth, url_rules=probe.applies(self.fs), **kwargs)
+
     def isdir(self, path) -> bool:
         return self.fs.isdir(self._path(path))
 
@@ -139,9 +147,10 @@ class DmdaskFileSystem(_Base):
         return FileSource(url, self.target_protocol, self._options, path, int(info["size"]), version_of(info),
                           self.block_bytes)
 
-    def _file(self, path: str):
-        """(info, source) of a file; source is None when it is empty or its size unknown."""
-        info = self.info(path)
+    def _file(self, path: str, start: Optional[int] = 0):
+        """(info, source) of a file about to be read from byte `start` (None: from its
+        end); source is None when it is empty or its size unknown."""
+        info = dict(self._session().first_info(self, self._path(path), start))
         if info.get("type", "file") != "file":
             raise IsADirectoryError(path)
         size = info.get("size")
@@ -158,7 +167,7 @@ class DmdaskFileSystem(_Base):
     def _range(self, path, start, end):
         """(source, start, stop) to read through the cluster, or the bytes themselves for a
         file that is empty or of unknown size (read from the store directly)."""
-        info, source = self._file(path)
+        info, source = self._file(path, 0 if start is None else start)
         if source is None:
             return b"" if info.get("size") == 0 else self.fs.cat_file(self._path(path), start=start, end=end)
         size = source.size

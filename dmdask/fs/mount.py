@@ -10,6 +10,8 @@ file handle, a cached block at a time. Writes fail with EROFS.
 from __future__ import annotations
 
 import errno
+import functools
+import logging
 import os
 import stat
 import threading
@@ -18,6 +20,30 @@ from typing import Dict, Tuple
 from . import DmdaskFileSystem  # noqa: F401  (operations take one)
 
 TIME_KEYS = ("mtime", "LastModified", "last_modified", "updated", "created")
+logger = logging.getLogger(__name__)
+
+
+def _answering(FuseOSError, op):
+    """`op` with its errors as the errno a reader of a local file system expects: a
+    missing path ENOENT, a folder EISDIR, anything else (a lost scheduler, no workers
+    within `dmdask.client.recovery-seconds`, a store error) EIO, logged with its message
+    (never libfuse's default EINVAL)."""
+
+    @functools.wraps(op)
+    def answer(*args):
+        try:
+            return op(*args)
+        except FuseOSError:
+            raise
+        except FileNotFoundError:
+            raise FuseOSError(errno.ENOENT) from None
+        except (IsADirectoryError, NotADirectoryError) as exc:
+            raise FuseOSError(errno.EISDIR if isinstance(exc, IsADirectoryError) else errno.ENOTDIR) from None
+        except Exception as exc:  # noqa: BLE001 - every other failure is an I/O error to the reader
+            logger.error("dmdask mount: %s%r failed: %s: %s", op.__name__, args[1:2], type(exc).__name__, exc)
+            raise FuseOSError(errno.EIO) from exc
+
+    return answer
 
 
 def _fuse():
@@ -106,6 +132,8 @@ def operations(fs: DmdaskFileSystem, root: str):
                 handle.close()
             return 0
 
+    for name in ("getattr", "readdir", "open", "read"):
+        setattr(CacheMount, name, _answering(FuseOSError, getattr(CacheMount, name)))
     return CacheMount()
 
 

@@ -1,6 +1,7 @@
 """Make `dmdask::` URLs open anywhere once `dmdask` is imported: the fsspec protocol
 (also registered by the package's `fsspec.specs` entry point), and webdataset's opener
-for the scheme, installed when `webdataset.gopen` is (or already was) imported."""
+for the scheme, installed when `webdataset.gopen` is (or already was) imported; and the
+run token the job's processes share (`dmdask.fs.run`)."""
 from __future__ import annotations
 
 import importlib.abc
@@ -14,6 +15,11 @@ WEBDATASET_OPENERS = "webdataset.gopen"
 
 
 def register() -> None:
+    """The protocol, webdataset's opener, and this job's run token (`dmdask.fs.run`)."""
+    from . import forks  # noqa: F401  (a forked child keeps its parent's filesystems working)
+    from .run import start
+
+    start()
     fsspec.register_implementation(PROTOCOL, "dmdask.fs.DmdaskFileSystem", clobber=True)
     if WEBDATASET_OPENERS in sys.modules:
         _add_opener(sys.modules[WEBDATASET_OPENERS])

@@ -28,7 +28,7 @@ import os
 import secrets
 import threading
 import time
-import uuid
+from collections import OrderedDict
 from typing import Dict, List, Optional
 
 import dask.config
@@ -44,18 +44,22 @@ from distributed.protocol.serialize import to_serialize
 from ..client.datasets import ensure_plugin, get_or_register, submit_blocks
 from ..client.gather import Gatherer, LocalArenas, Moved, plan_rows
 from ..client.iterator import _my_host
-from ..errors import BlockReadError, DmdaskError, NotADmdaskWorker, NoWorkersError
+from ..errors import BlockReadError, DmdaskError, NoWorkersError, SchedulerLostError
 from ..source.files import ROW_BYTES, FileSource, read_blocks
+from . import probe
+from .run import RUN_ENV, new_run, run_token  # noqa: F401  (RUN_ENV: re-exported)
 
 logger = logging.getLogger(__name__)
 
-RUN_ENV = "DMDASK_FS_RUN"
 SCHEDULER_ENV = "DMDASK_FS_SCHEDULER"  # set for child processes: the scheduler their parent read through
 LOCATE_SECONDS = 2.0  # one wait on the scheduler for blocks still loading
 HITS_SECONDS = 1.0  # how often workers hear of the rows taken from their files
 EXIT_SECONDS = 2.0  # the most a process's exit waits to report its last hits
 HANDOVER_EXIT_SECONDS = 10.0  # the most a process's exit waits for its hand-overs to reach the workers
 HANDOVER_DELAY = 0.05  # blocks read from the store within this long are handed over together
+PREFETCHED_BYTES = 64 << 20  # first blocks read with their files' infos, kept for the read that follows
+ELSEWHERE = object()  # `_claim_info`: another run read the info
+CLAIM_POLL_SECONDS = 0.02  # how often a process waiting for a file's info another one reads asks again
 FOLDER_FILES = 10_000  # other files of a folder located along with the first one a process reads
 # what identifies a version of a file, among the keys of fsspec infos (local, S3, GCS, HTTP, ...)
 VERSION_KEYS = ("mtime", "LastModified", "last_modified", "Last-Modified", "ETag", "etag", "updated",
@@ -66,17 +70,6 @@ class NoClusterError(DmdaskError, RuntimeError):
     """Transparent mode found no cluster to read through."""
 
 
-def run_token() -> str:
-    """This run's token: this process's, or the one it inherited from its parent."""
-    return os.environ.setdefault(RUN_ENV, uuid.uuid4().hex)
-
-
-def new_run() -> str:
-    """Start a new run in this process (and the processes it starts from now on)."""
-    os.environ[RUN_ENV] = uuid.uuid4().hex
-    return os.environ[RUN_ENV]
-
-
 def version_of(info: dict) -> list:
     """The fields of an info that change when the file is rewritten."""
     return [[k, str(info[k])] for k in VERSION_KEYS if info.get(k) is not None]
@@ -85,6 +78,11 @@ def version_of(info: dict) -> list:
 def plain(info: dict) -> dict:
     """An info with only values that travel as they are (others as strings)."""
     return {k: v if v is None or isinstance(v, (str, int, float, bool)) else str(v) for k, v in info.items()}
+
+
+def recovery_seconds() -> float:
+    """The most any wait of transparent mode lasts (`dmdask.client.recovery-seconds`)."""
+    return float(dask.config.get("dmdask.client.recovery-seconds"))
 
 
 def folder_of(path: str) -> str:
@@ -118,6 +116,9 @@ class Session:
         self.holders: Dict[str, str] = dict(parent.holders) if parent else {}  # block key -> a holder
         self.retried: set = set()  # datasets whose erred blocks this process had retried
         self._exit_hook = False
+        self._said_waiting = False
+        self._prefetched: "OrderedDict[str, bytes]" = OrderedDict()  # block key -> bytes read with its file's info
+        self._prefetched_bytes = 0  # the warning that the cluster has no workers yet was logged
 
     # -- the connection -----------------------------------------------------------------
     @property
@@ -125,8 +126,14 @@ class Session:
         if self._client is None:
             with self._lock:
                 if self._client is None:
-                    client = distributed.Client(self.address, set_as_default=False,
-                                                timeout=dask.config.get("distributed.comm.timeouts.connect"))
+                    connect = dask.config.get("distributed.comm.timeouts.connect")
+                    try:
+                        client = distributed.Client(self.address, set_as_default=False, timeout=connect)
+                    except OSError as exc:
+                        raise SchedulerLostError(
+                            f"dmdask:: cannot reach the scheduler at {self.address} (waited {connect}, "
+                            "distributed.comm.timeouts.connect): is the cluster running? Name it with the storage "
+                            "option scheduler=ADDRESS or the dask config dmdask.fs.scheduler") from exc
                     ensure_plugin(client)
                     self.my_host = _my_host(client)
                     self.gatherer = Gatherer(client, self.my_host, LocalArenas(0, 1))
@@ -139,9 +146,17 @@ class Session:
         return self._client
 
     def at_exit(self) -> None:
+        """Hand over the blocks read here, share the infos read here with the run (so the
+        run's next processes ask the store for none of them) and report the last hits;
+        each bounded in time."""
         if self._client is not None and self._to_hand:
             self._client.loop.add_callback(self._hand_over)
         self.wait_handed_over(HANDOVER_EXIT_SECONDS)
+        if self._client is not None and self._to_tell and self._client.status == "running":
+            try:
+                self._client.sync(self._tell_queued, callback_timeout=EXIT_SECONDS)
+            except Exception:  # noqa: BLE001 - shared metadata is an optimisation
+                pass
         self.flush_hits()
 
     def wait_handed_over(self, timeout: float) -> bool:
@@ -164,8 +179,25 @@ class Session:
             client.close(timeout=EXIT_SECONDS)
 
     def _call(self, op: str, **msg):
+        """Scheduler handler `op`'s reply, waiting at most `dmdask.client.recovery-seconds`;
+        `SchedulerLostError` when the scheduler does not answer by then or is gone."""
         client = self.client
-        return client.sync(getattr(client.scheduler, op), **msg)
+        limit = recovery_seconds()
+
+        async def call():
+            if client.scheduler is None or client.status != "running":
+                raise CommClosedError(f"client status {client.status!r}")
+            return await getattr(client.scheduler, op)(**msg)
+
+        try:
+            return client.sync(call, callback_timeout=limit)
+        except DmdaskError:
+            raise
+        except (OSError, AttributeError) as exc:  # comms closed, a timeout; AttributeError: scheduler gone meanwhile
+            raise SchedulerLostError(
+                f"dmdask:: lost the scheduler at {self.address}: {op} got no answer within {limit:.0f} s "
+                f"(dmdask.client.recovery-seconds; {type(exc).__name__}: {exc}). Is the scheduler still "
+                "running? dmdask.fs.close() drops this process's connection; the next read makes a new one") from exc
 
     def flush_hits(self) -> None:
         """Report the rows this process took from workers' files (best effort, bounded)."""
@@ -195,7 +227,7 @@ class Session:
         self.infos[f"{fsid}|{path}"] = info
         self.files.setdefault(f"{fsid}|{folder_of(path)}", set()).add(path)
 
-    def _tell(self, fsid: str, puts: List[list]) -> None:
+    def _tell(self, fsid: str, puts: List[list], delay: float = HANDOVER_DELAY) -> None:
         """Share infos read from the store with the run, in the background and a batch at
         a time (a process that exits first only costs the next one a store request)."""
         client = self.client
@@ -203,7 +235,7 @@ class Session:
             first = not self._to_tell
             self._to_tell.extend([f"{fsid}|{f}", kind, p, v] for f, kind, p, v in puts)
         if first:
-            client.loop.call_later(HANDOVER_DELAY, self._tell_queued)
+            client.loop.call_later(delay, self._tell_queued)
 
     async def _tell_queued(self) -> None:
         with self._lock:
@@ -211,8 +243,8 @@ class Session:
         if msg:
             await _quietly(self.client.scheduler.dmdask_fs_metadata, run=self.run, put=msg)
 
-    def info(self, fsid: str, target, path: str) -> dict:
-        """The target's info of `path`, read from the store once per run."""
+    def known_info(self, fsid: str, path: str) -> Optional[dict]:
+        """The info of `path` this run read, or None (no store request)."""
         key = f"{fsid}|{path}"
         found = self.infos.get(key)
         if found is None and f"{fsid}|{folder_of(path)}" not in self.asked_infos:
@@ -220,6 +252,67 @@ class Session:
             # only: the run may have read its files' infos since)
             self._ask(fsid, folder_of(path))
             found = self.infos.get(key)
+        return found
+
+    def first_info(self, fs, path: str, start: Optional[int] = 0) -> dict:
+        """The info of file `path` of `fs` (a `DmdaskFileSystem`) for reading it from byte
+        `start` on (None: from its end): where the store's infos each cost a request
+        (HTTP), a file new to the run is asked with the ranged GET of the block holding
+        `start` (`dmdask.fs.probe`), which this process claims before the run learns the
+        info (so no other process reads it too) and whose bytes the read then takes
+        (kept up to `PREFETCHED_BYTES`): its first read is one store request."""
+        fsid = fs._fsid
+        found = self.known_info(fsid, path)
+        if found is not None:
+            return found
+        target = fsspec.filesystem(fs.target_protocol, **fs.target_options)  # this process's own
+        if start is None or start < 0 or not probe.applies(target):
+            return self.info(fsid, fs.fs, path)
+        found = self._claim_info(fsid, path)
+        if found is ELSEWHERE:  # a HEAD, not a GET: the bytes may be cached already
+            return self.info(fsid, fs.fs, path)
+        if found is not None:
+            return found
+        block_bytes = FileSource.block_bytes_of(fs.block_bytes)
+        index = start // block_bytes
+        got = probe.first_block(target, path, index * block_bytes, block_bytes)
+        if got is None:
+            return self.info(fsid, fs.fs, path)
+        info, content = plain(got[0]), got[1]
+        with self._lock:
+            self._know(fs._fsid, path, info)
+        if info["size"] and index * block_bytes < info["size"]:
+            source = fs.source(path, info)
+            reader = source.reader(index)
+            if len(content) == reader.last - reader.first:
+                self._keep_early(reader.key, content)
+                self._first_reads(fs, {reader.key: (source, index)}, keep=True)  # claimed before the run knows the info
+        self._tell(fsid, [[folder_of(path), "info", path, info]], delay=0)  # others of the run may be waiting
+        return info
+
+    def _claim_info(self, fsid: str, path: str):
+        """The run's info of `path` once known, waiting while another process of the run
+        reads it from the store; None: this process is to read it (claimed); ELSEWHERE:
+        another run read it (its blocks may be cached: check its version with `info`)."""
+        folder = f"{fsid}|{folder_of(path)}"
+        deadline = time.monotonic() + recovery_seconds()
+        while True:
+            reply = self._call("dmdask_fs_metadata", run=self.run, claim=[[folder, path]])
+            found = reply.get(folder, {"infos": {}})["infos"].get(path)
+            if found is not None:
+                with self._lock:
+                    self._know(fsid, path, found)
+                return found
+            if reply.get("elsewhere"):
+                return ELSEWHERE
+            if not reply.get("probing") or time.monotonic() > deadline:
+                return None
+            time.sleep(CLAIM_POLL_SECONDS)
+
+    def info(self, fsid: str, target, path: str) -> dict:
+        """The target's info of `path`, read from the store once per run."""
+        key = f"{fsid}|{path}"
+        found = self.known_info(fsid, path)
         if found is None:
             found = plain(target.info(path))
             self._tell(fsid, [[folder_of(path), "info", path, found]])
@@ -293,7 +386,7 @@ class Session:
     def read_ranges(self, fs, ranges: List[tuple]) -> List[bytes]:
         """The bytes of each (source, start, stop), with one scheduler request for the
         blocks new to this process and concurrent store reads for those it claims."""
-        deadline = time.monotonic() + float(dask.config.get("dmdask.client.recovery-seconds"))
+        deadline = time.monotonic() + recovery_seconds()
         cuts, wanted = [], {}
         for source, start, stop in ranges:
             if stop <= start:
@@ -335,15 +428,22 @@ class Session:
             self.client.loop.add_callback(self.gatherer.flush_hits_every, HITS_SECONDS)
         return out
 
-    def _first_reads(self, fs, wanted: Dict[str, tuple]) -> Dict[str, dict]:
+    def _first_reads(self, fs, wanted: Dict[str, tuple], keep: bool = False) -> Dict[str, dict]:
         """Blocks of `wanted` (key -> (source, index)) this process has no holder for:
         one `open_blocks` request registers their files, claims the blocks nobody holds
         or reads, and names the holders of the others. The claimed ones are read from the
         store here (and handed over); their rows are returned (key -> arrays). The rest
-        are left to `_gather` (held, loading, or read by another process)."""
+        are left to `_gather` (held, loading, or read by another process). Blocks read
+        with their file's info (`first_info`) are taken from there; keep: those that are
+        not this process's to hand over stay there for the read that follows."""
         client = self.client
         with self._lock:
             have = {key: self.handing[key] for key in wanted if key in self.handing}
+            early = {key: self._prefetched.pop(key) for key in wanted if key in self._prefetched and key not in have}
+            self._prefetched_bytes -= sum(len(c) for c in early.values())
+        for key, content in early.items():  # read with the file's info (`first_info`): no other request
+            if key in self.holders:
+                have[key] = wanted[key][0].reader(wanted[key][1]).decode(content)
         new = [key for key in wanted if key not in have and key not in self.holders]
         for folder in {f"{fs._fsid}|{folder_of(wanted[key][0].path)}" for key in new} - self.located:
             self.located.add(folder)
@@ -352,16 +452,19 @@ class Session:
         if not new:
             return have
         sources = {wanted[key][0].info.name: wanted[key][0] for key in new}
-        reply = self._call("dmdask_open_blocks", datasets=[[n, s.info.as_dict()] for n, s in sources.items()],
-                           keys=new, client=client.id, host=self.my_host)
-        if reply["status"] == "no-workers":
-            raise NotADmdaskWorker("the cluster has no workers; start `dask worker ... --worker-class dmdask.Worker`")
+        reply = self._open_blocks([[n, s.info.as_dict()] for n, s in sources.items()], new)
         self.registered.update(sources)
         self.holders.update(reply["holders"])
+        for key in set(early) - set(reply["mine"]) - set(have):  # held or claimed by another: ours will do
+            have[key] = wanted[key][0].reader(wanted[key][1]).decode(early[key])
+            if keep:
+                self._keep_early(key, early[key])
         mine = [(key, worker, wanted[key][0].reader(wanted[key][1])) for key, worker in reply["mine"].items()]
         if not mine:
             return have
-        contents = read_blocks([reader for _, _, reader in mine])
+        unread = [reader for key, _, reader in mine if key not in early]
+        read = iter(read_blocks(unread) if unread else ())
+        contents = [early[key] if key in early else next(read) for key, _, _ in mine]
         handed, failed = [], []
         for (key, worker, reader), content in zip(mine, contents):
             if isinstance(content, bytes) and len(content) == reader.last - reader.first:
@@ -380,6 +483,37 @@ class Session:
             if first:
                 client.loop.call_later(HANDOVER_DELAY, self._hand_over)
         return have
+
+    def _keep_early(self, key: str, content: bytes) -> None:
+        """Keep bytes read with a file's info for the next read of their block (`first_info`
+        claims it, then the read takes it)."""
+        with self._lock:
+            self._prefetched[key] = content
+            self._prefetched_bytes += len(content)
+            while self._prefetched_bytes > PREFETCHED_BYTES:
+                self._prefetched_bytes -= len(self._prefetched.popitem(last=False)[1])
+
+    def _open_blocks(self, datasets: List[list], keys: List[str]) -> dict:
+        """`dmdask_open_blocks`' reply; while the cluster has no workers, waits for one to
+        join (said once in a warning per process), as `dmdask.batches` does;
+        `NoWorkersError` after `dmdask.client.recovery-seconds` without any."""
+        limit = recovery_seconds()
+        deadline = time.monotonic() + limit
+        while True:
+            reply = self._call("dmdask_open_blocks", datasets=datasets, keys=keys, client=self.client.id,
+                               host=self.my_host)
+            if reply["status"] != "no-workers":
+                return reply
+            if time.monotonic() > deadline:
+                raise NoWorkersError(
+                    f"the cluster at {self.address} has had no workers for {limit:.0f} s "
+                    "(dmdask.client.recovery-seconds): start `dask worker SCHEDULER --worker-class dmdask.Worker`")
+            if not self._said_waiting:
+                self._said_waiting = True
+                logger.warning("dmdask:: the cluster at %s has no workers: waiting up to %.0f s "
+                               "(dmdask.client.recovery-seconds) for dmdask workers to join "
+                               "(`dask worker SCHEDULER --worker-class dmdask.Worker`)", self.address, limit)
+            time.sleep(0.5)
 
     async def _hand_over(self) -> None:
         """Give the planned workers the bytes of the blocks read here lately (one request
@@ -429,7 +563,8 @@ class Session:
             try:
                 arrays = self.gatherer.take_local(plan, positions, len(blocks))
                 if arrays is None:  # a block held elsewhere, or not described yet
-                    arrays, _ = self.client.sync(self.gatherer.gather, plan, positions, len(blocks))
+                    arrays, _ = self.client.sync(self.gatherer.gather, plan, positions, len(blocks),
+                                                 callback_timeout=max(1.0, deadline - time.monotonic()))
                 return arrays["data"]
             except BlockReadError:
                 raise
@@ -495,7 +630,7 @@ class Session:
         for key, holder in reply["holders"].items():
             by_holder.setdefault(holder, []).append(key)
         client = self.client
-        client.sync(self.gatherer.describe, by_holder)
+        client.sync(self.gatherer.describe, by_holder, callback_timeout=recovery_seconds())
 
 
 async def _quietly(call, **msg) -> None:

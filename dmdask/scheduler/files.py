@@ -9,15 +9,21 @@ whoever asks, and a new run sees a file changed since (new size, time or ETag: n
 blocks) after one store request per folder listing or file info.
 
 Entries are grouped by folder: a process gets every entry of a folder its run read
-with one request. Used only from the scheduler's event loop.
+with one request. A process about to read a file's info from the store claims it first
+(`claim`): while that claim stands (`PROBE_SECONDS`, or until the info is put) the
+run's other processes wait for the info instead of asking the store too, so racing
+readers of a new file send the store one request. Used only from the scheduler's
+event loop.
 """
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from typing import Dict, List, Optional
 
 RUNS_KEPT = 16  # runs remembered per entry (older runs read it again)
 FOLDERS_KEPT = 100_000  # folders kept (least recently asked for dropped first)
+PROBE_SECONDS = 10.0  # how long a claim to read a file's info stands (its claimant may have died)
 
 
 class _Entry:
@@ -35,11 +41,12 @@ class _Entry:
 
 
 class _Folder:
-    __slots__ = ("listing", "infos")
+    __slots__ = ("listing", "infos", "probing")
 
     def __init__(self):
         self.listing: Optional[_Entry] = None
         self.infos: Dict[str, _Entry] = {}
+        self.probing: Dict[tuple, float] = {}  # (run, path) -> when its info was claimed
 
 
 class FileMetadata:
@@ -49,13 +56,21 @@ class FileMetadata:
     def __init__(self):
         self.folders: "OrderedDict[str, _Folder]" = OrderedDict()
 
-    def handler(self, run: str, get: List[str] = (), paths: List[list] = (), put: List[list] = ()) -> dict:
+    def handler(self, run: str, get: List[str] = (), paths: List[list] = (), put: List[list] = (),
+                claim: List[list] = ()) -> dict:
         """Scheduler handler `dmdask_fs_metadata`. `put`: [folder, "listing" or "info",
         path, value] read from the store by `run`; `get`: folders whose entries `run`
         read, answered as {folder: {"listing": entries or None, "infos": {path: info}}};
-        `paths`: [folder, path] of single infos, answered under "infos" the same way."""
+        `paths`: [folder, path] of single infos, answered under "infos" the same way;
+        `claim`: [folder, path] of infos the caller will read from the store unless
+        known (then answered under "infos") or claimed by another process of the run
+        (answered in "probing": [[folder, path]]: ask again shortly), or read by another
+        run (answered in "elsewhere": [[folder, path]], not claimed: the caller checks
+        its version with the store, and may find its blocks cached)."""
+        now = time.monotonic()
         for folder, kind, path, value in put:
             entry = self._folder(folder)
+            entry.probing.pop((run, path), None)
             if kind == "listing":
                 if entry.listing is None:
                     entry.listing = _Entry(value, run)
@@ -79,6 +94,17 @@ class FileMetadata:
             found = entry.infos.get(path) if entry is not None else None
             if found is not None and run in found.runs:
                 out.setdefault(folder, {"listing": None, "infos": {}})["infos"][path] = found.value
+        for folder, path in claim:
+            entry = self._folder(folder)
+            found = entry.infos.get(path)
+            if found is not None and run in found.runs:
+                out.setdefault(folder, {"listing": None, "infos": {}})["infos"][path] = found.value
+            elif found is not None:
+                out.setdefault("elsewhere", []).append([folder, path])
+            elif now - entry.probing.get((run, path), -PROBE_SECONDS) < PROBE_SECONDS:
+                out.setdefault("probing", []).append([folder, path])
+            else:
+                entry.probing[(run, path)] = now
         return out
 
     def _folder(self, folder: str) -> _Folder:

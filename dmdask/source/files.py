@@ -91,13 +91,18 @@ class FileSource(Source):
                  block_bytes: int):
         if size <= 0:
             raise ValueError(f"{url}: an empty file has no blocks")
-        block_bytes = max(ROW_BYTES, block_bytes // ROW_BYTES * ROW_BYTES)
+        block_bytes = self.block_bytes_of(block_bytes)
         identity = file_identity(url, options, size, version, block_bytes)
         rows = -(-size // ROW_BYTES)
         self.info = DatasetInfo(name=f"fs-{identity}", identity=identity, url=url, fields=FIELDS, num_samples=rows,
                                 block_len=block_bytes // ROW_BYTES, nbytes=size + 8 * rows)
         self.protocol, self.options, self.path, self.size = protocol, options, path, size
         self.version = version
+
+    @staticmethod
+    def block_bytes_of(block_bytes: int) -> int:
+        """The bytes of each block of a file read in blocks of about `block_bytes`."""
+        return max(ROW_BYTES, block_bytes // ROW_BYTES * ROW_BYTES)
 
     @property
     def block_bytes(self) -> int:

@@ -1,0 +1,62 @@
+"""`glob` as the target filesystem answers it, over a `DmdaskFileSystem`'s own (cached)
+`find`. Two rules, each fsspec's (2024-2026): HTTP's (`HTTPFileSystem._glob`: the
+folders of a listing, named with a trailing slash, match `dir/*`; "?" is no wildcard,
+it starts a URL's query) and every other filesystem's (`AbstractFileSystem.glob`).
+The generic glob run over a chained filesystem gets both wrong (it drops HTTP's
+folders, and a pattern ending in "/" finds nothing, the chained path keeping its
+slash), hence this module.
+
+Guarantee: the same paths (or infos, `detail=True`) in the same order as the target's
+`glob`, given the same listings.
+"""
+from __future__ import annotations
+
+import glob as _glob_module
+import os
+import re
+
+from fsspec.utils import glob_translate
+
+
+def glob(fs, path: str, maxdepth=None, url_rules: bool = False, **kwargs):
+    """The paths of `fs` (a `DmdaskFileSystem`) matching glob `path`, by HTTP's rules
+    (`url_rules`) or the generic ones."""
+    if maxdepth is not None and maxdepth < 1:
+        raise ValueError("maxdepth must be at least 1")
+    seps = ("/",) if url_rules else ((os.path.sep, os.path.altsep) if os.path.altsep else (os.path.sep,))
+    ends_with_sep = path.endswith(seps)
+    path = fs._path(path)  # as the target strips it (a local path loses its trailing slash)
+    stars = ("/**", "/*") if url_rules else tuple(sep + "**" for sep in seps)
+    append_slash_to_dirname = ends_with_sep or path.endswith(stars)
+    magic = "*[" if url_rules else "*?["
+    min_idx = min([path.find(c) for c in magic if c in path] or [len(path)])
+    detail = kwargs.pop("detail", False)
+    withdirs = True if url_rules else kwargs.pop("withdirs", True)
+    if not (re.search(r"[*\[]", path) if url_rules else _glob_module.has_magic(path)):
+        if fs.exists(path, **kwargs):
+            return {path: fs.info(path, **kwargs)} if detail else [path]
+        return {} if detail else []
+    if "/" in path[:min_idx]:
+        min_idx = path[:min_idx].rindex("/")
+        root = path[:min_idx + 1]
+        depth = path[min_idx + 1:].count("/") + 1
+    else:
+        root = ""
+        depth = path[min_idx + 1:].count("/") + 1
+    if "**" in path:
+        if maxdepth is not None:
+            depth = depth - (path[path.find("**"):].count("/") + 1) + maxdepth
+        else:
+            depth = None
+    if root and not url_rules:
+        root = fs._path(root)  # as the generic find gets it from a target that strips slashes
+    allpaths = fs.find(root, maxdepth=depth, withdirs=withdirs, detail=True, **kwargs)
+    pattern = re.compile(glob_translate(path + ("/" if ends_with_sep else "")))
+    if url_rules:
+        out = {(p.rstrip("/") if not append_slash_to_dirname and info["type"] == "directory" and p.endswith("/")
+                else p): info
+               for p, info in sorted(allpaths.items()) if pattern.match(p.rstrip("/"))}
+    else:
+        out = {p: info for p, info in sorted(allpaths.items())
+               if pattern.match(p + "/" if append_slash_to_dirname and info["type"] == "directory" else p)}
+    return out if detail else list(out)

@@ -1,0 +1,155 @@
+"""fsspec's contract through `dmdask::`: read-only calls (ls, info, glob, find, walk,
+cat ranges, open/seek/read) answer as the target filesystem does, over an HTTP store
+and local files; and fsspec's own abstract `get` suite (`fsspec.tests.abstract`), with
+the scenarios written through the target."""
+import os
+
+import distributed
+import fsspec
+import pytest
+from fsspec.tests.abstract import AbstractFixtures, AbstractGetTests
+
+import dmdask
+from dmdask.fs import DmdaskFileSystem
+from benchmarks.store_server import StoreServer
+
+GLOBS = ["*", "*/", "**", "**/", "*/*", "*/*.bin", "sub*", "sub*/*", "**/*.bin", "*.bin", "[ab]*", "sub/**",
+         "sub/*/", "nothing*", "a.bin"]
+RANGES = [(None, None), (0, 10), (5, None), (-7, None), (3, -2), (10, 15), (0, 0)]  # (not past either end: HTTP and local files differ there)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with dmdask.LocalCluster(n_workers=2, ram="64 MiB", dashboard_address=None) as c, distributed.Client(c):
+        yield c
+        dmdask.fs.close()
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tree") / "d"
+    for name, size in [("a.bin", 3000), ("b.bin", 17), ("sub/c.bin", 70_000), ("sub/deep/e.bin", 5),
+                       ("sub2/f.txt", 1), ("empty.bin", 0)]:
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(bytes((i * 7 + len(name)) % 256 for i in range(size)))
+    return root
+
+
+@pytest.fixture(scope="module", params=["http", "file"])
+def pair(request, tree, cluster):
+    """(the target filesystem, dmdask:: over it, the tree's root in target naming)."""
+    if request.param == "file":
+        yield fsspec.filesystem("file"), fsspec.filesystem("dmdask", target_protocol="file"), str(tree)
+        return
+    with StoreServer(str(tree.parent)) as store:
+        yield fsspec.filesystem("http"), fsspec.filesystem("dmdask", target_protocol="http"), f"{store.url}/d"
+
+
+def same(call, target, through):
+    """call(target) and call(through), each its value or the type of what it raised."""
+    def outcome(fs):
+        try:
+            return call(fs)
+        except Exception as exc:  # noqa: BLE001 - the contract covers errors too
+            return type(exc)
+    return outcome(target), outcome(through)
+
+
+def test_listings_and_infos_answer_as_the_target(pair):
+    target, through, root = pair
+    for folder in [root, f"{root}/sub", f"{root}/sub/deep"]:
+        want, got = same(lambda fs: sorted(fs.ls(folder, detail=False)), target, through)
+        assert got == want, folder
+        want, got = same(lambda fs: sorted((e["name"], e["type"], e.get("size")) for e in fs.ls(folder, detail=True)),
+                         target, through)
+        assert got == want, folder
+    for name in ["a.bin", "sub/c.bin", "empty.bin", "missing.bin"]:
+        want, got = same(lambda fs: {k: fs.info(f"{root}/{name}").get(k) for k in ("name", "size", "type")},
+                         target, through)
+        assert got == want, name
+    for kwargs in [{}, {"withdirs": True}, {"maxdepth": 1}, {"maxdepth": 2, "withdirs": True}]:
+        want, got = same(lambda fs: fs.find(root, **kwargs), target, through)
+        assert got == want, kwargs
+    want, got = same(lambda fs: [(d, sorted(ds), sorted(fs_)) for d, ds, fs_ in fs.walk(root)], target, through)
+    assert got == want
+
+
+def test_glob_answers_as_the_target_folders_included(pair):
+    target, through, root = pair
+    for pattern in GLOBS:
+        want, got = same(lambda fs: fs.glob(f"{root}/{pattern}"), target, through)
+        assert got == want, pattern
+    assert any(p.rstrip("/").endswith("/sub") for p in through.glob(f"{root}/*"))  # class folders found by glob
+
+
+def test_reads_answer_as_the_target(pair):
+    target, through, root = pair
+    for name in ["a.bin", "b.bin", "sub/c.bin", "empty.bin"]:
+        path = f"{root}/{name}"
+        for start, end in RANGES if name != "empty.bin" else [(None, None), (0, 0)]:
+            want, got = same(lambda fs: fs.cat_file(path, start=start, end=end), target, through)
+            assert got == want, (name, start, end)
+        want, got = same(lambda fs: fs.cat_ranges([path, path], [0, 2], [5, 9]), target, through)
+        assert got == want, name
+
+        def seeks(fs):
+            out = []
+            with fs.open(path, "rb") as f:
+                out.append(f.read(10))
+                f.seek(0, 2)
+                out.append((f.tell(), f.read(5)))
+                f.seek(-3, 2)
+                out.append(f.read())
+                f.seek(1)
+                out += [f.read(4), f.tell(), f.read()]
+            return out
+        if name != "empty.bin":  # seeking before its start: an OSError from a local file, a ValueError here
+            want, got = same(seeks, target, through)
+            assert got == want, name
+    want, got = same(lambda fs: fs.cat_file(f"{root}/missing.bin"), target, through)
+    assert got == want and issubclass(got, FileNotFoundError)
+
+
+class ThroughLocal(DmdaskFileSystem):
+    """dmdask:: over local files whose writes (only the suite's scenarios make them) go
+    to the target, each starting a new run (so listings are read again)."""
+
+    protocol = "dmdask-writable-for-tests"
+
+    def _write(self, op, path, *args, **kwargs):
+        out = getattr(self.fs, op)(self._path(path), *args, **kwargs)
+        self.invalidate_cache()
+        return out
+
+    def mkdir(self, path, create_parents=True, **kwargs):
+        return self._write("mkdir", path, create_parents=create_parents, **kwargs)
+
+    def makedirs(self, path, exist_ok=False):
+        return self._write("makedirs", path, exist_ok=exist_ok)
+
+    def touch(self, path, truncate=True, **kwargs):
+        return self._write("touch", path, truncate=truncate, **kwargs)
+
+    def pipe_file(self, path, value, **kwargs):
+        return self._write("pipe_file", path, value, **kwargs)
+
+    def rm(self, path, recursive=False, maxdepth=None):
+        return self._write("rm", path, recursive=recursive, maxdepth=maxdepth)
+
+
+@pytest.mark.usefixtures("cluster")
+class TestFsspecAbstractGet(AbstractFixtures, AbstractGetTests):
+    """fsspec's own `get` suite: copies from `dmdask::` (over local files) to local disk."""
+
+    @pytest.fixture
+    def fs(self, cluster):
+        return ThroughLocal(target_protocol="file", target_options={"auto_mkdir": True}, scheduler=cluster.scheduler_address)
+
+    @pytest.fixture
+    def fs_path(self, tmpdir):
+        return str(tmpdir)
+
+    @pytest.fixture
+    def fs_join(self):
+        return os.path.join
