@@ -127,3 +127,47 @@ def test_waits_are_bounded_with_errors_that_say_what_is_missing(tmp_path):
         done = subprocess.run([sys.executable, "-c", READ, "tcp://127.0.0.1:9", url], env=quick,
                               capture_output=True, text=True, timeout=PROCESS_SECONDS)
     assert done.returncode != 0 and "SchedulerLostError" in done.stderr and "tcp://127.0.0.1:9" in done.stderr
+
+
+READ_TWO = ("import hashlib, os, sys, time, fsspec\n"
+            "import dmdask\n"
+            "fs = fsspec.filesystem('dmdask', target_protocol='http', scheduler=sys.argv[1])\n"
+            "print(hashlib.sha1(fs.cat_file(sys.argv[2])).hexdigest(), flush=True)\n"
+            "while not os.path.exists(sys.argv[4]):\n"
+            "    time.sleep(0.05)\n"
+            "fs.cat_file(sys.argv[3])\n")
+
+
+@pytest.mark.slow
+def test_a_scheduler_lost_during_a_run_is_a_scheduler_lost_error(tmp_path):
+    """A reader has read one file; the scheduler is SIGKILLed; its next read (a file new to
+    it, so it must ask the scheduler) raises SchedulerLostError naming what to do, within
+    the configured time, not a raw CommClosedError and not a wait without end."""
+    from framework_cases import free_port
+    from test_failures import _start_cluster, _stop
+
+    root = tmp_path / "pfs"
+    names = write_files(str(root / "files"), 2)
+    port = free_port()
+    procs = _start_cluster(port, tmp_path, "fs")
+    marker = tmp_path / "scheduler-killed"
+    try:
+        with StoreServer(str(root)) as store:
+            reader = subprocess.Popen(
+                [sys.executable, "-c", READ_TWO, f"tcp://127.0.0.1:{port}", f"{store.url}/files/{names[0]}",
+                 f"{store.url}/files/{names[1]}", str(marker)],
+                env=env(DASK_DMDASK__CLIENT__RECOVERY_SECONDS="3", DASK_DMDASK__CLIENT__SCHEDULER_SECONDS="3"),
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            first = reader.stdout.readline().strip()  # the scheduler and its workers start meanwhile
+            assert first == hashlib.sha1((root / "files" / names[0]).read_bytes()).hexdigest(), reader.stderr.read()
+            procs[0].kill()
+            procs[0].wait(30)
+            marker.touch()
+            _, err = reader.communicate(timeout=PROCESS_SECONDS)
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+        _stop(procs)
+    assert reader.returncode != 0
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("dmdask.errors.SchedulerLostError"), err[-3000:]
