@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 
 import distributed
 import fsspec
+
+from dmdask.testing.mount import unmount
 
 from .common import dataset_bytes, dmdask_cluster, served_bytes, workdir, write_files
 
@@ -107,23 +108,10 @@ def _mounted(url: str, mountpoint: str, scheduler: str):
     deadline = time.monotonic() + MOUNT_SECONDS
     while not os.path.ismount(mountpoint):
         if proc.poll() is not None or time.monotonic() > deadline:
-            _unmount(proc, mountpoint)
+            unmount(proc, mountpoint)
             return None
         time.sleep(0.2)
     return proc
-
-
-def _unmount(proc, mountpoint: str) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=20)
-    if os.path.ismount(mountpoint):
-        tool = shutil.which("fusermount3") or shutil.which("fusermount")
-        subprocess.run([tool, "-u", "-z", mountpoint], check=False, timeout=20)
 
 
 def _store_counts(store) -> dict:
@@ -163,7 +151,7 @@ def run(preset: str) -> dict:
                         rows["mount"] = _epochs(mountpoint, cfg)
                         rows["mount"]["store"] = _store_counts(store)
                     finally:
-                        _unmount(proc, mountpoint)
+                        unmount(proc, mountpoint)
     return {"config": cfg, "dataset": size, "rows": rows, "goals": goals_of(rows, cfg, size)}
 
 

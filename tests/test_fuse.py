@@ -2,7 +2,6 @@
 cluster's cache. Bytes are counted by the HTTP store itself."""
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -11,6 +10,7 @@ import pytest
 
 import dmdask
 from dmdask.testing.datasets import write_folder
+from dmdask.testing.mount import unmount
 from benchmarks.store_server import StoreServer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,20 +50,6 @@ def fuse_missing():
 
 def env():
     return dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-
-
-def unmount(proc, mountpoint):
-    """Stop the mount process (libfuse unmounts on SIGINT); lazily unmount if it is stuck."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=20)
-    if os.path.ismount(mountpoint):
-        tool = shutil.which("fusermount3") or shutil.which("fusermount")
-        subprocess.run([tool, "-u", "-z", mountpoint], check=False, timeout=20)
 
 
 @pytest.mark.slow
