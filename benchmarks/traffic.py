@@ -6,6 +6,8 @@ a per-node cache and no sharing (Monarch), dmdask, and the bound E*D - min(C, D)
 """
 from __future__ import annotations
 
+import threading
+
 import distributed
 
 import dmdask
@@ -75,9 +77,14 @@ def _dmdask_run(store, nodes: int, capacity: int, cfg: dict) -> dict:
     with dmdask_cluster(nodes, ram=per_worker, stream_buffer=0) as cluster, distributed.Client(cluster) as client:
         store.reset_stats()
         spec = dmdask.Spec(store.url + "/files", batch_size=BATCH, block_size=cfg["block"])
+        # ranks start each epoch together, as ranks that synchronise their gradients do: a rank
+        # an epoch ahead could otherwise share the read of a sample not cached with the rank
+        # behind (one read for two epochs), and the store would count less than the bound
+        epoch_start = threading.Barrier(nodes)
 
         def rank(r):
             for epoch in range(cfg["epochs"]):
+                epoch_start.wait(timeout=300)
                 for _ in dmdask.batches(client, spec.replace(rank=r, world_size=nodes), epoch=epoch):
                     pass
 
