@@ -63,6 +63,21 @@ class NoWorkersError(NotADmdaskWorker):
     """The cluster had no workers for longer than `dmdask.client.recovery-seconds`."""
 
 
+_START_WORKERS = "`dask worker SCHEDULER --worker-class dmdask.Worker`"
+
+
+def no_workers(seconds: float, cluster: str = "the cluster") -> NoWorkersError:
+    """The error of a wait for workers that lasted `seconds` in vain."""
+    return NoWorkersError(f"{cluster} has had no workers for {seconds:.0f} s (dmdask.client.recovery-seconds): "
+                          f"start {_START_WORKERS} on the nodes")
+
+
+def waiting_for_workers(seconds: float, cluster: str = "the cluster") -> str:
+    """What a wait for workers logs once, as it starts."""
+    return (f"{cluster} has no workers: waiting up to {seconds:.0f} s (dmdask.client.recovery-seconds) for "
+            f"dmdask workers to join ({_START_WORKERS})")
+
+
 class SchedulerLostError(DmdaskError, ConnectionError):
     """The client lost its scheduler (it stopped, or cannot be reached) for longer than
     `dmdask.client.scheduler-seconds`. Resume from the last `state_dict()` once a

@@ -37,25 +37,28 @@ MAPPED_BLOCKS = 4096  # blocks kept mapped per process (each costs a mapping per
 
 
 class ForkSafeExecutor(concurrent.futures.Executor):
-    """A thread pool that a forked child makes anew when it first submits (a forked
-    process has none of its parent's threads: work queued on the parent's pool would
-    wait forever)."""
+    """A thread pool, started at the first submit, that a forked child starts anew (a
+    forked process has none of its parent's threads: work queued on the parent's pool
+    would wait forever, and a lock a parent thread held would never be released)."""
 
     def __init__(self, threads: int, name: str):
         self.threads, self.name = threads, name
-        self._pid, self._pool = -1, None
+        self._forget()
+        os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._lock = threading.Lock()
 
     def submit(self, fn, /, *args, **kwargs):
-        if self._pid != os.getpid():
+        if self._pool is None:
             with self._lock:
-                if self._pid != os.getpid():
+                if self._pool is None:
                     self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix=self.name)
-                    self._pid = os.getpid()
         return self._pool.submit(fn, *args, **kwargs)
 
     def shutdown(self, wait=True, *, cancel_futures=False):
-        if self._pool is not None and self._pid == os.getpid():
+        if self._pool is not None:
             self._pool.shutdown(wait, cancel_futures=cancel_futures)
 
 

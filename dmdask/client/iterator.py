@@ -28,7 +28,8 @@ from distributed.comm.core import CommClosedError
 from distributed.core import clean_exception
 from distributed.protocol.serialize import to_serialize
 
-from ..errors import BlockReadError, NotADmdaskWorker, NoWorkersError, SchedulerLostError, SpecError
+from ..errors import (BlockReadError, NotADmdaskWorker, SchedulerLostError, SpecError, no_workers,
+                      waiting_for_workers)
 from ..plan.elastic import remaining
 from ..plan.order import ORDER_VERSION, EpochOrder, RankShare
 from ..spec import Mix, Spec, as_int, dumps_transform
@@ -69,11 +70,6 @@ def batches(client: Client, spec: Spec, epoch: int = 0, resume: Optional[dict] =
     return BatchIterator(client, spec, epoch, resume, progress=progress)
 
 
-def _no_workers(seconds: float) -> NoWorkersError:
-    return NoWorkersError(f"the cluster has had no workers for {seconds:.0f} s (dmdask.client.recovery-seconds): "
-                          "start `dask worker SCHEDULER --worker-class dmdask.Worker` on the nodes")
-
-
 def _host(address: str) -> str:
     return address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
 
@@ -97,6 +93,7 @@ class BatchIterator:
         self.client = client
         self.spec = spec
         self.epoch = epoch
+        self._said_waiting = False  # the wait for workers was logged (`_workers`)
         self._mixed: Optional[MixedInfo] = None  # the sources of a mixture, as one dataset of global ids
         if isinstance(spec.source, Mix):
             self.info = info = self._mixed = MixedInfo(
@@ -351,7 +348,7 @@ class BatchIterator:
             self._holders.clear()
             await asyncio.sleep(min(1.0, 0.05 * attempt))
         if not await self._workers(wait=False):
-            raise _no_workers(recovery) from last_error
+            raise no_workers(recovery) from last_error
         raise RuntimeError(f"batches {first}..{stop - 1} of rank {self.spec.rank} still failing after {recovery:.0f} s "
                            f"({attempt} tries, dmdask.client.recovery-seconds); is the cluster losing workers?") \
             from last_error
@@ -514,10 +511,8 @@ class BatchIterator:
             if workers or not wait:
                 return workers
             if time.monotonic() > deadline:
-                raise _no_workers(limit)
-            if not getattr(self, "_said_waiting", False):  # once per iterator and outage: a pause explained
+                raise no_workers(limit)
+            if not self._said_waiting:  # once per iterator and outage: a pause explained
                 self._said_waiting = True
-                logger.warning("the cluster has no workers: waiting up to %.0f s (dmdask.client.recovery-seconds) "
-                               "for dmdask workers to join (`dask worker SCHEDULER --worker-class dmdask.Worker`)",
-                               limit)
+                logger.warning(waiting_for_workers(limit))
             await asyncio.sleep(0.5)

@@ -16,13 +16,8 @@ RUN_ENV = "DMDASK_FS_RUN"
 
 
 def start() -> str:
-    """This process's run token, made now when it inherited none."""
+    """This run's token: the one this process inherited from its parent, else made now."""
     return os.environ.setdefault(RUN_ENV, uuid.uuid4().hex)
-
-
-def run_token() -> str:
-    """This run's token: the one this process made or inherited from its parent."""
-    return start()
 
 
 def new_run() -> str:

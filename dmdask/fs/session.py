@@ -44,10 +44,12 @@ from distributed.protocol.serialize import to_serialize
 from ..client.datasets import ensure_plugin, get_or_register, submit_blocks
 from ..client.gather import Gatherer, LocalArenas, Moved, plan_rows
 from ..client.iterator import _my_host
-from ..errors import BlockReadError, DmdaskError, NoWorkersError, SchedulerLostError
+from ..errors import (BlockReadError, DmdaskError, NoWorkersError, SchedulerLostError, no_workers,
+                      waiting_for_workers)
 from ..source.files import ROW_BYTES, FileSource, read_blocks
 from . import probe
-from .run import RUN_ENV, new_run, run_token  # noqa: F401  (RUN_ENV: re-exported)
+from .run import RUN_ENV, new_run  # noqa: F401  (RUN_ENV: re-exported)
+from .run import start as start_run
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +101,7 @@ class Session:
         self._client: Optional[distributed.Client] = None
         self.my_host: Optional[str] = None
         self.gatherer: Optional[Gatherer] = None
-        self.run = run_token()
+        self.run = start_run()
         known = parent if parent is not None and parent.run == self.run else None
         self.infos: Dict[str, dict] = dict(known.infos) if known else {}  # fsid|path -> info
         self.listings: Dict[str, list] = dict(known.listings) if known else {}  # fsid|folder -> entries
@@ -311,7 +313,6 @@ class Session:
 
     def info(self, fsid: str, target, path: str) -> dict:
         """The target's info of `path`, read from the store once per run."""
-        key = f"{fsid}|{path}"
         found = self.known_info(fsid, path)
         if found is None:
             found = plain(target.info(path))
@@ -505,14 +506,10 @@ class Session:
             if reply["status"] != "no-workers":
                 return reply
             if time.monotonic() > deadline:
-                raise NoWorkersError(
-                    f"the cluster at {self.address} has had no workers for {limit:.0f} s "
-                    "(dmdask.client.recovery-seconds): start `dask worker SCHEDULER --worker-class dmdask.Worker`")
+                raise no_workers(limit, f"the cluster at {self.address}")
             if not self._said_waiting:
                 self._said_waiting = True
-                logger.warning("dmdask:: the cluster at %s has no workers: waiting up to %.0f s "
-                               "(dmdask.client.recovery-seconds) for dmdask workers to join "
-                               "(`dask worker SCHEDULER --worker-class dmdask.Worker`)", self.address, limit)
+                logger.warning("dmdask:: %s", waiting_for_workers(limit, f"the cluster at {self.address}"))
             time.sleep(0.5)
 
     async def _hand_over(self) -> None:
