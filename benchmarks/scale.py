@@ -151,7 +151,7 @@ def run(preset: str) -> dict:
         for n in cfg["samples"]:
             path = write_fill_array(os.path.join(root, f"n{n}.zarr"), n, chunk=-(-n // cfg["probe_blocks"]))
             spec = dmdask.Spec(path, batch_size=cfg["batch"], seed=1)
-            info = open_dataset(client, spec, 0)
+            info = open_dataset(client, spec, 0).info
             loaded = _wait_loaded(client, info.name)
             row = {"samples": n, "blocks": info.num_blocks, "loaded": loaded,
                    **_run_probe(address, path, cfg["world"] - 1, cfg["world"], cfg["batch"])}
@@ -164,7 +164,7 @@ def run(preset: str) -> dict:
             spec = dmdask.Spec(path, batch_size=cfg["batch"], seed=1)
             rss_before = _rss_mib(scheduler_pid)
             started = time.perf_counter()
-            info = open_dataset(client, spec, 0)
+            info = open_dataset(client, spec, 0).info
             seconds = time.perf_counter() - started
             rss_after = _rss_mib(scheduler_pid)
             row = {"blocks": info.num_blocks, "ready_s": seconds, "scheduler_rss_before_mib": rss_before,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 import weakref
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 from distributed import Client
@@ -34,7 +34,15 @@ def _call(client: Client, op: str, **msg):
     return client.sync(getattr(client.scheduler, op), **msg)
 
 
-def open_dataset(client: Client, spec, epoch: int) -> DatasetInfo:
+class Opened(NamedTuple):
+    """A dataset as a rank finds it: its description, and how many of its blocks were
+    held when it asked (0 for the rank that created it now)."""
+
+    info: DatasetInfo
+    loaded: int
+
+
+def open_dataset(client: Client, spec, epoch: int) -> Opened:
     """The dataset of `spec`, created once per cluster: the first rank to ask lists the
     source and submits every block load in one graph; the others wait for it and get
     the same blocks."""
@@ -48,7 +56,7 @@ def open_dataset(client: Client, spec, epoch: int) -> DatasetInfo:
 
 
 def get_or_create(client: Client, name: str, opener: Callable[[], Source],
-                  order: Optional[Callable[[DatasetInfo], list]] = None) -> DatasetInfo:
+                  order: Optional[Callable[[DatasetInfo], list]] = None) -> Opened:
     """The registry's dataset `name`, created once per cluster from `opener()` by the
     first process to ask (the others wait for it), every block load submitted in one
     graph. `order(info)`: the order the blocks are first needed (None: index order)."""
@@ -57,8 +65,8 @@ def get_or_create(client: Client, name: str, opener: Callable[[], Source],
     while True:
         reply = _call(client, "dmdask_get_or_claim", name=name, claimant=claimant)
         if reply["status"] == "ready":
-            return DatasetInfo.from_dict(reply["info"])
-        try:
+            return Opened(DatasetInfo.from_dict(reply["info"]), reply["loaded"])
+        try:  # then ask again: "ready" once the scheduler has the blocks, which later calls rely on
             _create(client, name, opener(), order, claimant)
         except BaseException:
             _call(client, "dmdask_abandon", name=name, claimant=claimant)

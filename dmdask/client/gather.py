@@ -18,7 +18,7 @@ import os
 import threading
 import time
 from collections import OrderedDict, defaultdict
-from typing import Dict, List, Optional, Tuple
+from typing import Collection, Dict, List, Optional, Tuple
 
 import numpy as np
 from distributed.core import send_recv
@@ -264,13 +264,15 @@ class Gatherer:
             local.remember(holder, parsed[1], description)
 
     async def gather(self, plan: Dict[str, Dict[str, np.ndarray]], positions: Dict[str, np.ndarray],
-                     n: int, priority: Optional[int] = None) -> Tuple[Dict[str, np.ndarray], int]:
+                     n: int, priority: Optional[int] = None,
+                     loading: Collection[str] = ()) -> Tuple[Dict[str, np.ndarray], int]:
         """(the group's rows, field by field, in group order; how many of them the holders
         read from the store for it). `plan`: holder -> block key -> rows; `positions`:
         holder -> where those rows go (in the same order); `priority`: the position of the
-        group's first batch in its epoch (holders serve lower ones first)."""
+        group's first batch in its epoch (holders serve lower ones first); `loading`: keys
+        whose holder is still loading them (in no file yet: asked for rows, not described)."""
         local = [h for h in plan if _host(h) == self.my_host]
-        await asyncio.gather(*(self._describe(h, list(plan[h])) for h in local))
+        await asyncio.gather(*(self._describe(h, [k for k in plan[h] if k not in loading]) for h in local))
         from_files: List[tuple] = []  # (description, rows, positions, holder, key, ids or None)
         from_arenas: Dict[tuple, tuple] = {}  # (holder, arena) -> (fields, [rows], [positions], [keys], [ids])
         remote: Dict[str, Tuple[Dict[str, np.ndarray], List[np.ndarray]]] = {}
@@ -424,6 +426,16 @@ async def call_worker(client, address: str, op: str, **kwargs):
     reply = await send_recv(comm, op=op, **kwargs)
     client.rpc.reuse(address, comm)
     return reply
+
+
+async def connect_ahead(client, address: str) -> None:
+    """A connection to the worker at `address` made now and kept in the client's pool for
+    the next call; never raises (that call meets the error)."""
+    try:
+        comm = await client.rpc.connect(address, timeout=CONNECT_SECONDS)
+    except Exception:  # noqa: BLE001 - best effort
+        return
+    client.rpc.reuse(address, comm)
 
 
 def plan_rows(blocks: np.ndarray, offsets: np.ndarray, keys: Dict[int, str], holders: Dict[str, str]):

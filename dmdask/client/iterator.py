@@ -19,7 +19,7 @@ import logging
 import time
 import warnings
 from collections import deque
-from typing import Deque, Dict, List, Optional
+from typing import Deque, Dict, List, Optional, Set, Tuple
 
 import dask.config
 import numpy as np
@@ -35,7 +35,8 @@ from ..plan.order import ORDER_VERSION, EpochOrder, RankShare
 from ..spec import Mix, Spec, as_int, dumps_transform
 from ..worker.results import map_batches
 from .datasets import open_dataset
-from .gather import LOAD_WAIT, Gatherer, LocalArenas, Moved, call_worker, copier, plan_rows, split_batches
+from .gather import (LOAD_WAIT, Gatherer, LocalArenas, Moved, call_worker, connect_ahead, copier, plan_rows,
+                     split_batches)
 from .mixture import MixedInfo, check_fields_match, take_mixed
 from .progress import make as _make_progress
 from .resume import resume_point
@@ -47,6 +48,7 @@ REQUEST_BYTES = 8 << 20  # small batches are fetched several per request, up to 
 LOCATE_SECONDS = 2.0  # one wait on the scheduler for blocks still loading
 LEARN_BLOCKS = 1 << 16  # datasets up to this many blocks: where every block is, learnt before the first batch
 HITS_SECONDS = 1.0  # how often workers hear of the rows taken from their files (progress bar, dashboard)
+CONNECT_AHEAD = 32  # workers a new iterator connects to while its dataset opens
 
 
 def batches(client: Client, spec: Spec, epoch: int = 0, resume: Optional[dict] = None,
@@ -68,6 +70,12 @@ def batches(client: Client, spec: Spec, epoch: int = 0, resume: Optional[dict] =
     `dmdask.client.progress`.
     """
     return BatchIterator(client, spec, epoch, resume, progress=progress)
+
+
+def _quiet(future) -> None:
+    """Done-callback of best-effort work: its error is consumed (and met again where it matters)."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _host(address: str) -> str:
@@ -95,13 +103,18 @@ class BatchIterator:
         self.epoch = epoch
         self._said_waiting = False  # the wait for workers was logged (`_workers`)
         self._mixed: Optional[MixedInfo] = None  # the sources of a mixture, as one dataset of global ids
+        self._worker: Optional[str] = None
+        self._loop = client.loop.asyncio_loop
+        reaching = asyncio.run_coroutine_threadsafe(self._reach_workers(), self._loop)  # while the dataset opens
+        reaching.add_done_callback(_quiet)
         if isinstance(spec.source, Mix):
-            self.info = info = self._mixed = MixedInfo(
-                spec.source, [open_dataset(client, s, epoch) for s in spec.source.specs(spec)])
+            opened = [open_dataset(client, s, epoch) for s in spec.source.specs(spec)]
+            self.info = info = self._mixed = MixedInfo(spec.source, [o.info for o in opened])
             self._order = info.order(shuffle=spec.shuffle, seed=spec.seed, epoch=epoch,
                                      shuffle_window=spec.shuffle_window)
         else:
-            self.info = info = open_dataset(client, spec, epoch)
+            opened = [open_dataset(client, spec, epoch)]
+            self.info = info = opened[0].info
             self._order = EpochOrder(info.num_samples, info.block_len, shuffle=spec.shuffle, seed=spec.seed,
                                      epoch=epoch, shuffle_window=spec.shuffle_window)
         positions = self._order.num_samples  # of the epoch (a mixture's differ from its samples)
@@ -126,10 +139,8 @@ class BatchIterator:
         for local in self._locals:
             local.forget_if_gone()
         self._gatherer = Gatherer(client, _my_host(client), {d.identity: a for d, a in zip(datasets, self._locals)})
-        self._worker: Optional[str] = None
         self._transform = dumps_transform(spec.transform)
-        self._loop = client.loop.asyncio_loop
-        if self._transform is None and not self._all_known():
+        if self._transform is None and any(o.loaded for o in opened) and not self._all_known():
             asyncio.run_coroutine_threadsafe(self._learn_where_blocks_are(datasets), self._loop).result()
         self._cold = not self._all_known()  # until a fetched batch needed no read from the store
         if self._mixed is not None:
@@ -310,7 +321,7 @@ class BatchIterator:
             attempt += 1
             await self._check_scheduler()
             try:
-                holders = await self._holders_of(list(keys.values()))
+                holders, loading = await self._holders_of(list(keys.values()))
                 if len(holders) < len(keys):  # still loading, being recomputed after a loss, or no worker left
                     if not await self._workers(wait=False):
                         self._worker = None
@@ -319,7 +330,8 @@ class BatchIterator:
                     continue
                 plan, positions = plan_rows(blocks, offsets, keys, holders)
                 if self._transform is None:  # assembled here: local rows straight from the files
-                    arrays, from_store = await self._gatherer.gather(plan, positions, len(ids), priority=first)
+                    arrays, from_store = await self._gatherer.gather(plan, positions, len(ids), priority=first,
+                                                                     loading=loading)
                     self._cold = from_store > 0
                     self._gatherer.flush_hits_every(HITS_SECONDS)
                     index, extra = self._index(ids)
@@ -434,7 +446,7 @@ class BatchIterator:
             while True:
                 await self._check_scheduler()
                 try:
-                    holder = (await self._holders_of([key])).get(key)
+                    holder = (await self._holders_of([key]))[0].get(key)
                     if holder is not None:
                         first_row = {key: np.zeros(1, dtype=np.int64)}
                         reply = await self.client.rpc(holder).dmdask_rows(msg=to_serialize(first_row))
@@ -464,12 +476,12 @@ class BatchIterator:
                 return out
         return out  # the group's error did not come back one batch at a time
 
-    async def _holders_of(self, keys: List[str]) -> Dict[str, str]:
-        """Holders of the given blocks, asking the scheduler plugin for those not known yet
-        (it waits up to LOCATE_SECONDS while they load, but names at once the worker
-        loading a block right now: that one holds it in a moment, and waits for it when
-        asked for its rows). Raises the load's error for a block that failed to load,
-        `NotADmdaskWorker` if the dataset was released."""
+    async def _holders_of(self, keys: List[str]) -> Tuple[Dict[str, str], Set[str]]:
+        """(holders of the given blocks, the keys among them still loading), asking the
+        scheduler plugin for those not known yet (it waits up to LOCATE_SECONDS while they
+        load, but names at once the worker loading a block right now: that one holds it in
+        a moment, and waits for it when asked for its rows). Raises the load's error for a
+        block that failed to load, `NotADmdaskWorker` if the dataset was released."""
         unknown = [k for k in keys if k not in self._holders]
         loading: Dict[str, str] = {}
         if unknown:
@@ -483,20 +495,34 @@ class BatchIterator:
                                        f"(released by dmdask.release?): {reply['unknown'][:2]}")
             self._holders.update(reply["holders"])
             loading = reply["planned"]  # not remembered: located again once loaded
-        return {k: self._holders.get(k) or loading[k] for k in keys if k in self._holders or k in loading}
+        holders = {k: self._holders.get(k) or loading[k] for k in keys if k in self._holders or k in loading}
+        return holders, {k for k in loading if k not in self._holders}
 
     async def _local_worker(self) -> str:
         """A worker on this rank's own node: rank r takes local worker r mod n."""
         if self._worker is None:
-            workers = await self._workers()
-            my_host = _my_host(self.client)
-            local = [w for w in workers if _host(w) == my_host]
-            if not local:
-                warnings.warn(f"no dmdask worker on this node ({my_host}); batches will cross the network",
-                              RuntimeWarning, stacklevel=2)
-                local = workers
-            self._worker = local[self.spec.rank % len(local)]
+            self._choose_local_worker(await self._workers())
         return self._worker
+
+    def _choose_local_worker(self, workers: List[str]) -> None:
+        my_host = _my_host(self.client)
+        local = [w for w in workers if _host(w) == my_host]
+        if not local:
+            warnings.warn(f"no dmdask worker on this node ({my_host}); batches will cross the network",
+                          RuntimeWarning, stacklevel=2)
+            local = workers
+        self._worker = local[self.spec.rank % len(local)]
+
+    async def _reach_workers(self) -> None:
+        """While the dataset opens: this rank's local worker chosen and a connection made
+        to the workers its first batches will ask (those on this host first), so the first
+        request pays for neither. Best effort: a failure here surfaces on that request."""
+        workers = await self._workers(wait=False)
+        if workers and self._worker is None:
+            self._choose_local_worker(workers)
+        my_host = _my_host(self.client)
+        nearest = sorted(workers, key=lambda w: _host(w) != my_host)[:CONNECT_AHEAD]
+        await asyncio.gather(*(connect_ahead(self.client, w) for w in nearest))
 
     async def _workers(self, wait: bool = True) -> List[str]:
         """The cluster's workers, waiting up to `dmdask.client.recovery-seconds` while it

@@ -25,6 +25,7 @@ import operator
 from typing import List, Optional, Sequence
 
 import numpy as np
+import numpy.ma  # noqa: F401 - numpy imports it lazily, on the first np.unique: a rank's first batch (7-25 ms)
 import numpy.random  # noqa: F401 - numpy imports it lazily, on the first epoch's order (12 ms)
 
 ORDER_VERSION = 2  # the order's algorithm; a resume state records it (1: dmdask 0.1's materialised permutation)

@@ -124,8 +124,9 @@ class DatasetsPlugin(SchedulerPlugin):
 
     # -- get or create ---------------------------------------------------------------
     async def get_or_claim(self, name: str, claimant: str) -> dict:
-        """{"status": "ready", "info": ...} when the dataset exists (erred blocks are
-        retried, so a repaired file is read again), else {"status": "claimed"}: the
+        """{"status": "ready", "info": ..., "loaded": blocks held now} when the dataset
+        exists (erred blocks are retried, so a repaired file is read again), else
+        {"status": "claimed"}: the
         caller must list the source, `register` it and submit its blocks."""
         check.text("dmdask_get_or_claim", "name", name)
         check.text("dmdask_get_or_claim", "claimant", claimant)
@@ -136,7 +137,7 @@ class DatasetsPlugin(SchedulerPlugin):
                 return {"status": "claimed"}
             if ds.ready.is_set() and not self._lost(ds):
                 self._retry_erred(ds)
-                return {"status": "ready", "info": ds.info}
+                return {"status": "ready", "info": ds.info, "loaded": ds.loaded}
             if ds.ready.is_set():  # its blocks were forgotten (`client.restart()`): create them again
                 self._forget(ds)
                 continue
