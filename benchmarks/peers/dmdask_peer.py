@@ -33,9 +33,9 @@ def available():
 
 def settings(cfg: dict) -> str:
     return (f"`dmdask.Spec(<files URL>, batch_size={cfg['batch']}, block_size={cfg['block']}, seed=0, rank, "
-            "world_size)`, exact global shuffle, default prefetch; `dask scheduler` and per node one `dask worker "
-            "--worker-class dmdask.Worker --nthreads <ranks per node> --no-nanny` with `ram` = the node cache, "
-            "`ssd` = 0")
+            "world_size)`, exact global shuffle, default prefetch; `dask scheduler --preload dmdask` and per node "
+            "one `dask worker --worker-class dmdask.Worker --nthreads <ranks per node> --no-nanny` with `ram` = the "
+            "node cache, `ssd` = 0")
 
 
 def node_host(node: int) -> str:
@@ -50,9 +50,11 @@ def services(run):
     scheduler_file = os.path.join(folder, "scheduler.json")
     env = dict(os.environ, DASK_DISTRIBUTED__SCHEDULER__WORK_STEALING="False")
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    # as the multi-node recipe starts it (README, docs/hpc.md): the plugin installed at start, not imported
+    # by the scheduler on the first rank's request while every rank waits
     procs = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
                                "--port", "0", "--dashboard-address", ":0", "--scheduler-file", scheduler_file,
-                               "--no-show"], env=env, **quiet)]
+                               "--no-show", "--preload", "dmdask"], env=env, **quiet)]
     run.meter.watch(procs[0].pid, "dask scheduler")
     try:
         deadline = time.monotonic() + 60

@@ -4,13 +4,15 @@ Field "data" holds each sample's bytes as a uint8 array (an object array of them
 batch), field "label" the int64 class index in sorted subfolder order. Sample ids run
 over the sorted class folders, then the sorted file names. Blocks are runs of files.
 
-The listing costs one request per class folder, never one per file: sizes come from
+The listing costs one request per class folder (up to `LIST_THREADS` at once), never one
+per file: sizes come from
 the listing where the protocol gives them (local, s3, gcs); where it does not (HTTP),
 a block's size is learnt when it is first read. The listing is made by the process that
 creates the dataset's blocks, once per cluster, and travels with the block readers.
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -21,6 +23,7 @@ from .base import (BlockReader, DatasetInfo, Source, block_key, filesystem, opti
                    protocol_of)
 
 DEFAULT_FILES_PER_BLOCK = 256
+LIST_THREADS = 16  # class folders listed at once
 FIELDS = ("data", "label")
 
 
@@ -75,8 +78,10 @@ def _list(fs, path: str, url: str, entries=None):
     files: List[str] = []
     labels: List[int] = []
     sizes: List[Optional[int]] = []
-    for label, cls in enumerate(classes):
-        for e in sorted(fs.ls(cls, detail=True), key=lambda e: e["name"]):
+    with ThreadPoolExecutor(min(LIST_THREADS, len(classes)), thread_name_prefix="dmdask-list") as pool:
+        listings = list(pool.map(lambda cls: fs.ls(cls, detail=True), classes))  # requests at once, not in turn
+    for label, listing in enumerate(listings):
+        for e in sorted(listing, key=lambda e: e["name"]):
             if e["type"] == "file":
                 files.append(e["name"])
                 labels.append(label)
