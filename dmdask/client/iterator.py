@@ -18,6 +18,7 @@ import asyncio
 import logging
 import time
 import warnings
+import weakref
 from collections import deque
 from typing import Deque, Dict, List, Optional, Set, Tuple
 
@@ -43,6 +44,7 @@ from .resume import resume_point
 
 logger = logging.getLogger(__name__)
 _matching_mixtures: set = set()  # (identity, fields) of mixtures whose sources' rows were found to match
+_reached: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # client -> scheduler its workers were reached on
 
 REQUEST_BYTES = 8 << 20  # small batches are fetched several per request, up to about this size
 LOCATE_SECONDS = 2.0  # one wait on the scheduler for blocks still loading
@@ -105,8 +107,10 @@ class BatchIterator:
         self._mixed: Optional[MixedInfo] = None  # the sources of a mixture, as one dataset of global ids
         self._worker: Optional[str] = None
         self._loop = client.loop.asyncio_loop
-        reaching = asyncio.run_coroutine_threadsafe(self._reach_workers(), self._loop)  # while the dataset opens
-        reaching.add_done_callback(_quiet)
+        if client.scheduler is not None and _reached.get(client) != client.scheduler.address:  # once per scheduler
+            _reached[client] = client.scheduler.address
+            reaching = asyncio.run_coroutine_threadsafe(self._reach_workers(), self._loop)  # while the dataset opens
+            reaching.add_done_callback(_quiet)
         if isinstance(spec.source, Mix):
             opened = [open_dataset(client, s, epoch) for s in spec.source.specs(spec)]
             self.info = info = self._mixed = MixedInfo(spec.source, [o.info for o in opened])
