@@ -14,7 +14,10 @@ read-only mount).
 
 Guarantees: requests are served concurrently (libfuse's multithreaded loop; reads
 share no state but the session's, which is thread-safe), so readers in several
-processes or threads wait on the store and the cluster together. Listings, attributes
+processes or threads wait on the store and the cluster together. (Not the lookups
+of names in one folder: on the kernel and libfuse 3.14 tried, they arrive one at a
+time even with parallel dirops granted, in a bare mfusepy mount too; so first
+opens of new files of one folder wait on each other's first-block GETs.) Listings, attributes
 and file pages stay in the kernel's caches for the mount's lifetime (`CACHE_SECONDS`,
 `kernel_cache`): the mount is one run, whose files are read in one version (see
 `dmdask.fs`), so a re-read costs no request to this process.
