@@ -40,6 +40,17 @@ def texts(handler: str, name: str, value) -> list:
     return list(value)
 
 
+def tuples(handler: str, name: str, value, width: int, leading_texts: int = 0) -> list:
+    """A list (or tuple) of lists (or tuples) of `width` items each, the first
+    `leading_texts` of them non-empty strings."""
+    if not isinstance(value, (list, tuple)) or not all(
+            isinstance(v, (list, tuple)) and len(v) == width and all(isinstance(t, str) and t for t in v[:leading_texts])
+            for v in value):
+        raise refuse(handler, name, f"a list of lists of {width} items"
+                     + (f", the first {leading_texts} non-empty strings" if leading_texts else ""), value)
+    return list(value)
+
+
 def count(handler: str, name: str, value, low: int = 0, high: Optional[int] = None) -> int:
     """An integer in low..high (bools refused)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value < low \

@@ -83,3 +83,64 @@ def test_a_mount_read_by_two_processes_over_two_epochs_reads_the_store_once(tmp_
         by_path = store.stats()["by_path"]
     assert {p: by_path[p]["bytes"] for p in sizes} == sizes  # 2 processes x 2 epochs, each byte once
     assert all(by_path[p]["requests"] == 1 for p in sizes)
+    assert store.stats()["head_requests"] == 0  # sizes came with the first blocks' GETs
+
+
+# Reads the files named on stdin, one thread each, and prints how many it read.
+THREADS = """
+import concurrent.futures, sys
+def read(path):
+    with open(path, "rb") as f:
+        return len(f.read())
+paths = sys.stdin.read().split()
+with concurrent.futures.ThreadPoolExecutor(len(paths)) as pool:
+    print(sum(1 for n in pool.map(read, paths) if n > 0), flush=True)
+"""
+
+
+def max_in_flight(timeline):
+    """The most GETs in flight at once, from their (start, end) times."""
+    events = sorted([(start, 1) for start, _ in timeline] + [(end, -1) for _, end in timeline])
+    most = now = 0
+    for _, step in events:
+        now += step
+        most = max(most, now)
+    return most
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(fuse_missing() is not None, reason=str(fuse_missing()))
+def test_the_mount_serves_concurrent_readers_concurrently(tmp_path):
+    """8 threads open and read 8 new files of the mount at once, over a store that takes
+    0.3 s a request: the store sees their GETs in flight together (the mount serves
+    several FUSE requests at a time), one GET per file and no HEAD. The files are in 8
+    folders: the kernel sends lookups of names in one folder one at a time (see
+    dmdask.fs.mount), and a new file's first GET is made at its lookup."""
+    root = tmp_path / "pfs"
+    write_folder(str(root / "images"), classes=8, per_class=1, **SIZES)
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    with StoreServer(str(root), latency=0.3) as store, \
+            dmdask.LocalCluster(n_workers=2, ram="64 MiB", dashboard_address=None) as cluster:
+        mount = subprocess.Popen([sys.executable, "-m", "dmdask.cli", "mount", f"{store.url}/images",
+                                  str(mountpoint), "--scheduler", cluster.scheduler_address],
+                                 env=env(), stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + MOUNT_SECONDS
+            while not os.path.ismount(mountpoint):
+                assert mount.poll() is None, f"dmdask mount exited: {mount.stderr.read()}"
+                assert time.monotonic() < deadline, "the mount did not appear"
+                time.sleep(0.2)
+            paths = [os.path.join(d, f) for d, _, names in os.walk(mountpoint) for f in names]
+            assert len(paths) == 8
+            store.reset_stats()
+            store.record_timeline()
+            reader = subprocess.run([sys.executable, "-c", THREADS], input="\n".join(paths), env=env(),
+                                    capture_output=True, text=True, timeout=READ_SECONDS)
+            assert reader.returncode == 0, reader.stderr
+            assert reader.stdout.split() == ["8"]
+        finally:
+            unmount(mount, str(mountpoint))
+        stats, timeline = store.stats(), store.timeline()
+    assert stats["requests"] == 8 and stats["head_requests"] == 0, stats
+    assert max_in_flight(timeline) >= 2, timeline

@@ -339,3 +339,28 @@ def test_handovers_are_bounded_taken_once_with_their_claim_and_expire():
     assert old.put("a", "mine", b"1")
     old.put("b", "mine", b"2")  # a has expired by now
     assert old.take("a", "mine") is None and old.take("b", "mine") == b"2"
+
+
+def test_the_first_read_handlers_refuse_bad_arguments_and_change_nothing(cluster):
+    """`dmdask_fs_claim` and `dmdask_fs_open_blocks` refuse what they do not take before
+    any change: no claim stands, no info is shared, no dataset is registered."""
+    with distributed.Client(cluster.scheduler_address, set_as_default=False) as client:
+        s = client.scheduler
+        before = client.sync(s.dmdask_datasets)
+        for bad in ("x", [["folder"]], [["folder", 7]]):
+            with pytest.raises(dmdask.HandlerArgumentError, match="dmdask_fs_claim"):
+                client.sync(s.dmdask_fs_claim, run="r", claim=bad)
+        info = {"name": "fs-z", "identity": "z", "url": "/z", "fields": ["data"], "num_samples": 1, "block_len": 1,
+                "nbytes": 9}
+        put = [["f|d", "info", "d/z", {"size": 1}]]
+        for bad in ({"put": [["f|d", "listing", "d/z", {}]]}, {"put": [["f|d", "info", "d/z", 5]]},
+                    {"datasets": [["fs-z", {**info, "block_len": 0}]]}, {"keys": "k"}):
+            msg = {**dict(run="r", put=put, datasets=[["fs-z", info]], keys=[], client="c"), **bad}
+            with pytest.raises(dmdask.HandlerArgumentError, match="open_blocks"):
+                client.sync(s.dmdask_fs_open_blocks, **msg)
+        assert client.sync(s.dmdask_datasets) == before
+        assert client.sync(s.dmdask_fs_metadata, run="r", get=["f|d"]) == {}  # no info shared
+        # a good claim is answered and stands: the run's next claim of it is told to wait
+        assert client.sync(s.dmdask_fs_claim, run="r", claim=[["f|d", "d/z"]]) == {"status": "OK"}
+        waiting = client.sync(s.dmdask_fs_claim, run="r", claim=[["f|d", "d/z"]])["probing"]
+        assert [list(p) for p in waiting] == [["f|d", "d/z"]]

@@ -126,6 +126,12 @@ class DmdaskFileSystem(_Base):
     def info(self, path, **kwargs):
         return dict(self._session().info(self._fsid, self.fs, self._path(path)))
 
+    def open_info(self, path) -> dict:
+        """`info` of a file about to be read from its start: where the store's infos each
+        cost a request (HTTP), read with the ranged GET of its first block, whose bytes
+        the read that follows takes (no HEAD; `dmdask.fs.probe`)."""
+        return self._file(path, 0)[0]
+
     def glob(self, path, maxdepth=None, **kwargs):
         """As the target's `glob` answers (HTTP's keeps sub-folders, which the generic
         glob drops: `dmdask.fs.globbing`), over this run's listings."""

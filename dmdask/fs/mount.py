@@ -3,9 +3,24 @@ loaders that only `open()` paths (tf.data, C++ readers).
 
 The mount is a FUSE file system (libfuse 2 or 3 through `mfusepy`) over a
 `DmdaskFileSystem`: the same blocks, placement, same-host shared memory and accounting
-as `dmdask::` URLs. Folders come from the store's listings (once per run), file sizes
-and times from its infos; a file's reads go through one open `DmdaskFile` per open
-file handle, a cached block at a time. Writes fail with EROFS.
+as `dmdask::` URLs. Folders come from the store's listings (once per run: the mount is
+one run), with each entry's type, so a walk of the tree (`os.walk`, torchvision's
+`ImageFolder`) asks nothing per file. A file's size and time come from its listing
+entry or, where listings give no sizes (HTTP), from the ranged GET that reads its first
+block (`DmdaskFileSystem.open_info`: no HEAD; the bytes are kept for the read that
+follows). A read is a byte range of a path (`cat_file`); opening and closing a file ask
+nothing of this process (libfuse answers them itself). Writes fail with EROFS (a
+read-only mount).
+
+Guarantees: requests are served concurrently (libfuse's multithreaded loop; reads
+share no state but the session's, which is thread-safe), so readers in several
+processes or threads wait on the store and the cluster together. (Not the lookups
+of names in one folder: on the kernel and libfuse 3.14 tried, they arrive one at a
+time even with parallel dirops granted, in a bare mfusepy mount too; so first
+opens of new files of one folder wait on each other's first-block GETs.) Listings, attributes
+and file pages stay in the kernel's caches for the mount's lifetime (`CACHE_SECONDS`,
+`kernel_cache`): the mount is one run, whose files are read in one version (see
+`dmdask.fs`), so a re-read costs no request to this process.
 """
 from __future__ import annotations
 
@@ -14,12 +29,13 @@ import functools
 import logging
 import os
 import stat
-import threading
-from typing import Dict, Tuple
+from typing import Dict
 
 from . import DmdaskFileSystem  # noqa: F401  (operations take one)
 
 TIME_KEYS = ("mtime", "LastModified", "last_modified", "updated", "created")
+CACHE_SECONDS = 86400.0  # how long the kernel keeps names and attributes (the mount is one run)
+THREADS = 16  # libfuse's idle threads kept for concurrent requests
 logger = logging.getLogger(__name__)
 
 
@@ -73,66 +89,48 @@ def operations(fs: DmdaskFileSystem, root: str):
 
         def __init__(self):
             self.root = root.rstrip("/")
-            self._files: Dict[int, Tuple[object, threading.Lock]] = {}
-            self._next = 0
-            self._lock = threading.Lock()
+            self._folders: Dict[str, Dict[str, dict]] = {}  # mount path -> {name: listing entry}
 
         def _target(self, path: str) -> str:
             return self.root if path in ("", "/") else f"{self.root}/{path.lstrip('/')}"
 
         def _entries(self, path: str) -> Dict[str, dict]:
-            try:
-                entries = fs.ls(self._target(path), detail=True)
-            except (FileNotFoundError, NotADirectoryError):
-                raise FuseOSError(errno.ENOENT) from None
-            return {e["name"].rstrip("/").rsplit("/", 1)[-1]: e for e in entries}
+            found = self._folders.get(path)
+            if found is None:
+                try:
+                    entries = fs.ls(self._target(path), detail=True)
+                except (FileNotFoundError, NotADirectoryError):
+                    raise FuseOSError(errno.ENOENT) from None
+                found = self._folders[path] = {e["name"].rstrip("/").rsplit("/", 1)[-1]: e for e in entries}
+            return found
 
         def getattr(self, path, fh=None):
             if path in ("", "/"):
                 return {"st_mode": stat.S_IFDIR | 0o555, "st_nlink": 2}
             parent, _, name = path.rstrip("/").rpartition("/")
-            entry = self._entries(parent).get(name)
+            entry = self._entries(parent or "/").get(name)
             if entry is None:
                 raise FuseOSError(errno.ENOENT)
             if entry.get("type") == "directory":
                 return {"st_mode": stat.S_IFDIR | 0o555, "st_nlink": 2, "st_mtime": _seconds(entry)}
-            if entry.get("size") is None:  # listings that give no sizes (HTTP): the file's info does
-                entry = fs.info(self._target(path))
+            if entry.get("size") is None:  # listings that give no sizes (HTTP): the first block's GET does
+                entry = fs.open_info(self._target(path))
             seconds = _seconds(entry)
             return {"st_mode": stat.S_IFREG | 0o444, "st_nlink": 1, "st_size": int(entry.get("size") or 0),
                     "st_mtime": seconds, "st_ctime": seconds, "st_atime": seconds}
 
         def readdir(self, path, fh):
-            return [".", ".."] + sorted(self._entries(path))
+            entries = self._entries(path)
+            return [".", ".."] + [(name, stat.S_IFDIR if e.get("type") == "directory" else stat.S_IFREG, 0)
+                                  for name, e in sorted(entries.items())]
 
-        def open(self, path, flags):
-            if flags & (os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC):
-                raise FuseOSError(errno.EROFS)
-            try:
-                handle = fs.open(self._target(path), "rb")
-            except FileNotFoundError:
-                raise FuseOSError(errno.ENOENT) from None
-            except IsADirectoryError:
-                raise FuseOSError(errno.EISDIR) from None
-            with self._lock:
-                self._next += 1
-                self._files[self._next] = (handle, threading.Lock())
-                return self._next
-
+        # no open, release or flush: libfuse answers them without calling Python (a file
+        # handle holds nothing here), so an open of a file whose pages are cached costs
+        # no Python call
         def read(self, path, size, offset, fh):
-            handle, lock = self._files[fh]
-            with lock:  # one file object per handle: its position and blocks are not shared
-                handle.seek(offset)
-                return handle.read(size)
+            return fs.cat_file(self._target(path), start=offset, end=offset + size)
 
-        def release(self, path, fh):
-            with self._lock:
-                handle, _ = self._files.pop(fh, (None, None))
-            if handle is not None:
-                handle.close()
-            return 0
-
-    for name in ("getattr", "readdir", "open", "read"):
+    for name in ("getattr", "readdir", "read"):
         setattr(CacheMount, name, _answering(FuseOSError, getattr(CacheMount, name)))
     return CacheMount()
 
@@ -147,6 +145,12 @@ def mount(url: str, mountpoint: str, scheduler=None, block_size=None, debug: boo
     chained = url if url.startswith(("dmdask::", "dmdask://")) else f"dmdask::{url}"
     fs, path = fsspec.core.url_to_fs(chained, scheduler=scheduler, block_size=block_size)
     ops = operations(fs, path)
-    # max_idle_threads: libfuse 3.14 otherwise warns "Ignoring invalid max threads value" (10: its default)
-    _fuse().FUSE(ops, mountpoint, foreground=True, nothreads=False, debug=debug, ro=True, fsname="dmdask",
-                 max_idle_threads=10)
+    # nothreads=False: libfuse's multithreaded loop (concurrent requests); max_idle_threads: libfuse
+    # 3.14 otherwise warns "Ignoring invalid max threads value"; kernel_cache and the timeouts: see the
+    # module docstring
+    fuse = _fuse()
+    options = dict(kernel_cache=True, attr_timeout=CACHE_SECONDS, entry_timeout=CACHE_SECONDS,
+                   negative_timeout=CACHE_SECONDS)
+    if fuse.fuse_version_major >= 3:
+        options["max_idle_threads"] = THREADS
+    fuse.FUSE(ops, mountpoint, foreground=True, nothreads=False, debug=debug, ro=True, fsname="dmdask", **options)

@@ -119,6 +119,8 @@ class DatasetsPlugin(SchedulerPlugin):
             "dmdask_release": self.release,
             "dmdask_datasets": self.summaries,
             "dmdask_fs_metadata": self.files.handler,
+            "dmdask_fs_claim": self.fs_claim,
+            "dmdask_fs_open_blocks": self.fs_open_blocks,
         })
         scheduler.extensions["dmdask"] = self
 
@@ -247,6 +249,31 @@ class DatasetsPlugin(SchedulerPlugin):
                 mine[key] = self._live_planned(ds, parsed[1])
         return {"status": "OK", "holders": holders, "erred": erred, "mine": mine, "pending": pending,
                 "unknown": unknown}
+
+    def fs_claim(self, run: str, claim: List[list]) -> dict:
+        """Transparent mode's look before reading new files from the store: {"status":
+        "no-workers"} while the cluster has none (nothing claimed: the caller waits for
+        one), else {"status": "OK"} with `FileMetadata.handler`'s answer to `claim`
+        ([folder, path] of infos the caller is to read with their first blocks)."""
+        check.text("dmdask_fs_claim", "run", run)
+        check.tuples("dmdask_fs_claim", "claim", claim, 2, leading_texts=2)
+        if not self.scheduler.workers:
+            return {"status": "no-workers"}
+        return {"status": "OK", **self.files.handler(run, claim=claim)}
+
+    def fs_open_blocks(self, run: str, put: List[list], datasets: List[list], keys: List[str], client: str,
+                       host: Optional[str] = None) -> dict:
+        """After a reader read claimed files' first blocks with their infos (`fs_claim`),
+        one request does `open_blocks` on those blocks and shares the infos with `run`
+        (`put`: [folder, "info", path, info], which ends the claims), at once: a reader of
+        the run that waited for an info finds its block claimed, and waits for that."""
+        check.text("dmdask_fs_open_blocks", "run", run)
+        check.tuples("dmdask_fs_open_blocks", "put", put, 4, leading_texts=3)
+        if not all(p[1] == "info" and isinstance(p[3], dict) for p in put):
+            raise check.refuse("dmdask_fs_open_blocks", "put", "[folder, 'info', path, info dict] lists", put)
+        reply = self.open_blocks(datasets, keys, client, host)  # checks its arguments before any change
+        self.files.handler(run, put=put)
+        return reply
 
     def _claimed(self, key: str) -> bool:
         """Whether a live client is reading this block from the store."""
