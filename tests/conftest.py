@@ -38,3 +38,12 @@ def _quiet_zarr():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Consolidated metadata")
         yield
+
+
+@pytest.fixture
+def fail_reads(store):
+    """For `dmdask.testing.SourceTests`: the module's store (a `StoreServer`, root) answers
+    `status` to the first n GETs of each of its files, until the test ends."""
+    server = store[0]
+    yield lambda n, status: server.fail_first(n, "*", status)
+    server.fail_first(0)

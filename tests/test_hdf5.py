@@ -8,6 +8,7 @@ import pytest
 import dmdask
 from benchmarks.store_server import StoreServer
 from dmdask.source import open_source
+from dmdask.testing import SourceTests
 from dmdask.testing.datasets import hdf5_names, write_hdf5, zarr_label, zarr_sample
 
 from conftest import all_ids, run_epoch
@@ -53,22 +54,19 @@ def store(tmp_path_factory):
         yield server, root
 
 
-def test_every_sample_once_per_epoch_with_the_files_values(client, store):
-    server, _ = store
-    spec = dmdask.Spec(server.url + "/train.h5", batch_size=50, seed=3)
-    orders = []
-    for epoch in range(3):
-        per_rank = run_epoch(client, spec, epoch=epoch, world_size=3)
-        ids = all_ids(per_rank)
-        assert len(ids) == N and np.array_equal(np.sort(ids), np.arange(N))
-        for batches in per_rank:
-            for b in batches:
-                assert set(b) == {"x", "label", "name", "index"}  # "classes" (10 rows) is no field
-                check_values(b)
-        orders.append(ids)
-    assert not np.array_equal(orders[0], orders[1])
-    info = open_source(spec).info
-    assert (info.block_len, info.num_blocks) == (64, 16)  # lcm of the chunk lengths 64 (x, name) and 32 (label)
+@pytest.fixture
+def spec(store):
+    return dmdask.Spec(store[0].url + "/train.h5", batch_size=50, seed=3)
+
+
+class TestHDF5Source(SourceTests):
+    def check(self, batch):
+        assert set(batch) == {"x", "label", "name", "index"}  # "classes" (10 rows) is no field
+        check_values(batch)
+
+    def test_blocks_are_runs_of_whole_chunks(self, spec):
+        info = open_source(spec).info
+        assert (info.block_len, info.num_blocks) == (64, 16)  # lcm of the chunk lengths 64 (x, name) and 32 (label)
 
 
 def test_group_of_contiguous_datasets(client, store):
@@ -141,19 +139,6 @@ def test_half_capacity_meets_the_bound(store):
         data = sent(server, "even.h5")
         print(f"hdf5 C=D/2: {data} bytes from the store, bound {bound} ({data / bound:.4f})")
         assert bound <= data <= 1.05 * bound
-
-
-def test_transient_store_errors_are_retried(store):
-    server, _ = store
-    reader = open_source(dmdask.Spec(server.url + "/train.h5", batch_size=8)).reader(3)
-    server.fail_first(1, "train.h5")
-    try:
-        retries = []
-        block = reader.read(on_retry=retries.append)
-    finally:
-        server.fail_first(0)
-    assert retries and server.stats()["failed"] >= 1
-    check_values(dict(block, index=np.arange(192, 256)))
 
 
 def test_datasets_of_unequal_length_are_named(client, store):

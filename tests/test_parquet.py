@@ -13,6 +13,7 @@ import dmdask
 from benchmarks.store_server import StoreServer
 from dmdask.source import open_source
 from dmdask.source.parquet import framed
+from dmdask.testing import SourceTests
 from dmdask.testing.datasets import parquet_columns, write_parquet, zarr_label, zarr_sample
 
 from conftest import all_ids, run_epoch
@@ -66,22 +67,19 @@ def store(tmp_path_factory):
         yield server, root
 
 
-def test_every_row_once_per_epoch_with_the_files_values(client, store):
-    server, _ = store
-    spec = dmdask.Spec(server.url + "/ds/*.parquet", batch_size=32, seed=4)
-    orders = []
-    for epoch in range(3):
-        per_rank = run_epoch(client, spec, epoch=epoch, world_size=3)
-        ids = all_ids(per_rank)
-        assert len(ids) == 600 and np.array_equal(np.sort(ids), np.arange(600))
-        for batches in per_rank:
-            for b in batches:
-                assert set(b) == {"x", "label", "name", "blob", "index"}
-                check_values(b)
-        orders.append(ids)
-    assert not np.array_equal(orders[0], orders[1])
-    info = open_source(spec).info
-    assert (info.block_len, info.num_blocks, info.fields) == (50, 12, ("blob", "label", "name", "x"))
+@pytest.fixture
+def spec(store):
+    return dmdask.Spec(store[0].url + "/ds/*.parquet", batch_size=32, seed=4)
+
+
+class TestParquetSource(SourceTests):
+    def check(self, batch):
+        assert set(batch) == {"x", "label", "name", "blob", "index"}
+        check_values(batch)
+
+    def test_blocks_are_row_groups(self, spec):
+        info = open_source(spec).info
+        assert (info.block_len, info.num_blocks, info.fields) == (50, 12, ("blob", "label", "name", "x"))
 
 
 def test_folder_and_single_file_sources(client, store):
@@ -164,20 +162,6 @@ def test_half_capacity_meets_the_bound(store):
         data = sent(server, "even") - footers
         print(f"parquet C=D/2: {data} bytes from the store, bound {bound} ({data / bound:.4f})")
         assert bound <= data <= 1.05 * bound
-
-
-def test_transient_store_errors_are_retried(store):
-    server, _ = store
-    source = open_source(dmdask.Spec(server.url + "/ds", batch_size=8))
-    reader = source.reader(7)
-    server.fail_first(1, "ds/*.parquet")
-    try:
-        retries = []
-        block = reader.read(on_retry=retries.append)
-    finally:
-        server.fail_first(0)
-    assert retries and server.stats()["failed"] >= 1
-    np.testing.assert_array_equal(block["label"], zarr_label(np.arange(350, 400)))
 
 
 def copy_ds(root, name):

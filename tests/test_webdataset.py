@@ -12,6 +12,7 @@ import pytest
 import dmdask
 from benchmarks.store_server import StoreServer
 from dmdask.source import dataset_name, open_source
+from dmdask.testing import SourceTests
 from dmdask.testing.datasets import tar_key, tar_member, write_tar_shards
 
 from conftest import all_ids, run_epoch
@@ -120,17 +121,15 @@ def test_naming_edge_cases_match_webdataset(tmp_path):
         open_source(dmdask.Spec(path, batch_size=2))
 
 
-def test_every_sample_once_per_epoch_with_its_bytes(client, store):
+@pytest.fixture
+def spec(store):
     """A brace pattern over HTTP; blocks of 16 samples span the shards of 40."""
-    server, _ = store
-    spec = dmdask.Spec(pattern(server), batch_size=7, block_size=16, seed=4)
-    for world in (2, 3):
-        for epoch in range(3):
-            per_rank = run_epoch(client, spec, epoch=epoch, world_size=world)
-            for batches in per_rank:
-                for batch in batches:
-                    check_batch(batch)
-            assert np.array_equal(np.sort(all_ids(per_rank)), np.arange(N))
+    return dmdask.Spec(pattern(store[0]), batch_size=7, block_size=16, seed=4)
+
+
+class TestWebDatasetSource(SourceTests):
+    def check(self, batch):
+        check_batch(batch)
 
 
 def test_cache_holding_the_shards_reads_every_member_once(store):
@@ -327,13 +326,3 @@ def test_shard_damaged_after_opening_fails_only_its_blocks(tmp_path):
                 next(it)
         message = str(info.value)
         assert "samples 10..14" in message and f"{server.url}/bad/bad-000001.tar" in message
-
-
-def test_transient_store_errors_are_retried(tmp_path):
-    with bad_store(tmp_path) as server:
-        reader = open_source(dmdask.Spec(server.url + "/bad", batch_size=4, block_size=20)).reader(0)
-        server.fail_first(1, "*.tar")
-        retries = []
-        block = reader.read(on_retry=retries.append)
-        check_batch(dict(block, index=np.arange(20)), ("cls", "jpg"))
-        assert retries and server.stats()["failed"] >= 1

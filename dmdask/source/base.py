@@ -16,7 +16,7 @@ import json
 import logging
 import threading
 import time
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Protocol, Tuple, runtime_checkable
 
 import aiohttp  # noqa: F401 - fsspec's HTTP client, imported with dmdask rather than within a rank's first epoch
 import dask.config
@@ -158,19 +158,22 @@ def _client_errors() -> Tuple[tuple, tuple]:
         (aiohttp.ClientSSLError,)
 
 
-class BlockReader:
+@runtime_checkable
+class BlockReader(Protocol):
     """Reads one block from the shared store. Picklable and small.
 
     nbytes: the block's decoded size, or None when it is known only once read.
     row_granular: True when `read_rows` reads only the wanted samples from the store
     (one file per sample); False when the store's unit is the whole block (Zarr chunks).
 
-    Guarantees of `read` and `read_rows`: a transient store error (`is_transient`) is
-    retried, waiting 0.05 s, then twice as long each time (at most 5 s), as long as the
-    read has run less than `dmdask.store.retry-seconds` (default 30); `on_retry(exc)` is
-    called before each retry. Any other error, or a transient one that outlasts that
-    time, raises `BlockReadError` naming the URL and the samples. Subclasses implement
-    `_read` and `_read_rows`, raising whatever the store raised.
+    `read()` returns the whole block, one array per field; `read_rows(rows)` the given
+    rows (offsets in the block), equal to `read()` indexed by `rows`. Both retry a
+    transient store error (`is_transient`), waiting 0.05 s, then twice as long each time
+    (at most 5 s), as long as the read has run less than `dmdask.store.retry-seconds`
+    (default 30), calling `on_retry(exc)` before each retry; any other error, or a
+    transient one that outlasts that time, raises `BlockReadError` naming the URL and
+    the samples. `prepare()` makes what the reads need ahead of the first (never raises).
+    `StoreReader` implements all this over a format's plain `_read`.
     """
 
     key: str
@@ -179,27 +182,38 @@ class BlockReader:
     stop: int
     nbytes: Optional[int]
     url: str
+    row_granular: bool
+
+    def read(self, on_retry: Optional[Callable] = None) -> dict: ...
+
+    def read_rows(self, rows, on_retry: Optional[Callable] = None) -> dict: ...
+
+    def prepare(self) -> None: ...
+
+
+class StoreReader(BlockReader):
+    """A `BlockReader` whose subclass implements `_read` (and, if row-granular,
+    `_read_rows`), raising whatever the store raised; this adds the retries and errors."""
+
     row_granular = False
 
     def read(self, on_retry: Optional[Callable] = None) -> dict:
-        """The whole block, one array per field; `BlockReadError` on failure."""
         return self._retrying(self._read, on_retry)
 
     def read_rows(self, rows, on_retry: Optional[Callable] = None) -> dict:
-        """Only the given rows (offsets in the block), for row-granular readers."""
         return self._retrying(lambda: self._read_rows(rows), on_retry)
 
     def prepare(self) -> None:
         """Make what this block's reads need before the first one (say, the store's
         filesystem: 0.15-0.2 s for HTTP in a new process), so that the first rows asked
-        for do not wait for it. Called in the background when the block is loaded; never
-        raises. Readers with nothing to prepare keep this no-op."""
+        for do not wait for it. Readers with nothing to prepare keep this no-op."""
 
     def _read(self) -> dict:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def _read_rows(self, rows) -> dict:  # pragma: no cover - interface
-        raise NotImplementedError
+    def _read_rows(self, rows) -> dict:
+        """The whole block read, then indexed: for readers whose unit is the block."""
+        return {field: values[rows] for field, values in self._read().items()}
 
     def _retrying(self, read: Callable[[], dict], on_retry: Optional[Callable]) -> dict:
         budget = float(dask.config.get("dmdask.store.retry-seconds"))
@@ -230,10 +244,11 @@ class BlockReader:
         return BlockReadError(self.url, self.index, self.start, self.stop, exc, detail)
 
 
-class Source:
-    """An opened dataset in the process that creates its blocks: `info` plus `reader(k)`."""
+@runtime_checkable
+class Source(Protocol):
+    """An opened dataset in the process that creates its blocks: `info` plus `reader(k)`,
+    the reader of block k (0 <= k < info.num_blocks), made with no I/O."""
 
     info: DatasetInfo
 
-    def reader(self, k: int) -> BlockReader:  # pragma: no cover - interface
-        raise NotImplementedError
+    def reader(self, k: int) -> BlockReader: ...

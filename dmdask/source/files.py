@@ -26,7 +26,7 @@ import fsspec
 import fsspec.asyn
 import numpy as np
 
-from .base import BlockReader, DatasetInfo, Source, block_key, filesystem
+from .base import DatasetInfo, Source, StoreReader, block_key, filesystem
 
 ROW_BYTES = 64 << 10
 FIELDS = ("data",)
@@ -115,7 +115,7 @@ class FileSource(Source):
                                self.info.identity, k, start, stop, self.version)
 
 
-class FileBlockReader(BlockReader):
+class FileBlockReader(StoreReader):
     """Reads bytes first..last-1 of one file (one ranged read) as rows of ROW_BYTES."""
 
     def __init__(self, url, protocol, options, path, first, last, identity, index, start, stop, version=None):

@@ -19,8 +19,9 @@ import numpy as np
 from dask.base import tokenize
 
 from ..errors import SourceError, SourceNotFoundError, SpecError
-from .base import (BlockReader, DatasetInfo, Source, block_key, filesystem, options_json, prepare_filesystem,
+from .base import (DatasetInfo, Source, StoreReader, block_key, filesystem, options_json, prepare_filesystem,
                    protocol_of)
+from .registry import Format, Place
 
 DEFAULT_FILES_PER_BLOCK = 256
 LIST_THREADS = 16  # class folders listed at once
@@ -98,7 +99,7 @@ def block_nbytes(sizes, fields) -> int:
     return (int(np.sum(sizes)) + 8 * n if "data" in fields else 0) + (8 * n if "label" in fields else 0)
 
 
-class FolderBlockReader(BlockReader):
+class FolderBlockReader(StoreReader):
     """Reads the files of one block, all of them or only some (row-granular)."""
 
     row_granular = True
@@ -130,3 +131,11 @@ class FolderBlockReader(BlockReader):
         if "label" in self.fields:
             arrays["label"] = self.labels[np.asarray(rows, dtype=np.int64)]
         return arrays
+
+
+def _open(place: Place) -> FolderSource:
+    folder_fields(place.spec)  # a clear error now, before listing the class folders
+    return open_folder(place.fs, place.path, place.url, place.options, place.spec, place.name, place.listing)
+
+
+FORMAT = Format("folder", claims=lambda place: place.exists, open=_open)

@@ -30,7 +30,8 @@ import numpy as np
 from dask.base import tokenize
 
 from ..errors import SourceError, SourceNotFoundError, SpecError
-from .base import BlockReader, DatasetInfo, Source, block_key, filesystem, options_json, protocol_of
+from .base import DatasetInfo, Source, StoreReader, block_key, filesystem, options_json, protocol_of
+from .registry import Format, Place
 
 SIGNATURE = b"\x89HDF\r\n\x1a\n"
 SUFFIXES = (".h5", ".hdf5", ".hdf", ".he5")
@@ -201,7 +202,7 @@ def _field_names(datasets: dict, kinds: dict, spec, where: str) -> list:
     return names
 
 
-class HDF5BlockReader(BlockReader):
+class HDF5BlockReader(StoreReader):
     """Reads the rows of one block, every field, through the worker's open file."""
 
     def __init__(self, layout: HDF5Layout, index: int, start: int, stop: int, nbytes: Optional[int]):
@@ -258,3 +259,19 @@ def _close_all() -> None:
             except Exception:
                 pass
         _files.clear()
+
+
+def _claims(place: Place) -> bool:
+    """An HDF5 file (by its first bytes), or a path that goes on past one (a group)."""
+    if place.exists:
+        return place.head.startswith(SIGNATURE)
+    inner = None if place.shards is not None or place.is_glob else split_inner(place.path)
+    return inner is not None and place.has(inner[0])
+
+
+def _open(place: Place) -> HDF5Source:
+    file, group = (place.path, "") if place.exists else split_inner(place.path)
+    return open_hdf5(place.fs, file, group, place.url, place.options, place.spec, place.name)
+
+
+FORMAT = Format("hdf5", claims=_claims, open=_open)

@@ -27,7 +27,8 @@ import numpy as np
 from dask.base import tokenize
 
 from ..errors import SourceError, SourceNotFoundError, SpecError
-from .base import BlockReader, DatasetInfo, Source, block_key, filesystem, options_json, protocol_of
+from .base import DatasetInfo, Source, StoreReader, block_key, filesystem, options_json, protocol_of
+from .registry import Format, Place
 
 logger = logging.getLogger(__name__)
 
@@ -412,7 +413,7 @@ def _block_len(url: str, groups: np.ndarray, n: int, asked: Optional[int]) -> in
 
 
 # -- reading ---------------------------------------------------------------------------------
-class ParquetBlockReader(BlockReader):
+class ParquetBlockReader(StoreReader):
     """Reads the column chunks of one block's row groups (of its fields only), by range."""
 
     def __init__(self, url: str, protocol: str, options: str, fields: Tuple[str, ...], parts: Tuple[FilePart, ...],
@@ -449,3 +450,21 @@ class ParquetBlockReader(BlockReader):
             # so a transient one is still retried.
             raise OSError(f"{part.path} (its rows {part.rows[0]}..{part.rows[1] - 1}): "
                           f"{type(exc).__name__}: {exc}") from exc
+
+
+def _files(place: Place) -> List[str]:
+    """The Parquet files at `place`: a glob's matches, the file, or a folder's (*.parquet, *.parq, *.pq)."""
+    if place.is_glob:
+        matches = place.fs.glob(place.path, detail=True)
+        files = [f for f, entry in matches.items() if entry.get("type", "file") == "file"]
+        if not files:
+            raise SourceNotFoundError(f"dataset {place.url} matches no files")
+        return files
+    if place.head.startswith(MAGIC):
+        return [place.path]
+    return sorted(e["name"] for e in place.listing if e["type"] == "file" and is_parquet_name(e["name"]))
+
+
+FORMAT = Format("parquet", claims=lambda place: place.is_glob or bool(_files(place)),
+                open=lambda place: open_parquet(place.fs, _files(place), place.url, place.options, place.spec,
+                                                place.name))

@@ -1,4 +1,5 @@
-"""URLs in one spelling (`normalize`), without credentials (`public`), and which
+"""URLs in one spelling (`normalize`), without credentials (`public`), the tar shards a
+source names (`shard_urls`), and which
 sources workers read for clients: `dmdask.worker.allowed-sources` (`check_source`).
 
 A list of URL prefixes (local paths or fsspec URLs); empty (the default) allows any
@@ -22,6 +23,23 @@ import dask.config
 from ..errors import SourceNotAllowedError, SpecError
 
 LOCAL_PROTOCOLS = ("file://", "local://")
+
+
+def shard_urls(source) -> Optional[List[str]]:
+    """The shard URLs that `source` (a `Spec.source`) names, or None when it names no
+    tar shards: a tuple (a list of shards), a brace pattern, or a URL ending in `.tar`."""
+    if isinstance(source, tuple):
+        return list(source)
+    if "{" in source:
+        from braceexpand import UnbalancedBracesError, braceexpand
+
+        try:
+            expanded = list(braceexpand(source))
+        except UnbalancedBracesError as exc:
+            raise SpecError("source", f"a valid brace pattern ({exc})", source) from None
+        if expanded != [source]:
+            return expanded
+    return [source] if source.rstrip("/").endswith(".tar") else None
 
 
 def normalize(url: str) -> str:

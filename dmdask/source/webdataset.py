@@ -33,7 +33,8 @@ import numpy as np
 from dask.base import tokenize
 
 from ..errors import SourceError, SourceNotFoundError, SpecError
-from .base import BlockReader, DatasetInfo, Source, block_key, filesystem, options_json, prepare_filesystem
+from .base import DatasetInfo, Source, StoreReader, block_key, filesystem, options_json, prepare_filesystem
+from .registry import Format, Place
 
 DEFAULT_SAMPLES_PER_BLOCK = 256
 KEY = "__key__"
@@ -42,23 +43,6 @@ TAR_BLOCK = 512
 META = re.compile(r"__[^/]*__($|/)")  # WebDataset's metadata members, skipped
 
 Sample = Tuple[str, Dict[str, Tuple[int, int]]]  # key, {extension: (offset, size)}
-
-
-def shard_urls(source) -> Optional[List[str]]:
-    """The shard URLs that `source` (a `Spec.source`) names, or None when it names no
-    tar shards: a tuple (a list of shards), a brace pattern, or a URL ending in `.tar`."""
-    if isinstance(source, tuple):
-        return list(source)
-    if "{" in source:
-        from braceexpand import UnbalancedBracesError, braceexpand
-
-        try:
-            expanded = list(braceexpand(source))
-        except UnbalancedBracesError as exc:
-            raise SpecError("source", f"a valid brace pattern ({exc})", source) from None
-        if expanded != [source]:
-            return expanded
-    return [source] if source.rstrip("/").endswith(".tar") else None
 
 
 def shards_label(source) -> str:
@@ -228,7 +212,7 @@ def open_webdataset(fs, paths: List[str], urls: List[str], label: str, options: 
                             sizes, keys)
 
 
-class TarBlockReader(BlockReader):
+class TarBlockReader(StoreReader):
     """Reads the members of one block's samples, all of them or only some (row-granular).
 
     `url`: the block's shard URLs (one, or several joined by ", "), named in errors.
@@ -282,3 +266,22 @@ class TarBlockReader(BlockReader):
             return error
         return OSError(f"{where}: the shard returned {len(content)} bytes; it was truncated or changed since "
                        "it was opened (release the dataset after changing it)")
+
+
+def _open(place: Place) -> WebDatasetSource:
+    """The shards the spec names, or a folder's `.tar` files (a folder without subfolders)."""
+    if place.shards is not None:
+        fs, paths = shard_paths(place.shards, place.options, place.spec)
+        return open_webdataset(fs, paths, place.shards, shards_label(place.spec.source), place.options, place.spec,
+                               place.name)
+    if any(e["type"] == "directory" for e in place.listing):
+        raise SourceError(
+            f"{place.url} holds both .tar files and subfolders: is it WebDataset shards or a folder of class "
+            "subfolders? Pass the shards as a brace pattern or a list of URLs, or move the .tar files away")
+    tars = tar_files(place.listing)
+    urls = [f"{place.url}/{t.rstrip('/').rsplit('/', 1)[-1]}" for t in tars]
+    return open_webdataset(place.fs, tars, urls, place.url, place.options, place.spec, place.name)
+
+
+FORMAT = Format("webdataset", claims=lambda place: place.shards is not None or bool(tar_files(place.listing)),
+                open=_open)

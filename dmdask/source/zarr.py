@@ -13,7 +13,8 @@ import numpy as np
 from dask.base import tokenize
 
 from ..errors import SourceError, SourceNotFoundError, SpecError
-from .base import BlockReader, DatasetInfo, Source, block_key, options_json
+from .base import DatasetInfo, Source, StoreReader, block_key, options_json
+from .registry import Format
 
 
 def _open_node(url: str, options: str):
@@ -59,12 +60,11 @@ def open_zarr(url: str, options: dict, spec, registry_name: str) -> ZarrSource:
         arrays = dict(node.arrays())
         if not arrays:
             raise SourceError(f"Zarr group {url} holds no arrays")
-        if spec.keys is not None:
-            unknown = [k for k in spec.keys if k not in arrays]
-            if unknown:
-                raise SpecError("keys", f"names among the source's arrays {sorted(arrays)}", list(spec.keys))
-            arrays = {k: arrays[k] for k in spec.keys}
         paths = {name: name for name in arrays}
+    if spec.keys is not None:
+        if any(k not in arrays for k in spec.keys):
+            raise SpecError("keys", f"names among the source's arrays {sorted(arrays)}", list(spec.keys))
+        arrays = {k: arrays[k] for k in spec.keys}
     lengths = {name: arr.shape[0] if arr.ndim else None for name, arr in arrays.items()}
     if None in lengths.values() or len(set(lengths.values())) != 1:
         raise SourceError(
@@ -91,7 +91,7 @@ def open_zarr(url: str, options: dict, spec, registry_name: str) -> ZarrSource:
     return ZarrSource(info, layout, row_bytes)
 
 
-class ZarrBlockReader(BlockReader):
+class ZarrBlockReader(StoreReader):
     """Reads the chunks of one block, every field."""
 
     def __init__(self, layout: ZarrLayout, index: int, start: int, stop: int, nbytes: int):
@@ -108,3 +108,7 @@ def _array(layout: ZarrLayout, path: str):
     """An array opened once per worker process and dataset (metadata read once)."""
     node = _open_node(layout.url, layout.options)
     return node if not path else node[path]
+
+
+FORMAT = Format("zarr", claims=lambda place: place.exists and place.fs.exists(place.path.rstrip("/") + "/zarr.json"),
+                open=lambda place: open_zarr(place.url, place.options, place.spec, place.name))

@@ -1,0 +1,111 @@
+"""Source formats, and the one whose layout a spec's URL holds (`find`).
+
+A format is a `Format(name, claims, open)`: `claims(place)` says whether the `Place`
+holds its layout, `open(place)` opens it as a `Source`. A `Place` reads each fact about
+the URL (does it exist, its first bytes, its listing) at most once, when a format first
+asks, so formats asked in turn share the reads. Formats of other packages, `Format`
+objects declared under the entry point group `dmdask.sources`, are asked first, by
+name; then the built-in ones, in an order that reads least before deciding: a Zarr
+node (its zarr.json), an HDF5 file by its first bytes or a group in one, Parquet by a
+glob, first bytes or listing, WebDataset shards (named by the spec, or a folder's `.tar`
+files), and last any folder (of class subfolders). Built-in formats are listed here, not
+as entry points, so that their order is fixed and a source tree works uninstalled.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+from importlib.metadata import entry_points
+from typing import Callable, List, Optional
+
+import fsspec
+
+from ..errors import SourceNotFoundError, SpecError
+from .base import Source
+from .urls import shard_urls
+
+GROUP = "dmdask.sources"
+BUILTIN = ("zarr", "hdf5", "parquet", "webdataset", "folder")  # modules of dmdask.source, each with FORMAT
+LAYOUTS = ("a Zarr v3 group or array, a Parquet file, folder of Parquet files or glob, an HDF5 file "
+           "(or a group in it: file.h5/group), WebDataset .tar shards, or a folder of class subfolders")
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """A source layout: `claims(place)` decides, with as few reads as it can, whether
+    `place` holds it; `open(place)` opens it, raising `dmdask.errors.SourceError`
+    (or a subclass) if it cannot be used."""
+
+    name: str
+    claims: Callable[["Place"], bool]
+    open: Callable[["Place"], Source]
+
+
+class Place:
+    """What a spec's source is, read when first asked. `shards`: the URLs of the tar
+    shards the spec names, else None (then `url` and the filesystem `fs` at `path`
+    describe the source; `fs` raises `SpecError` for a URL fsspec cannot open)."""
+
+    def __init__(self, spec, name: str):
+        self.spec, self.name, self.options = spec, name, dict(spec.storage_options or {})
+        self.shards = shard_urls(spec.source)
+        self.url = spec.source.rstrip("/") if self.shards is None else None
+
+    @functools.cached_property
+    def _fs_path(self):
+        try:
+            return fsspec.core.url_to_fs(self.url, **self.options)
+        except (ImportError, ValueError) as exc:
+            raise SpecError("source", f"a URL fsspec can open ({exc})", self.spec.source) from None
+
+    fs = property(lambda self: self._fs_path[0])
+    path = property(lambda self: self._fs_path[1])
+
+    @functools.cached_property
+    def exists(self) -> bool:
+        """Whether the URL names a file or folder (False for shards)."""
+        return self.shards is None and self.has(self.path)
+
+    @property
+    def is_glob(self) -> bool:
+        return not self.exists and self.shards is None and any(c in self.path for c in "*?[")
+
+    @functools.cached_property
+    def head(self) -> bytes:
+        """The first 8 bytes of the file (one small range read); b"" for a folder."""
+        try:
+            return self.fs.cat_file(self.path, start=0, end=8) if self.exists else b""
+        except (IsADirectoryError, FileNotFoundError):
+            return b""
+
+    @functools.cached_property
+    def listing(self) -> list:
+        """`fs.ls(path, detail=True)` of an existing URL; [] otherwise."""
+        try:
+            return self.fs.ls(self.path, detail=True) if self.exists else []
+        except (FileNotFoundError, NotADirectoryError) as exc:
+            raise SourceNotFoundError(f"dataset {self.url} is none of {LAYOUTS}: {exc}") from exc
+
+    def has(self, path: str) -> bool:
+        """Whether `path` exists on `fs`, asked with `info` (over HTTP a HEAD request,
+        where `exists` would start a GET of the whole file)."""
+        try:
+            self.fs.info(path)
+            return True
+        except FileNotFoundError:
+            return False
+        except Exception as exc:  # network errors, permissions
+            raise SourceNotFoundError(f"cannot reach dataset {self.url}: {exc}") from exc
+
+
+@functools.lru_cache(maxsize=None)
+def formats() -> List[Format]:
+    """The formats in the order they are asked: installed packages' first, then dmdask's."""
+    found = [ep.load() for ep in sorted(entry_points(group=GROUP), key=lambda ep: ep.name)]
+    return found + [importlib.import_module(f"{__package__}.{module}").FORMAT for module in BUILTIN]
+
+
+def find(place: Place) -> Optional[Format]:
+    """The first format that claims `place`; None if none does."""
+    return next((f for f in formats() if f.claims(place)), None)
