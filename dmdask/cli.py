@@ -41,23 +41,12 @@ def scheduler_address(given=None) -> str:
     return f"tcp://{unparse_host_port(host, port)}"
 
 
-def status(argv) -> int:
+def status(args) -> int:
     """Print the per-worker tier table of a running cluster."""
-    import argparse
-
     import distributed
 
     import dmdask
 
-    parser = argparse.ArgumentParser(prog="dmdask status", description="per-worker tiers of a dmdask cluster")
-    parser.add_argument("address", nargs="?", default=None, metavar="SCHEDULER", help=SCHEDULER_HELP)
-    parser.add_argument("--scheduler", default=None, help="the same, as `dmdask mount` takes it")
-    parser.add_argument("--timeout", type=float, default=10, help="seconds to wait for the scheduler (default 10)")
-    for flag, what in (("--tls-ca-file", "CA certificate"), ("--tls-cert", "client certificate"),
-                       ("--tls-key", "client key")):
-        parser.add_argument(flag, default=None, help=f"tls:// schedulers: the {what} file (default: dask config "
-                            "distributed.comm.tls)")
-    args = parser.parse_args(argv)
     try:
         address = scheduler_address(args.address or args.scheduler)
     except UsageError as exc:
@@ -94,20 +83,8 @@ def status(argv) -> int:
     return 0
 
 
-def mount(argv) -> int:
+def mount(args) -> int:
     """Serve a folder of the store read-only at a mount point, through the cluster's cache."""
-    import argparse
-
-    parser = argparse.ArgumentParser(
-        prog="dmdask mount", description="a read-only FUSE mount of URL at MOUNTPOINT whose reads go through the "
-        "dmdask cluster's cache (as dmdask:: URLs do); runs until unmounted (fusermount3 -u MOUNTPOINT) or "
-        "interrupted")
-    parser.add_argument("url", help="folder on the shared store, e.g. https://host/train or s3://bucket/train")
-    parser.add_argument("mountpoint", help="an existing empty folder")
-    parser.add_argument("--scheduler", default=None, help=SCHEDULER_HELP)
-    parser.add_argument("--block-size", default=None, help='cached byte blocks of large files (default "4 MiB")')
-    parser.add_argument("--debug", action="store_true", help="libfuse's debug output")
-    args = parser.parse_args(argv)
     from .fs.mount import mount as serve
 
     try:
@@ -226,13 +203,35 @@ commands:
 
 
 def _parser():
+    """`dmdask` and its commands, each a subparser whose `run` takes the parsed options."""
     import argparse
+
+    from . import demo
 
     parser = argparse.ArgumentParser(prog="dmdask", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"dmdask {_version()}")
-    parser.add_argument("command", choices=COMMANDS, metavar="COMMAND", help="demo, status or mount")
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="the command's options")
+    commands = parser.add_subparsers(metavar="COMMAND", help="demo, status or mount")
+    demo.add_arguments(commands.add_parser("demo", description=demo.DESCRIPTION, epilog=demo.EPILOG)
+                       ).set_defaults(run=demo.command)
+    p = commands.add_parser("status", description="per-worker tiers of a dmdask cluster")
+    p.add_argument("address", nargs="?", default=None, metavar="SCHEDULER", help=SCHEDULER_HELP)
+    p.add_argument("--scheduler", default=None, help="the same, as `dmdask mount` takes it")
+    p.add_argument("--timeout", type=float, default=10, help="seconds to wait for the scheduler (default 10)")
+    for flag, what in (("--tls-ca-file", "CA certificate"), ("--tls-cert", "client certificate"),
+                       ("--tls-key", "client key")):
+        p.add_argument(flag, default=None, help=f"tls:// schedulers: the {what} file (default: dask config "
+                       "distributed.comm.tls)")
+    p.set_defaults(run=status)
+    p = commands.add_parser("mount", description="a read-only FUSE mount of URL at MOUNTPOINT whose reads go "
+                            "through the dmdask cluster's cache (as dmdask:: URLs do); runs until unmounted "
+                            "(fusermount3 -u MOUNTPOINT) or interrupted")
+    p.add_argument("url", help="folder on the shared store, e.g. https://host/train or s3://bucket/train")
+    p.add_argument("mountpoint", help="an existing empty folder")
+    p.add_argument("--scheduler", default=None, help=SCHEDULER_HELP)
+    p.add_argument("--block-size", default=None, help='cached byte blocks of large files (default "4 MiB")')
+    p.add_argument("--debug", action="store_true", help="libfuse's debug output")
+    p.set_defaults(run=mount)
     return parser
 
 
@@ -242,28 +241,18 @@ def _version() -> str:
     return __version__
 
 
-def _demo(argv) -> int:
-    from .demo import main as demo
-
-    return demo(argv)
-
-
-COMMANDS = {"demo": _demo, "status": status, "mount": mount}
-
-
 def main(argv=None) -> int:
+    """Run a command; its exit status (2 for a command line argparse rejects, or none)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
-    if not argv:
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or what argparse rejects
+        return int(exc.code or 0)
+    if "run" not in args:
         parser.print_help(sys.stderr)
         return 2
-    if argv[0] in COMMANDS:  # the command parses its own options (and its --help)
-        return COMMANDS[argv[0]](argv[1:])
-    try:
-        args = parser.parse_args(argv)  # --help, --version, or an unknown command
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    return COMMANDS[args.command](args.args)
+    return args.run(args)
 
 
 if __name__ == "__main__":

@@ -19,15 +19,18 @@ import time
 
 import distributed
 import numpy as np
+from dask.utils import format_bytes
 
 TEST_FRACTION = 0.2
 MEAN, STD = 0.3, 0.4  # of the digits' pixels in [0, 1]: normalize() centres them
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dmdask demo", description=__doc__.split("\n\n")[0].split(": ", 1)[1],
-                                epilog="The report's epochs are numbered from 0, as dmdask.batches(epoch=...) "
-                                       "numbers them.")
+DESCRIPTION = __doc__.split("\n\n")[0].split(": ", 1)[1]
+EPILOG = "The report's epochs are numbered from 0, as dmdask.batches(epoch=...) numbers them."
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options of `dmdask demo`."""
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--epochs", type=int, default=6, help="training epochs (default 6)")
     p.add_argument("--quick", action="store_true", help="3 epochs (the smoke test's setting)")
@@ -48,7 +51,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    parser = argparse.ArgumentParser(prog="dmdask demo", description=DESCRIPTION, epilog=EPILOG)
+    return command(add_arguments(parser).parse_args(argv))
+
+
+def command(args) -> int:
+    """`dmdask demo` with parsed options."""
     if args.quick:
         args.epochs = 3
     run(args)
@@ -74,8 +82,8 @@ def run(args) -> dict:
                              dashboard_address=args.dashboard_address) as cluster, \
             distributed.Client(cluster) as client:
         capacity = args.workers * (_bytes(args.ram) + _bytes(args.ssd))
-        print(f"shared store: {_shown(train_dir)} ({train_files} PNG files, {_kib(dataset_bytes)} KiB)")
-        print(f"cache: {args.workers} workers x (RAM {args.ram} + SSD {args.ssd}) = {_kib(capacity)} KiB, "
+        print(f"shared store: {_shown(train_dir)} ({train_files} PNG files, {format_bytes(dataset_bytes)})")
+        print(f"cache: {args.workers} workers x (RAM {args.ram} + SSD {args.ssd}) = {format_bytes(capacity)}, "
               f"{'smaller than' if capacity < dataset_bytes else 'at least'} the dataset")
         print(f"dashboard: {client.dashboard_link}  (dmdask tiers: {tiers_page(client.dashboard_link)})")
         print(f"model: {model.name}; training {args.epochs} epochs, batches of {args.batch_size} decoded and "
@@ -236,7 +244,7 @@ def report(rows, dataset_bytes: int, samples: int) -> None:
           "| samples served: from RAM  from SSD  streamed")
     for r in rows:
         print(f"{r['epoch']:>5}  {r['seconds']:7.2f}  {r['loss']:5.3f}  {r['accuracy']:9.3f}  "
-              f"|{_kib(r['store_bytes']):>18}  {r['store_bytes'] / dataset_bytes:8.2f}x  {r['store_reads']:5d}  "
+              f"|{r['store_bytes'] / 1024:18.1f}  {r['store_bytes'] / dataset_bytes:8.2f}x  {r['store_reads']:5d}  "
               f"|{r['ram']:>24}  {r['ssd']:8d}  {r['streamed']:8d}")
     epochs = len(rows)
     total = sum(r["store_bytes"] for r in rows)
@@ -250,7 +258,7 @@ block also counts 8 bytes a sample of file pointers, hence a little over 1.00x),
 sample by sample as the ranks first ask for them (counted as "streamed" in epoch 0, "from RAM"
 afterwards). From epoch 1 on, only the samples the cache has no room for are streamed: the
 store reads of an epoch are those samples, whatever the RAM and SSD counts.""")
-    print(f"\nshared store over epochs 0-{epochs - 1}: {_kib(total)} KiB = {total / dataset_bytes:.2f}x the dataset "
+    print(f"\nshared store over epochs 0-{epochs - 1}: {format_bytes(total)} = {total / dataset_bytes:.2f}x the dataset "
           f"(a loader without a cache reads {epochs}x)")
     if epochs > 1:
         later = np.mean([r["seconds"] for r in rows[1:]])
@@ -292,10 +300,6 @@ def _shown(path: str) -> str:
     """`path` relative to the current folder when it is below it."""
     relative = os.path.relpath(path)
     return path if relative.startswith("..") else relative
-
-
-def _kib(n: int) -> str:
-    return f"{n / 1024:.1f}"
 
 
 if __name__ == "__main__":

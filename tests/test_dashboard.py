@@ -482,7 +482,7 @@ def test_page_renders_without_workers_or_datasets():
     busy["cluster"] = figures.cluster_summary(s, {"dmdask-x": {"blocks": 6, "bytes": 2 * MiB, "samples": 60}})
     tiers.monitor = FakeMonitor(busy)
     tiers.update()
-    assert tiers.occupancy["ram"].data["label"] == ["1.0 MiB / 4.0 MiB (25%) · 3 blocks"]
+    assert tiers.occupancy["ram"].data["label"] == ["1.00 MiB / 4.00 MiB (25%) · 3 blocks"]
     assert tiers.hits.data["stream"] == [0.75]
     assert "50%" in tiers.summary.text  # 3 of 6 blocks cached
 

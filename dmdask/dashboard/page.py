@@ -15,6 +15,7 @@ from bokeh.models import (BasicTicker, ColumnDataSource, CustomJSTickFormatter, 
                           FactorRange, HoverTool, Legend, LinearAxis, NumeralTickFormatter, Range1d)
 from bokeh.plotting import figure
 from bokeh.transform import dodge
+from dask.utils import format_bytes
 from distributed.dashboard.components import add_periodic_callback
 from distributed.dashboard.components.scheduler import BOKEH_THEME, env
 from distributed.utils import log_errors
@@ -38,14 +39,7 @@ return (tick < 0 ? "-" : "") + s.replace(/\\.0$/, "") + " " + units[i];
 
 
 def fmt_bytes(n: Optional[float]) -> str:
-    if n is None:
-        return "?"
-    units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"]
-    v, i = float(n), 0
-    while abs(v) >= 1024 and i < len(units) - 1:
-        v /= 1024
-        i += 1
-    return f"{int(v)} B" if i == 0 else f"{v:.1f} {units[i]}"
+    return "?" if n is None else format_bytes(n)
 
 
 def fmt_pct(x: Optional[float]) -> str:
