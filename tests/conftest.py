@@ -42,7 +42,7 @@ def _quiet_zarr():
 
 @pytest.fixture
 def fail_reads(store):
-    """For `dmdask.testing.SourceTests`: the module's store (a `StoreServer`, root) answers
+    """For `dmdask.testing.sources.SourceTests`: the module's store (a `StoreServer`, root) answers
     `status` to the first n GETs of each of its files, until the test ends."""
     server = store[0]
     yield lambda n, status: server.fail_first(n, "*", status)

@@ -8,7 +8,7 @@ import pytest
 import dmdask
 from benchmarks.store_server import StoreServer
 from dmdask.source import open_source
-from dmdask.testing import SourceTests
+from dmdask.testing.sources import SourceTests
 from dmdask.testing.datasets import hdf5_names, write_hdf5, zarr_label, zarr_sample
 
 from conftest import all_ids, run_epoch

@@ -13,7 +13,7 @@ import dmdask
 from benchmarks.store_server import StoreServer
 from dmdask.source import open_source
 from dmdask.source.parquet import framed
-from dmdask.testing import SourceTests
+from dmdask.testing.sources import SourceTests
 from dmdask.testing.datasets import parquet_columns, write_parquet, zarr_label, zarr_sample
 
 from conftest import all_ids, run_epoch

@@ -1,4 +1,4 @@
-"""The source contract (`dmdask.testing.SourceTests`) for Zarr groups and folders of class
+"""The source contract (`dmdask.testing.sources.SourceTests`) for Zarr groups and folders of class
 subfolders, over the counting HTTP store; Parquet, HDF5 and WebDataset inherit it in
 their own modules."""
 import numpy as np
@@ -7,7 +7,7 @@ import pytest
 import dmdask
 from benchmarks.store_server import StoreServer
 from dmdask.source import open_source
-from dmdask.testing import SourceTests
+from dmdask.testing.sources import SourceTests
 from dmdask.testing.datasets import folder_sample, write_folder, write_zarr, zarr_label, zarr_sample
 
 

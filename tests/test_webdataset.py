@@ -12,7 +12,7 @@ import pytest
 import dmdask
 from benchmarks.store_server import StoreServer
 from dmdask.source import dataset_name, open_source
-from dmdask.testing import SourceTests
+from dmdask.testing.sources import SourceTests
 from dmdask.testing.datasets import tar_key, tar_member, write_tar_shards
 
 from conftest import all_ids, run_epoch

@@ -18,7 +18,7 @@ from typing import Dict, List, Optional
 import numpy as np
 from dask.base import tokenize
 
-from ..errors import SourceError, SourceNotFoundError, SpecError
+from ..errors import SourceError, SpecError
 from .base import (DatasetInfo, Source, StoreReader, block_key, filesystem, options_json, prepare_filesystem,
                    protocol_of)
 from .registry import Format, Place
@@ -48,29 +48,27 @@ class FolderSource(Source):
                                  self.labels[a:b], self.info.fields, self.info.identity, k, a, b, nbytes)
 
 
-def open_folder(fs, path: str, url: str, options: dict, spec, registry_name: str, entries=None) -> FolderSource:
-    """List the folder (a request per class folder) and describe its blocks. `entries`:
-    the folder's own listing (`fs.ls(path, detail=True)`) when the caller made it."""
-    files, labels, sizes = _list(fs, path, url, entries)
+def open_folder(place: Place) -> FolderSource:
+    """Check the spec's keys, list the class folders (a request each, `LIST_THREADS` at
+    once) and describe the blocks."""
+    fs, url, spec = place.fs, place.url, place.spec
     fields = folder_fields(spec)
+    files, labels, sizes = _list(place)
     block_len = spec.block_size or DEFAULT_FILES_PER_BLOCK
-    root = path.rstrip("/")
+    root = place.path.rstrip("/")
     relative = [f[len(root) + 1:] if f.startswith(root + "/") else f for f in files]
     identity = tokenize("folder", url, fields, block_len, relative, sizes)[:16]
     size_array = None if any(s is None for s in sizes) else np.asarray(sizes, dtype=np.int64)
     nbytes = None if size_array is None else block_nbytes(size_array, fields)
-    info = DatasetInfo(name=registry_name, identity=identity, url=url, fields=fields,
+    info = DatasetInfo(name=place.name, identity=identity, url=url, fields=fields,
                        num_samples=len(files), block_len=block_len, nbytes=nbytes)
-    return FolderSource(info, protocol_of(fs), options_json(options), files, np.asarray(labels, dtype=np.int64),
+    return FolderSource(info, protocol_of(fs), options_json(place.options), files, np.asarray(labels, dtype=np.int64),
                         size_array)
 
 
-def _list(fs, path: str, url: str, entries=None):
-    try:
-        entries = fs.ls(path, detail=True) if entries is None else entries
-    except (FileNotFoundError, NotADirectoryError) as exc:
-        raise SourceNotFoundError(f"dataset {url} is neither a Zarr v3 store nor a folder: {exc}") from exc
-    classes = sorted(e["name"].rstrip("/") for e in entries if e["type"] == "directory")
+def _list(place: Place):
+    fs, url = place.fs, place.url
+    classes = sorted(e["name"].rstrip("/") for e in place.listing if e["type"] == "directory")
     if not classes:
         raise SourceError(
             f"{url} is neither a Zarr v3 group (no zarr.json), Parquet or HDF5, a folder of WebDataset "
@@ -133,9 +131,4 @@ class FolderBlockReader(StoreReader):
         return arrays
 
 
-def _open(place: Place) -> FolderSource:
-    folder_fields(place.spec)  # a clear error now, before listing the class folders
-    return open_folder(place.fs, place.path, place.url, place.options, place.spec, place.name, place.listing)
-
-
-FORMAT = Format("folder", claims=lambda place: place.exists, open=_open)
+FORMAT = Format("folder", claims=lambda place: place.exists, open=open_folder)

@@ -109,9 +109,12 @@ class HDF5Source(Source):
         return HDF5BlockReader(self.layout, k, start, stop, nbytes)
 
 
-def open_hdf5(fs, path: str, group: str, url: str, options: dict, spec, registry_name: str) -> HDF5Source:
-    """Open the file (HDF5 reads its metadata: superblock, object headers) and describe its blocks."""
-    protocol, opts = protocol_of(fs), options_json(options)
+def open_hdf5(place: Place) -> HDF5Source:
+    """Open the file (HDF5 reads its metadata: superblock, object headers) and describe
+    the blocks of the file, or of the group that the path names past the file's name."""
+    fs, url, spec = place.fs, place.url, place.spec
+    path, group = (place.path, "") if place.exists else split_inner(place.path)
+    protocol, opts = protocol_of(fs), options_json(place.options)
     entry = fs.info(path)
     size = int(entry["size"])
     try:
@@ -125,7 +128,7 @@ def open_hdf5(fs, path: str, group: str, url: str, options: dict, spec, registry
             raise SourceNotFoundError(f"HDF5 file {path} has no group {group!r}") from None
         if not isinstance(node, h5py().Group):
             raise SourceError(f"{group!r} in HDF5 file {path} is not a group")
-        return _describe(node, path, group, url, protocol, opts, entry, spec, registry_name)
+        return _describe(node, path, group, url, protocol, opts, entry, spec, place.name)
     finally:
         file.close()
         if handle is not None:
@@ -269,9 +272,4 @@ def _claims(place: Place) -> bool:
     return inner is not None and place.has(inner[0])
 
 
-def _open(place: Place) -> HDF5Source:
-    file, group = (place.path, "") if place.exists else split_inner(place.path)
-    return open_hdf5(place.fs, file, group, place.url, place.options, place.spec, place.name)
-
-
-FORMAT = Format("hdf5", claims=_claims, open=_open)
+FORMAT = Format("hdf5", claims=_claims, open=open_hdf5)

@@ -272,12 +272,12 @@ class ParquetSource(Source):
                                   self.info.identity, k, a, b, nbytes)
 
 
-def open_parquet(fs, paths: Sequence[str], url: str, options: dict, spec, registry_name: str) -> ParquetSource:
-    """Read the footers of the Parquet files `paths` (two rounds of concurrent range reads)
-    and describe the blocks. `SourceError` names the file (and its samples) when a
-    footer is missing or corrupt or a file lacks a column of the first."""
+def open_parquet(place: Place) -> ParquetSource:
+    """Read the footers of the Parquet files at `place` (two rounds of concurrent range
+    reads) and describe the blocks. `SourceError` names the file (and its samples) when
+    a footer is missing or corrupt or a file lacks a column of the first."""
     pa, pq = pyarrow()
-    files = sorted(paths)
+    fs, url, spec, files = place.fs, place.url, place.spec, sorted(_files(place))
     if not files:
         raise SourceNotFoundError(f"dataset {url} matches no Parquet files")
     sizes = [int(s) for s in fs.sizes(files)]
@@ -305,9 +305,9 @@ def open_parquet(fs, paths: Sequence[str], url: str, options: dict, spec, regist
     identity = tokenize("parquet", url, fields, block_len, files, sizes, digest)[:16]
     row_bytes = None if any(k != "fixed" for k in kinds.values()) else sum(
         row_nbytes(metas[0].schema.to_arrow_schema().field(f).type) for f in fields)
-    info = DatasetInfo(name=registry_name, identity=identity, url=url, fields=fields, num_samples=n,
+    info = DatasetInfo(name=place.name, identity=identity, url=url, fields=fields, num_samples=n,
                        block_len=block_len, nbytes=None if row_bytes is None else row_bytes * n)
-    return ParquetSource(info, protocol_of(fs), options_json(options), files, sizes, footers, groups, row_bytes)
+    return ParquetSource(info, protocol_of(fs), options_json(place.options), files, sizes, footers, groups, row_bytes)
 
 
 def _read_footers(fs, files: List[str], sizes: List[int]) -> list:
@@ -466,5 +466,4 @@ def _files(place: Place) -> List[str]:
 
 
 FORMAT = Format("parquet", claims=lambda place: place.is_glob or bool(_files(place)),
-                open=lambda place: open_parquet(place.fs, _files(place), place.url, place.options, place.spec,
-                                                place.name))
+                open=open_parquet)

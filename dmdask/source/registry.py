@@ -1,15 +1,12 @@
-"""Source formats, and the one whose layout a spec's URL holds (`find`).
+"""Source formats, and the first one that claims a spec's source (`find`).
 
-A format is a `Format(name, claims, open)`: `claims(place)` says whether the `Place`
-holds its layout, `open(place)` opens it as a `Source`. A `Place` reads each fact about
-the URL (does it exist, its first bytes, its listing) at most once, when a format first
-asks, so formats asked in turn share the reads. Formats of other packages, `Format`
-objects declared under the entry point group `dmdask.sources`, are asked first, by
-name; then the built-in ones, in an order that reads least before deciding: a Zarr
-node (its zarr.json), an HDF5 file by its first bytes or a group in one, Parquet by a
-glob, first bytes or listing, WebDataset shards (named by the spec, or a folder's `.tar`
-files), and last any folder (of class subfolders). Built-in formats are listed here, not
-as entry points, so that their order is fixed and a source tree works uninstalled.
+A format is a `Format(name, claims, open)` over a `Place`. Formats that other packages
+declare under the entry point group `dmdask.sources` are asked first, by name; then
+dmdask's own, in an order that reads least before deciding: a Zarr node (its
+zarr.json), an HDF5 file by its first bytes or a group in one, Parquet by a glob, first
+bytes or listing, WebDataset shards (named by the spec, or a folder's `.tar` files), and
+last any folder (of class subfolders). dmdask's own are listed here, not as entry
+points, so that their order is fixed and a source tree works uninstalled.
 """
 from __future__ import annotations
 
@@ -33,9 +30,9 @@ LAYOUTS = ("a Zarr v3 group or array, a Parquet file, folder of Parquet files or
 
 @dataclasses.dataclass(frozen=True)
 class Format:
-    """A source layout: `claims(place)` decides, with as few reads as it can, whether
-    `place` holds it; `open(place)` opens it, raising `dmdask.errors.SourceError`
-    (or a subclass) if it cannot be used."""
+    """A source layout: `claims(place)` says, with as few reads as it can, whether
+    `place` holds it; `open(place)` opens it, raising `dmdask.errors.SourceError` (or a
+    subclass) if it cannot be used."""
 
     name: str
     claims: Callable[["Place"], bool]
@@ -43,24 +40,21 @@ class Format:
 
 
 class Place:
-    """What a spec's source is, read when first asked. `shards`: the URLs of the tar
-    shards the spec names, else None (then `url` and the filesystem `fs` at `path`
-    describe the source; `fs` raises `SpecError` for a URL fsspec cannot open)."""
+    """A spec's source. `shards`: the tar shard URLs the spec names, else None, and then
+    `url` on the filesystem `fs` at `path` (made without I/O; `SpecError` for a URL
+    fsspec cannot open). Each fact read from the store (`exists`, `head`, `listing`) is
+    read at most once, when first asked, so that the formats asked in turn share it."""
 
     def __init__(self, spec, name: str):
         self.spec, self.name, self.options = spec, name, dict(spec.storage_options or {})
         self.shards = shard_urls(spec.source)
-        self.url = spec.source.rstrip("/") if self.shards is None else None
-
-    @functools.cached_property
-    def _fs_path(self):
-        try:
-            return fsspec.core.url_to_fs(self.url, **self.options)
-        except (ImportError, ValueError) as exc:
-            raise SpecError("source", f"a URL fsspec can open ({exc})", self.spec.source) from None
-
-    fs = property(lambda self: self._fs_path[0])
-    path = property(lambda self: self._fs_path[1])
+        self.url, self.fs, self.path = None, None, ""
+        if self.shards is None:
+            self.url = spec.source.rstrip("/")
+            try:
+                self.fs, self.path = fsspec.core.url_to_fs(self.url, **self.options)
+            except (ImportError, ValueError) as exc:
+                raise SpecError("source", f"a URL fsspec can open ({exc})", spec.source) from None
 
     @functools.cached_property
     def exists(self) -> bool:
@@ -69,7 +63,7 @@ class Place:
 
     @property
     def is_glob(self) -> bool:
-        return not self.exists and self.shards is None and any(c in self.path for c in "*?[")
+        return self.shards is None and not self.exists and any(c in self.path for c in "*?[")
 
     @functools.cached_property
     def head(self) -> bytes:
@@ -81,15 +75,15 @@ class Place:
 
     @functools.cached_property
     def listing(self) -> list:
-        """`fs.ls(path, detail=True)` of an existing URL; [] otherwise."""
+        """`fs.ls(path, detail=True)` where the URL exists; [] otherwise."""
         try:
             return self.fs.ls(self.path, detail=True) if self.exists else []
         except (FileNotFoundError, NotADirectoryError) as exc:
             raise SourceNotFoundError(f"dataset {self.url} is none of {LAYOUTS}: {exc}") from exc
 
     def has(self, path: str) -> bool:
-        """Whether `path` exists on `fs`, asked with `info` (over HTTP a HEAD request,
-        where `exists` would start a GET of the whole file)."""
+        """Whether `path` exists, asked with `info` (over HTTP a HEAD request, where
+        `exists` would start a GET of the whole file)."""
         try:
             self.fs.info(path)
             return True

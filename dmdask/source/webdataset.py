@@ -163,15 +163,24 @@ def block_nbytes(sizes: np.ndarray) -> int:
     return int(sizes.sum()) + 8 * n * fields + 16 * n
 
 
-def open_webdataset(fs, paths: List[str], urls: List[str], label: str, options: dict, spec,
-                    registry_name: str) -> WebDatasetSource:
-    """Index the shards' tar headers (shards concurrently) and describe the blocks.
-
-    `paths`: the shards on `fs`; `urls`: how messages name them; `label`: the
-    dataset's URL in messages and `DatasetInfo.url`. Raises `SourceNotFoundError` for a
-    shard that cannot be reached, `SourceError` for an unusable shard, a sample missing
-    a field others have, or no samples at all, and `SpecError` for `keys` no sample has.
+def open_webdataset(place: Place) -> WebDatasetSource:
+    """Index the tar headers of the shards the spec names, or of a folder's `.tar` files
+    (shards concurrently), and describe the blocks. Raises `SourceNotFoundError` for a
+    shard that cannot be reached, `SourceError` for an unusable shard, a folder with
+    subfolders too, a sample missing a field others have, or no samples at all, and
+    `SpecError` for `keys` no sample has.
     """
+    spec = place.spec
+    if place.shards is not None:
+        (fs, paths), urls = shard_paths(place.shards, place.options, spec), place.shards
+        label = shards_label(spec.source)
+    else:
+        if any(e["type"] == "directory" for e in place.listing):
+            raise SourceError(
+                f"{place.url} holds both .tar files and subfolders: is it WebDataset shards or a folder of class "
+                "subfolders? Pass the shards as a brace pattern or a list of URLs, or move the .tar files away")
+        fs, paths, label = place.fs, tar_files(place.listing), place.url
+        urls = [f"{label}/{t.rstrip('/').rsplit('/', 1)[-1]}" for t in paths]
     string = getattr(getattr(np, "dtypes", None), "StringDType", None)
     if string is None:
         raise SourceError(f"WebDataset shards ({label}) need numpy >= 2: their {KEY} field is a StringDType array")
@@ -205,10 +214,10 @@ def open_webdataset(fs, paths: List[str], urls: List[str], label: str, options: 
     block_len = spec.block_size or DEFAULT_SAMPLES_PER_BLOCK
     identity = tokenize("webdataset", urls, [size for size, _ in indexed], exts, block_len, shard, offsets, sizes,
                         keys.tolist())[:16]
-    info = DatasetInfo(name=registry_name, identity=identity, url=label, fields=tuple(sorted(exts + (KEY,))),
+    info = DatasetInfo(name=place.name, identity=identity, url=label, fields=tuple(sorted(exts + (KEY,))),
                        num_samples=n, block_len=block_len, nbytes=block_nbytes(sizes))
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    return WebDatasetSource(info, protocol, options_json(options), list(urls), list(paths), exts, shard, offsets,
+    return WebDatasetSource(info, protocol, options_json(place.options), list(urls), list(paths), exts, shard, offsets,
                             sizes, keys)
 
 
@@ -268,20 +277,5 @@ class TarBlockReader(StoreReader):
                        "it was opened (release the dataset after changing it)")
 
 
-def _open(place: Place) -> WebDatasetSource:
-    """The shards the spec names, or a folder's `.tar` files (a folder without subfolders)."""
-    if place.shards is not None:
-        fs, paths = shard_paths(place.shards, place.options, place.spec)
-        return open_webdataset(fs, paths, place.shards, shards_label(place.spec.source), place.options, place.spec,
-                               place.name)
-    if any(e["type"] == "directory" for e in place.listing):
-        raise SourceError(
-            f"{place.url} holds both .tar files and subfolders: is it WebDataset shards or a folder of class "
-            "subfolders? Pass the shards as a brace pattern or a list of URLs, or move the .tar files away")
-    tars = tar_files(place.listing)
-    urls = [f"{place.url}/{t.rstrip('/').rsplit('/', 1)[-1]}" for t in tars]
-    return open_webdataset(place.fs, tars, urls, place.url, place.options, place.spec, place.name)
-
-
 FORMAT = Format("webdataset", claims=lambda place: place.shards is not None or bool(tar_files(place.listing)),
-                open=_open)
+                open=open_webdataset)

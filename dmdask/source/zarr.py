@@ -14,7 +14,7 @@ from dask.base import tokenize
 
 from ..errors import SourceError, SourceNotFoundError, SpecError
 from .base import DatasetInfo, Source, StoreReader, block_key, options_json
-from .registry import Format
+from .registry import Format, Place
 
 
 def _open_node(url: str, options: str):
@@ -45,11 +45,11 @@ class ZarrSource(Source):
         return ZarrBlockReader(self.layout, k, start, stop, self.row_bytes * (stop - start))
 
 
-def open_zarr(url: str, options: dict, spec, registry_name: str) -> ZarrSource:
+def open_zarr(place: Place) -> ZarrSource:
     """Read the metadata of a Zarr v3 node (a few small requests) and describe its blocks."""
     import zarr
 
-    opts = options_json(options)
+    url, spec, opts = place.url, place.spec, options_json(place.options)
     try:
         node = _open_node(url, opts)
     except FileNotFoundError as exc:
@@ -85,7 +85,7 @@ def open_zarr(url: str, options: dict, spec, registry_name: str) -> ZarrSource:
     metadata = json.dumps({name: arrays[name].metadata.to_dict() for name in fields}, sort_keys=True, default=str)
     identity = tokenize("zarr", url, fields, block_len, metadata)[:16]
     row_bytes = sum(int(np.prod(arrays[f].shape[1:], dtype=np.int64)) * arrays[f].dtype.itemsize for f in fields)
-    info = DatasetInfo(name=registry_name, identity=identity, url=url, fields=fields,
+    info = DatasetInfo(name=place.name, identity=identity, url=url, fields=fields,
                        num_samples=int(n), block_len=int(block_len), nbytes=row_bytes * int(n))
     layout = ZarrLayout(url, opts, tuple((f, paths[f]) for f in fields), identity)
     return ZarrSource(info, layout, row_bytes)
@@ -111,4 +111,4 @@ def _array(layout: ZarrLayout, path: str):
 
 
 FORMAT = Format("zarr", claims=lambda place: place.exists and place.fs.exists(place.path.rstrip("/") + "/zarr.json"),
-                open=lambda place: open_zarr(place.url, place.options, place.spec, place.name))
+                open=open_zarr)

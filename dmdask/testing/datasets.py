@@ -73,34 +73,6 @@ def write_folder(path: str, classes: int = 3, per_class: int = 20, min_size: int
     return path
 
 
-def write_images(path: str, n: int, classes: int = 10, size: int = 16, chunk: int = 256, seed: int = 0) -> str:
-    """An image-like Zarr v3 group: "image" uint8 (n, 3, size, size) and "label" int64.
-
-    Class c lights up row band c of the image over noise, so a small model learns it
-    in a few epochs. Returns `path`.
-    """
-    import zarr
-
-    rng = np.random.default_rng(seed)
-    group = zarr.open_group(path, mode="w")
-    image = group.create_array("image", shape=(n, 3, size, size), chunks=(chunk, 3, size, size), dtype="uint8")
-    label = group.create_array("label", shape=(n,), chunks=(chunk,), dtype="int64")
-    band = max(1, size // classes)
-    for start in range(0, n, chunk * 8):
-        m = min(n, start + chunk * 8) - start
-        labels = rng.integers(0, classes, size=m)
-        pixels = rng.integers(0, 96, size=(m, 3, size, size), dtype=np.uint8)
-        for c in range(classes):
-            rows = slice((c * band) % size, (c * band) % size + band)
-            pixels[labels == c, :, rows, :] += 128
-        image[start:start + m] = pixels
-        label[start:start + m] = labels
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        zarr.consolidate_metadata(path)
-    return path
-
-
 def write_blobs(path: str, n: int = 5000, features: int = 16, classes: int = 3) -> None:
     """Gaussian blobs, one per class: arrays "x" (n, features) float32 and "y" (n,) int64."""
     import zarr

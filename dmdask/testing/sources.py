@@ -1,4 +1,12 @@
-"""`SourceTests`: the contract of a source format, as a pytest suite each format's tests inherit."""
+"""`SourceTests`: the contract of a source format, a pytest suite each format's tests inherit.
+
+Subclass it in a test module and provide the fixtures `spec` (a `dmdask.Spec` of the
+format's dataset on an HTTP store, several blocks), `fail_reads` (a function `(n,
+status)`: the store answers `status` to the next n requests for the dataset's files,
+until the test ends) and `client` (a `distributed.Client` of a dmdask cluster), and the
+method `check(batch)`, asserting that every field holds the values of the samples
+`batch["index"]`.
+"""
 from __future__ import annotations
 
 import concurrent.futures
@@ -14,13 +22,6 @@ from dmdask.source import BlockReader, Source, dataset_name, open_source
 
 
 class SourceTests:
-    """Subclass in a test module (as `TestFormat`) and provide the fixtures `spec` (a
-    `dmdask.Spec` of the format's dataset on an HTTP store, several blocks),
-    `fail_reads` (a function `(n, status)`: the store answers `status` to the next n
-    requests for the dataset's files, until the test ends) and `client` (a
-    `distributed.Client` of a dmdask cluster), and the method `check(batch)`, asserting
-    that every field holds the values of the samples `batch["index"]`."""
-
     def check(self, batch: dict) -> None:
         raise NotImplementedError
 
@@ -28,41 +29,41 @@ class SourceTests:
         def no_io(*args, **kwargs):
             raise AssertionError("dataset_name made a filesystem")
 
-        for module in ("fsspec.core", "fsspec.registry"):  # (the attribute fsspec.registry is a dict)
+        for module in ("fsspec.core", "fsspec.registry"):
             monkeypatch.setattr(importlib.import_module(module), "get_filesystem_class", no_io)
         assert dataset_name(spec) == dataset_name(spec.replace(seed=spec.seed + 1)) != dataset_name(
             spec.replace(block_size=(spec.block_size or 0) + 10**6))
 
     def test_every_sample_once_per_epoch(self, client, spec):
-        n, orders = open_source(spec).info.num_samples, []
+        orders = []
         for epoch in (0, 1):
-            ranks = [spec.replace(rank=r, world_size=2) for r in range(2)]
             with concurrent.futures.ThreadPoolExecutor(2) as pool:
-                per_rank = list(pool.map(lambda s: list(dmdask.batches(client, s, epoch=epoch)), ranks))
-            for batch in (b for batches in per_rank for b in batches):
+                ranks = pool.map(lambda r: list(dmdask.batches(client, spec.replace(rank=r, world_size=2), epoch=epoch)),
+                                 range(2))
+                batches = [b for per_rank in ranks for b in per_rank]
+            for batch in batches:
                 self.check(batch)
-            ids = np.concatenate([b["index"] for batches in per_rank for b in batches])
-            assert np.array_equal(np.sort(ids), np.arange(n))
-            orders.append(ids)
+            orders.append(np.concatenate([b["index"] for b in batches]))
+            assert np.array_equal(np.sort(orders[-1]), np.arange(open_source(spec).info.num_samples))
         assert not spec.shuffle or not np.array_equal(*orders)
 
     def test_readers_cover_the_blocks_and_read_rows_is_read_indexed(self, spec):
         source = open_source(spec)
         assert isinstance(source, Source) and source.info.num_blocks > 1
-        for k in range(source.info.num_blocks):
-            reader = source.reader(k)
+        readers = [source.reader(k) for k in range(source.info.num_blocks)]
+        for k, reader in enumerate(readers):
             assert isinstance(reader, BlockReader) and (reader.start, reader.stop) == source.info.block_range(k)
             block = reader.read()
             self.check(dict(block, index=np.arange(reader.start, reader.stop)))
             rows = np.unique([0, (reader.stop - reader.start) // 2, reader.stop - reader.start - 1])
             assert_same(reader.read_rows(rows), {field: values[rows] for field, values in block.items()})
-        assert len({source.reader(k).key for k in range(source.info.num_blocks)}) == source.info.num_blocks
+        assert len({reader.key for reader in readers}) == len(readers)
 
     def test_readers_pickle(self, spec):
         reader = open_source(spec).reader(1)
         clone = pickle.loads(pickle.dumps(reader))
-        assert (clone.key, clone.start, clone.stop, clone.nbytes) == (reader.key, reader.start, reader.stop,
-                                                                      reader.nbytes)
+        assert [getattr(clone, a) for a in ("key", "start", "stop", "nbytes")] == [
+            getattr(reader, a) for a in ("key", "start", "stop", "nbytes")]
         assert_same(clone.read(), reader.read())
 
     def test_transient_errors_are_retried(self, spec, fail_reads):
@@ -80,15 +81,14 @@ class SourceTests:
         assert retries == []  # a 404 is not retried
 
     def test_nbytes_is_exact(self, spec):
+        """Each reader's nbytes, and the dataset's, is the decoded size (the arrays, and
+        the arrays an object array points to), or None where unknown before reading."""
         source = open_source(spec)
-        sizes = [decoded_nbytes(source.reader(k).read()) for k in range(source.info.num_blocks)]
-        assert [source.reader(k).nbytes for k in range(source.info.num_blocks)] in ([None] * len(sizes), sizes)
+        readers = [source.reader(k) for k in range(source.info.num_blocks)]
+        sizes = [sum(v.nbytes + (sum(x.nbytes for x in v) if v.dtype == object else 0) for v in r.read().values())
+                 for r in readers]
+        assert [r.nbytes for r in readers] in ([None] * len(sizes), sizes)
         assert source.info.nbytes in (None, sum(sizes))
-
-
-def decoded_nbytes(block: dict) -> int:
-    """Bytes of a block in memory: its arrays, and the arrays an object array points to."""
-    return sum(v.nbytes + (sum(x.nbytes for x in v) if v.dtype == object else 0) for v in block.values())
 
 
 def assert_same(block: dict, expected: dict) -> None:

@@ -21,7 +21,7 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 
-from .holdings import Arrays, Block
+from .holdings import Arrays, Block, Span
 from .modes import create_file, group_of
 
 ID_FIELD = "__id__"  # the arena file that labels each row with the sample id it holds
@@ -105,7 +105,7 @@ class Arena:
         self._fds.clear()
 
 
-class ArenaBlock:
+class ArenaBlock(Span):
     """A RAM-tier block held in a slot of its dataset's arena."""
 
     __slots__ = ("arena", "slot", "start", "stop", "nbytes", "tier")
@@ -113,13 +113,6 @@ class ArenaBlock:
     def __init__(self, arena: Arena, slot: int, start: int, stop: int, nbytes: int):
         self.arena, self.slot, self.start, self.stop, self.nbytes = arena, slot, start, stop, nbytes
         self.tier = "ram"
-
-    @property
-    def samples(self) -> int:
-        return self.stop - self.start
-
-    def __len__(self) -> int:
-        return self.stop - self.start
 
     def describe(self) -> dict:
         """What a process on the same host needs to take this block's rows (`ArenaMaps`)."""

@@ -32,7 +32,20 @@ def arrays_nbytes(arrays: Arrays) -> int:
     return total
 
 
-class Block:
+class Span:
+    """Samples `start..stop-1` of a dataset: the part every holding shares."""
+
+    __slots__ = ()
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def samples(self) -> int:
+        return self.stop - self.start
+
+
+class Block(Span):
     """Samples `start..stop-1` of a dataset as one array per field (first axis: samples).
 
     Variable-size fields are object arrays of per-sample `uint8` arrays.
@@ -45,13 +58,6 @@ class Block:
         self.start = start
         self.stop = stop
         self.nbytes = arrays_nbytes(arrays)
-
-    def __len__(self) -> int:
-        return self.stop - self.start
-
-    @property
-    def samples(self) -> int:
-        return self.stop - self.start
 
     def take(self, rows: np.ndarray) -> Arrays:
         """The given rows (offsets inside the block), in that order."""
@@ -171,7 +177,7 @@ def sample_nbytes(arrays: Arrays) -> np.ndarray:
     return sizes
 
 
-class FileBlock:
+class FileBlock(Span):
     """A block kept in files: one raw file per field, read by memory map, so a take reads
     only the wanted rows. Variable-size fields (object arrays of per-sample uint8 arrays,
     and numpy string arrays) are stored as values plus offsets. The RAM tier keeps its
@@ -222,13 +228,6 @@ class FileBlock:
             shutil.rmtree(path, ignore_errors=True)
             raise
         return cls(path, block.start, block.stop, block.nbytes, tuple(layout), tier, reader)
-
-    @property
-    def samples(self) -> int:
-        return self.stop - self.start
-
-    def __len__(self) -> int:
-        return self.stop - self.start
 
     def describe(self) -> dict:
         """What a process on the same host needs to map this block (`map_arrays`)."""

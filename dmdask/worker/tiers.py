@@ -261,9 +261,6 @@ class TieredStore(MutableMapping):
         return self.folder("ram") if self._roots["ram"] else None
 
     # -- reads ------------------------------------------------------------------------
-    def tier_of(self, key: str) -> Optional[str]:
-        return self._tier_of.get(key)
-
     def count_read_error(self, tier: str) -> None:
         """A block of `tier` whose files could not be read (it is then dropped)."""
         with self._lock:
