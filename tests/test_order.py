@@ -1,37 +1,17 @@
-"""The epoch order and the ranks' shares (dmdask.plan.order): bijections, partitions, statistics."""
+"""The epoch order and the ranks' shares (dmdask.plan.order): pinned values, edge cases,
+validation, statistics; that they are bijections and partitions for any sizes is in
+test_properties.py."""
 import numpy as np
 import pytest
 
 from dmdask.plan.order import EpochOrder, RankShare
-
-SIZES = [0, 1, 2, 3, 7, 64, 65, 1000, 1023, 1024, 1025, 4097, 10007, 100_000]
-# (block_len, shuffle_window): None shuffles everything; n in SIZES is divisible by neither 7 nor 3*64
-MODES = [(64, None), (7, 1), (7, 3), (64, 3), (1000, 2), (64, 10**6)]
 
 
 def whole_order(order):
     return order.ids(np.arange(order.num_samples))
 
 
-def share_ids(share):
-    return np.concatenate([share.batch(i) for i in range(len(share))] + [np.zeros(0, np.int64)])
-
-
 # -- bijection -----------------------------------------------------------------------------
-
-@pytest.mark.parametrize("block_len,window", MODES)
-@pytest.mark.parametrize("n", SIZES)
-def test_every_position_has_its_own_sample_and_positions_inverts_ids(n, block_len, window):
-    order = EpochOrder(n, block_len, shuffle=True, seed=11, epoch=2, shuffle_window=window)
-    ids = whole_order(order)
-    assert ids.dtype == np.int64
-    assert np.array_equal(np.sort(ids), np.arange(n))
-    assert np.array_equal(order.positions(ids), np.arange(n))
-    # scattered positions, as a rank's batches ask for them
-    some = np.random.default_rng(n).permutation(n)[:500]
-    assert np.array_equal(order.ids(some), ids[some])
-    assert np.array_equal(order.positions(ids[some]), some)
-
 
 def test_ids_keeps_the_shape_and_accepts_any_int_dtype():
     order = EpochOrder(100, 10, shuffle=True, seed=1, epoch=0)
@@ -50,13 +30,6 @@ def test_huge_orders_cost_nothing_up_front():
     assert np.array_equal(order.positions(ids), positions)
     windowed = EpochOrder(n, 4096, shuffle=True, seed=3, epoch=1, shuffle_window=8)
     assert np.array_equal(windowed.positions(windowed.ids(positions)), positions)
-
-
-def test_stored_order_is_the_identity_whatever_the_window():
-    for window in (None, 2):
-        order = EpochOrder(1003, 64, shuffle=False, seed=5, epoch=7, shuffle_window=window)
-        assert np.array_equal(whole_order(order), np.arange(1003))
-        assert np.array_equal(order.positions(np.arange(1003)), np.arange(1003))
 
 
 # -- determinism -----------------------------------------------------------------------------
@@ -84,39 +57,6 @@ def test_the_order_is_pinned():
 
 
 # -- the ranks' shares -------------------------------------------------------------------------
-
-@pytest.mark.parametrize("window", [None, 3])
-@pytest.mark.parametrize("batch_size", [1, 7, 50])
-@pytest.mark.parametrize("world_size", [1, 3, 8])
-def test_without_drop_last_every_sample_goes_to_exactly_one_rank(world_size, batch_size, window):
-    n = 1003
-    order = EpochOrder(n, 64, shuffle=True, seed=4, epoch=1, shuffle_window=window)
-    shares = [RankShare(order, r, world_size, batch_size, drop_last=False) for r in range(world_size)]
-    delivered = np.concatenate([share_ids(s) for s in shares])
-    assert len(delivered) == n and np.array_equal(np.sort(delivered), np.arange(n))
-    full = whole_order(order)
-    for rank, share in enumerate(shares):  # the order does not depend on the number of ranks
-        assert np.array_equal(share_ids(share), full[rank::world_size])
-        assert share.num_samples == len(full[rank::world_size])
-
-
-@pytest.mark.parametrize("window", [None, 3])
-@pytest.mark.parametrize("batch_size", [1, 7, 50])
-@pytest.mark.parametrize("world_size", [1, 3, 8])
-def test_with_drop_last_every_rank_gets_the_same_full_batches(world_size, batch_size, window):
-    n = 1003
-    order = EpochOrder(n, 64, shuffle=True, seed=4, epoch=1, shuffle_window=window)
-    shares = [RankShare(order, r, world_size, batch_size, drop_last=True) for r in range(world_size)]
-    per_rank = (n // (world_size * batch_size)) * batch_size
-    full = whole_order(order)
-    for rank, share in enumerate(shares):
-        assert share.num_samples == per_rank
-        assert len(share) == per_rank // batch_size
-        assert all(len(share.batch(i)) == batch_size for i in range(len(share)))
-        assert np.array_equal(share_ids(share), full[rank::world_size][:per_rank])
-    delivered = np.concatenate([share_ids(s) for s in shares])
-    assert len(np.unique(delivered)) == len(delivered) == per_rank * world_size
-
 
 def test_short_last_batch_and_batches_match_batch():
     order = EpochOrder(1003, 64, shuffle=True, seed=0, epoch=0)
@@ -279,35 +219,3 @@ def test_blocks_first_needed_in_stored_order_is_block_order():
     assert np.array_equal(order.blocks_first_needed(limit=5), np.arange(16))
     with pytest.raises(ValueError, match="limit"):
         order.blocks_first_needed(limit=-1)
-
-
-@pytest.mark.parametrize("drop_last", [False, True])
-def test_elastic_generations_deliver_every_sample_at_most_once_and_all_without_drop_last(drop_last):
-    """Random chains of generations (world sizes, each rank stopping anywhere): over all
-    of them every sample comes once; with drop_last only the last generation's tail is
-    missing, and never more than world_size * batch_size - 1 samples."""
-    from dmdask.plan.elastic import remaining
-
-    rng = np.random.default_rng(7)
-    for _ in range(200):
-        n, batch = int(rng.integers(1, 300)), int(rng.integers(1, 9))
-        order = EpochOrder(n, 7, shuffle=True, seed=1, epoch=3)
-        history, delivered = [], []
-        for generation in range(4):
-            left = remaining(n, history)
-            world = int(rng.integers(1, 6))
-            shares = [RankShare(order, r, world, batch, drop_last, left) for r in range(world)]
-            last = generation == 3 or rng.random() < 0.3
-            stops = [len(s) if last else int(rng.integers(0, len(s) + 1)) for s in shares]
-            for share, stop in zip(shares, stops):
-                delivered += share.batches(0, stop)
-            if last:
-                break
-            history.append({"world_size": world, "consumed": [min(p * batch, s.num_samples)
-                                                              for s, p in zip(shares, stops)]})
-        ids = np.concatenate(delivered) if delivered else np.zeros(0, np.int64)
-        assert len(np.unique(ids)) == len(ids)
-        if drop_last:
-            assert len(ids) > n - world * batch
-        else:
-            assert np.array_equal(np.sort(ids), np.arange(n))

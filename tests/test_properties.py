@@ -1,6 +1,7 @@
 """Properties of the epoch plan for any sizes (hypothesis): the order is a bijection, the
-ranks' shares partition it, a mixture draws each source as often as asked, and a resumed
-epoch (same or another world and batch size) delivers every sample exactly once."""
+ranks' shares partition it, a mixture draws each source as often as asked, generations of
+any world size hand out every position once (`Remaining`), and a resumed epoch (same or
+another world and batch size) delivers every sample exactly once."""
 from types import SimpleNamespace
 
 import numpy as np
@@ -28,8 +29,10 @@ def _share_ids(share):
 @given(orders)
 def test_the_order_is_a_bijection_and_positions_inverts_it(order):
     ids = order.ids(np.arange(order.num_samples))
-    assert np.array_equal(np.sort(ids), np.arange(order.num_samples))
+    assert ids.dtype == np.int64 and np.array_equal(np.sort(ids), np.arange(order.num_samples))
     assert np.array_equal(order.positions(ids), np.arange(order.num_samples))
+    some = np.random.default_rng(order.seed).permutation(order.num_samples)[:100]  # as a rank's batches ask
+    assert np.array_equal(order.ids(some), ids[some]) and np.array_equal(order.positions(ids[some]), some)
     if not order.shuffle:
         assert np.array_equal(ids, np.arange(order.num_samples))
 
@@ -52,11 +55,39 @@ def test_a_reader_of_a_windowed_order_needs_at_most_window_blocks_at_a_time(orde
 @given(orders, st.integers(1, 8), st.integers(1, 64), st.booleans())
 def test_the_ranks_shares_partition_the_epoch(order, world, batch, drop_last):
     shares = [RankShare(order, r, world, batch, drop_last) for r in range(world)]
-    ids = np.concatenate([_share_ids(s) for s in shares])
+    ids, full = np.concatenate([_share_ids(s) for s in shares]), order.ids(np.arange(order.num_samples))
+    assert len(np.unique(ids)) == len(ids)
+    per_rank = order.num_samples // (world * batch) * batch if drop_last else None
+    for rank, share in enumerate(shares):  # dealt by interleaving, whatever the number of ranks
+        assert np.array_equal(_share_ids(share), full[rank::world][:per_rank])
+    if drop_last:
+        assert {s.num_samples for s in shares} == {per_rank}
+        assert all(len(s.batch(i)) == batch for s in shares for i in range(len(s)))
+    else:
+        assert np.array_equal(np.sort(ids), np.arange(order.num_samples))
+
+
+@given(orders, st.lists(st.tuples(st.integers(1, 6), st.integers(1, 16)), min_size=1, max_size=4), st.booleans(),
+       st.data())
+def test_generations_of_any_world_size_hand_out_every_position_once(order, generations, drop_last, data):
+    """Each generation's ranks stop anywhere (the last one's run to the end) and the next
+    deals what `Remaining` leaves: every sample comes at most once, all of them without
+    drop_last (with it, all but under world * batch of the last generation's), and the
+    positions `Remaining` keeps explicitly are at most the ranks' skews, not the epoch."""
+    history, delivered, skew = [], [], 0
+    for g, (world, batch) in enumerate(generations):
+        shares = [RankShare(order, r, world, batch, drop_last, remaining(order.num_samples, history))
+                  for r in range(world)]
+        stops = [len(s) if g == len(generations) - 1 else data.draw(st.integers(0, len(s))) for s in shares]
+        delivered += [b for s, p in zip(shares, stops) for b in s.batches(0, p)]
+        consumed = [min(p * batch, s.num_samples) for s, p in zip(shares, stops)]
+        history.append({"world_size": world, "consumed": consumed})
+        skew += world * (max(consumed) - min(consumed))
+        assert len(remaining(order.num_samples, history).head) <= skew
+    ids = np.concatenate(delivered + [np.zeros(0, np.int64)])
     assert len(np.unique(ids)) == len(ids)
     if drop_last:
-        assert {s.num_samples for s in shares} == {order.num_samples // (world * batch) * batch}
-        assert all(len(s.batch(i)) == batch for s in shares for i in range(len(s)))
+        assert len(ids) > order.num_samples - world * batch
     else:
         assert np.array_equal(np.sort(ids), np.arange(order.num_samples))
 
