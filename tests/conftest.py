@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 import dmdask
+from benchmarks.store_server import StoreServer
+from dmdask.testing.datasets import write_zarr
 
 
 def run_epoch(client, spec, epoch=0, world_size=None, concurrent_ranks=True):
@@ -38,6 +40,23 @@ def _quiet_zarr():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Consolidated metadata")
         yield
+
+
+@pytest.fixture(scope="module")
+def zarr_path(request, tmp_path_factory):
+    """A Zarr group of `dmdask.testing.datasets.write_zarr` (each value tells its sample),
+    shaped by the module's `ZARR` (write_zarr's arguments, e.g. dict(n=1003, chunk=64))."""
+    return write_zarr(str(tmp_path_factory.mktemp("shared") / "d.zarr"), **request.module.ZARR)
+
+
+@pytest.fixture(scope="module")
+def store(request, tmp_path_factory):
+    """(server, root): a folder that the module's `write_store(root)` fills, served over
+    HTTP by a `benchmarks.store_server.StoreServer` (a stand-in shared store)."""
+    root = tmp_path_factory.mktemp("pfs")
+    request.module.write_store(root)
+    with StoreServer(str(root)) as server:
+        yield server, root
 
 
 @pytest.fixture

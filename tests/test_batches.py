@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import dmdask
-from dmdask.testing.datasets import (folder_sample, write_folder, write_zarr, zarr_label,
+from dmdask.testing.datasets import (folder_sample, write_folder, zarr_label,
                                      zarr_sample)
 
 from conftest import all_ids, run_epoch
@@ -15,9 +15,7 @@ from conftest import all_ids, run_epoch
 N = 1003  # divisible by neither the chunk (64) nor the batch size (50)
 
 
-@pytest.fixture(scope="module")
-def zarr_path(tmp_path_factory):
-    return write_zarr(str(tmp_path_factory.mktemp("shared") / "train.zarr"), N, sample_shape=(4, 3), chunk=64)
+ZARR = dict(n=N, sample_shape=(4, 3), chunk=64)  # the `zarr_path` fixture's dataset (conftest.py)
 
 
 def test_every_sample_exactly_once_over_ranks_and_epochs(client, zarr_path):

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 import dmdask
-from benchmarks.store_server import StoreServer
 from dmdask.source import open_source
 from dmdask.testing.sources import SourceTests
 from dmdask.testing.datasets import hdf5_names, write_hdf5, zarr_label, zarr_sample
@@ -44,14 +43,10 @@ def check_values(batch, shape=(8,)):
         assert batch["name"].dtype == np.dtypes.StringDType() and batch["name"].tolist() == hdf5_names(ids)
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pfs")
+def write_store(root):  # the `store` fixture's datasets (conftest.py)
     write_hdf5(str(root / "train.h5"), N, chunk=64)
     write_hdf5(str(root / "grouped.h5"), 300, chunk=None, group="train/images")
     write_hdf5(str(root / "even.h5"), EVEN_N, sample_shape=(EVEN_WIDTH,), chunk=EVEN_CHUNK, names=False)
-    with StoreServer(str(root)) as server:
-        yield server, root
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -82,12 +81,12 @@ def test_each_rank_is_served_on_its_own_host(two_hosts, tmp_path):
     scheduler = f"tcp://{HOSTS['a']}:8786"
     dask = os.path.join(os.path.dirname(PY), "dask")
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-    procs = [in_host(names, "a", dask, "scheduler", "--host", HOSTS["a"], "--port", "8786",
-                     "--no-dashboard", env=dict(os.environ, DASK_DISTRIBUTED__SCHEDULER__WORK_STEALING="False"),
-                     **quiet)]
-    time.sleep(2)
+    file = str(tmp_path / "scheduler.json")  # written once the scheduler listens; the workers wait for it
+    procs = [in_host(names, "a", dask, "scheduler", "--host", HOSTS["a"], "--port", "8786", "--scheduler-file",
+                     file, "--no-dashboard",
+                     env=dict(os.environ, DASK_DISTRIBUTED__SCHEDULER__WORK_STEALING="False"), **quiet)]
     for h in HOSTS:
-        procs.append(in_host(names, h, dask, "worker", scheduler, "--worker-class", "dmdask.Worker",
+        procs.append(in_host(names, h, dask, "worker", "--scheduler-file", file, "--worker-class", "dmdask.Worker",
                              "--host", HOSTS[h], "--nthreads", "1", "--name", f"node-{h}", **quiet))
     try:
         outs = {h: str(tmp_path / f"rank-{h}.json") for h in HOSTS}

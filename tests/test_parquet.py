@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 import dmdask
-from benchmarks.store_server import StoreServer
 from dmdask.source import open_source
 from dmdask.source.parquet import framed
 from dmdask.testing.sources import SourceTests
@@ -57,14 +56,10 @@ def check_values(batch):
     assert batch["blob"].dtype == object and [b.tobytes() for b in batch["blob"]] == want["blob"]
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pfs")
+def write_store(root):  # the `store` fixture's datasets (conftest.py)
     write_parquet(str(root / "ds"), ROWS, row_group=50)
     write_parquet(str(root / "even"), EVEN_ROWS, row_group=EVEN_GROUP, width=EVEN_WIDTH, columns=["x", "label"],
                   compression="none", use_dictionary=False)
-    with StoreServer(str(root)) as server:
-        yield server, root
 
 
 @pytest.fixture

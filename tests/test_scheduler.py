@@ -6,20 +6,17 @@ import time
 
 import distributed
 import numpy as np
-import pytest
 
 import dmdask
 from dmdask.source import dataset_name
-from dmdask.testing.datasets import write_zarr, zarr_sample
+from dmdask.testing.datasets import zarr_sample
 
 from conftest import all_ids, run_epoch
 
 N = 3001  # divisible by neither the chunk (50) nor the batch sizes
 
 
-@pytest.fixture(scope="module")
-def zarr_path(tmp_path_factory):
-    return write_zarr(str(tmp_path_factory.mktemp("shared") / "train.zarr"), N, sample_shape=(8,), chunk=50)
+ZARR = dict(n=N, sample_shape=(8,), chunk=50)  # the `zarr_path` fixture's dataset (conftest.py)
 
 
 def _placement(dask_scheduler, name):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import dmdask
-from dmdask.testing.datasets import write_zarr, zarr_label, zarr_sample
+from dmdask.testing.datasets import zarr_label, zarr_sample
 
 N = 2503  # divisible by neither the chunk nor the batch size
 RANK_SCRIPT = """
@@ -30,9 +30,7 @@ with distributed.Client(address) as client:
 """
 
 
-@pytest.fixture(scope="module")
-def zarr_path(tmp_path_factory):
-    return write_zarr(str(tmp_path_factory.mktemp("shared") / "d.zarr"), N, sample_shape=(16,), chunk=100)
+ZARR = dict(n=N, sample_shape=(16,), chunk=100)  # the `zarr_path` fixture's dataset (conftest.py)
 
 
 def _folders(shm):

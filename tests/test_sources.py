@@ -5,19 +5,14 @@ import numpy as np
 import pytest
 
 import dmdask
-from benchmarks.store_server import StoreServer
 from dmdask.source import open_source
 from dmdask.testing.sources import SourceTests
 from dmdask.testing.datasets import folder_sample, write_folder, write_zarr, zarr_label, zarr_sample
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pfs")
+def write_store(root):  # the `store` fixture's datasets (conftest.py)
     write_zarr(str(root / "train.zarr"), 300, sample_shape=(4,), chunk=64)
     write_folder(str(root / "images"), classes=3, per_class=20)
-    with StoreServer(str(root)) as server:
-        yield server, root
 
 
 class TestZarrSource(SourceTests):

@@ -4,11 +4,9 @@ import os
 
 import distributed
 import numpy as np
-import pytest
 
 import dmdask
 from dmdask.testing.datasets import folder_sample, write_folder, write_zarr, zarr_sample
-from benchmarks.store_server import StoreServer
 
 from conftest import all_ids, run_epoch
 
@@ -33,14 +31,10 @@ def chunk_files(root):
     return sizes
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pfs")
+def write_store(root):  # the `store` fixture's datasets (conftest.py)
     write_zarr(str(root / "train.zarr"), 16 * BLOCK, sample_shape=(16,), chunk=BLOCK, compressed=False)
     write_zarr(str(root / "big.zarr"), 1000, sample_shape=(16,), chunk=BLOCK, compressed=True)
     write_folder(str(root / "files"), classes=2, per_class=30)
-    with StoreServer(str(root)) as server:
-        yield server, root
 
 
 def test_cache_holding_the_dataset_reads_every_byte_once(store):

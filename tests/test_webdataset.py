@@ -24,13 +24,9 @@ BOUND_SHARDS, BOUND_PER_SHARD = 4, 60  # the bound test's dataset: 240 samples, 
 BOUND_EXTS = ("cls", "jpg")
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pfs")
+def write_store(root):  # the `store` fixture's datasets (conftest.py)
     write_tar_shards(str(root / "train"), SHARDS, PER_SHARD, EXTS, prefix="train-")
     write_tar_shards(str(root / "bound"), BOUND_SHARDS, BOUND_PER_SHARD, BOUND_EXTS, prefix="b-")
-    with StoreServer(str(root)) as server:
-        yield server, root
 
 
 def pattern(server):
