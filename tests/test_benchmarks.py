@@ -1,7 +1,8 @@
 """Smoke test of the benchmark harness at tiny sizes, so it cannot rot.
 
-It checks that every scenario runs and reports complete, sane numbers; it asserts no
-speed (the figures live in docs/benchmarks.md)."""
+It checks that every scenario runs and reports what its goals are judged on (bytes at the
+bound, every sample once, each goal met or not); it asserts no speed (the figures live in
+docs/benchmarks.md)."""
 import os
 
 import pytest
@@ -21,9 +22,9 @@ def test_harness_runs_every_scenario_and_writes_the_page(tmp_path):
         assert row["dmdask"]["bytes"] == row["bound"]
         assert row["baseline"]["bytes"] == row["epochs"] * row["dataset"]
         assert row["bound"] <= row["monarch"]["bytes"] <= row["baseline"]["bytes"]
-    for row in scenarios["throughput"]["rows"]:
-        for key in ("dmdask", "ceiling", "numpy", "torch_dataloader"):
-            assert row[key]["samples_per_s"] > 0
+    throughput = scenarios["throughput"]
+    assert throughput["goals"] and all(isinstance(g["met"], bool) and g["measured"] for g in throughput["goals"])
+    for row in throughput["rows"]:
         assert row["memory"]["worker_cache_mib"] <= row["memory"]["capacity_mib"]
     for row in scenarios["control_plane"]["rows"]:
         assert row["epochs"][0]["tasks"] == row["blocks"]
@@ -31,7 +32,7 @@ def test_harness_runs_every_scenario_and_writes_the_page(tmp_path):
     scale = scenarios["scale"]
     assert scale["work_stealing"] is True  # a stock scheduler
     for row in scale["planning"]:
-        assert row["loaded"] and row["batch_ok"] and row["peak_mib"] > 0 and row["first_batch_s"] > 0
+        assert row["loaded"] and row["batch_ok"]  # the rank's first batch came, with its rows' data
     assert [r["blocks"] for r in scale["creation"]] == scale["config"]["blocks"]
     page = report.write(results, path=str(tmp_path / "benchmarks.md"), plots_dir=str(tmp_path / "plots"))
     text = open(page).read()
@@ -82,6 +83,9 @@ def test_transparent_scenario_runs_and_reports(tmp_path):
     page = report.write(results, path=str(tmp_path / "benchmarks.md"), plots_dir=str(tmp_path / "plots"))
     assert "Transparent mode" in open(page).read()
     assert os.listdir(tmp_path / "plots") == ["transparent.png"]
+
+
+@pytest.mark.slow
 def test_peers_and_simulation_run_at_tiny_size_and_merge_into_the_page(tmp_path):
     """`run --peers` at tiny size: dmdask, the DataLoader baseline and WebDataset run (the peers that
     `make test` does not install are reported as not run, with the reason); the simulation runs."""
@@ -104,10 +108,8 @@ def test_peers_and_simulation_run_at_tiny_size_and_merge_into_the_page(tmp_path)
         for name in ("dmdask", "transparent", "dataloader", "webdataset"):
             r = rows[name]
             assert r["status"] == "ok", (name, r)
-            assert len(r["epochs"]) == epochs and all(e["wall_s"] > 0 for e in r["epochs"])
-            assert all(0 <= e["stall"] <= 1 for e in r["epochs"])
+            assert len(r["epochs"]) == epochs and all(0 <= e["stall"] <= 1 for e in r["epochs"])
             assert r["memory"]["processes"] >= point["nodes"] * peers["config"]["ranks_per_node"]
-            assert r["memory"]["max_mib"] > 0
         mine = rows["dmdask"]
         assert mine["exactly_once"] and all(e["samples"] == peers["config"]["samples"] for e in mine["epochs"])
         assert abs(mine["store_bytes"] / bound(peers, point) - 1) <= 0.02
