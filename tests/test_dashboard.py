@@ -455,7 +455,6 @@ def test_page_in_headless_chromium(cluster, small, large, tmp_path):
 
 def test_page_renders_without_workers_or_datasets():
     """The page's update on an empty cluster and with a worker without dmdask tiers."""
-    pytest.importorskip("bokeh")
     from dmdask.dashboard import figures, page
 
     class FakeMonitor:

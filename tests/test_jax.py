@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 import pickle
 
+import distributed
 import numpy as np
 import pytest
+import zarr
 
 jax = pytest.importorskip("jax", reason="JAX is not installed in this environment (`make test` installs it in .venv)")
-distributed = pytest.importorskip("distributed")
-zarr = pytest.importorskip("zarr")
 
 try:  # before JAX starts its backend: four CPU devices for the sharding tests
     jax.config.update("jax_num_cpu_devices", 4)

@@ -11,8 +11,10 @@ import os
 import pickle
 import types
 
+import distributed
 import numpy as np
 import pytest
+import zarr
 
 if "mxnet" in os.environ.get("DMDASK_REQUIRE_FRAMEWORK", "").split(","):
     import dmdask.integrations.mxnet  # noqa: F401  (the numpy shim, then mxnet itself)
@@ -20,8 +22,6 @@ else:
     # through the adapter: it sets the numpy alias MXNet 1.9.1 needs before importing it
     pytest.importorskip("dmdask.integrations.mxnet", reason="MXNet is not installed in this environment; "
                         "`make test` runs this module in .venv-mx")
-distributed = pytest.importorskip("distributed")
-zarr = pytest.importorskip("zarr")
 
 import mxnet as mx  # noqa: E402
 from mxnet import autograd, gluon  # noqa: E402

@@ -168,7 +168,7 @@ def test_ls_class_folders(tmp_path):
 
 @pytest.mark.filterwarnings("ignore:Consolidated metadata:UserWarning")
 def test_zarr_roundtrip_over_http(root):
-    zarr = pytest.importorskip("zarr")
+    import zarr
     path = root / "ds.zarr"
     group = zarr.open_group(str(path), mode="w")
     x = np.arange(60 * 50, dtype="float32").reshape(60, 50)

@@ -11,8 +11,10 @@ import os
 import types
 import warnings
 
+import distributed
 import numpy as np
 import pytest
+import zarr
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow is imported
 if "tensorflow" in os.environ.get("DMDASK_REQUIRE_FRAMEWORK", "").split(","):
@@ -20,8 +22,6 @@ if "tensorflow" in os.environ.get("DMDASK_REQUIRE_FRAMEWORK", "").split(","):
 else:
     tf = pytest.importorskip("tensorflow", reason="TensorFlow is not installed in this environment; "
                              "`make test` runs this module in .venv-tf")
-distributed = pytest.importorskip("distributed")
-zarr = pytest.importorskip("zarr")
 
 import dmdask  # noqa: E402
 from framework_cases import (BATCH, FEATURES, N, REPO_ROOT, assert_accurate, assert_loss_falls,  # noqa: E402

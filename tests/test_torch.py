@@ -7,12 +7,12 @@ import subprocess
 import sys
 import warnings
 
+import distributed
 import numpy as np
 import pytest
+import zarr
 
 torch = pytest.importorskip("torch")
-distributed = pytest.importorskip("distributed")
-zarr = pytest.importorskip("zarr")
 
 from framework_cases import (  # noqa: E402
     BATCH,
