@@ -48,7 +48,7 @@ def test_hit_text():
 
 def test_no_bar_by_default_when_not_a_terminal(client, zarr_path):
     it = dmdask.batches(client, dmdask.Spec(zarr_path, batch_size=50))
-    assert it._progress is None  # pytest's captured stderr is not a terminal
+    assert it.progress is None  # pytest's captured stderr is not a terminal
     assert sum(len(b["index"]) for b in it) == N
 
 
@@ -64,13 +64,13 @@ def test_bar_shows_rate_and_hit_rate_without_per_batch_requests(client, zarr_pat
     out = io.StringIO()
     spec = dmdask.Spec(zarr_path, batch_size=50, seed=4)
     it = dmdask.batches(client, spec, epoch=0, progress={"file": out, "mininterval": 0})
-    assert it._progress is not None and it._progress.bar.total == len(it) == 21
+    assert it.progress is not None and it.progress.bar.total == len(it) == 21
     ids = []
     for batch in it:
         ids.append(batch["index"])
         time.sleep(0.12)  # a training step: the heartbeats carry the counters meanwhile
     assert np.array_equal(np.sort(np.concatenate(ids)), np.arange(N))
-    assert it._progress is None  # closed at the end of the epoch
+    assert it.progress is None  # closed at the end of the epoch
     text = out.getvalue()
     final = text.replace("\r", "\n").strip().splitlines()[-1]
     assert final.startswith("epoch 0: 100%") and "21/21" in final
@@ -89,8 +89,8 @@ def test_bar_starts_at_the_resumed_position_and_closes_with_the_iterator(client,
     first.close()
     out = io.StringIO()
     it = dmdask.batches(client, spec, resume=state, progress={"file": out, "mininterval": 0})
-    assert it._progress.bar.n == 3
+    assert it.progress.bar.n == 3
     next(it)
     it.close()
-    assert it._progress is None
+    assert it.progress is None
     assert "4/11" in out.getvalue().replace("\r", "\n").strip().splitlines()[-1]

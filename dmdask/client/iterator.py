@@ -164,6 +164,12 @@ class BatchIterator:
         """Batches handed out so far in this epoch."""
         return self._position
 
+    @property
+    def progress(self):
+        """The epoch's progress bar (`dmdask.client.progress.EpochProgress`, its tqdm bar
+        as `.bar`); None when none is shown or once the epoch ended."""
+        return self._progress
+
     def __len__(self) -> int:
         return len(self._batches)
 
