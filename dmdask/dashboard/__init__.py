@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import weakref
 
 from .figures import Monitor, monitor, snapshot  # noqa: F401  (public helpers)
 
@@ -81,14 +82,17 @@ def _dashboard_prefix(scheduler) -> str:
     return ""
 
 
+_routed: "weakref.WeakSet" = weakref.WeakSet()  # schedulers already serving the route
+
+
 def add_routes(scheduler) -> None:
     """Serve `/dmdask/tiers.json` from the scheduler's HTTP server (idempotent)."""
     application = getattr(scheduler, "http_application", None)
-    if application is None or getattr(scheduler, "_dmdask_routes", False):
+    if application is None or scheduler in _routed:
         return
     route = _dashboard_prefix(scheduler) + JSON_ROUTE
     application.add_handlers(r".*", [(route, _tiers_handler(), {"dask_server": scheduler})])
-    scheduler._dmdask_routes = True
+    _routed.add(scheduler)
 
 
 def add_nav_link(scheduler) -> None:

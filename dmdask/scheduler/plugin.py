@@ -38,6 +38,7 @@ from typing import Dict, List, Optional
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from .. import arguments as check
+from ..internals import held_type, load_first, task_error
 from ..source.base import block_key, parse_block_key
 from .files import FileMetadata
 
@@ -239,7 +240,7 @@ class DatasetsPlugin(SchedulerPlugin):
             if ts is not None and ts.state == "memory" and ts.who_has:
                 holders[key] = _holder(ts, host)
             elif ts is not None and ts.state == "erred":
-                erred[key] = (ts.exception_blame or ts).exception
+                erred[key] = task_error(ts)
             elif ts is not None or self._claimed(key):
                 pending.append(key)
             elif not ds or not ds.lazy:
@@ -313,7 +314,7 @@ class DatasetsPlugin(SchedulerPlugin):
             ts = scheduler.tasks[key]
             if ts.state == "released" and not ts.worker_restrictions:
                 restrictions[key] = {self._live_planned(ds, k)}
-                ts.priority = (-ds.priority[k],) + tuple(ts.priority[1:])
+                load_first(ts, ds.priority[k])
         if restrictions:
             scheduler.set_restrictions(restrictions)
         for ds, ds_keys in wanted.items():
@@ -355,8 +356,7 @@ class DatasetsPlugin(SchedulerPlugin):
                 elif ts.state == "memory" and ts.who_has:
                     holders[key] = _holder(ts, host)
                 elif ts.state == "erred":
-                    blame = ts.exception_blame or ts
-                    erred[key] = blame.exception
+                    erred[key] = task_error(ts)
                 elif planned and ts.state == "processing" and ts.processing_on is not None:
                     loading[key] = ts.processing_on.address
                 else:
@@ -444,7 +444,7 @@ class DatasetsPlugin(SchedulerPlugin):
             for k in range(len(ds.planned)):
                 key = block_key(ds.identity, k)
                 ts = self.scheduler.tasks.get(key)
-                if ts is None or ts.state != "memory" or not str(ts.type).endswith(".Streamed"):
+                if ts is None or ts.state != "memory" or not held_type(ts).endswith(".Streamed"):
                     continue
                 if room < per_block:
                     break

@@ -1,0 +1,40 @@
+"""The few places dmdask reaches into Dask distributed's internals, one small function
+each, with why no public API does it. Checked against distributed 2026.8.0: a release
+that changes one of these breaks it here, and only here."""
+from __future__ import annotations
+
+from typing import Optional
+
+from distributed.core import clean_exception
+
+
+def task_error(ts) -> BaseException:
+    """The exception a failed block's key raises on the scheduler: that of the task to
+    blame for it (`TaskState.exception_blame`, which has no public accessor)."""
+    return (ts.exception_blame or ts).exception
+
+
+def load_first(ts, rank: int) -> None:
+    """Let task `ts` run before the tasks of a lower `rank` of the same graph: the first
+    term of its scheduler priority. `client.submit(priority=...)` sets one priority for a
+    whole graph; blocks need an order within it (the order an epoch first needs them).
+    Called before the task is first scheduled."""
+    ts.priority = (-rank,) + tuple(ts.priority[1:])
+
+
+def held_type(ts) -> str:
+    """The type name of what a task's key holds (`TaskState.type`, reported by workers)."""
+    return str(ts.type)
+
+
+def reraise(exception):
+    """The exception an RPC reply carries (pickled as `distributed.core.error_message`
+    makes it), ready to raise."""
+    return clean_exception(exception)[1]
+
+
+def local_address(client) -> Optional[str]:
+    """The address this process reaches the scheduler from (its host on the cluster's
+    network): the local end of the client's connection. None while disconnected."""
+    comm = client.scheduler_comm.comm if client.scheduler_comm is not None else None
+    return comm.local_address if comm is not None else None
