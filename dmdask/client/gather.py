@@ -25,10 +25,10 @@ from distributed.core import send_recv
 from distributed.protocol.serialize import to_serialize
 
 from ..source import parse_block_key
-from ..worker.arena import ID_FIELD, ArenaMaps
-from ..worker.holdings import map_arrays, readable, take_rows
-from .memory import empty_batch
-from .window import MAX_ARENAS, Window
+from ..shm.arena import ID_FIELD, ArenaMaps
+from ..shm.fileblocks import map_arrays, readable, take_rows
+from ..shm.memory import empty_batch
+from ..shm.window import MAX_ARENAS, Window
 
 HITS_TIMEOUT = 2.0  # seconds a hit report may take (a worker that left does not answer)
 CONNECT_SECONDS = 5.0  # a connection to a worker that takes longer: the worker is gone
@@ -126,7 +126,7 @@ class LocalArenas:
     iterator of the dataset in the process, so a warm epoch takes its rows with no
     request at all: every arena of a field is mapped into one `Window`, so a group of
     batches is one `np.take` per field, in the epoch's order, straight into pooled
-    memory (`dmdask.client.memory`). Knowledge may go stale (a block released, moved, its
+    memory (`dmdask.shm.memory`). Knowledge may go stale (a block released, moved, its
     slot reused): every take checks the arenas' row labels and raises `Moved` instead of
     returning rows of another block. Thread-safe.
     """

@@ -34,7 +34,7 @@ from ..errors import (BlockReadError, NotADmdaskWorker, SchedulerLostError, Spec
 from ..plan.elastic import remaining
 from ..plan.order import ORDER_VERSION, EpochOrder, RankShare
 from ..spec import Mix, Spec, as_int, dumps_transform
-from ..worker.results import map_batches
+from ..shm.results import map_batches
 from .datasets import open_dataset
 from .gather import (LOAD_WAIT, Gatherer, LocalArenas, Moved, call_worker, connect_ahead, copier, plan_rows,
                      split_batches)

@@ -17,7 +17,7 @@ from ..errors import NotADmdaskWorker, SpecError
 from ..source.urls import check_source
 from .cache import BlockCache
 from . import sizing
-from .modes import group_id
+from ..shm.modes import group_id
 from .tiers import TieredStore
 
 DEFAULT_SHM = "/dev/shm"
@@ -62,7 +62,7 @@ class Worker(distributed.Worker):
     in the worker's own memory, readable only through it).
     stream_buffer: bytes for blocks beyond the cache while ranks take their rows.
     group: a group (name or id) that may read the tiers' files too (default none: only
-    the worker's user; `dmdask.worker.modes`).
+    the worker's user; `dmdask.shm.modes`).
     Unset values come from the `dmdask.worker` dask config namespace.
     """
 
