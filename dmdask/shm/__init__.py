@@ -1,6 +1,3 @@
-"""The shared-memory layer: files a worker writes and training processes on its host read
-(arenas, file blocks, result files: `arena`, `fileblocks`, `results`; who may read them:
-`modes`), and the reader's side (`window`: arenas mapped side by side; `memory`: pooled
-batch memory). `dmdask.worker` writes through it and `dmdask.client` reads through it;
-it imports neither.
-"""
+"""The shared-memory layer: the files workers write and training processes on their host
+read (`arena`, `fileblocks`, `results`, their `modes`), and the readers' `window` and pooled
+`memory`. `dmdask.worker` writes through it, `dmdask.client` reads through it."""

@@ -10,8 +10,7 @@ sample each row holds (-1: none); a writer clears a slot's labels before it writ
 slot's rows and labels them after, so a reader that checks the labels after taking the
 rows never returns rows of a released or reused slot (`NotHeld`), however stale its idea of
 where a block lives. The files only grow while the worker lives; they are removed with
-the worker's shared-memory folder. A `block` here is samples `start..stop-1` as one array
-per field in `arrays` (the worker's `Block`); the worker holds it as an `ArenaBlock`.
+the worker's shared-memory folder. A `block` here: the worker's `Block` (`arrays`, `start`).
 """
 from __future__ import annotations
 

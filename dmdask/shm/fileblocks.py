@@ -1,14 +1,9 @@
-"""The file-block format: a block kept as one raw file per field in a folder of its own
-(shared memory for the RAM tier, the node's disk for the SSD), written once by its worker
-(`write`) and mapped read-only by any process of the same host that may read it
-(`readable`, `map_arrays`, `take_rows`), so a take reads only the wanted rows.
-Variable-size fields (object arrays of per-sample uint8 arrays, and numpy string arrays)
-are stored as values plus offsets.
-
-The layout (`write`'s second value, in a block's description) keeps every dtype and
-shape, so reads parse no file header (`np.load` parses `.npy` headers with
-`ast.literal_eval`, which is not thread-safe on CPython 3.11: python/cpython#106905).
-"""
+"""The file-block format: a block as one raw file per field in a folder of its own, written
+once by its worker (`write`), mapped read-only by processes of its host that may read it
+(`readable`, `map_arrays`, `take_rows`). Variable-size fields (object arrays of uint8
+arrays, numpy strings) are values plus offsets. The layout keeps every dtype and shape,
+so reads parse no file header (`np.load`'s `ast.literal_eval` is not thread-safe on
+CPython 3.11: python/cpython#106905)."""
 from __future__ import annotations
 
 import errno

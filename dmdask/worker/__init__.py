@@ -7,17 +7,16 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Optional
 
 import dask
 import distributed
 from dask.utils import parse_bytes
 
-from ..errors import NotADmdaskWorker, SpecError
-from ..source.urls import check_source
+from ..errors import SpecError
+from ..shm.modes import group_id
+from ..tasks import load_block
 from .cache import BlockCache
 from . import sizing
-from ..shm.modes import group_id
 from .tiers import TieredStore
 
 DEFAULT_SHM = "/dev/shm"
@@ -33,20 +32,6 @@ def capacity(value, name: str) -> int:
     if result < 0:
         raise SpecError(name, 'a size in bytes or a string such as "4 GiB"', value)
     return result
-
-
-def load_block(reader):
-    """Dask task: the value of a block's key on the worker that runs it.
-    `SourceNotAllowedError` for a source outside `dmdask.worker.allowed-sources`."""
-    check_source(reader.url)
-    worker = distributed.get_worker()
-    cache: Optional[BlockCache] = getattr(worker, "dmdask", None)
-    if cache is None:
-        raise NotADmdaskWorker(
-            f"worker {worker.address} has no dmdask tiers; start workers with "
-            "`dask worker ADDR --worker-class dmdask.Worker` or use dmdask.LocalCluster"
-        )
-    return cache.load(reader)
 
 
 class Worker(distributed.Worker):

@@ -5,8 +5,7 @@
 - `FileBlock`: the samples in files (shared memory for RAM, the SSD), mapped to take rows;
 - `ArenaBlock`: a RAM block in a slot of its dataset's arena (shared memory);
 - `Streamed`: a marker for a block that fits no tier (read from the store when asked).
-Their files' formats are `dmdask.shm`'s (training processes read them too).
-"""
+Their files' formats are `dmdask.shm`'s (training processes read them too)."""
 from __future__ import annotations
 
 import asyncio
@@ -168,7 +167,31 @@ def sample_nbytes(arrays: Arrays) -> np.ndarray:
     return sizes
 
 
-class FileBlock:
+class _InFiles:
+    """A block in files of this host (`dmdask.shm`) that leaves the worker as its data."""
+
+    __slots__ = ()
+
+    @property
+    def samples(self) -> int:
+        return self.stop - self.start
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def load(self) -> Block:
+        return Block(self.take(np.arange(len(self))), self.start, self.stop)
+
+    def __reduce__(self):
+        # Leaving this worker (a graceful retire, a gather): travel as the data itself.
+        block = self.load()
+        return (Block, (block.arrays, block.start, block.stop))
+
+    def __sizeof__(self) -> int:
+        return 256
+
+
+class FileBlock(_InFiles):
     """A block kept in files (`dmdask.shm.fileblocks`; shared memory for the RAM tier, the
     node's disk for the SSD): a take reads only the wanted rows, and a training process on
     the same host maps the files itself (`describe`). `reader`: the block's `BlockReader`
@@ -189,13 +212,6 @@ class FileBlock:
         path, layout = fileblocks.write(directory, block.arrays, block.start)
         return cls(path, block.start, block.stop, block.nbytes, layout, tier, reader)
 
-    @property
-    def samples(self) -> int:
-        return self.stop - self.start
-
-    def __len__(self) -> int:
-        return self.stop - self.start
-
     def describe(self) -> dict:
         """What a process on the same host needs to map this block (`map_arrays`)."""
         return {"path": self.path, "layout": self.layout, "tier": self.tier}
@@ -208,19 +224,8 @@ class FileBlock:
         """The given rows, copied out of the files. Thread-safe."""
         return take_rows(map_arrays(self.describe()), rows)
 
-    def load(self) -> Block:
-        return Block(self.take(np.arange(self.stop - self.start)), self.start, self.stop)
 
-    def __reduce__(self):
-        # Leaving this worker (a graceful retire, a gather): travel as the data itself.
-        block = self.load()
-        return (Block, (block.arrays, block.start, block.stop))
-
-    def __sizeof__(self) -> int:
-        return 256
-
-
-class ArenaBlock:
+class ArenaBlock(_InFiles):
     """A RAM-tier block held in a slot of its dataset's arena (`dmdask.shm.arena`)."""
 
     __slots__ = ("arena", "slot", "start", "stop", "nbytes", "tier")
@@ -229,13 +234,6 @@ class ArenaBlock:
         self.arena, self.slot, self.start, self.stop, self.nbytes = arena, slot, start, stop, nbytes
         self.tier = "ram"
 
-    @property
-    def samples(self) -> int:
-        return self.stop - self.start
-
-    def __len__(self) -> int:
-        return self.stop - self.start
-
     def describe(self) -> dict:
         """What a process on the same host needs to take this block's rows (`ArenaMaps`)."""
         return {"arena": self.arena.fields, "first_row": self.slot * self.arena.block_len, "start": self.start,
@@ -243,14 +241,3 @@ class ArenaBlock:
 
     def take(self, rows: np.ndarray) -> Arrays:
         return ArenaMaps.shared.take(self.describe(), rows)
-
-    def load(self) -> Block:
-        return Block(self.take(np.arange(len(self))), self.start, self.stop)
-
-    def __reduce__(self):
-        # Leaving this worker (a graceful retire, a gather): travel as the data itself.
-        block = self.load()
-        return (Block, (block.arrays, block.start, block.stop))
-
-    def __sizeof__(self) -> int:
-        return 256
