@@ -368,7 +368,7 @@ def test_an_arena_file_seen_mid_write_gives_whole_rows(tmp_path):
     that is no multiple of a row (rows of 48 float32 = 192 bytes here). The reader maps
     the whole rows, and the slot's labels say which of them hold data (never a raw
     "cannot reshape" ValueError)."""
-    from dmdask.worker.arena import ID_FIELD, Arena, ArenaMaps
+    from dmdask.shm.arena import ID_FIELD, Arena, ArenaMaps
     from dmdask.worker.holdings import Block
 
     folder = tmp_path / "shm"

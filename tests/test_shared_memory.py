@@ -144,7 +144,7 @@ def test_transformed_batches_come_back_through_shared_memory(zarr_path, tmp_path
 def test_stale_result_files_are_swept(tmp_path):
     """A trainer that died between a worker's write and its own mapping leaves a file:
     the worker's next write removes it once older than STALE_SECONDS."""
-    from dmdask.worker import results
+    from dmdask.shm import results
 
     batch = {"x": np.arange(6, dtype=np.float32).reshape(2, 3), "index": np.arange(2)}
     orphan = results.write_batches(str(tmp_path), [batch])["path"]
@@ -185,8 +185,8 @@ def test_a_reused_slot_is_never_read_as_the_block_it_held(tmp_path):
     block there: the take notices from the row labels and raises Moved, never returning
     the other block's rows."""
     from dmdask.client.gather import LocalArenas, Moved
-    from dmdask.worker.arena import Arena, ArenaBlock
-    from dmdask.worker.holdings import Block
+    from dmdask.shm.arena import Arena
+    from dmdask.worker.holdings import ArenaBlock, Block
 
     def block(k):
         ids = np.arange(10 * k, 10 * k + 10)
@@ -211,7 +211,7 @@ def test_a_reused_slot_is_never_read_as_the_block_it_held(tmp_path):
 
 
 def test_pooled_batch_memory_is_reused_only_after_the_batch_is_dropped():
-    from dmdask.client.memory import empty_batch
+    from dmdask.shm.memory import empty_batch
 
     layout = (("x", "<f4", (3,)), ("y", "<i8", ()))
     kept = empty_batch(layout, 5)

@@ -98,7 +98,7 @@ def test_a_configured_group_may_read_the_tier_files(open_root, tmp_path):
 
 
 def test_an_unknown_group_is_a_clear_error():
-    from dmdask.worker.modes import group_id
+    from dmdask.shm.modes import group_id
 
     with pytest.raises(dmdask.SpecError, match="dmdask.worker.group"):
         group_id("no-such-group-here")

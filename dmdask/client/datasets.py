@@ -15,7 +15,7 @@ from ..plan.order import EpochOrder
 from ..scheduler import DatasetsPlugin
 from ..source import DatasetInfo, Source, dataset_name, open_source
 from ..spec import Mix
-from ..worker import load_block
+from ..tasks import load_block
 
 _registered: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # client -> scheduler address
 NEED_ORDER_POSITIONS = 8  # positions per block looked at to find the order blocks are first needed

@@ -17,18 +17,20 @@ import concurrent.futures
 import os
 import threading
 import time
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from typing import Collection, Dict, List, Optional, Tuple
 
 import numpy as np
+import zict
+from distributed.comm import get_address_host
 from distributed.core import send_recv
 from distributed.protocol.serialize import to_serialize
 
 from ..source import parse_block_key
-from ..worker.arena import ID_FIELD, ArenaMaps
-from ..worker.holdings import map_arrays, readable, take_rows
-from .memory import empty_batch
-from .window import MAX_ARENAS, Window
+from ..shm.arena import ID_FIELD, ArenaMaps
+from ..shm.fileblocks import map_arrays, readable, take_rows
+from ..shm.memory import empty_batch
+from ..shm.window import MAX_ARENAS, Window
 
 HITS_TIMEOUT = 2.0  # seconds a hit report may take (a worker that left does not answer)
 CONNECT_SECONDS = 5.0  # a connection to a worker that takes longer: the worker is gone
@@ -83,21 +85,17 @@ class _Mapped:
     def __init__(self):
         self.lock = threading.Lock()
         self.described: Dict[Tuple[str, str], Optional[dict]] = {}  # (holder, key) -> description or None
-        self.maps: "OrderedDict[str, dict]" = OrderedDict()  # path -> map_arrays(...)
+        self.maps = zict.LRU(MAPPED_BLOCKS, {})  # path -> map_arrays(...), least recently used dropped
 
     def arrays(self, description: dict) -> dict:
         path = description["path"]
         with self.lock:
             found = self.maps.get(path)
-            if found is not None:
-                self.maps.move_to_end(path)
-                return found
-        mapped = map_arrays(description)  # FileNotFoundError once released
-        with self.lock:
-            self.maps[path] = mapped
-            while len(self.maps) > MAPPED_BLOCKS:
-                self.maps.popitem(last=False)
-        return mapped
+        if found is None:
+            found = map_arrays(description)  # FileNotFoundError once released
+            with self.lock:
+                self.maps[path] = found
+        return found
 
     def forget(self, holder: str, keys) -> None:
         with self.lock:
@@ -111,8 +109,9 @@ _mapped = _Mapped()
 
 
 def _after_fork() -> None:
-    """In a forked child: locks a parent thread may have held at the fork made anew."""
-    _mapped.lock = threading.Lock()
+    """In a forked child: locks a parent thread may have held at the fork made anew (the
+    LRU's own lock with it: the child maps its blocks again as it uses them)."""
+    _mapped.lock, _mapped.maps = threading.Lock(), zict.LRU(MAPPED_BLOCKS, {})
     LocalArenas._registry = threading.Lock()
 
 
@@ -126,7 +125,7 @@ class LocalArenas:
     iterator of the dataset in the process, so a warm epoch takes its rows with no
     request at all: every arena of a field is mapped into one `Window`, so a group of
     batches is one `np.take` per field, in the epoch's order, straight into pooled
-    memory (`dmdask.client.memory`). Knowledge may go stale (a block released, moved, its
+    memory (`dmdask.shm.memory`). Knowledge may go stale (a block released, moved, its
     slot reused): every take checks the arenas' row labels and raises `Moved` instead of
     returning rows of another block. Thread-safe.
     """
@@ -271,7 +270,7 @@ class Gatherer:
         holder -> where those rows go (in the same order); `priority`: the position of the
         group's first batch in its epoch (holders serve lower ones first); `loading`: keys
         whose holder is still loading them (in no file yet: asked for rows, not described)."""
-        local = [h for h in plan if _host(h) == self.my_host]
+        local = [h for h in plan if get_address_host(h) == self.my_host]
         await asyncio.gather(*(self._describe(h, [k for k in plan[h] if k not in loading]) for h in local))
         from_files: List[tuple] = []  # (description, rows, positions, holder, key, ids or None)
         from_arenas: Dict[tuple, tuple] = {}  # (holder, arena) -> (fields, [rows], [positions], [keys], [ids])
@@ -313,7 +312,7 @@ class Gatherer:
         otherwise (then `gather`). Raises `Moved` like `gather`."""
         from_files = []
         for holder, wanted in plan.items():
-            if _host(holder) != self.my_host:
+            if get_address_host(holder) != self.my_host:
                 return None
             offset = 0
             for key, rows in wanted.items():
@@ -341,7 +340,7 @@ class Gatherer:
     async def describe(self, keys: Dict[str, List[str]]) -> None:
         """Learn how blocks held on this host are laid out in files (holder -> keys), ahead
         of `gather` or `take_local`; blocks held elsewhere are left out."""
-        await asyncio.gather(*(self._describe(h, k) for h, k in keys.items() if _host(h) == self.my_host))
+        await asyncio.gather(*(self._describe(h, k) for h, k in keys.items() if get_address_host(h) == self.my_host))
 
     async def _describe(self, holder: str, keys: List[str]) -> None:
         unknown = [k for k in keys if (holder, k) not in _mapped.described]
@@ -464,6 +463,3 @@ def split_batches(arrays: Dict[str, np.ndarray], ids: np.ndarray, sizes: List[in
 def _counters():
     return defaultdict(lambda: defaultdict(lambda: [0, 0]))  # holder -> tier -> [samples, bytes]
 
-
-def _host(address: str) -> str:
-    return address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")

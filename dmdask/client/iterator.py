@@ -25,6 +25,7 @@ from typing import Deque, Dict, List, Optional, Set, Tuple
 import dask.config
 import numpy as np
 from distributed import Client
+from distributed.comm import get_address_host
 from distributed.comm.core import CommClosedError
 from distributed.core import clean_exception
 from distributed.protocol.serialize import to_serialize
@@ -34,7 +35,7 @@ from ..errors import (BlockReadError, NotADmdaskWorker, SchedulerLostError, Spec
 from ..plan.elastic import remaining
 from ..plan.order import ORDER_VERSION, EpochOrder, RankShare
 from ..spec import Mix, Spec, as_int, dumps_transform
-from ..worker.results import map_batches
+from ..shm.results import map_batches
 from .datasets import open_dataset
 from .gather import (LOAD_WAIT, Gatherer, LocalArenas, Moved, call_worker, connect_ahead, copier, plan_rows,
                      split_batches)
@@ -80,14 +81,11 @@ def _quiet(future) -> None:
         future.exception()
 
 
-def _host(address: str) -> str:
-    return address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
-
 
 def _my_host(client: Client) -> Optional[str]:
     """The address this process reaches the scheduler from: its host on the cluster's network."""
     comm = client.scheduler_comm.comm if client.scheduler_comm is not None else None
-    return _host(comm.local_address) if comm is not None else None
+    return get_address_host(comm.local_address) if comm is not None else None
 
 
 class BatchIterator:
@@ -248,7 +246,7 @@ class BatchIterator:
         if not keys:
             return
         await self._check_scheduler()
-        mine = _host(await self._local_worker())
+        mine = get_address_host(await self._local_worker())
         reply = await self.client.scheduler.dmdask_locate(keys=keys, host=mine, timeout=0)
         self._holders.update(reply["holders"])
         await self._gatherer.learn(reply["holders"])
@@ -417,7 +415,7 @@ class BatchIterator:
         msg = {"requests": plan, "positions": positions, "index": index, "extra": extra,
                "sizes": [len(b) for b in group], "fields": list(self.info.fields), "transform": self._transform,
                "context": {"epoch": self.epoch, "seed": self.spec.seed},  # dmdask.transform_context()
-               "same_host": _host(worker) == _my_host(self.client), "isolate": isolate, "priority": first,
+               "same_host": get_address_host(worker) == _my_host(self.client), "isolate": isolate, "priority": first,
                "wait": LOAD_WAIT}
         reply = await call_worker(self.client, worker, "dmdask_batch", msg=to_serialize(msg))
         if reply["status"] != "OK":
@@ -495,7 +493,7 @@ class BatchIterator:
         unknown = [k for k in keys if k not in self._holders]
         loading: Dict[str, str] = {}
         if unknown:
-            mine = _host(await self._local_worker())
+            mine = get_address_host(await self._local_worker())
             reply = await self.client.scheduler.dmdask_locate(keys=unknown, host=mine, timeout=LOCATE_SECONDS,
                                                               planned=True)
             for key, exception in reply["erred"].items():
@@ -516,7 +514,7 @@ class BatchIterator:
 
     def _choose_local_worker(self, workers: List[str]) -> None:
         my_host = _my_host(self.client)
-        local = [w for w in workers if _host(w) == my_host]
+        local = [w for w in workers if get_address_host(w) == my_host]
         if not local:
             warnings.warn(f"no dmdask worker on this node ({my_host}); batches will cross the network",
                           RuntimeWarning, stacklevel=2)
@@ -531,7 +529,7 @@ class BatchIterator:
         if workers and self._worker is None:
             self._choose_local_worker(workers)
         my_host = _my_host(self.client)
-        nearest = sorted(workers, key=lambda w: _host(w) != my_host)[:CONNECT_AHEAD]
+        nearest = sorted(workers, key=lambda w: get_address_host(w) != my_host)[:CONNECT_AHEAD]
         await asyncio.gather(*(connect_ahead(self.client, w) for w in nearest))
 
     async def _workers(self, wait: bool = True) -> List[str]:

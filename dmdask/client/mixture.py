@@ -19,7 +19,7 @@ from ..plan.mix import MixOrder, apportion
 from ..source import DatasetInfo
 from ..spec import Mix
 from .gather import LocalArenas, split_batches
-from .memory import empty_batch
+from ..shm.memory import empty_batch
 
 SOURCE_FIELD = "source"  # the batch field that holds each row's source index
 

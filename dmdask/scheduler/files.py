@@ -18,8 +18,9 @@ event loop.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from typing import Dict, List, Optional
+
+import zict
 
 RUNS_KEPT = 16  # runs remembered per entry (older runs read it again)
 FOLDERS_KEPT = 100_000  # folders kept (least recently asked for dropped first)
@@ -54,7 +55,7 @@ class FileMetadata:
     too), each valid for the runs that read it (see the module docstring)."""
 
     def __init__(self):
-        self.folders: "OrderedDict[str, _Folder]" = OrderedDict()
+        self.folders = zict.LRU(FOLDERS_KEPT, {})  # folder -> _Folder (least recently asked for dropped first)
 
     def handler(self, run: str, get: List[str] = (), paths: List[list] = (), put: List[list] = (),
                 claim: List[list] = ()) -> dict:
@@ -85,7 +86,6 @@ class FileMetadata:
             entry = self.folders.get(folder)
             if entry is None:
                 continue
-            self.folders.move_to_end(folder)
             listing = entry.listing.value if entry.listing is not None and run in entry.listing.runs else None
             out[folder] = {"listing": listing,
                            "infos": {p: e.value for p, e in entry.infos.items() if run in e.runs}}
@@ -111,8 +111,4 @@ class FileMetadata:
         entry = self.folders.get(folder)
         if entry is None:
             entry = self.folders[folder] = _Folder()
-            while len(self.folders) > FOLDERS_KEPT:
-                self.folders.popitem(last=False)
-        else:
-            self.folders.move_to_end(folder)
         return entry

@@ -35,6 +35,7 @@ import time
 from collections import defaultdict
 from typing import Dict, List, Optional
 
+from distributed.comm import get_address_host
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from .. import arguments as check
@@ -504,9 +505,6 @@ class DatasetsPlugin(SchedulerPlugin):
 def _holder(ts, host: Optional[str]) -> str:
     """A worker holding the task's result, one on `host` if any."""
     addresses = sorted(ws.address for ws in ts.who_has)
-    local = [a for a in addresses if host and _host(a) == host]
+    local = [a for a in addresses if host and get_address_host(a) == host]
     return (local or addresses)[0]
 
-
-def _host(address: str) -> str:
-    return address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")

@@ -7,17 +7,16 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Optional
 
 import dask
 import distributed
 from dask.utils import parse_bytes
 
-from ..errors import NotADmdaskWorker, SpecError
-from ..source.urls import check_source
+from ..errors import SpecError
+from ..shm.modes import group_id
+from ..tasks import load_block
 from .cache import BlockCache
 from . import sizing
-from .modes import group_id
 from .tiers import TieredStore
 
 DEFAULT_SHM = "/dev/shm"
@@ -35,20 +34,6 @@ def capacity(value, name: str) -> int:
     return result
 
 
-def load_block(reader):
-    """Dask task: the value of a block's key on the worker that runs it.
-    `SourceNotAllowedError` for a source outside `dmdask.worker.allowed-sources`."""
-    check_source(reader.url)
-    worker = distributed.get_worker()
-    cache: Optional[BlockCache] = getattr(worker, "dmdask", None)
-    if cache is None:
-        raise NotADmdaskWorker(
-            f"worker {worker.address} has no dmdask tiers; start workers with "
-            "`dask worker ADDR --worker-class dmdask.Worker` or use dmdask.LocalCluster"
-        )
-    return cache.load(reader)
-
-
 class Worker(distributed.Worker):
     """A Dask worker whose storage holds dmdask blocks in a RAM and an SSD tier.
 
@@ -62,7 +47,7 @@ class Worker(distributed.Worker):
     in the worker's own memory, readable only through it).
     stream_buffer: bytes for blocks beyond the cache while ranks take their rows.
     group: a group (name or id) that may read the tiers' files too (default none: only
-    the worker's user; `dmdask.worker.modes`).
+    the worker's user; `dmdask.shm.modes`).
     Unset values come from the `dmdask.worker` dask config namespace.
     """
 

@@ -12,7 +12,7 @@
 - `dmdask_batch` (RPC, called by a rank on its own node): gathers one batch's rows from
   the holders (itself without a copy, peers over Dask's comms), puts them in batch
   order, runs the spec's transform and returns the batches: to a trainer on its own
-  host through a file in shared memory (`dmdask.worker.results`), to others over TCP.
+  host through a file in shared memory (`dmdask.shm.results`), to others over TCP.
 """
 from __future__ import annotations
 
@@ -28,12 +28,11 @@ from distributed.comm.core import CommClosedError
 from distributed.protocol.serialize import to_serialize
 
 from .. import arguments as check
+from ..shm.results import shareable, write_batches
 from ..spec import TransformContext, loads_transform
-from .arena import ArenaBlock
 from .handover import Handovers
 from .reads import LAST, PriorityPool
-from .holdings import Arrays, Block, FileBlock, FillingBlock, Streamed, sample_nbytes
-from .results import shareable, write_batches
+from .holdings import ArenaBlock, Arrays, Block, FileBlock, FillingBlock, Streamed, sample_nbytes
 from .stream import StreamBuffer
 from .tiers import TieredStore
 from .transforms import transform_in_order, transform_isolated

@@ -9,14 +9,14 @@ import shutil
 import tempfile
 from typing import Optional
 
-from .modes import protect_folder
+from ..shm.modes import protect_folder
 
 _NAME = re.compile(r"^dmdask-(ram|ssd)-(\d+)-[A-Za-z0-9_]+$")
 
 
 def make_folder(root: str, tier: str, gid: Optional[int] = None) -> str:
     """A new folder of this process under `root`, after removing those of dead processes:
-    readable by this user only (0700), or by group `gid` too (`dmdask.worker.modes`)."""
+    readable by this user only (0700), or by group `gid` too (`dmdask.shm.modes`)."""
     os.makedirs(root, exist_ok=True)
     remove_stale(root)
     path = tempfile.mkdtemp(dir=root, prefix=f"dmdask-{tier}-{os.getpid()}-")

@@ -3,23 +3,19 @@
 - `Block`: the samples in the worker's memory, one array per field;
 - `FillingBlock`: a RAM block of a one-file-per-sample source, filled as ranks ask;
 - `FileBlock`: the samples in files (shared memory for RAM, the SSD), mapped to take rows;
+- `ArenaBlock`: a RAM block in a slot of its dataset's arena (shared memory);
 - `Streamed`: a marker for a block that fits no tier (read from the store when asked).
-"""
+Their files' formats are `dmdask.shm`'s (training processes read them too)."""
 from __future__ import annotations
 
 import asyncio
-import errno
-import mmap
-import os
-import shutil
-import tempfile
-from typing import Dict, Optional
+from typing import Dict
 
 import numpy as np
 
-from .modes import create_file, group_of, protect_folder
-
-Arrays = Dict[str, np.ndarray]
+from ..shm import fileblocks
+from ..shm.arena import Arena, ArenaMaps
+from ..shm.fileblocks import Arrays, map_arrays, take_rows
 
 
 def arrays_nbytes(arrays: Arrays) -> int:
@@ -177,22 +173,29 @@ def sample_nbytes(arrays: Arrays) -> np.ndarray:
     return sizes
 
 
-class FileBlock(Span):
-    """A block kept in files: one raw file per field, read by memory map, so a take reads
-    only the wanted rows. Variable-size fields (object arrays of per-sample uint8 arrays,
-    and numpy string arrays) are stored as values plus offsets. The RAM tier keeps its
-    blocks in shared memory (a folder in `/dev/shm`), the SSD tier on the node's disk:
-    either way a training process on the same host maps the files read-only
-    (`describe`, `map_arrays`) and takes its rows without asking the worker.
+class _InFiles(Span):
+    """A block in files of this host (`dmdask.shm`) that leaves the worker as its data."""
 
-    Every dtype and shape is kept in this object when the block is written, so reads
-    parse no file header (`np.load` parses `.npy` headers with `ast.literal_eval`, which
-    is not thread-safe on CPython 3.11: python/cpython#106905).
+    __slots__ = ()
 
-    `reader`: the block's `BlockReader` when the block was read from the shared store
-    here (None when it came from another worker), so a block whose files can no longer
-    be read can be read again from the store.
-    """
+    def load(self) -> Block:
+        return Block(self.take(np.arange(len(self))), self.start, self.stop)
+
+    def __reduce__(self):
+        # Leaving this worker (a graceful retire, a gather): travel as the data itself.
+        block = self.load()
+        return (Block, (block.arrays, block.start, block.stop))
+
+    def __sizeof__(self) -> int:
+        return 256
+
+
+class FileBlock(_InFiles):
+    """A block kept in files (`dmdask.shm.fileblocks`; shared memory for the RAM tier, the
+    node's disk for the SSD): a take reads only the wanted rows, and a training process on
+    the same host maps the files itself (`describe`). `reader`: the block's `BlockReader`
+    when it was read from the store here (None when it came from another worker), so a
+    block whose files can no longer be read can be read again from the store."""
 
     __slots__ = ("path", "start", "stop", "nbytes", "layout", "tier", "reader")
 
@@ -205,123 +208,35 @@ class FileBlock(Span):
     @classmethod
     def write(cls, directory: str, block: Block, tier: str, reader=None) -> "FileBlock":
         """Write `block` under a new folder of `directory`; on error nothing is left behind."""
-        gid = group_of(directory)
-        path = tempfile.mkdtemp(dir=directory, prefix=f"b{block.start}-")
-        protect_folder(path, gid)  # mapped read-only by training processes of this user (or group)
-        layout = []
-        try:
-            for name, arr in block.arrays.items():
-                if arr.dtype == object or arr.dtype.kind == "T":
-                    kind = "ragged" if arr.dtype == object else "strings"
-                    values = [v.encode() for v in arr.tolist()] if kind == "strings" else list(arr)
-                    sizes = np.fromiter((len(v) for v in values), dtype=np.int64, count=len(values))
-                    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-                    flat = (np.frombuffer(b"".join(values), dtype=np.uint8) if kind == "strings"
-                            else np.concatenate(values) if values else np.zeros(0, np.uint8))
-                    _write(path, f"{name}.values", flat, gid)
-                    _write(path, f"{name}.offsets", offsets, gid)
-                    layout.append((name, kind, flat.dtype.str, flat.shape))
-                else:
-                    _write(path, name, arr, gid)
-                    layout.append((name, "fixed", arr.dtype.str, arr.shape))
-        except BaseException:
-            shutil.rmtree(path, ignore_errors=True)
-            raise
-        return cls(path, block.start, block.stop, block.nbytes, tuple(layout), tier, reader)
+        path, layout = fileblocks.write(directory, block.arrays, block.start)
+        return cls(path, block.start, block.stop, block.nbytes, layout, tier, reader)
 
     def describe(self) -> dict:
         """What a process on the same host needs to map this block (`map_arrays`)."""
         return {"path": self.path, "layout": self.layout, "tier": self.tier}
 
     def files_exist(self) -> bool:
-        """Whether every file of the block is still there with the size its layout says
-        (they may have been deleted or replaced)."""
-        sizes = {}
-        for name, kind, dtype, shape in self.layout:
-            nbytes = np.dtype(dtype).itemsize * int(np.prod(shape, dtype=np.int64))
-            if kind == "fixed":
-                sizes[name] = nbytes
-            else:
-                sizes[f"{name}.values"], sizes[f"{name}.offsets"] = nbytes, 8 * (len(self) + 1)
-        try:
-            return all(os.path.getsize(os.path.join(self.path, n)) == size for n, size in sizes.items())
-        except OSError:
-            return False
+        """Whether every file of the block is still there with the size its layout says."""
+        return fileblocks.files_exist(self.path, self.layout, len(self))
 
     def take(self, rows: np.ndarray) -> Arrays:
         """The given rows, copied out of the files. Thread-safe."""
         return take_rows(map_arrays(self.describe()), rows)
 
-    def load(self) -> Block:
-        return Block(self.take(np.arange(self.stop - self.start)), self.start, self.stop)
 
-    def __reduce__(self):
-        # Leaving this worker (a graceful retire, a gather): travel as the data itself.
-        block = self.load()
-        return (Block, (block.arrays, block.start, block.stop))
+class ArenaBlock(_InFiles):
+    """A RAM-tier block held in a slot of its dataset's arena (`dmdask.shm.arena`)."""
 
-    def __sizeof__(self) -> int:
-        return 256
+    __slots__ = ("arena", "slot", "start", "stop", "nbytes", "tier")
 
+    def __init__(self, arena: Arena, slot: int, start: int, stop: int, nbytes: int):
+        self.arena, self.slot, self.start, self.stop, self.nbytes = arena, slot, start, stop, nbytes
+        self.tier = "ram"
 
-def readable(description: Optional[dict]) -> bool:
-    """Whether this process may map the files of a block's description (`FileBlock` or
-    `ArenaBlock.describe`): a worker's folders are its user's (or group's) only, so a
-    process of another user takes the block's rows through the worker instead."""
-    if description is None:
-        return False
-    path = description["path"] if "path" in description else next(iter(description["arena"].values()))[0]
-    return os.access(path, os.R_OK)
+    def describe(self) -> dict:
+        """What a process on the same host needs to take this block's rows (`ArenaMaps`)."""
+        return {"arena": self.arena.fields, "first_row": self.slot * self.arena.block_len, "start": self.start,
+                "tier": "ram"}
 
-
-def map_arrays(description: dict) -> dict:
-    """The fields of a `FileBlock` mapped read-only: an array per fixed field, and
-    (values, offsets) per variable-size field. Raises FileNotFoundError once the block
-    was released."""
-    path, out = description["path"], {}
-    for name, kind, dtype, shape in description["layout"]:
-        if kind == "fixed":
-            out[name] = (kind, _map(os.path.join(path, name), dtype, shape))
-        else:
-            offsets = np.fromfile(os.path.join(path, f"{name}.offsets"), dtype=np.int64)
-            out[name] = (kind, (_map(os.path.join(path, f"{name}.values"), dtype, shape), offsets))
-    return out
-
-
-def take_rows(mapped: dict, rows: np.ndarray) -> Arrays:
-    """Rows of a mapped block (`map_arrays`), copied into new arrays."""
-    out = {}
-    for name, (kind, data) in mapped.items():
-        if kind == "fixed":
-            out[name] = data[rows]
-            continue
-        values, offsets = data
-        if kind == "strings":
-            out[name] = np.array([bytes(values[offsets[r]:offsets[r + 1]]).decode() for r in rows],
-                                 dtype=np.dtypes.StringDType())
-        else:
-            col = np.empty(len(rows), dtype=object)
-            for i, r in enumerate(rows.tolist()):
-                col[i] = np.array(values[offsets[r]:offsets[r + 1]])
-            out[name] = col
-    return out
-
-
-def _map(path: str, dtype: str, shape: tuple) -> np.ndarray:
-    """A read-only array over the file's pages (a plain ndarray: indexing it costs what
-    indexing memory costs, without `np.memmap`'s per-call Python overhead)."""
-    if 0 in shape:
-        return np.zeros(shape, dtype=dtype)
-    expected = np.dtype(dtype).itemsize * int(np.prod(shape, dtype=np.int64))
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size != expected:  # not the file the block wrote (replaced, truncated): as if gone
-            raise FileNotFoundError(errno.ENOENT, f"holds {size} bytes where its block's layout {dtype} {shape} "
-                                    f"takes {expected}: not this block's file any more", path)
-        pages = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    return np.frombuffer(pages, dtype=dtype).reshape(shape)
-
-
-def _write(directory: str, name: str, arr: np.ndarray, gid: Optional[int]) -> None:
-    with os.fdopen(create_file(os.path.join(directory, name), gid), "wb") as f:  # a full disk: OSError(ENOSPC)
-        f.write(memoryview(np.ascontiguousarray(arr)).cast("B"))
+    def take(self, rows: np.ndarray) -> Arrays:
+        return ArenaMaps.shared.take(self.describe(), rows)

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
 from typing import Dict
+
+import zict
 
 from .holdings import Block
 from .reads import PriorityPool
@@ -20,11 +21,11 @@ class StreamBuffer:
 
     def __init__(self, capacity_bytes: int, read, executor: PriorityPool):
         self.capacity = capacity_bytes
-        self.bytes = 0
         self._read = read
         self._executor = executor
-        self._blocks: "OrderedDict[str, Block]" = OrderedDict()
-        self._served: Dict[str, int] = {}
+        self._served: Dict[str, int] = {}  # key -> rows served
+        self._blocks = zict.LRU(capacity_bytes, {}, weight=lambda key, block: block.nbytes,
+                                on_evict=lambda key, block: self._served.pop(key, None))
         self._loading: Dict[str, asyncio.Future] = {}
 
     async def get(self, reader, priority: float = float("inf")) -> Block:
@@ -32,7 +33,6 @@ class StreamBuffer:
         many ask at once."""
         key = reader.key
         if key in self._blocks:
-            self._blocks.move_to_end(key)
             return self._blocks[key]
         if key in self._loading:
             return await asyncio.shield(self._loading[key])
@@ -53,11 +53,12 @@ class StreamBuffer:
     def put(self, key: str, block: Block) -> None:
         if block.nbytes > self.capacity or key in self._blocks:
             return
-        while self.bytes + block.nbytes > self.capacity and self._blocks:
-            self._drop(next(iter(self._blocks)))
-        self._blocks[key] = block
+        self._blocks[key] = block  # the least recently used dropped until it fits
         self._served[key] = 0
-        self.bytes += block.nbytes
+
+    @property
+    def bytes(self) -> int:
+        return int(self._blocks.total_weight)
 
     def served(self, key: str, rows: int) -> None:
         """Count rows handed out; drop the block once all of its rows were."""
@@ -65,9 +66,4 @@ class StreamBuffer:
             return
         self._served[key] += rows
         if self._served[key] >= len(self._blocks[key]):
-            self._drop(key)
-
-    def _drop(self, key: str) -> None:
-        block = self._blocks.pop(key)
-        self._served.pop(key, None)
-        self.bytes -= block.nbytes
+            del self._blocks[key], self._served[key]

@@ -23,10 +23,10 @@ from typing import Callable, Dict, Optional
 import numpy as np
 from dask.utils import format_bytes
 
+from ..shm.arena import Arena, all_fixed
 from ..source import is_block_key, parse_block_key
-from .arena import Arena, ArenaBlock, all_fixed
 from .folders import make_folder, remove_stale
-from .holdings import Block, FileBlock, FillingBlock, Streamed
+from .holdings import ArenaBlock, Block, FileBlock, FillingBlock, Streamed
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class TieredStore(MutableMapping):
 
     def __init__(self, ram: int, ssd: int = 0, ssd_dir: Optional[str] = None, shm_dir: Optional[str] = None,
                  gid: Optional[int] = None):
-        self.gid = gid  # the group that may read the tiers' files too (`dmdask.worker.modes`); None: none
+        self.gid = gid  # the group that may read the tiers' files too (`dmdask.shm.modes`); None: none
         self.ram = TierStats(int(ram))
         self.ssd = TierStats(int(ssd))
         self._roots = {"ram": shm_dir or None, "ssd": ssd_dir}

@@ -10,7 +10,7 @@ sample each row holds (-1: none); a writer clears a slot's labels before it writ
 slot's rows and labels them after, so a reader that checks the labels after taking the
 rows never returns rows of a released or reused slot (`NotHeld`), however stale its idea of
 where a block lives. The files only grow while the worker lives; they are removed with
-the worker's shared-memory folder.
+the worker's shared-memory folder. A `block` here: the worker's `Block` (`arrays`, `start`).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 
-from .holdings import Arrays, Block, Span
+from .fileblocks import Arrays
 from .modes import create_file, group_of
 
 ID_FIELD = "__id__"  # the arena file that labels each row with the sample id it holds
@@ -31,7 +31,7 @@ class NotHeld(FileNotFoundError):
     """The rows asked for no longer hold the samples expected (released, moved, reused)."""
 
 
-def all_fixed(block: Block) -> bool:
+def all_fixed(block) -> bool:
     """Whether every field of `block` has fixed-size rows (an arena can hold it)."""
     return ID_FIELD not in block.arrays and all(
         arr.dtype != object and arr.dtype.kind not in "TOUS" for arr in block.arrays.values())
@@ -40,7 +40,7 @@ def all_fixed(block: Block) -> bool:
 class Arena:
     """The slots of one dataset's blocks in a worker's shared-memory folder. Thread-safe."""
 
-    def __init__(self, folder: str, identity: str, block_len: int, block: Block):
+    def __init__(self, folder: str, identity: str, block_len: int, block):
         self.block_len = block_len
         self.fields: Dict[str, Tuple[str, str, tuple]] = {}  # name -> (path, dtype, row shape)
         self._fds: Dict[str, int] = {}
@@ -54,12 +54,12 @@ class Arena:
         self._slots = 0
         self._lock = threading.Lock()
 
-    def fits(self, block: Block) -> bool:
+    def fits(self, block) -> bool:
         return set(block.arrays) | {ID_FIELD} == set(self.fields) and all(
             arr.dtype.str == self.fields[n][1] and tuple(arr.shape[1:]) == self.fields[n][2]
             for n, arr in block.arrays.items()) and len(block) <= self.block_len
 
-    def write(self, block: Block) -> int:
+    def write(self, block) -> int:
         """Copy `block` into a free slot; returns the slot. OSError (ENOSPC) when shared
         memory is full, with nothing held."""
         with self._lock:
@@ -103,35 +103,6 @@ class Arena:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
-
-
-class ArenaBlock(Span):
-    """A RAM-tier block held in a slot of its dataset's arena."""
-
-    __slots__ = ("arena", "slot", "start", "stop", "nbytes", "tier")
-
-    def __init__(self, arena: Arena, slot: int, start: int, stop: int, nbytes: int):
-        self.arena, self.slot, self.start, self.stop, self.nbytes = arena, slot, start, stop, nbytes
-        self.tier = "ram"
-
-    def describe(self) -> dict:
-        """What a process on the same host needs to take this block's rows (`ArenaMaps`)."""
-        return {"arena": self.arena.fields, "first_row": self.slot * self.arena.block_len, "start": self.start,
-                "tier": "ram"}
-
-    def take(self, rows: np.ndarray) -> Arrays:
-        return ArenaMaps.shared.take(self.describe(), rows)
-
-    def load(self) -> Block:
-        return Block(self.take(np.arange(len(self))), self.start, self.stop)
-
-    def __reduce__(self):
-        # Leaving this worker (a graceful retire, a gather): travel as the data itself.
-        block = self.load()
-        return (Block, (block.arrays, block.start, block.stop))
-
-    def __sizeof__(self) -> int:
-        return 256
 
 
 class ArenaMaps:

@@ -1,7 +1,7 @@
 """One field's arenas on this host, mapped side by side into one range of address space.
 
 Each worker of a node keeps its RAM blocks of a dataset in an arena file of its own
-(`dmdask.worker.arena`). A training process maps every such file of a field next to the
+(`dmdask.shm.arena`). A training process maps every such file of a field next to the
 others, at fixed strides inside one reservation, so a single `np.take` reads a group's
 rows from all of them, in the epoch's order, with one copy: row r of arena a is row
 a * stride + r of the window.

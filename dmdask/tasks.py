@@ -1,0 +1,22 @@
+"""`load_block`, the Dask task a client submits once per block and a dmdask worker runs (here,
+so that `dmdask.client` submits it without importing `dmdask.worker`)."""
+from __future__ import annotations
+
+import distributed
+
+from .errors import NotADmdaskWorker
+from .source.urls import check_source
+
+
+def load_block(reader):
+    """Dask task: the value of a block's key on the worker that runs it (its `BlockCache`).
+    `SourceNotAllowedError` for a source outside `dmdask.worker.allowed-sources`."""
+    check_source(reader.url)
+    worker = distributed.get_worker()
+    cache = getattr(worker, "dmdask", None)
+    if cache is None:
+        raise NotADmdaskWorker(
+            f"worker {worker.address} has no dmdask tiers; start workers with "
+            "`dask worker ADDR --worker-class dmdask.Worker` or use dmdask.LocalCluster"
+        )
+    return cache.load(reader)
