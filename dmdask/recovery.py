@@ -58,7 +58,8 @@ class Tries:
         pause = self._pause()
         if pause is None:
             raise StopIteration
-        time.sleep(pause)
+        if pause:
+            time.sleep(pause)
         return self.count
 
     def __aiter__(self):
