@@ -27,18 +27,20 @@ import numpy as np
 from distributed import Client
 from distributed.comm import get_address_host
 from distributed.comm.core import CommClosedError
-from distributed.core import clean_exception
 from distributed.protocol.serialize import to_serialize
 
 from ..errors import (BlockReadError, NotADmdaskWorker, SchedulerLostError, SpecError, no_workers,
                       waiting_for_workers)
+from ..internals import local_address
 from ..plan.elastic import remaining
 from ..plan.order import ORDER_VERSION, EpochOrder, RankShare
+from ..recovery import Tries
 from ..spec import Mix, Spec, as_int, dumps_transform
 from ..shm.results import map_batches
 from .datasets import open_dataset
 from .gather import (LOAD_WAIT, Gatherer, LocalArenas, Moved, call_worker, connect_ahead, copier, plan_rows,
                      split_batches)
+from .locate import locate
 from .mixture import MixedInfo, check_fields_match, take_mixed
 from .progress import make as _make_progress
 from .resume import resume_point
@@ -48,7 +50,6 @@ _matching_mixtures: set = set()  # (identity, fields) of mixtures whose sources'
 _reached: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # client -> scheduler its workers were reached on
 
 REQUEST_BYTES = 8 << 20  # small batches are fetched several per request, up to about this size
-LOCATE_SECONDS = 2.0  # one wait on the scheduler for blocks still loading
 LEARN_BLOCKS = 1 << 16  # datasets up to this many blocks: where every block is, learnt before the first batch
 HITS_SECONDS = 1.0  # how often workers hear of the rows taken from their files (progress bar, dashboard)
 CONNECT_AHEAD = 32  # workers a new iterator connects to while its dataset opens
@@ -81,11 +82,10 @@ def _quiet(future) -> None:
         future.exception()
 
 
-
 def _my_host(client: Client) -> Optional[str]:
     """The address this process reaches the scheduler from: its host on the cluster's network."""
-    comm = client.scheduler_comm.comm if client.scheduler_comm is not None else None
-    return get_address_host(comm.local_address) if comm is not None else None
+    address = local_address(client)
+    return get_address_host(address) if address is not None else None
 
 
 class BatchIterator:
@@ -247,9 +247,9 @@ class BatchIterator:
             return
         await self._check_scheduler()
         mine = get_address_host(await self._local_worker())
-        reply = await self.client.scheduler.dmdask_locate(keys=keys, host=mine, timeout=0)
-        self._holders.update(reply["holders"])
-        await self._gatherer.learn(reply["holders"])
+        holders = (await locate(self.client, keys, mine, wait=0)).holders
+        self._holders.update(holders)
+        await self._gatherer.learn(holders)
 
     def _copy_known(self, first: int, stop: int, group: List[np.ndarray]) -> list:
         """In the copier thread: the group's rows from the arenas."""
@@ -322,11 +322,9 @@ class BatchIterator:
         keys = {int(k): self.info.block_key(int(k)) for k in np.unique(blocks)}
         last_error: Optional[BaseException] = None
         recovery = float(dask.config.get("dmdask.client.recovery-seconds"))
-        deadline = time.monotonic() + recovery
-        attempt = 0
         isolate = False  # set once a worker was lost while this group's transform ran
-        while time.monotonic() < deadline:
-            attempt += 1
+        tries = Tries(recovery, pause=lambda attempt: min(1.0, 0.05 * attempt))
+        async for _ in tries:
             await self._check_scheduler()
             try:
                 holders, loading = await self._holders_of(list(keys.values()))
@@ -334,7 +332,8 @@ class BatchIterator:
                     if not await self._workers(wait=False):
                         self._worker = None
                         await self._workers()  # says once what it waits for; NoWorkersError after recovery-seconds
-                        deadline = time.monotonic() + recovery
+                        tries.deadline.renew()
+                    tries.no_pause()  # the locate waited on the scheduler
                     continue
                 plan, positions = plan_rows(blocks, offsets, keys, holders)
                 if self._transform is None:  # assembled here: local rows straight from the files
@@ -358,7 +357,7 @@ class BatchIterator:
                 self._worker = None
                 if not await self._workers(wait=False):  # none left: wait as a new iterator does, saying so once
                     await self._workers()  # NoWorkersError after recovery-seconds
-                    deadline = time.monotonic() + recovery  # one joined: the group gets its full time again
+                    tries.deadline.renew()  # one joined: the group gets its full time again
             except Moved as exc:
                 last_error = exc
             except RuntimeError as exc:  # "ConnectionPool is closed": the client is losing its scheduler
@@ -366,22 +365,22 @@ class BatchIterator:
                     raise
                 last_error = exc
             self._holders.clear()
-            await asyncio.sleep(min(1.0, 0.05 * attempt))
         if not await self._workers(wait=False):
             raise no_workers(recovery) from last_error
         raise RuntimeError(f"batches {first}..{stop - 1} of rank {self.spec.rank} still failing after {recovery:.0f} s "
-                           f"({attempt} tries, dmdask.client.recovery-seconds); is the cluster losing workers?") \
+                           f"({tries.count} tries, dmdask.client.recovery-seconds); is the cluster losing workers?") \
             from last_error
 
     async def _check_scheduler(self) -> None:
         """Wait while the client reconnects to its scheduler; `SchedulerLostError` once it
         was unreachable for `dmdask.client.scheduler-seconds`."""
         limit = float(dask.config.get("dmdask.client.scheduler-seconds"))
-        deadline = time.monotonic() + limit
-        while self.client.status != "running" or self.client.scheduler is None:
-            if self.client.status in ("closing", "closed") or time.monotonic() > deadline:
-                raise self._scheduler_lost(f"status {self.client.status!r}", limit)
-            await asyncio.sleep(0.2)
+        async for _ in Tries(limit, pause=0.2):
+            if self.client.status == "running" and self.client.scheduler is not None:
+                return
+            if self.client.status in ("closing", "closed"):
+                break
+        raise self._scheduler_lost(f"status {self.client.status!r}", limit)
 
     def _scheduler_lost(self, how: str, limit: float) -> SchedulerLostError:
         return SchedulerLostError(
@@ -394,15 +393,14 @@ class BatchIterator:
         `dmdask.client.scheduler-seconds` have passed, then `SchedulerLostError`: it is
         never mistaken for a cluster without workers."""
         limit = float(dask.config.get("dmdask.client.scheduler-seconds"))
-        deadline = time.monotonic() + limit
-        while True:
+        tries = Tries(limit, pause=0.2)
+        async for _ in tries:
             await self._check_scheduler()
             try:
-                return await asyncio.wait_for(self.client.scheduler.identity(), max(0.5, deadline - time.monotonic()))
+                return await asyncio.wait_for(self.client.scheduler.identity(), max(0.5, tries.deadline.left()))
             except (OSError, CommClosedError):  # TimeoutError is an OSError
-                if time.monotonic() > deadline:
-                    raise self._scheduler_lost("no answer", limit) from None
-                await asyncio.sleep(0.2)
+                pass
+        raise self._scheduler_lost("no answer", limit)
 
     async def _from_local_worker(self, plan, positions, ids, group, first: int, isolate: bool = False) -> list:
         """Batches gathered and transformed by a worker on this node (`dmdask_batch`); when
@@ -450,8 +448,7 @@ class BatchIterator:
                 out.append(None)
                 continue
             key = info.block_key(0)
-            deadline = time.monotonic() + recovery
-            while True:
+            async for _ in Tries(recovery, pause=0.1):
                 await self._check_scheduler()
                 try:
                     holder = (await self._holders_of([key]))[0].get(key)
@@ -466,10 +463,9 @@ class BatchIterator:
                 except (OSError, CommClosedError):  # its holder left: ask again
                     pass
                 self._holders.pop(key, None)
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the first block of {info.url} is still not available after {recovery:.0f} s "
-                                       "(dmdask.client.recovery-seconds)")
-                await asyncio.sleep(0.1)
+            else:  # no break: the deadline passed
+                raise RuntimeError(f"the first block of {info.url} is still not available after {recovery:.0f} s "
+                                   "(dmdask.client.recovery-seconds)")
         return out
 
     async def _fetch_one_by_one(self, first: int, stop: int) -> list:
@@ -486,23 +482,21 @@ class BatchIterator:
 
     async def _holders_of(self, keys: List[str]) -> Tuple[Dict[str, str], Set[str]]:
         """(holders of the given blocks, the keys among them still loading), asking the
-        scheduler plugin for those not known yet (it waits up to LOCATE_SECONDS while they
+        scheduler plugin for those not known yet (`locate` waits up to LOCATE_SECONDS while they
         load, but names at once the worker loading a block right now: that one holds it in
         a moment, and waits for it when asked for its rows). Raises the load's error for a
         block that failed to load, `NotADmdaskWorker` if the dataset was released."""
         unknown = [k for k in keys if k not in self._holders]
         loading: Dict[str, str] = {}
         if unknown:
-            mine = get_address_host(await self._local_worker())
-            reply = await self.client.scheduler.dmdask_locate(keys=unknown, host=mine, timeout=LOCATE_SECONDS,
-                                                              planned=True)
-            for key, exception in reply["erred"].items():
-                raise clean_exception(exception)[1]
-            if reply["unknown"]:
+            found = await locate(self.client, unknown, get_address_host(await self._local_worker()), planned=True)
+            for error in found.erred.values():
+                raise error
+            if found.unknown:
                 raise NotADmdaskWorker(f"the cluster no longer has the blocks of {self.spec.source} "
-                                       f"(released by dmdask.release?): {reply['unknown'][:2]}")
-            self._holders.update(reply["holders"])
-            loading = reply["planned"]  # not remembered: located again once loaded
+                                       f"(released by dmdask.release?): {found.unknown[:2]}")
+            self._holders.update(found.holders)
+            loading = found.loading  # not remembered: located again once loaded
         holders = {k: self._holders.get(k) or loading[k] for k in keys if k in self._holders or k in loading}
         return holders, {k for k in loading if k not in self._holders}
 
@@ -537,16 +531,13 @@ class BatchIterator:
         has none (say, every worker restarting); then `NoWorkersError`. wait=False: the
         workers now, maybe none."""
         limit = float(dask.config.get("dmdask.client.recovery-seconds"))
-        deadline = time.monotonic() + limit
-        while True:
+        async for _ in Tries(limit, pause=0.5):
             workers = sorted((await self._identity())["workers"])
             if workers:
                 self._said_waiting = False
             if workers or not wait:
                 return workers
-            if time.monotonic() > deadline:
-                raise no_workers(limit)
             if not self._said_waiting:  # once per iterator and outage: a pause explained
                 self._said_waiting = True
                 logger.warning(waiting_for_workers(limit))
-            await asyncio.sleep(0.5)
+        raise no_workers(limit)

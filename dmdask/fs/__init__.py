@@ -43,7 +43,8 @@ from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 from ..source.base import options_json, protocol_of
 from ..source.files import FileSource
 from . import globbing, probe
-from .session import NoClusterError, close_sessions, get_session, version_of
+from .metadata import version_of
+from .session import NoClusterError, close_sessions, get_session
 
 try:  # fsspec >= 2025.x: the marker that makes `url_to_fs` hand the inner path over
     from fsspec.implementations.chained import ChainedFileSystem as _Base
@@ -90,7 +91,7 @@ class DmdaskFileSystem(_Base):
         self.scheduler = scheduler
         self.block_bytes = int(parse_bytes(block_size or dask.config.get("dmdask.fs.block-size")))
         self._options = options_json(options)
-        self._fsid = f"{self.target_protocol}|{self._options}"
+        self.fsid = f"{self.target_protocol}|{self._options}"  # the target filesystem, as the session keys it
 
     @classmethod
     def _strip_protocol(cls, path):
@@ -120,11 +121,11 @@ class DmdaskFileSystem(_Base):
 
     # -- metadata -----------------------------------------------------------------------
     def ls(self, path, detail=True, **kwargs):
-        entries = self._session().ls(self._fsid, self.fs, self._path(path))
+        entries = self._session().metadata.ls(self.fsid, self.fs, self._path(path))
         return [dict(e) for e in entries] if detail else [e["name"] for e in entries]
 
     def info(self, path, **kwargs):
-        return dict(self._session().info(self._fsid, self.fs, self._path(path)))
+        return dict(self._session().metadata.info(self.fsid, self.fs, self._path(path)))
 
     def open_info(self, path) -> dict:
         """`info` of a file about to be read from its start: where the store's infos each
@@ -156,7 +157,7 @@ class DmdaskFileSystem(_Base):
     def _file(self, path: str, start: Optional[int] = 0):
         """(info, source) of a file about to be read from byte `start` (None: from its
         end); source is None when it is empty or its size unknown."""
-        info = dict(self._session().first_info(self, self._path(path), start))
+        info = dict(self._session().claims.first_info(self, self._path(path), start))
         if info.get("type", "file") != "file":
             raise IsADirectoryError(path)
         size = info.get("size")
@@ -183,7 +184,7 @@ class DmdaskFileSystem(_Base):
 
     def cat_file(self, path, start=None, end=None, **kwargs):
         found = self._range(path, start, end)
-        return found if isinstance(found, bytes) else self._session().read(self, *found)
+        return found if isinstance(found, bytes) else self._session().blocks.read_ranges(self, [found])[0]
 
     def cat_ranges(self, paths, starts, ends, max_gap=None, on_error="return", **kwargs):
         """Several ranges in one go: one scheduler request for the blocks new to this
@@ -191,7 +192,7 @@ class DmdaskFileSystem(_Base):
         n = len(paths)
         starts = starts if isinstance(starts, list) else [starts] * n
         ends = ends if isinstance(ends, list) else [ends] * n
-        self._session().learn_infos(self, [self._path(p) for p in paths])  # at once, not one by one
+        self._session().metadata.learn_infos(self, [self._path(p) for p in paths])  # at once, not one by one
         out, ranges, where = [None] * n, [], []
         for i, (path, start, end) in enumerate(zip(paths, starts, ends)):
             try:
@@ -207,7 +208,7 @@ class DmdaskFileSystem(_Base):
                 ranges.append(found)
                 where.append(i)
         try:
-            for i, data in zip(where, self._session().read_ranges(self, ranges)):
+            for i, data in zip(where, self._session().blocks.read_ranges(self, ranges)):
                 out[i] = data
         except Exception:
             if on_error == "raise" or len(ranges) == 1:
@@ -251,7 +252,7 @@ class DmdaskFile(AbstractBufferedFile):
                          size=source.size if source is not None else 0, **kwargs)
 
     def _fetch_range(self, start, end):
-        return self.fs._session().read(self.fs, self.source, start, min(end, self.size))
+        return self.fs._session().blocks.read_ranges(self.fs, [(self.source, start, min(end, self.size))])[0]
 
 
 def gopen(url, mode="rb", bufsize=8192, **kwargs):

@@ -1,0 +1,190 @@
+"""Transparent mode's file metadata in one process: the listings and infos of the store,
+shared with the other processes of the run through the scheduler (`dmdask.scheduler.files`).
+
+Guarantees: a listing or an info is asked of the store once per run (`DMDASK_FS_RUN`,
+inherited by child processes), within a process once; what a process reads from the store
+is told to the scheduler in the background, a batch at a time (a process that exits
+first costs the next one a store request, nothing else). A file new to the run is read by
+one process: `claim_info` waits while another process of the run reads its info.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Dict, List, Optional
+
+import fsspec
+import fsspec.asyn
+
+from ..recovery import Tries
+from .run import new_run
+from .run import start as start_run
+
+logger = logging.getLogger(__name__)
+
+TELL_DELAY = 0.25  # infos read from the store within this delay are told to the scheduler together
+ELSEWHERE = object()  # `claim_info`: another run read the info
+CLAIM_POLL_SECONDS = 0.02  # how often a process waiting for a file's info another one reads asks again
+# what identifies a version of a file, among the keys of fsspec infos (local, S3, GCS, HTTP, ...)
+VERSION_KEYS = ("mtime", "LastModified", "last_modified", "Last-Modified", "ETag", "etag", "updated",
+                "generation", "VersionId", "version_id")
+
+
+def version_of(info: dict) -> list:
+    """The fields of an info that change when the file is rewritten."""
+    return [[k, str(info[k])] for k in VERSION_KEYS if info.get(k) is not None]
+
+
+def plain(info: dict) -> dict:
+    """An info with only values that travel as they are (others as strings)."""
+    return {k: v if v is None or isinstance(v, (str, int, float, bool)) else str(v) for k, v in info.items()}
+
+
+def folder_of(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[0]
+
+
+class Metadata:
+    """What one process knows of files (keys `fsid|path`, `fsid|folder`). Thread-safe
+    (`session.lock`); a forked child starts with its parent's knowledge of the same run."""
+
+    def __init__(self, session, parent: Optional["Metadata"] = None):
+        self.session = session
+        self._lock = session.lock
+        self.run = start_run()
+        known = parent if parent is not None and parent.run == self.run else None
+        self.infos: Dict[str, dict] = dict(known.infos) if known else {}  # fsid|path -> info
+        self.listings: Dict[str, list] = dict(known.listings) if known else {}  # fsid|folder -> entries
+        self.asked: set = set(known.asked) if known else set()  # folders asked of the cluster
+        self.asked_infos: set = set(known.asked_infos) if known else set()  # ... for their files' infos
+        self.files: Dict[str, set] = {k: set(v) for k, v in known.files.items()} if known else {}  # folder -> paths
+        self.to_tell: List[list] = []  # metadata queued for the scheduler
+
+    def _ask(self, fsid: str, folder: str) -> None:
+        """Everything this run knows of `folder` now (one request)."""
+        key = f"{fsid}|{folder}"
+        reply = self.session.call("dmdask_fs_metadata", run=self.run, get=[key])
+        with self._lock:
+            found = reply.get(key, {"listing": None, "infos": {}})
+            if found["listing"] is not None:
+                self.listings[key] = found["listing"]
+            for path, info in found["infos"].items():
+                self.know(fsid, path, info)
+            self.asked.add(key)
+            self.asked_infos.add(key)
+
+    def know(self, fsid: str, path: str, info: dict) -> None:
+        self.infos[f"{fsid}|{path}"] = info
+        self.files.setdefault(f"{fsid}|{folder_of(path)}", set()).add(path)
+
+    def tell(self, fsid: str, puts: List[list]) -> None:
+        """Share infos read from the store with the run, in the background and a batch at
+        a time (a process that exits first only costs the next one a store request)."""
+        client = self.session.client
+        with self._lock:
+            first = not self.to_tell
+            self.to_tell.extend([f"{fsid}|{f}", kind, p, v] for f, kind, p, v in puts)
+        if first:
+            client.loop.call_later(TELL_DELAY, self.tell_queued)
+
+    async def tell_queued(self) -> None:
+        with self._lock:
+            msg, self.to_tell = self.to_tell, []
+        if msg:
+            try:
+                await self.session.client.scheduler.dmdask_fs_metadata(run=self.run, put=msg)
+            except Exception:  # noqa: BLE001 - shared metadata is an optimisation
+                logger.debug("could not share file metadata with the scheduler", exc_info=True)
+
+    def known_info(self, fsid: str, path: str) -> Optional[dict]:
+        """The info of `path` this run read, or None (no store request)."""
+        key = f"{fsid}|{path}"
+        found = self.infos.get(key)
+        if found is None and f"{fsid}|{folder_of(path)}" not in self.asked_infos:
+            # once per process and folder (not when the folder was asked for its listing
+            # only: the run may have read its files' infos since)
+            self._ask(fsid, folder_of(path))
+            found = self.infos.get(key)
+        return found
+
+    def claim_info(self, fsid: str, path: str):
+        """The run's info of `path` once known, waiting while another process of the run
+        reads it from the store; None: this process is to read it (claimed); ELSEWHERE:
+        another run read it (its blocks may be cached: check its version with `info`).
+        While the cluster has no workers, waits for one (`Session.call_with_workers`)."""
+        folder = f"{fsid}|{folder_of(path)}"
+        for _ in Tries(self.session.recovery_seconds(), pause=CLAIM_POLL_SECONDS):
+            reply = self.session.call_with_workers("dmdask_fs_claim", run=self.run, claim=[[folder, path]])
+            found = reply.get(folder, {"infos": {}})["infos"].get(path)
+            if found is not None:
+                with self._lock:
+                    self.know(fsid, path, found)
+                return found
+            if reply.get("elsewhere"):
+                return ELSEWHERE
+            if not reply.get("probing"):
+                return None
+        return None
+
+    def info(self, fsid: str, target, path: str) -> dict:
+        """The target's info of `path`, read from the store once per run."""
+        found = self.known_info(fsid, path)
+        if found is None:
+            found = plain(target.info(path))
+            self.tell(fsid, [[folder_of(path), "info", path, found]])
+            with self._lock:
+                self.know(fsid, path, found)
+        return found
+
+    def learn_infos(self, fs, paths: List[str]) -> None:
+        """Read the infos of `paths` this run does not know yet, concurrently on an async
+        store (one HEAD each, at once), ahead of reading many files (`fs`: a
+        `DmdaskFileSystem`). A path whose info cannot be read is left to `info`."""
+        fsid = fs.fsid
+        for folder in {folder_of(p) for p in paths}:
+            if f"{fsid}|{folder}" not in self.asked_infos:
+                self._ask(fsid, folder)
+        unknown = list(dict.fromkeys(p for p in paths if f"{fsid}|{p}" not in self.infos))
+        if len(unknown) < 2:
+            return
+        target = fsspec.filesystem(fs.target_protocol, **fs.target_options)  # this process's own
+        if not target.async_impl:
+            return
+
+        async def all_infos():
+            return await asyncio.gather(*(target._info(p) for p in unknown), return_exceptions=True)
+
+        found = fsspec.asyn.sync(target.loop, all_infos)
+        puts = [[folder_of(p), "info", p, plain(info)] for p, info in zip(unknown, found) if isinstance(info, dict)]
+        with self._lock:
+            for _, _, path, info in puts:
+                self.know(fsid, path, info)
+        if puts:
+            self.tell(fsid, puts)
+
+    def ls(self, fsid: str, target, path: str) -> list:
+        """The target's detailed listing of folder `path`, read from the store once per run.
+        Entries that carry a size and a version stand as those files' infos too."""
+        path = path.rstrip("/") or path
+        key = f"{fsid}|{path}"
+        if key not in self.listings and key not in self.asked:
+            self._ask(fsid, path)
+            self.asked_infos.discard(key)  # infos of files read later may come: ask again for them
+        found = self.listings.get(key)
+        if found is None:
+            found = [plain(e) for e in target.ls(path, detail=True)]
+            files = [e for e in found if e.get("type") == "file" and e.get("size") is not None and version_of(e)]
+            self.tell(fsid, [[path, "listing", path, found]] + [[folder_of(e["name"]), "info", e["name"], e]
+                                                                 for e in files])
+            with self._lock:
+                self.listings[key] = found
+                for e in files:
+                    self.know(fsid, e["name"], e)
+        return found
+
+    def forget(self) -> None:
+        """Drop what this process knows of files; the next looks ask the store (a new run)."""
+        self.run = new_run()
+        with self._lock:
+            for known in (self.infos, self.listings, self.asked, self.asked_infos, self.files):
+                known.clear()

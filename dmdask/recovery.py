@@ -1,0 +1,74 @@
+"""Waiting out a failure: attempts until a deadline (`Tries`), for every wait of
+`dmdask.batches` and transparent mode on a lost worker, scheduler or block.
+
+`for _ in Tries(seconds, pause):` (`async for` on an event loop) runs its body at once,
+then again `pause` seconds later (a number, or a function of the attempt number) while
+the deadline has not passed. The body leaves with `return` or `break` on success; after
+the loop the caller raises its own error, naming what failed and the setting that bounds
+the wait. Guarantees: there is always a first attempt; the deadline is checked after each
+attempt, so there is no pause once it passed; `deadline.renew()` in the body gives the
+loop its full time again; `no_pause()` starts the next attempt at once; time is
+`time.monotonic()`.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Optional
+
+
+class Deadline:
+    """`seconds` from now, or from the last `renew()`."""
+
+    def __init__(self, seconds: float):
+        self.seconds = float(seconds)
+        self.renew()
+
+    def renew(self) -> None:
+        self.at = time.monotonic() + self.seconds
+
+    def left(self) -> float:
+        return self.at - time.monotonic()
+
+
+class Tries:
+    """Attempts until `deadline` (a `Deadline`, or seconds from now) passes, `pause`
+    seconds apart (see the module docstring); `count`: the attempts begun."""
+
+    def __init__(self, deadline, pause=0.0):
+        self.deadline = deadline if isinstance(deadline, Deadline) else Deadline(deadline)
+        self.pause, self.count, self._at_once = pause, 0, False
+
+    def no_pause(self) -> None:
+        self._at_once = True
+
+    def _pause(self) -> Optional[float]:
+        """Seconds before the next attempt; None: the deadline passed."""
+        if self.count and self.deadline.left() < 0:
+            return None
+        pause = self.pause(self.count) if callable(self.pause) else self.pause
+        pause = 0.0 if not self.count or self._at_once else pause
+        self.count, self._at_once = self.count + 1, False
+        return pause
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> int:
+        pause = self._pause()
+        if pause is None:
+            raise StopIteration
+        if pause:
+            time.sleep(pause)
+        return self.count
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> int:
+        pause = self._pause()
+        if pause is None:
+            raise StopAsyncIteration
+        if pause:
+            await asyncio.sleep(pause)
+        return self.count
