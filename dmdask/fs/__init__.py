@@ -91,7 +91,7 @@ class DmdaskFileSystem(_Base):
         self.scheduler = scheduler
         self.block_bytes = int(parse_bytes(block_size or dask.config.get("dmdask.fs.block-size")))
         self._options = options_json(options)
-        self.fsid = f"{self.target_protocol}|{self._options}"  # the target filesystem, as the session keys it
+        self.target_id = f"{self.target_protocol}|{self._options}"  # the target filesystem, as the session keys it
 
     @classmethod
     def _strip_protocol(cls, path):
@@ -121,11 +121,11 @@ class DmdaskFileSystem(_Base):
 
     # -- metadata -----------------------------------------------------------------------
     def ls(self, path, detail=True, **kwargs):
-        entries = self._session().metadata.ls(self.fsid, self.fs, self._path(path))
+        entries = self._session().metadata.ls(self.target_id, self.fs, self._path(path))
         return [dict(e) for e in entries] if detail else [e["name"] for e in entries]
 
     def info(self, path, **kwargs):
-        return dict(self._session().metadata.info(self.fsid, self.fs, self._path(path)))
+        return dict(self._session().metadata.info(self.target_id, self.fs, self._path(path)))
 
     def open_info(self, path) -> dict:
         """`info` of a file about to be read from its start: where the store's infos each

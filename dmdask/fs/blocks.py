@@ -149,7 +149,7 @@ class Blocks:
         session, metadata = self.session, self.session.metadata
         wanted = []
         for path in sorted(metadata.files.get(folder, ()))[:FOLDER_FILES]:
-            info = metadata.infos.get(f"{fs.fsid}|{path}")
+            info = metadata.infos.get(f"{fs.target_id}|{path}")
             if info and info.get("type", "file") == "file" and info.get("size"):
                 wanted.append(fs.source(path, info).info.block_key(0))
         if not wanted:

@@ -61,7 +61,7 @@ class Claims:
         `start` on (None: from its end). On HTTP, a file new to the run is claimed and asked
         with the ranged GET of the block holding `start`, whose bytes the read that follows
         takes (`handing`): a first read is one scheduler and one store round trip."""
-        fsid, metadata = fs.fsid, self.session.metadata
+        fsid, metadata = fs.target_id, self.session.metadata
         found = metadata.known_info(fsid, path)
         if found is not None:
             return found
@@ -107,7 +107,7 @@ class Claims:
         with self._lock:
             have = {key: self.handing[key] for key in wanted if key in self.handing}
         new = [key for key in wanted if key not in have and key not in blocks.holders]
-        for folder in {f"{fs.fsid}|{folder_of(wanted[key][0].path)}" for key in new} - blocks.located:
+        for folder in {f"{fs.target_id}|{folder_of(wanted[key][0].path)}" for key in new} - blocks.located:
             blocks.located.add(folder)
             blocks.locate_folder(fs, folder)
         new = [key for key in new if key not in blocks.holders]

@@ -140,7 +140,7 @@ class Metadata:
         """Read the infos of `paths` this run does not know yet, concurrently on an async
         store (one HEAD each, at once), ahead of reading many files (`fs`: a
         `DmdaskFileSystem`). A path whose info cannot be read is left to `info`."""
-        fsid = fs.fsid
+        fsid = fs.target_id
         for folder in {folder_of(p) for p in paths}:
             if f"{fsid}|{folder}" not in self.asked_infos:
                 self._ask(fsid, folder)
