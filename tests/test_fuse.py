@@ -1,5 +1,6 @@
 """`dmdask mount`: POSIX readers (plain `open()`) read a store folder through the
 cluster's cache. Bytes are counted by the HTTP store itself."""
+import contextlib
 import os
 import shutil
 import subprocess
@@ -52,6 +53,22 @@ def env():
     return dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
 
 
+@contextlib.contextmanager
+def mounted(url: str, mountpoint, scheduler: str):
+    """`dmdask mount URL MOUNTPOINT` in its own process, once the mount is there; unmounted after."""
+    mount = subprocess.Popen([sys.executable, "-m", "dmdask.cli", "mount", url, str(mountpoint),
+                              "--scheduler", scheduler], env=env(), stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + MOUNT_SECONDS
+        while not os.path.ismount(mountpoint):
+            assert mount.poll() is None, f"dmdask mount exited: {mount.stderr.read()}"
+            assert time.monotonic() < deadline, "the mount did not appear"
+            time.sleep(0.2)
+        yield mount
+    finally:
+        unmount(mount, str(mountpoint))
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(fuse_missing() is not None, reason=str(fuse_missing()))
 def test_a_mount_read_by_two_processes_over_two_epochs_reads_the_store_once(tmp_path):
@@ -63,23 +80,13 @@ def test_a_mount_read_by_two_processes_over_two_epochs_reads_the_store_once(tmp_
     mountpoint.mkdir()
     with StoreServer(str(root)) as store, \
             dmdask.LocalCluster(n_workers=2, ram="64 MiB", dashboard_address=None) as cluster:
-        mount = subprocess.Popen([sys.executable, "-m", "dmdask.cli", "mount", f"{store.url}/images",
-                                  str(mountpoint), "--scheduler", cluster.scheduler_address],
-                                 env=env(), stderr=subprocess.PIPE, text=True)
-        try:
-            deadline = time.monotonic() + MOUNT_SECONDS
-            while not os.path.ismount(mountpoint):
-                assert mount.poll() is None, f"dmdask mount exited: {mount.stderr.read()}"
-                assert time.monotonic() < deadline, "the mount did not appear"
-                time.sleep(0.2)
+        with mounted(f"{store.url}/images", mountpoint, cluster.scheduler_address):
             readers = [subprocess.Popen([sys.executable, "-c", READER, str(mountpoint), "2"], env=env(),
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
             for reader in readers:
                 out, err = reader.communicate(timeout=READ_SECONDS)
                 assert reader.returncode == 0, err
                 assert out.split() == ["45", "45"]  # every file, each epoch
-        finally:
-            unmount(mount, str(mountpoint))
         by_path = store.stats()["by_path"]
     assert {p: by_path[p]["bytes"] for p in sizes} == sizes  # 2 processes x 2 epochs, each byte once
     assert all(by_path[p]["requests"] == 1 for p in sizes)
@@ -122,15 +129,7 @@ def test_the_mount_serves_concurrent_readers_concurrently(tmp_path):
     mountpoint.mkdir()
     with StoreServer(str(root), latency=0.3) as store, \
             dmdask.LocalCluster(n_workers=2, ram="64 MiB", dashboard_address=None) as cluster:
-        mount = subprocess.Popen([sys.executable, "-m", "dmdask.cli", "mount", f"{store.url}/images",
-                                  str(mountpoint), "--scheduler", cluster.scheduler_address],
-                                 env=env(), stderr=subprocess.PIPE, text=True)
-        try:
-            deadline = time.monotonic() + MOUNT_SECONDS
-            while not os.path.ismount(mountpoint):
-                assert mount.poll() is None, f"dmdask mount exited: {mount.stderr.read()}"
-                assert time.monotonic() < deadline, "the mount did not appear"
-                time.sleep(0.2)
+        with mounted(f"{store.url}/images", mountpoint, cluster.scheduler_address):
             paths = [os.path.join(d, f) for d, _, names in os.walk(mountpoint) for f in names]
             assert len(paths) == 8
             store.reset_stats()
@@ -139,8 +138,6 @@ def test_the_mount_serves_concurrent_readers_concurrently(tmp_path):
                                     capture_output=True, text=True, timeout=READ_SECONDS)
             assert reader.returncode == 0, reader.stderr
             assert reader.stdout.split() == ["8"]
-        finally:
-            unmount(mount, str(mountpoint))
         stats, timeline = store.stats(), store.timeline()
     assert stats["requests"] == 8 and stats["head_requests"] == 0, stats
     assert max_in_flight(timeline) >= 2, timeline
