@@ -9,7 +9,7 @@ one run), with each entry's type, so a walk of the tree (`os.walk`, torchvision'
 entry or, where listings give no sizes (HTTP), from the ranged GET that reads its first
 block (`DmdaskFileSystem.open_info`: no HEAD; the bytes are kept for the read that
 follows). A read is a byte range of a path (`cat_file`); opening and closing a file ask
-nothing of this process (libfuse answers them itself). Writes fail with EROFS (a
+nothing of this process (the kernel's no-open mode). Writes fail with EROFS (a
 read-only mount).
 
 Guarantees: requests are served concurrently (libfuse's multithreaded loop; reads
@@ -124,9 +124,12 @@ def operations(fs: DmdaskFileSystem, root: str):
             return [".", ".."] + [(name, stat.S_IFDIR if e.get("type") == "directory" else stat.S_IFREG, 0)
                                   for name, e in sorted(entries.items())]
 
-        # no open, release or flush: libfuse answers them without calling Python (a file
-        # handle holds nothing here), so an open of a file whose pages are cached costs
-        # no Python call
+        def open(self, path, flags):
+            """ENOSYS: the kernel (Linux >= 4.20) then opens and closes files of this mount
+            without asking it, keeping their cached pages (a file handle holds nothing
+            here), so re-reading a cached file costs no round trip to this process."""
+            raise FuseOSError(errno.ENOSYS)
+
         def read(self, path, size, offset, fh):
             return fs.cat_file(self._target(path), start=offset, end=offset + size)
 
