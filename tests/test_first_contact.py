@@ -47,23 +47,32 @@ def _new_process_epoch(address, path, queue):
         queue.put({"requests": it.requests, "batches": len(it), "ids": ids.tolist()})
 
 
+def _epoch_in_new_process(address, path) -> dict:
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_new_process_epoch, args=(address, path, queue))
+    proc.start()
+    try:
+        return queue.get(timeout=120)
+    finally:
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.terminate()
+
+
 @pytest.mark.slow
-def test_a_new_process_on_a_warm_cache_takes_its_rows_from_the_arenas(tmp_path):
+def test_a_new_process_on_a_warm_cache_takes_its_rows_from_the_arenas(tmp_path, monkeypatch):
     """Another process loaded the cache; a new one sends no request for rows at all: it
-    learns where every block is before its first batch and maps their arenas."""
+    learns where every block is before its first batch and maps their arenas. One that
+    counts another host as its own (`dmdask.client.host`) asks the workers for every
+    group instead, and gets the same samples."""
     path = write_zarr(str(tmp_path / "ds.zarr"), 4000, chunk=100)
     with dmdask.LocalCluster(n_workers=2, ram="64 MiB") as cluster, distributed.Client(cluster) as client:
         list(dmdask.batches(client, dmdask.Spec(path, batch_size=64), progress=False))  # loads every block
-        ctx = multiprocessing.get_context("spawn")
-        queue = ctx.Queue()
-        proc = ctx.Process(target=_new_process_epoch, args=(cluster.scheduler_address, path, queue))
-        proc.start()
-        try:
-            report = queue.get(timeout=120)
-        finally:
-            proc.join(timeout=60)
-            if proc.is_alive():
-                proc.terminate()
+        report = _epoch_in_new_process(cluster.scheduler_address, path)
+        monkeypatch.setenv("DASK_DMDASK__CLIENT__HOST", "192.0.2.1")  # a host of no worker (TEST-NET-1)
+        elsewhere = _epoch_in_new_process(cluster.scheduler_address, path)
     assert report["batches"] > 10
     assert report["requests"] == 0, f"{report['requests']} of {report['batches']} batches asked workers for rows"
     assert sorted(report["ids"]) == list(range(4000))
+    assert elsewhere["requests"] > 0 and sorted(elsewhere["ids"]) == list(range(4000))

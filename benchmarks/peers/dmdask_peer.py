@@ -1,6 +1,6 @@
 """dmdask: one `dmdask.Worker` process per simulated node, each on its own loopback address.
 
-A rank is told its node's address as its host (`dmdask.client.iterator._my_host`), so it
+A rank is told its node's address as its host (`dmdask.client.host`), so it
 maps the files of its own node's worker and asks the other nodes' workers for their rows
 over TCP, as on separate hosts, although all share this machine."""
 from __future__ import annotations
@@ -91,13 +91,12 @@ def batch_ids(batch) -> np.ndarray:
 
 class Loader:
     def __init__(self, ctx: dict):
+        import dask.config
         import distributed
 
         import dmdask
-        import dmdask.client.iterator as iterator
 
-        host = node_host(ctx["node"])
-        iterator._my_host = lambda client: host  # this rank's simulated node
+        dask.config.set({"dmdask.client.host": node_host(ctx["node"])})  # this rank's simulated node
         self.client = distributed.Client(os.environ[SCHEDULER_ENV], timeout=60)
         self.spec = dmdask.Spec(ctx["files_url"], batch_size=ctx["batch"], block_size=ctx["block"],
                                 seed=ctx["seed"], rank=ctx["rank"], world_size=ctx["world"])

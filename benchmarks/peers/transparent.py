@@ -30,12 +30,10 @@ class Loader(torch_dataloader.Loader):
     def __init__(self, ctx: dict):
         import os
 
-        import dmdask.fs.session as session
-
-        host = dmdask_peer.node_host(ctx["node"])
-        session._my_host = lambda client: host  # this rank's simulated node, as dmdask_peer does
-        # the DataLoader's worker processes inherit the scheduler through the environment
+        # the DataLoader's worker processes inherit the scheduler, and this rank's simulated node
+        # (dmdask.client.host, as dmdask_peer sets it), through the environment
         os.environ["DASK_DMDASK__FS__SCHEDULER"] = os.environ[dmdask_peer.SCHEDULER_ENV]
+        os.environ["DASK_DMDASK__CLIENT__HOST"] = dmdask_peer.node_host(ctx["node"])
         import dask.config
 
         dask.config.refresh()

@@ -31,7 +31,6 @@ from distributed.protocol.serialize import to_serialize
 
 from ..errors import (BlockReadError, NotADmdaskWorker, SchedulerLostError, SpecError, no_workers,
                       waiting_for_workers)
-from ..internals import local_address
 from ..plan.elastic import remaining
 from ..plan.order import ORDER_VERSION, EpochOrder, RankShare
 from ..recovery import Tries
@@ -40,7 +39,7 @@ from ..shm.results import map_batches
 from .datasets import open_dataset
 from .gather import (LOAD_WAIT, Gatherer, LocalArenas, Moved, call_worker, connect_ahead, copier, plan_rows,
                      split_batches)
-from .locate import locate
+from .locate import locate, my_host
 from .mixture import MixedInfo, check_fields_match, take_mixed
 from .progress import make as _make_progress
 from .resume import resume_point
@@ -81,11 +80,6 @@ def _quiet(future) -> None:
     if not future.cancelled():
         future.exception()
 
-
-def _my_host(client: Client) -> Optional[str]:
-    """The address this process reaches the scheduler from: its host on the cluster's network."""
-    address = local_address(client)
-    return get_address_host(address) if address is not None else None
 
 
 class BatchIterator:
@@ -140,7 +134,7 @@ class BatchIterator:
         self._local = self._locals[0]
         for local in self._locals:
             local.forget_if_gone()
-        self._gatherer = Gatherer(client, _my_host(client), {d.identity: a for d, a in zip(datasets, self._locals)})
+        self._gatherer = Gatherer(client, my_host(client), {d.identity: a for d, a in zip(datasets, self._locals)})
         self._transform = dumps_transform(spec.transform)
         if self._transform is None and any(o.loaded for o in opened) and not self._all_known():
             asyncio.run_coroutine_threadsafe(self._learn_where_blocks_are(datasets), self._loop).result()
@@ -413,7 +407,7 @@ class BatchIterator:
         msg = {"requests": plan, "positions": positions, "index": index, "extra": extra,
                "sizes": [len(b) for b in group], "fields": list(self.info.fields), "transform": self._transform,
                "context": {"epoch": self.epoch, "seed": self.spec.seed},  # dmdask.transform_context()
-               "same_host": get_address_host(worker) == _my_host(self.client), "isolate": isolate, "priority": first,
+               "same_host": get_address_host(worker) == my_host(self.client), "isolate": isolate, "priority": first,
                "wait": LOAD_WAIT}
         reply = await call_worker(self.client, worker, "dmdask_batch", msg=to_serialize(msg))
         if reply["status"] != "OK":
@@ -507,10 +501,10 @@ class BatchIterator:
         return self._worker
 
     def _choose_local_worker(self, workers: List[str]) -> None:
-        my_host = _my_host(self.client)
-        local = [w for w in workers if get_address_host(w) == my_host]
+        mine = my_host(self.client)
+        local = [w for w in workers if get_address_host(w) == mine]
         if not local:
-            warnings.warn(f"no dmdask worker on this node ({my_host}); batches will cross the network",
+            warnings.warn(f"no dmdask worker on this node ({mine}); batches will cross the network",
                           RuntimeWarning, stacklevel=2)
             local = workers
         self._worker = local[self.spec.rank % len(local)]
@@ -522,8 +516,8 @@ class BatchIterator:
         workers = await self._workers(wait=False)
         if workers and self._worker is None:
             self._choose_local_worker(workers)
-        my_host = _my_host(self.client)
-        nearest = sorted(workers, key=lambda w: get_address_host(w) != my_host)[:CONNECT_AHEAD]
+        mine = my_host(self.client)
+        nearest = sorted(workers, key=lambda w: get_address_host(w) != mine)[:CONNECT_AHEAD]
         await asyncio.gather(*(connect_ahead(self.client, w) for w in nearest))
 
     async def _workers(self, wait: bool = True) -> List[str]:

@@ -1,5 +1,6 @@
 """Who holds which blocks: the one `dmdask_locate` request of `dmdask.batches`
-(`dmdask.client.iterator`) and transparent mode (`dmdask.fs.blocks`, `dmdask.fs.claims`).
+(`dmdask.client.iterator`) and transparent mode (`dmdask.fs.blocks`, `dmdask.fs.claims`),
+and which host is this process's own (`my_host`), whose workers' files it reads itself.
 
 Guarantees: one request, which waits on the scheduler at most `wait` seconds for blocks
 still loading (and for keys in `expect`, just submitted by the caller, and blocks a reader
@@ -11,7 +12,10 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, List, NamedTuple, Optional
 
-from ..internals import reraise
+import dask.config
+from distributed.comm import get_address_host
+
+from ..internals import local_address, reraise
 
 LOCATE_SECONDS = 2.0  # one wait on the scheduler for blocks still loading
 
@@ -31,3 +35,14 @@ async def locate(client, keys: List[str], host: Optional[str], wait: float = LOC
                                                  planned=planned)
     return Located(reply["holders"], {k: reraise(e) for k, e in reply["erred"].items()},
                    reply["unknown"], reply["planned"])
+
+
+def my_host(client) -> Optional[str]:
+    """The host this process counts as its node: `dmdask.client.host` when set (a node
+    whose workers listen on another interface than the one the scheduler is reached
+    from), else the address it reaches the scheduler from; None while disconnected."""
+    host = dask.config.get("dmdask.client.host", None)
+    if host:
+        return host
+    address = local_address(client)
+    return get_address_host(address) if address is not None else None

@@ -27,7 +27,7 @@ from distributed.comm.core import CommClosedError
 
 from ..client.datasets import ensure_plugin
 from ..client.gather import Gatherer, LocalArenas
-from ..client.iterator import _my_host
+from ..client.locate import my_host
 from ..errors import DmdaskError, SchedulerLostError, no_workers, waiting_for_workers
 from ..recovery import Tries
 from .blocks import Blocks
@@ -79,7 +79,7 @@ class Session:
                             "distributed.comm.timeouts.connect): is the cluster running? Name it with the storage "
                             "option scheduler=ADDRESS or the dask config dmdask.fs.scheduler") from exc
                     ensure_plugin(client)
-                    self.my_host = _my_host(client)
+                    self.my_host = my_host(client)
                     self.gatherer = Gatherer(client, self.my_host, LocalArenas(0, 1))
                     self.connected = client
                     if not self._exit_hook:
