@@ -36,7 +36,8 @@ def _call(client: Client, op: str, **msg):
 
 class Opened(NamedTuple):
     """A dataset as a rank finds it: its description, and how many of its blocks were
-    held when it asked (0 for the rank that created it now)."""
+    held when it asked (about 0 for the rank that created it now). `loaded` only decides
+    whether learning where blocks are is worth a request before the first batch."""
 
     info: DatasetInfo
     loaded: int
@@ -65,7 +66,7 @@ def get_or_create(client: Client, name: str, opener: Callable[[], Source],
     while True:
         reply = _call(client, "dmdask_get_or_claim", name=name, claimant=claimant)
         if reply["status"] == "ready":
-            return Opened(DatasetInfo.from_dict(reply["info"]), reply["loaded"])
+            return Opened(DatasetInfo.from_dict(reply["info"]), reply.get("loaded", 1))  # 1: a plugin of before
         try:  # then ask again: "ready" once the scheduler has the blocks, which later calls rely on
             _create(client, name, opener(), order, claimant)
         except BaseException:

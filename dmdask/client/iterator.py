@@ -75,12 +75,6 @@ def batches(client: Client, spec: Spec, epoch: int = 0, resume: Optional[dict] =
     return BatchIterator(client, spec, epoch, resume, progress=progress)
 
 
-def _quiet(future) -> None:
-    """Done-callback of best-effort work: its error is consumed (and met again where it matters)."""
-    if not future.cancelled():
-        future.exception()
-
-
 
 class BatchIterator:
     """One epoch of one rank's batches, with bounded prefetch and `state_dict()`.
@@ -101,8 +95,7 @@ class BatchIterator:
         self._loop = client.loop.asyncio_loop
         if client.scheduler is not None and _reached.get(client) != client.scheduler.address:  # once per scheduler
             _reached[client] = client.scheduler.address
-            reaching = asyncio.run_coroutine_threadsafe(self._reach_workers(), self._loop)  # while the dataset opens
-            reaching.add_done_callback(_quiet)
+            asyncio.run_coroutine_threadsafe(self._reach_workers(), self._loop)  # while the dataset opens
         if isinstance(spec.source, Mix):
             opened = [open_dataset(client, s, epoch) for s in spec.source.specs(spec)]
             self.info = info = self._mixed = MixedInfo(spec.source, [o.info for o in opened])
@@ -501,6 +494,8 @@ class BatchIterator:
         return self._worker
 
     def _choose_local_worker(self, workers: List[str]) -> None:
+        if self._worker is not None:  # chosen meanwhile (`_reach_workers` and `_local_worker` may both ask)
+            return
         mine = my_host(self.client)
         local = [w for w in workers if get_address_host(w) == mine]
         if not local:

@@ -147,10 +147,11 @@ class Claims:
         with self._lock:
             self._queued_bytes += nbytes
             full = self._queued_bytes > HANDOVER_BYTES
+        loop = self.session.client.loop
         if full:
-            self.session.client.loop.add_callback(self.hand_over)
-        elif first:
-            self.session.client.loop.call_later(delay, self.hand_over)
+            loop.add_callback(self.hand_over)
+        elif first:  # the timer set on the loop's own thread (call_later is not thread-safe)
+            loop.add_callback(loop.call_later, delay, self.hand_over)
 
     async def hand_over(self) -> None:
         """Give the planned workers the bytes of the blocks read here lately (one request

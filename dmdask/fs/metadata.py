@@ -84,8 +84,8 @@ class Metadata:
         with self._lock:
             first = not self.to_tell
             self.to_tell.extend([f"{fsid}|{f}", kind, p, v] for f, kind, p, v in puts)
-        if first:
-            client.loop.call_later(TELL_DELAY, self.tell_queued)
+        if first:  # the timer set on the loop's own thread (call_later is not thread-safe)
+            client.loop.add_callback(client.loop.call_later, TELL_DELAY, self.tell_queued)
 
     async def tell_queued(self) -> None:
         with self._lock:

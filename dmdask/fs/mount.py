@@ -9,8 +9,8 @@ one run), with each entry's type, so a walk of the tree (`os.walk`, torchvision'
 entry or, where listings give no sizes (HTTP), from the ranged GET that reads its first
 block (`DmdaskFileSystem.open_info`: no HEAD; the bytes are kept for the read that
 follows). A read is a byte range of a path (`cat_file`); opening and closing a file ask
-nothing of this process (the kernel's no-open mode). Writes fail with EROFS (a
-read-only mount).
+nothing of this process (Linux >= 4.20: the kernel's no-open mode; elsewhere libfuse
+answers them). Writes fail with EROFS (a read-only mount).
 
 Guarantees: requests are served concurrently (libfuse's multithreaded loop; reads
 share no state but the session's, which is thread-safe), so readers in several
@@ -79,6 +79,17 @@ def _seconds(entry: dict) -> float:
     return 0.0
 
 
+def _kernel_opens_files() -> bool:
+    """Whether the kernel opens a FUSE file itself when `open` answers ENOSYS (Linux
+    4.20's no-open mode); older kernels and macFUSE would fail the caller's open()."""
+    system = os.uname()
+    try:
+        version = tuple(int(part) for part in system.release.split("-")[0].split(".")[:2])
+    except ValueError:
+        return False
+    return system.sysname == "Linux" and version >= (4, 20)
+
+
 def operations(fs: DmdaskFileSystem, root: str):
     """The FUSE operations of a read-only view of folder `root` of `fs` (target naming)."""
     mfusepy = _fuse()
@@ -124,14 +135,17 @@ def operations(fs: DmdaskFileSystem, root: str):
             return [".", ".."] + [(name, stat.S_IFDIR if e.get("type") == "directory" else stat.S_IFREG, 0)
                                   for name, e in sorted(entries.items())]
 
-        def open(self, path, flags):
-            """ENOSYS: the kernel (Linux >= 4.20) then opens and closes files of this mount
-            without asking it, keeping their cached pages (a file handle holds nothing
-            here), so re-reading a cached file costs no round trip to this process."""
-            raise FuseOSError(errno.ENOSYS)
-
         def read(self, path, size, offset, fh):
             return fs.cat_file(self._target(path), start=offset, end=offset + size)
+
+    if _kernel_opens_files():
+        def no_open(self, path, flags):
+            """ENOSYS: the kernel then opens and closes files of this mount without asking
+            it, keeping their cached pages (a file handle holds nothing here), so re-reading
+            a cached file costs no round trip to this process."""
+            raise FuseOSError(errno.ENOSYS)
+
+        CacheMount.open = no_open  # elsewhere no open: libfuse answers it
 
     for name in ("getattr", "readdir", "read"):
         setattr(CacheMount, name, _answering(FuseOSError, getattr(CacheMount, name)))
