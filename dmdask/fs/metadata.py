@@ -114,6 +114,9 @@ class Metadata:
         While the cluster has no workers, waits for one (`Session.call_with_workers`)."""
         folder = f"{fsid}|{folder_of(path)}"
         for _ in Tries(self.session.recovery_seconds(), pause=CLAIM_POLL_SECONDS):
+            found = self.infos.get(f"{fsid}|{path}")  # read by another thread of this process meanwhile
+            if found is not None:
+                return found
             reply = self.session.call_with_workers("dmdask_fs_claim", run=self.run, claim=[[folder, path]])
             found = reply.get(folder, {"infos": {}})["infos"].get(path)
             if found is not None:

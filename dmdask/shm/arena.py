@@ -159,5 +159,11 @@ class ArenaMaps:
         with self._lock:
             self._maps.pop(path, None)
 
+    def remake_lock(self) -> None:
+        """In a forked child: a parent thread may have held the lock at the fork (the
+        mappings themselves are inherited and stay valid)."""
+        self._lock = threading.Lock()
+
 
 ArenaMaps.shared = ArenaMaps()
+os.register_at_fork(after_in_child=ArenaMaps.shared.remake_lock)
