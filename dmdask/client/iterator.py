@@ -75,7 +75,6 @@ def batches(client: Client, spec: Spec, epoch: int = 0, resume: Optional[dict] =
     return BatchIterator(client, spec, epoch, resume, progress=progress)
 
 
-
 class BatchIterator:
     """One epoch of one rank's batches, with bounded prefetch and `state_dict()`.
 
@@ -509,7 +508,7 @@ class BatchIterator:
         to the workers its first batches will ask (those on this host first), so the first
         request pays for neither. Best effort: a failure here surfaces on that request."""
         workers = await self._workers(wait=False)
-        if workers and self._worker is None:
+        if workers:
             self._choose_local_worker(workers)
         mine = my_host(self.client)
         nearest = sorted(workers, key=lambda w: get_address_host(w) != mine)[:CONNECT_AHEAD]

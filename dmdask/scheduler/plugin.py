@@ -130,8 +130,8 @@ class DatasetsPlugin(SchedulerPlugin):
     async def get_or_claim(self, name: str, claimant: str) -> dict:
         """{"status": "ready", "info": ..., "loaded": blocks held now} when the dataset
         exists (erred blocks are retried, so a repaired file is read again), else
-        {"status": "claimed"}: the
-        caller must list the source, `register` it and submit its blocks."""
+        {"status": "claimed"}: the caller must list the source, `register` it and submit
+        its blocks."""
         check.text("dmdask_get_or_claim", "name", name)
         check.text("dmdask_get_or_claim", "claimant", claimant)
         while True:

@@ -5,9 +5,8 @@ batch), field "label" the int64 class index in sorted subfolder order. Sample id
 over the sorted class folders, then the sorted file names. Blocks are runs of files.
 
 The listing costs one request per class folder (up to `LIST_THREADS` at once), never one
-per file: sizes come from
-the listing where the protocol gives them (local, s3, gcs); where it does not (HTTP),
-a block's size is learnt when it is first read. The listing is made by the process that
+per file: sizes come from the listing where the protocol gives them (local, s3, gcs);
+where it does not (HTTP), a block's size is learnt when it is first read. The listing is made by the process that
 creates the dataset's blocks, once per cluster, and travels with the block readers.
 """
 from __future__ import annotations
