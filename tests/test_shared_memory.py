@@ -228,3 +228,28 @@ def test_pooled_batch_memory_is_reused_only_after_the_batch_is_dropped():
     assert all(empty_batch(layout, 5)["x"].__array_interface__["data"][0] != address for _ in range(20))
     del x
     assert any(empty_batch(layout, 5)["x"].__array_interface__["data"][0] == address for _ in range(20))
+
+
+def test_pooled_batch_memory_is_private_to_a_forked_child():
+    """A DataLoader worker forked from the trainer takes batches from its own copy of
+    the pool: what it writes there never shows in the parent's batches."""
+    from dmdask.shm.memory import empty_batch
+
+    layout = (("x", "<i8", ()),)
+    kept = empty_batch(layout, 4)
+    kept["x"][:] = 1
+    del kept  # the chunk is free in the parent and, after the fork, in the child
+    parent = empty_batch(layout, 4)
+    parent["x"][:] = 2
+    pid = os.fork()
+    if pid == 0:  # the child writes over every chunk its pool hands out, the parent's included
+        try:
+            batches = [empty_batch(layout, 4) for _ in range(16)]
+            for b in batches:
+                b["x"][:] = 9
+            parent["x"][:] = 9
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert parent["x"].tolist() == [2, 2, 2, 2]
+    assert all((empty_batch(layout, 4)["x"] != 9).all() for _ in range(4))

@@ -4,7 +4,9 @@ A batch taken from shared memory is one copy into fresh arrays. Fresh memory is 
 expensive part: glibc hands large blocks back to the kernel when they are freed, so
 every new batch faults its pages in again (measured: a trainer that keeps 16 batches
 in flight indexes 3 KB rows at 0.65x the speed of one that drops each at once). Here a
-batch's arrays live in a chunk of a long-lived slab (huge pages where the kernel allows);
+batch's arrays live in a chunk of a long-lived slab of private anonymous memory (huge
+pages where the kernel allows: Python's default shared anonymous mapping is shmem, which
+most kernels give no huge pages; private, a forked child also gets its own copy);
 the chunk returns to its pool when the last array viewing it is garbage collected,
 however long the user keeps the batch. A pool holds at most `MAX_POOL_BYTES`; beyond
 that (a user keeping many batches), and for batches so large that a slab of them would
@@ -44,7 +46,7 @@ class _Pool:
         """A ctypes array over a free chunk, or None when the pool is exhausted."""
         with self._lock:
             if not self._free and len(self._slabs) * SLAB_CHUNKS < self.max_chunks:
-                slab = mmap.mmap(-1, self.chunk_bytes * SLAB_CHUNKS)
+                slab = mmap.mmap(-1, self.chunk_bytes * SLAB_CHUNKS, flags=mmap.MAP_PRIVATE)
                 if hasattr(mmap, "MADV_HUGEPAGE"):
                     slab.madvise(mmap.MADV_HUGEPAGE)
                 self._slabs.append(slab)
