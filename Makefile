@@ -72,6 +72,7 @@ test-main: $(BIN)/.installed
 	bash scripts/install-browser.sh
 	bash scripts/install-fuse.sh
 	bash scripts/install-slurm.sh
+	$(BIN)/python -m compileall -q dmdask  # once: every worker process the tests start imports it
 	$(BIN)/python -m pytest
 
 test-tf: $(TF_BIN)/.installed
