@@ -215,18 +215,26 @@ class HDF5BlockReader(StoreReader):
 
     def _read(self) -> Dict[str, np.ndarray]:
         try:
-            file = _opened(self.layout)
-            node = file[self.layout.group] if self.layout.group else file
-            out = {}
-            for name, kind in self.layout.fields:
-                if kind == "string":
-                    out[name] = node[name].asstr()[self.start:self.stop].astype(np.dtypes.StringDType())
-                else:
-                    out[name] = node[name][self.start:self.stop]
-            return out
-        except Exception:
+            return _read_fields(self.layout, self.start, self.stop)
+        except Exception as exc:
             _forget(self.layout)  # the next try opens the file afresh
-            raise
+            # Without the frames that held h5py objects: an exception's traceback is a
+            # reference cycle, and h5py objects freed by the cyclic collector on fsspec's
+            # IO thread wait there for h5py's lock, held by a reader that waits on that
+            # thread, forever (h5py#2019, dask#7547; it hung a worker's load task).
+            raise exc.with_traceback(None)  # noqa: B904 - the same exception, its frames dropped
+
+
+def _read_fields(layout: HDF5Layout, start: int, stop: int) -> Dict[str, np.ndarray]:
+    file = _opened(layout)
+    node = file[layout.group] if layout.group else file
+    out = {}
+    for name, kind in layout.fields:
+        if kind == "string":
+            out[name] = node[name].asstr()[start:stop].astype(np.dtypes.StringDType())
+        else:
+            out[name] = node[name][start:stop]
+    return out
 
 
 _files: Dict[HDF5Layout, tuple] = {}
