@@ -149,6 +149,17 @@ def test_inside_a_window_ids_do_not_follow_the_positions():
     assert np.unique(gaps, return_counts=True)[1].max() < 2 * chance  # no rotation or stride
 
 
+@pytest.mark.parametrize("window", [None, 10])
+def test_ids_do_not_depend_on_how_many_are_asked_at_once(window):
+    """Long requests are computed in slices (small temporaries): the same ids as one by one."""
+    order = EpochOrder(100_000, 100, shuffle=True, seed=9, epoch=1, shuffle_window=window)
+    positions = np.random.default_rng(0).permutation(100_000)
+    at_once = order.ids(positions)
+    assert np.array_equal(np.sort(at_once), np.arange(100_000))
+    assert np.array_equal(at_once, np.concatenate([order.ids(p) for p in np.array_split(positions, 997)]))
+    assert np.array_equal(order.positions(at_once), positions)
+
+
 def test_consecutive_epochs_are_unrelated():
     n = 100_000
     orders = [whole_order(EpochOrder(n, 100, shuffle=True, seed=9, epoch=e)) for e in range(3)]
