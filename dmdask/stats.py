@@ -9,7 +9,7 @@ from .errors import NotADmdaskWorker
 
 
 def _worker_stats(dask_worker) -> dict:
-    cache = getattr(dask_worker, "dmdask", None)
+    cache = dask_worker.extensions.get("dmdask")
     return None if cache is None else cache.stats()
 
 
@@ -24,13 +24,13 @@ def stats(client: Client) -> Dict[str, dict]:
     "streamed_blocks"}. Hits count samples served from that tier; "stream" hits are
     samples of blocks beyond the cache, read from the shared store.
     """
+    from .client.datasets import ensure_plugin
+
+    ensure_plugin(client)  # which installs the worker plugin, the counters' owner, on every worker
     per_worker = client.run(_worker_stats)
     missing = [w for w, s in per_worker.items() if s is None]
     if missing:
         raise NotADmdaskWorker(f"workers {missing} have no dmdask tiers; start them with --worker-class dmdask.Worker")
-    from .client.datasets import ensure_plugin
-
-    ensure_plugin(client)
     registry = [dict(d) for d in client.sync(client.scheduler.dmdask_datasets)]
     return {"workers": per_worker, "total": total(per_worker.values()), "datasets": registry}
 

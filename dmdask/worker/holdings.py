@@ -1,15 +1,18 @@
-"""What a worker holds under a block's key, each with `take(rows)`.
+"""What a worker holds under a block's key: `Holding`s, one protocol for all of them.
 
 - `Block`: the samples in the worker's memory, one array per field;
 - `FillingBlock`: a RAM block of a one-file-per-sample source, filled as ranks ask;
 - `FileBlock`: the samples in files (shared memory for RAM, the SSD), mapped to take rows;
 - `ArenaBlock`: a RAM block in a slot of its dataset's arena (shared memory);
 - `Streamed`: a marker for a block that fits no tier (read from the store when asked).
-Their files' formats are `dmdask.shm`'s (training processes read them too)."""
+Their files' formats are `dmdask.shm`'s (training processes read them too). A holding
+serves rows through its worker's `BlockCache` (`serve`: its read threads at a priority,
+its store reads, its stream buffer), which counts what each serve did."""
 from __future__ import annotations
 
 import asyncio
-from typing import Dict
+import shutil
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 
@@ -28,10 +31,38 @@ def arrays_nbytes(arrays: Arrays) -> int:
     return total
 
 
-class Span:
-    """Samples `start..stop-1` of a dataset: the part every holding shares."""
+def payload_bytes(arrays: Arrays) -> int:
+    """Bytes of the samples themselves (an object array: its elements' bytes only)."""
+    return sum(a.nbytes if a.dtype != object else sum(v.nbytes for v in a) for a in arrays.values())
+
+
+def concat(arrays):
+    """One array of the rows of `arrays` (object arrays of per-sample arrays too)."""
+    if len(arrays) == 1:
+        return arrays[0]
+    if arrays and arrays[0].dtype == object:
+        out = np.empty(sum(len(a) for a in arrays), dtype=object)
+        i = 0
+        for a in arrays:
+            out[i:i + len(a)] = a
+            i += len(a)
+        return out
+    return np.concatenate(arrays)
+
+
+class Holding:
+    """What a worker holds under a block's key, samples `start..stop-1` of a dataset.
+
+    `tier`: the tier it is charged to ("ram", "ssd"; None: in none, streamed); `nbytes`;
+    `describe()`: how a process on this host maps its rows, None when it cannot;
+    `serve(rows, cache, priority)`: (the rows, how many were read from the store for
+    them), reads done in `cache`'s read threads at `priority`; `take(rows)`: the rows of
+    a holding that holds them all; `release()`: when it leaves the tier; `rereadable`:
+    whether unreadable files are read again from the store (`BlockCache._reread`)."""
 
     __slots__ = ()
+    tier: Optional[str] = "ram"
+    rereadable = False
 
     def __len__(self) -> int:
         return self.stop - self.start
@@ -40,8 +71,17 @@ class Span:
     def samples(self) -> int:
         return self.stop - self.start
 
+    def describe(self) -> Optional[dict]:
+        return None
 
-class Block(Span):
+    async def serve(self, rows: np.ndarray, cache, priority: float) -> Tuple[Arrays, int]:
+        return self.take(rows), 0
+
+    def release(self) -> None:
+        """Nothing to free beyond the object itself."""
+
+
+class Block(Holding):
     """Samples `start..stop-1` of a dataset as one array per field (first axis: samples).
 
     Variable-size fields are object arrays of per-sample `uint8` arrays.
@@ -66,17 +106,37 @@ class Block(Span):
         return self.nbytes
 
 
-class Streamed:
+class Streamed(Holding):
     """Stands in the worker's data for a block that did not fit any tier.
 
     Holding the reader (not the bytes), it lets the worker stream the block from the
-    shared store when a rank asks for its rows.
+    shared store when a rank asks for its rows: just the rows asked for when the store
+    holds one file per sample; otherwise the whole block through the `StreamBuffer`, read
+    once while the ranks take their rows of it.
     """
 
     __slots__ = ("reader",)
+    tier = None
+    nbytes = 0
 
     def __init__(self, reader):
         self.reader = reader
+
+    @property
+    def start(self) -> int:
+        return self.reader.start
+
+    @property
+    def stop(self) -> int:
+        return self.reader.stop
+
+    async def serve(self, rows: np.ndarray, cache, priority: float) -> Tuple[Arrays, int]:
+        if self.reader.row_granular:  # nothing is held afterwards
+            return await cache.in_thread(priority, cache.read_rows, self.reader, rows), len(rows)
+        block = await cache.stream.get(self.reader, priority)
+        out = block.take(rows)
+        cache.stream.served(self.reader.key, len(rows))
+        return out, len(rows)
 
     def __reduce__(self):
         return (Streamed, (self.reader,))
@@ -85,7 +145,7 @@ class Streamed:
         return 64
 
 
-class FillingBlock:
+class FillingBlock(Holding):
     """A RAM block of a one-file-per-sample source, filled sample by sample as ranks ask.
 
     Each sample is read from the store the first time a rank wants it, so epoch 1
@@ -111,9 +171,6 @@ class FillingBlock:
         self.samples = n if sized else 0  # samples charged to the tier
         self.start, self.stop = reader.start, reader.stop
         self.reading: Dict[int, "asyncio.Future"] = {}
-
-    def __len__(self) -> int:
-        return self.stop - self.start
 
     def missing(self, rows: np.ndarray) -> np.ndarray:
         """The rows not read yet, each once, in increasing order."""
@@ -151,6 +208,44 @@ class FillingBlock:
             out[name] = col
         return out
 
+    async def serve(self, rows: np.ndarray, cache, priority: float) -> Tuple[Arrays, int]:
+        """Rows not held yet are read now, at `priority`, unless a read under way for
+        another request brings them: then that read is awaited, so each row is read once
+        and a request waits only for the reads of its own rows."""
+        missing = self.missing(rows)
+        under_way = {id(f): f for f in map(self.reading.get, missing.tolist()) if f is not None}
+        mine = np.array([r for r in missing.tolist() if r not in self.reading], dtype=np.int64)
+        reads = list(under_way.values())
+        if len(mine):
+            read = asyncio.ensure_future(self._fill(mine, cache, priority))  # not cancelled with this request
+            for r in mine.tolist():
+                self.reading[r] = read
+            reads.append(read)
+        spares = [await asyncio.shield(read) for read in reads]
+        if not spares:
+            return self.take(rows), 0
+        spare_rows = np.concatenate([r for r, _ in spares])
+        order = np.argsort(spare_rows, kind="stable")
+        spare = {f: concat([a[f] for _, a in spares])[order] for f in spares[0][1]}
+        return self.take(rows, spare_rows[order], spare), len(mine)
+
+    async def _fill(self, rows: np.ndarray, cache, priority: float):
+        """Read `rows` (increasing) from the store and keep those the tier has room for;
+        (rows, their arrays), kept or not."""
+        try:
+            arrays = await cache.in_thread(priority, cache.read_rows, self.reader, rows)
+            kept = len(rows)
+            if not self.sized:
+                sizes = sample_nbytes(arrays)
+                kept = cache.store.charge("ram", sizes)
+                self.samples += kept
+                self.nbytes += int(sizes[:kept].sum())
+            self.fill(rows[:kept], {f: a[:kept] for f, a in arrays.items()})
+            return rows, arrays
+        finally:
+            for r in rows.tolist():
+                self.reading.pop(r, None)
+
     def __reduce__(self):
         # Leaving the worker (a graceful retirement): travel as a complete block.
         arrays = self.arrays if self.complete else self.reader.read()
@@ -173,10 +268,14 @@ def sample_nbytes(arrays: Arrays) -> np.ndarray:
     return sizes
 
 
-class _InFiles(Span):
-    """A block in files of this host (`dmdask.shm`) that leaves the worker as its data."""
+class _InFiles(Holding):
+    """A block in files of this host (`dmdask.shm`) that leaves the worker as its data;
+    its rows are copied out in a read thread."""
 
     __slots__ = ()
+
+    async def serve(self, rows: np.ndarray, cache, priority: float) -> Tuple[Arrays, int]:
+        return await cache.in_thread(priority, self.take, rows), 0
 
     def load(self) -> Block:
         return Block(self.take(np.arange(len(self))), self.start, self.stop)
@@ -211,17 +310,25 @@ class FileBlock(_InFiles):
         path, layout = fileblocks.write(directory, block.arrays, block.start)
         return cls(path, block.start, block.stop, block.nbytes, layout, tier, reader)
 
-    def describe(self) -> dict:
-        """What a process on the same host needs to map this block (`map_arrays`)."""
+    @property
+    def rereadable(self) -> bool:
+        return self.reader is not None
+
+    def _description(self) -> dict:
         return {"path": self.path, "layout": self.layout, "tier": self.tier}
 
-    def files_exist(self) -> bool:
-        """Whether every file of the block is still there with the size its layout says."""
-        return fileblocks.files_exist(self.path, self.layout, len(self))
+    def describe(self) -> Optional[dict]:
+        """What a process on the same host needs to map this block (`map_arrays`); None
+        when a file is gone or of another size (rows then come through the worker,
+        which reads the block again)."""
+        return self._description() if fileblocks.files_exist(self.path, self.layout, len(self)) else None
 
     def take(self, rows: np.ndarray) -> Arrays:
         """The given rows, copied out of the files. Thread-safe."""
-        return take_rows(map_arrays(self.describe()), rows)
+        return take_rows(map_arrays(self._description()), rows)
+
+    def release(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
 
 
 class ArenaBlock(_InFiles):
@@ -240,3 +347,6 @@ class ArenaBlock(_InFiles):
 
     def take(self, rows: np.ndarray) -> Arrays:
         return ArenaMaps.shared.take(self.describe(), rows)
+
+    def release(self) -> None:
+        self.arena.free(self.slot)
