@@ -188,7 +188,7 @@ def holdings(client):
 
 
 def ask_rows(client, holder, key, rows):
-    return client.sync(WorkerAPI(client.rpc).rows, holder, RowsRequest({key: np.asarray(rows)}))
+    return client.sync(WorkerAPI(client.rpc).call, holder, RowsRequest({key: np.asarray(rows)}))
 
 
 def store_requests(client):

@@ -179,8 +179,8 @@ def test_worker_handlers_refuse_bad_arguments_and_change_nothing(plain_cluster, 
     refused(client, api.count_hits, address, {"ram": [1.5, 1]})
     assert "hits=(1, 2)" in refused(client, api.count_hits, address, [1, 2])
     assert "keys=" in refused(client, api.describe, address, "dmdask-block-x-0")
-    assert "dmdask_rows: rows=" in refused(client, api.rows, address, RowsRequest(["dmdask-block-x-0"]))
-    assert "wait=" in refused(client, api.rows, address, RowsRequest({}, wait=60))
+    assert "dmdask_rows: rows=" in refused(client, api.call, address, RowsRequest(["dmdask-block-x-0"]))
+    assert "wait=" in refused(client, api.call, address, RowsRequest({}, wait=60))
     # a message that is not a typed request (the dicts of before), or with unknown fields
     assert "message=None" in refused(client, worker.dmdask_rows, msg={"dmdask-block-x-0": [0]})
     wire = to_wire(RowsRequest({}))
@@ -192,7 +192,7 @@ def test_worker_handlers_refuse_bad_arguments_and_change_nothing(plain_cluster, 
                       ({"context": TransformContext(-1, 0)}, "context.epoch"), ({"wait": -1}, "wait"),
                       ({"requests": {"tcp://a:1": {}}, "positions": {"tcp://a:1": np.array([0, 5])}},
                        "positions['tcp://a:1']")):
-        message = refused(client, api.batch, address, BatchRequest(**{**good_batch, **bad}))
+        message = refused(client, api.call, address, BatchRequest(**{**good_batch, **bad}))
         assert message.startswith(f"dmdask_batch: {name}="), message
     after = dmdask.stats(client)["total"]
     assert after["ram"]["hits"] == before["ram"]["hits"] and after["ssd"]["hits"] == before["ssd"]["hits"]

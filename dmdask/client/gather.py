@@ -347,7 +347,7 @@ class Gatherer:
     async def _rows(self, holder: str, wanted: Dict[str, np.ndarray], priority: Optional[int]):
         """(rows from `holder`, how many it read from the store for them). The holder
         waits a moment for blocks it is still loading (`locate(planned=True)`)."""
-        reply = await self.workers.rows(holder, RowsRequest(wanted, priority, LOAD_WAIT))
+        reply = await self.workers.call(holder, RowsRequest(wanted, priority, LOAD_WAIT))
         return reply.arrays, reply.from_store
 
     def _assemble(self, from_files, parts, n: int) -> Dict[str, np.ndarray]:

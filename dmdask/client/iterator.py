@@ -400,7 +400,7 @@ class BatchIterator:
                                self._transform, TransformContext(self.epoch, self.spec.seed), extra,
                                isolate=isolate, same_host=get_address_host(worker) == my_host(self.client),
                                priority=first, wait=LOAD_WAIT)
-        reply = await self._gatherer.workers.batch(worker, request)  # Moved when a holder lost a block
+        reply = await self._gatherer.workers.call(worker, request)  # Moved when a holder lost a block
         self._cold = reply.from_store > 0
         # written into the worker's shared memory: mapped, not copied
         batches = map_batches(reply.shared) if reply.shared is not None else list(reply.batches)
@@ -437,7 +437,7 @@ class BatchIterator:
                     holder = (await self._holders_of([key]))[0].get(key)
                     if holder is not None:
                         first_row = RowsRequest({key: np.zeros(1, dtype=np.int64)})
-                        out.append((await self._gatherer.workers.rows(holder, first_row)).arrays)
+                        out.append((await self._gatherer.workers.call(holder, first_row)).arrays)
                         break
                 except BlockReadError:
                     raise

@@ -1,20 +1,16 @@
 """The workers' handlers as typed messages, and `WorkerAPI`, which sends them.
 
-Every handler takes one request and answers one reply (or nothing), both dataclasses
-here. On the wire a message is the handler's keyword arguments: its fields, "message"
-naming its class, and its `PAYLOAD` fields (arrays, bytes, pickled objects) wrapped for
-Dask's own serialisation, so arrays travel as they always did (no pickle of the whole
-message). A handler rebuilds its request with `received`, which checks it once
-(`HandlerArgumentError` naming the handler and the argument).
-
-One fact, one type: blocks not held where they were asked for are the `Missing` reply
-on the wire and the `Moved` exception everywhere else (the caller locates them again).
+Each handler takes one request dataclass and answers one reply dataclass (or None). On
+the wire a message is the handler's keyword arguments: "message" (its class) and its
+fields, the `PAYLOAD` ones (arrays, bytes) wrapped by `to_serialize` as they always were.
+`received` rebuilds a request and checks it, once. One fact, one type: blocks not held
+where asked are the `Missing` reply on the wire and `Moved` everywhere else.
 """
 from __future__ import annotations
 
 import dataclasses
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, List, Optional
 
 import numpy as np
@@ -27,8 +23,7 @@ MAX_WAIT = 5.0  # seconds a request may wait for blocks its worker is loading
 
 
 class Moved(Exception):
-    """Blocks are no longer where they were located (released, recomputed elsewhere, or
-    not held yet): locate them again."""
+    """Blocks are not (or no longer) where they were located: locate them again."""
 
     def __init__(self, keys):
         self.keys = list(keys)
@@ -36,9 +31,7 @@ class Moved(Exception):
 
 
 class Message:
-    """A request or a reply. `PAYLOAD`: fields serialised by Dask (`to_serialize`)."""
-
-    PAYLOAD: ClassVar[tuple] = ()
+    PAYLOAD: ClassVar[tuple] = ()  # fields serialised by Dask (`to_serialize`)
 
     def check(self, handler: str) -> None:
         """`HandlerArgumentError` unless the fields are of their types and ranges."""
@@ -46,9 +39,8 @@ class Message:
 
 @dataclass
 class RowsRequest(Message):
-    """`dmdask_rows`: rows (offsets) of blocks the worker holds, block key -> rows.
-    `priority`: the position of the batch that waits for them (lower first; None: after
-    every prioritised read); `wait`: seconds to wait for blocks it is loading."""
+    """`dmdask_rows`: block key -> rows (offsets). `priority`: the position of the batch
+    waiting for them (lower first; None: last); `wait`: seconds to wait for blocks loading."""
 
     rows: Dict[str, np.ndarray]
     priority: Optional[float] = None
@@ -64,8 +56,7 @@ class RowsRequest(Message):
 
 @dataclass
 class Rows(Message):
-    """The rows asked for, one array per field in request order; `from_store`: how many
-    of them were read from the store for this request."""
+    """One array per field, in request order; `from_store`: rows read from the store for it."""
 
     arrays: Dict[str, np.ndarray]
     from_store: int = 0
@@ -74,21 +65,16 @@ class Rows(Message):
 
 @dataclass
 class Missing(Message):
-    """The worker does not hold these blocks (`Moved` for the caller)."""
-
     keys: List[str]
 
 
 @dataclass
 class BatchRequest(Message):
-    """`dmdask_batch`: consecutive batches gathered from their holders, in batch order.
-
-    `requests`: holder -> block key -> rows; `positions`: holder -> where its rows go in
-    the group; `index`: the group's sample ids; `sizes`: the batch lengths; `extra`: more
-    fields given whole (a mixture's "source"); `context`: what `transform_context()`
-    gives the transform; `isolate`: run the transform in a process of its own;
-    `same_host`: the caller maps batches written to shared memory; `priority` and `wait`
-    as in `RowsRequest` (a group sent to a block's planned holder is not served in part)."""
+    """`dmdask_batch`: consecutive batches gathered from their holders (`requests`: holder
+    -> block key -> rows; `positions`: holder -> where its rows go), in batch order;
+    `extra`: fields given whole (a mixture's "source"); `context`: a `TransformContext`;
+    `isolate`: the transform in a process of its own; `same_host`: batches may come back
+    in shared memory; `priority`, `wait` as in `RowsRequest`."""
 
     requests: Dict[str, Dict[str, np.ndarray]]
     positions: Dict[str, np.ndarray]
@@ -96,7 +82,7 @@ class BatchRequest(Message):
     sizes: List[int]
     fields: List[str]
     transform: Optional[bytes] = None
-    context: Any = None  # a dmdask.spec.TransformContext
+    context: Any = None
     extra: Optional[Dict[str, np.ndarray]] = None
     isolate: bool = False
     same_host: bool = False
@@ -105,7 +91,7 @@ class BatchRequest(Message):
     PAYLOAD: ClassVar[tuple] = ("requests", "positions", "index", "extra", "context")
 
     def check(self, handler: str) -> None:
-        """The rows themselves are checked against their blocks when taken."""
+        """The rows themselves are checked against their blocks when taken (`check_rows`)."""
         index = np.asarray(self.index)
         if index.ndim != 1 or (index.size and index.dtype.kind not in "iu"):
             raise check.refuse(handler, "index", "a 1-d array of sample ids", self.index)
@@ -120,9 +106,8 @@ class BatchRequest(Message):
             check.indices(handler, f"positions[{holder!r}]", self.positions[holder], len(index))
         if self.transform is not None and not isinstance(self.transform, bytes):
             raise check.refuse(handler, "transform", "a pickled transform (bytes) or None", type(self.transform))
-        if self.context is not None:
-            for name in ("epoch", "seed"):
-                check.count(handler, f"context.{name}", getattr(self.context, name, None))
+        for name in ("epoch", "seed") if self.context is not None else ():
+            check.count(handler, f"context.{name}", getattr(self.context, name, None))
         if self.extra is not None:
             check.mapping(handler, "extra", self.extra)
         check.flag(handler, "isolate", self.isolate)
@@ -134,10 +119,8 @@ class BatchRequest(Message):
 
 @dataclass
 class Batches(Message):
-    """The batches, as arrays (`batches`) or written to a shared-memory file of the
-    caller's host (`shared`, for `dmdask.shm.results.map_batches`); `error`: the
-    `TransformError` of the first batch whose transform failed (the batches before it
-    are given); `from_store` as in `Rows`."""
+    """The batches, as arrays or written to shared memory on the caller's host (`shared`,
+    for `map_batches`); `error`: the first failed transform's `TransformError`."""
 
     batches: Optional[list] = None
     shared: Optional[dict] = None
@@ -158,21 +141,18 @@ class DescribeRequest(Message):
 
 @dataclass
 class Descriptions(Message):
-    """Key -> how to map the block's files (`FileBlock.describe`, `ArenaBlock.describe`),
-    or None for a block held in no file; keys not held are left out."""
+    """Key -> how to map its files (`Holding.describe`; None: in no file); keys not held are left out."""
 
     blocks: Dict[str, Optional[dict]]
 
 
 @dataclass
 class HitsReport(Message):
-    """`dmdask_count_hits`: tier -> [samples, bytes] that training processes took from
-    the worker's files themselves (no reply)."""
+    """`dmdask_count_hits`: tier -> [samples, bytes] taken from the worker's files by others."""
 
     hits: Dict[str, List[int]]
 
     def check(self, handler: str) -> None:
-        """Every count is checked before any is added."""
         check.mapping(handler, "hits", self.hits, known=("ram", "ssd"))
         for tier, pair in self.hits.items():
             if not isinstance(pair, (list, tuple)) or len(pair) != 2:
@@ -183,8 +163,7 @@ class HitsReport(Message):
 
 @dataclass
 class HandOver(Message):
-    """`dmdask_hand_over`: bytes of blocks a reader read from the store, for their load
-    tasks of claim `claim` (transparent mode)."""
+    """`dmdask_hand_over`: bytes of blocks a reader read, for their load tasks of `claim`."""
 
     blocks: Dict[str, bytes]
     claim: str
@@ -200,9 +179,7 @@ class HandOver(Message):
 
 @dataclass
 class Kept(Message):
-    """The keys whose bytes the worker kept (others had no room)."""
-
-    keys: List[str] = field(default_factory=list)
+    keys: List[str]  # those whose bytes the worker kept (others had no room)
 
 
 OPS = {RowsRequest: "dmdask_rows", BatchRequest: "dmdask_batch", DescribeRequest: "dmdask_describe",
@@ -211,7 +188,6 @@ _MESSAGES = {cls.__name__: cls for cls in (*OPS, Rows, Missing, Batches, Descrip
 
 
 def to_wire(message: Message) -> dict:
-    """The keyword arguments that carry `message`."""
     wire = {"message": type(message).__name__}
     for f in dataclasses.fields(message):
         value = getattr(message, f.name)
@@ -219,66 +195,50 @@ def to_wire(message: Message) -> dict:
     return wire
 
 
-def from_wire(wire: dict) -> Message:
-    """The message that keyword arguments carry (a worker's reply: not checked)."""
-    wire = dict(wire)
-    return _MESSAGES[wire.pop("message")](**wire)
-
-
 def received(handler: str, kind: type, wire: dict) -> Message:
-    """The `kind` request that `handler` received as keyword arguments, checked once."""
-    wire = dict(wire)
+    """The `kind` request that `handler` received as keyword arguments, checked."""
     name = wire.pop("message", None)
     if name != kind.__name__:
         raise check.refuse(handler, "message", f"a {kind.__name__} (send it with WorkerAPI)", name)
-    names = [f.name for f in dataclasses.fields(kind)]
     try:
         request = kind(**wire)
     except TypeError:
-        raise check.refuse(handler, "arguments", f"the fields {names} of {kind.__name__}", sorted(wire)) from None
+        fields = [f.name for f in dataclasses.fields(kind)]
+        raise check.refuse(handler, "arguments", f"the fields {fields} of {kind.__name__}", sorted(wire)) from None
     request.check(handler)
     return request
 
 
 def handler(kind: type, method):
-    """`method` (a `kind` request -> a reply message or None) as the Dask handler of its op."""
-    op = OPS[kind]
-
+    """`method` (a `kind` request -> a reply or None) as the Dask handler of its op."""
     async def handle(**wire):
-        reply = method(received(op, kind, wire))
-        if inspect.isawaitable(reply):
-            reply = await reply
+        reply = method(received(OPS[kind], kind, wire))
+        reply = (await reply) if inspect.isawaitable(reply) else reply
         return None if reply is None else to_wire(reply)
 
-    handle.__name__ = op
+    handle.__name__ = OPS[kind]
     return handle
 
 
 class WorkerAPI:
-    """The workers' handlers as calls, over a `ConnectionPool` (`client.rpc`, `worker.rpc`).
-    `connect_seconds`: how long a connection may take (None: the pool's timeout); a worker
-    that has gone away then fails the call with an OSError at once instead of after Dask's
-    whole connect timeout (30 s of retries against a closed port)."""
+    """The workers' handlers over a `ConnectionPool` (`client.rpc`, `worker.rpc`).
+    `connect_seconds`: how long a connection may take (None: the pool's timeout), so that
+    a worker gone away fails a call with an OSError at once, not after 30 s of retries."""
 
     def __init__(self, rpc, connect_seconds: Optional[float] = None):
-        self.rpc = rpc
-        self.connect_seconds = connect_seconds
+        self.rpc, self.connect_seconds = rpc, connect_seconds
 
     async def call(self, address: str, request: Message) -> Optional[Message]:
+        """The worker's reply to `request`; `Moved` for blocks it does not hold."""
         comm = await self.rpc.connect(address, timeout=self.connect_seconds)
         try:
             reply = await send_recv(comm, op=OPS[type(request)], **to_wire(request))
         finally:
             self.rpc.reuse(address, comm)
-        return None if reply is None else from_wire(reply)
-
-    async def rows(self, address: str, request: RowsRequest) -> Rows:
-        """`Moved` when the worker does not hold a block (after `request.wait`)."""
-        return _found(await self.call(address, request))
-
-    async def batch(self, address: str, request: BatchRequest) -> Batches:
-        """`Moved` when a holder does not hold a block."""
-        return _found(await self.call(address, request))
+        reply = None if reply is None else _MESSAGES[reply.pop("message")](**reply)
+        if isinstance(reply, Missing):
+            raise Moved(reply.keys)
+        return reply
 
     async def describe(self, address: str, keys: List[str]) -> Dict[str, Optional[dict]]:
         return (await self.call(address, DescribeRequest(keys))).blocks
@@ -288,9 +248,3 @@ class WorkerAPI:
 
     async def hand_over(self, address: str, blocks: Dict[str, bytes], claim: str) -> List[str]:
         return (await self.call(address, HandOver(blocks, claim))).keys
-
-
-def _found(reply):
-    if isinstance(reply, Missing):
-        raise Moved(reply.keys)
-    return reply

@@ -16,7 +16,7 @@ from dask.utils import parse_bytes
 from ..errors import SpecError
 from ..shm.modes import group_id
 from ..tasks import load_block
-from .cache import BlockCache
+from .cache import NO_COUNTS, BlockCache
 from .plugin import WorkerPlugin
 from . import sizing
 from .tiers import TieredStore
@@ -83,6 +83,9 @@ class Worker(distributed.Worker):
         store.open_ssd()  # an unusable ssd_dir: a warning and stats()["ssd"]["error"], not a crash
         store.check_shared_memory()  # a RAM tier larger than /dev/shm: a warning and stats()["ram"]["warning"]
         self.stream_buffer = capacity(config("stream-buffer", stream_buffer), "stream_buffer")
+        # the tiers until the worker plugin's cache adds its counts: the scheduler reads a
+        # joining worker's room from this metric (`DatasetsPlugin._win_back`)
+        self.metrics["dmdask"] = lambda worker: {**store.stats(), **NO_COUNTS}
 
     async def start_unsafe(self):
         await super().start_unsafe()

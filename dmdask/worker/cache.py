@@ -20,7 +20,8 @@ import numpy as np
 
 from ..protocol.worker import Moved
 from .handover import Handovers
-from .holdings import Arrays, Block, FileBlock, FillingBlock, Holding, Streamed, concat, payload_bytes
+from .filling import FillingBlock
+from .holdings import Arrays, Block, FileBlock, Holding, Streamed, concat, payload_bytes
 from .reads import LAST, PriorityPool
 from .stream import StreamBuffer
 from .tiers import TieredStore
@@ -246,17 +247,17 @@ class BlockCache:
 
     # -- accounting --------------------------------------------------------------------
     def stats(self) -> dict:
-        tiers = self.store.stats()
-        return {
-            "ram": tiers["ram"],
-            "ssd": tiers["ssd"],
-            "streamed_blocks": tiers["streamed_blocks"],
-            "stream": {"hits": self.streamed_hits, "buffer_bytes": self.stream.bytes,
-                       "buffer_capacity": self.stream.capacity},
-            "shared_store": {"requests": self.store_reads.requests, "bytes": self.store_reads.bytes,
-                             "retries": self.store_reads.retries},
-            "peer": {"bytes_out": self.peer_bytes_out, "bytes_in": self.peer_bytes_in},
-        }
+        """The worker's `dmdask` metric and `dmdask.stats`: its tiers' and the cache's counters."""
+        return {**self.store.stats(),
+                "stream": {"hits": self.streamed_hits, "buffer_bytes": self.stream.bytes,
+                           "buffer_capacity": self.stream.capacity},
+                "shared_store": {"requests": self.store_reads.requests, "bytes": self.store_reads.bytes,
+                                 "retries": self.store_reads.retries},
+                "peer": {"bytes_out": self.peer_bytes_out, "bytes_in": self.peer_bytes_in}}
+
+
+NO_COUNTS = {"stream": {"hits": 0, "buffer_bytes": 0, "buffer_capacity": 0},  # `stats` before a cache starts
+             "shared_store": {"requests": 0, "bytes": 0, "retries": 0}, "peer": {"bytes_out": 0, "bytes_in": 0}}
 
 
 LOADING_STATES = frozenset({"waiting", "ready", "constrained", "executing", "long-running"})

@@ -1,20 +1,12 @@
-"""The worker side of dmdask as a Dask worker plugin, which the scheduler plugin installs
-on every worker (as `distributed.shuffle` installs its own): on a `dmdask.Worker` it
-starts the `BlockCache` over the worker's tiers and registers the five handlers.
-
-- `dmdask_rows`: rows of the blocks this worker holds, for itself or a peer.
-- `dmdask_batch` (called by a rank on its own node): one group's rows from their holders
-  (itself without a copy, peers through `dmdask_rows`), put in batch order, the spec's
-  transform run, the batches returned: to a trainer on this host through a file in
-  shared memory (`dmdask.shm.results`), to others over TCP.
-- `dmdask_describe`: how a training process on this host maps held blocks' files.
-- `dmdask_count_hits`: rows such processes took from those files themselves.
-- `dmdask_hand_over` (transparent mode): bytes of blocks a reader already read from the
-  store, taken by their load tasks in place of a store read (`handover`).
-
-Requests and replies are `dmdask.protocol.worker`'s; each handler takes its parts (the
-cache, this worker's address, the peers' `WorkerAPI`) as attributes, so it is tested
-without a cluster.
+"""dmdask's worker side as a Dask worker plugin, which the scheduler plugin installs on
+every worker (as `distributed.shuffle` does): on a `dmdask.Worker` it starts the
+`BlockCache` over the worker's tiers and registers the handlers of
+`dmdask.protocol.worker`: `dmdask_rows` (rows of held blocks, for this worker or a peer),
+`dmdask_batch` (a rank's group on its own node: rows from their holders, in batch order,
+transformed, returned in shared memory to the same host or over TCP), `dmdask_describe`
+and `dmdask_count_hits` (trainers on this host that map held blocks' files themselves),
+`dmdask_hand_over` (transparent mode: bytes a reader read, for the load tasks, `handover`).
+Handlers use `cache`, `address` and `peers` (a `WorkerAPI`): testable without a cluster.
 """
 from __future__ import annotations
 
@@ -26,7 +18,7 @@ import numpy as np
 from distributed.comm.core import CommClosedError
 
 from ..protocol.worker import (Batches, BatchRequest, DescribeRequest, Descriptions, HandOver, HitsReport, Kept,
-                               Missing, Moved, Rows, RowsRequest, WorkerAPI, handler)
+                               Missing, Moved, OPS, Rows, RowsRequest, WorkerAPI, handler)
 from ..shm.fileblocks import assemble
 from ..shm.results import shareable, write_batches
 from ..spec import loads_transform
@@ -56,10 +48,9 @@ class WorkerPlugin(distributed.WorkerPlugin):
                                 read_threads=int(dask.config.get("dmdask.worker.read-threads")),
                                 transform_threads=int(dask.config.get("dmdask.worker.transform-threads")))
         self.address, self.peers = worker.address, WorkerAPI(worker.rpc)
-        for kind, method in ((RowsRequest, self.rows), (BatchRequest, self.batch), (DescribeRequest, self.describe),
-                             (HitsReport, self.count_hits), (HandOver, self.hand_over)):
-            registered = handler(kind, method)
-            worker.handlers[registered.__name__] = registered
+        worker.handlers.update({OPS[kind]: handler(kind, method) for kind, method in (
+            (RowsRequest, self.rows), (BatchRequest, self.batch), (DescribeRequest, self.describe),
+            (HitsReport, self.count_hits), (HandOver, self.hand_over))})
         worker.extensions["dmdask"] = self.cache
         worker.metrics["dmdask"] = lambda worker: self.cache.stats()
 
@@ -84,7 +75,7 @@ class WorkerPlugin(distributed.WorkerPlugin):
             if holder == self.address:
                 return await self.cache.serve(wanted, _priority(request.priority), request.wait)
             try:
-                reply = await self.peers.rows(holder, RowsRequest(wanted, request.priority, request.wait))
+                reply = await self.peers.call(holder, RowsRequest(wanted, request.priority, request.wait))
             except RuntimeError as exc:  # this worker is closing ("ConnectionPool is closed"): a lost worker
                 raise CommClosedError(f"worker {self.address} is closing: {exc}") from None
             self.cache.peer_bytes_in += payload_bytes(reply.arrays)
