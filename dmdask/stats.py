@@ -9,8 +9,8 @@ from .errors import NotADmdaskWorker
 
 
 def _worker_stats(dask_worker) -> dict:
-    cache = dask_worker.extensions.get("dmdask")
-    return None if cache is None else cache.stats()
+    metric = dask_worker.metrics.get("dmdask")  # a dmdask.Worker's tiers, with its cache's counts once started
+    return None if metric is None else metric(dask_worker)
 
 
 def stats(client: Client) -> Dict[str, dict]:
@@ -26,7 +26,7 @@ def stats(client: Client) -> Dict[str, dict]:
     """
     from .client.datasets import ensure_plugin
 
-    ensure_plugin(client)  # which installs the worker plugin, the counters' owner, on every worker
+    ensure_plugin(client)  # which installs the worker plugin (the cache and its counts) on every worker
     per_worker = client.run(_worker_stats)
     missing = [w for w, s in per_worker.items() if s is None]
     if missing:

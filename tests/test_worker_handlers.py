@@ -165,3 +165,7 @@ async def test_the_scheduler_plugin_installs_the_worker_plugin(c, s, a):
     assert await workers.describe(a.address, ["dmdask-block-x-0"]) == {}
     await workers.count_hits(a.address, {"ram": [3, 24]})
     assert a.extensions["dmdask"].stats()["ram"]["hits"] == 3
+    cache = a.extensions["dmdask"]
+    await a.plugin_add(WorkerPlugin(), name="dmdask")  # as a new scheduler adds it again
+    assert a.extensions["dmdask"] is cache and cache.stats()["ram"]["hits"] == 3  # the same cache, still open
+    assert await cache.in_thread(0, sum, [1, 2]) == 3

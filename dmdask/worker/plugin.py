@@ -16,6 +16,7 @@ import dask
 import distributed
 import numpy as np
 from distributed.comm.core import CommClosedError
+from distributed.core import Status
 
 from ..protocol.worker import (Batches, BatchRequest, DescribeRequest, Descriptions, HandOver, HitsReport, Kept,
                                Missing, Moved, OPS, Rows, RowsRequest, WorkerAPI, handler)
@@ -44,9 +45,11 @@ class WorkerPlugin(distributed.WorkerPlugin):
     def setup(self, worker) -> None:
         if not isinstance(worker.data, TieredStore):
             return
-        self.cache = BlockCache(worker, worker.data, worker.stream_buffer,
-                                read_threads=int(dask.config.get("dmdask.worker.read-threads")),
-                                transform_threads=int(dask.config.get("dmdask.worker.transform-threads")))
+        self.cache = worker.extensions.get("dmdask")  # kept when added again (by a new scheduler)
+        if self.cache is None:
+            self.cache = BlockCache(worker, worker.data, worker.stream_buffer,
+                                    read_threads=int(dask.config.get("dmdask.worker.read-threads")),
+                                    transform_threads=int(dask.config.get("dmdask.worker.transform-threads")))
         self.address, self.peers = worker.address, WorkerAPI(worker.rpc)
         worker.handlers.update({OPS[kind]: handler(kind, method) for kind, method in (
             (RowsRequest, self.rows), (BatchRequest, self.batch), (DescribeRequest, self.describe),
@@ -55,7 +58,7 @@ class WorkerPlugin(distributed.WorkerPlugin):
         worker.metrics["dmdask"] = lambda worker: self.cache.stats()
 
     def teardown(self, worker) -> None:
-        if self.cache is not None:
+        if self.cache is not None and worker.status == Status.closing:  # not when added again
             self.cache.close()
 
     async def rows(self, request: RowsRequest):
