@@ -88,7 +88,7 @@ class BatchRequest(Message):
     same_host: bool = False
     priority: Optional[int] = None
     wait: float = 0.0
-    PAYLOAD: ClassVar[tuple] = ("requests", "positions", "index", "extra", "context")
+    PAYLOAD: ClassVar[tuple] = ("requests", "positions", "index", "extra", "context", "transform")
 
     def check(self, handler: str) -> None:
         """The rows themselves are checked against their blocks when taken (`check_rows`)."""
