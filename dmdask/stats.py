@@ -9,8 +9,8 @@ from .errors import NotADmdaskWorker
 
 
 def _worker_stats(dask_worker) -> dict:
-    cache = getattr(dask_worker, "dmdask", None)
-    return None if cache is None else cache.stats()
+    metric = dask_worker.metrics.get("dmdask")  # a dmdask.Worker's tiers, with its cache's counts once started
+    return None if metric is None else metric(dask_worker)
 
 
 def stats(client: Client) -> Dict[str, dict]:
@@ -24,13 +24,13 @@ def stats(client: Client) -> Dict[str, dict]:
     "streamed_blocks"}. Hits count samples served from that tier; "stream" hits are
     samples of blocks beyond the cache, read from the shared store.
     """
+    from .client.datasets import ensure_plugin
+
+    ensure_plugin(client)  # which installs the worker plugin (the cache and its counts) on every worker
     per_worker = client.run(_worker_stats)
     missing = [w for w, s in per_worker.items() if s is None]
     if missing:
         raise NotADmdaskWorker(f"workers {missing} have no dmdask tiers; start them with --worker-class dmdask.Worker")
-    from .client.datasets import ensure_plugin
-
-    ensure_plugin(client)
     registry = [dict(d) for d in client.sync(client.scheduler.dmdask_datasets)]
     return {"workers": per_worker, "total": total(per_worker.values()), "datasets": registry}
 

@@ -9,11 +9,12 @@ from .source.urls import check_source
 
 
 def load_block(reader):
-    """Dask task: the value of a block's key on the worker that runs it (its `BlockCache`).
+    """Dask task: the value of a block's key on the worker that runs it (its `BlockCache`,
+    which the worker plugin installs).
     `SourceNotAllowedError` for a source outside `dmdask.worker.allowed-sources`."""
     check_source(reader.url)
     worker = distributed.get_worker()
-    cache = getattr(worker, "dmdask", None)
+    cache = worker.extensions.get("dmdask")
     if cache is None:
         raise NotADmdaskWorker(
             f"worker {worker.address} has no dmdask tiers; start workers with "

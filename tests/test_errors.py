@@ -11,7 +11,7 @@ import pytest
 import zarr
 
 import dmdask
-from distributed.protocol.serialize import to_serialize
+from dmdask.protocol.worker import RowsRequest, WorkerAPI
 from dmdask.source import block_key
 from dmdask.testing.datasets import write_folder, write_zarr, zarr_sample
 
@@ -188,7 +188,7 @@ def holdings(client):
 
 
 def ask_rows(client, holder, key, rows):
-    return client.sync(client.rpc(holder).dmdask_rows, msg=to_serialize({key: np.asarray(rows)}))
+    return client.sync(WorkerAPI(client.rpc).call, holder, RowsRequest({key: np.asarray(rows)}))
 
 
 def store_requests(client):
@@ -220,7 +220,7 @@ def test_rows_request_with_offsets_outside_the_block_is_refused(tmp_path):
         with pytest.raises(ValueError, match=rf"{key}.*\[-3, 10\]"):
             ask_rows(client, holder, key, [0, -3, 10])
         assert store_requests(client) == 0  # the good offset 0 was not read for the bad request
-        assert ask_rows(client, holder, key, [9, 0])["rows"]["label"].tolist() == [1, 1]
+        assert ask_rows(client, holder, key, [9, 0]).arrays["label"].tolist() == [1, 1]
         assert store_requests(client) == 1
 
         # Zarr: 2 blocks in the RAM arena, 2 on the SSD, 2 streamed
@@ -243,4 +243,4 @@ def test_rows_request_with_offsets_outside_the_block_is_refused(tmp_path):
         assert store_requests(client) == reads  # not even the streamed blocks were read
         for k in range(6):  # while good offsets still get their rows
             reply = ask_rows(client, holder, block_key(identity, k), [49, 0, 7])
-            np.testing.assert_array_equal(reply["rows"]["x"], zarr_sample(np.array([49, 0, 7]) + 50 * k))
+            np.testing.assert_array_equal(reply.arrays["x"], zarr_sample(np.array([49, 0, 7]) + 50 * k))

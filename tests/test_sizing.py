@@ -107,7 +107,7 @@ def test_ssd_size_from_free_space_only_inside_a_job(tmp_path):
 
 
 def _tiers(dask_worker):
-    return {tier: dask_worker.dmdask.store.stats()[tier] for tier in ("ram", "ssd")}
+    return {tier: dask_worker.data.stats()[tier] for tier in ("ram", "ssd")}
 
 
 @pytest.fixture

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 import dmdask
+from dmdask.protocol.worker import BatchRequest, RowsRequest, WorkerAPI, to_wire
+from dmdask.spec import TransformContext
 from dmdask.testing.datasets import write_folder, write_zarr
 
 
@@ -157,9 +159,9 @@ def plain_cluster():
         yield client
 
 
-def refused(client, call, /, **msg):
+def refused(client, call, /, *args, **msg):
     with pytest.raises(dmdask.HandlerArgumentError) as info:
-        client.sync(call, **msg)
+        client.sync(call, *args, **msg)
     return str(info.value)
 
 
@@ -168,25 +170,33 @@ def test_worker_handlers_refuse_bad_arguments_and_change_nothing(plain_cluster, 
     path = write_zarr(str(tmp_path / "d.zarr"), 100, chunk=50)
     assert sum(len(b["index"]) for b in dmdask.batches(client, dmdask.Spec(path, batch_size=50))) == 100
     before = dmdask.stats(client)["total"]
-    worker = client.rpc(next(iter(client.scheduler_info()["workers"])))
-    message = refused(client, worker.dmdask_count_hits, hits={"ram": [-999_999_999_999, 0]})
-    assert "dmdask_count_hits" in message and "samples" in message and ">= 0" in message
-    refused(client, worker.dmdask_count_hits, hits={"ram": [1, 1], "gpu": [1, 1]})  # no such tier
-    refused(client, worker.dmdask_count_hits, hits={"ram": [1, 1], "ssd": ["many", 1]})  # nothing of it counted
-    refused(client, worker.dmdask_count_hits, hits={"ram": [1.5, 1]})
-    refused(client, worker.dmdask_count_hits, hits=[1, 2])
-    refused(client, worker.dmdask_describe, keys="dmdask-block-x-0")
-    refused(client, worker.dmdask_rows, msg=["dmdask-block-x-0"])
-    good_batch = {"requests": {}, "positions": {}, "index": np.arange(2), "sizes": [2], "fields": ["x"],
-                  "transform": None}
-    for bad in ({"sizes": [3]}, {"sizes": [-1, 3]}, {"fields": "x"}, {"transform": "code"}, {"nonsense": 1},
-                {"requests": {"tcp://a:1": {}}, "positions": {}}, {"context": {"epoch": -1, "seed": 0}},
-                {"requests": {"tcp://a:1": {}}, "positions": {"tcp://a:1": np.array([0, 5])}}):
-        with pytest.raises(dmdask.HandlerArgumentError, match="dmdask_batch"):
-            client.sync(worker.dmdask_batch, msg=distributed.protocol.to_serialize({**good_batch, **bad}))
+    address = next(iter(client.scheduler_info()["workers"]))
+    worker, api = client.rpc(address), WorkerAPI(client.rpc)
+    message = refused(client, api.count_hits, address, {"ram": [-999_999_999_999, 0]})
+    assert "dmdask_count_hits" in message and "hits['ram'] samples" in message and ">= 0" in message
+    assert "unknown: ['gpu']" in refused(client, api.count_hits, address, {"ram": [1, 1], "gpu": [1, 1]})
+    refused(client, api.count_hits, address, {"ram": [1, 1], "ssd": ["many", 1]})  # nothing of it counted
+    refused(client, api.count_hits, address, {"ram": [1.5, 1]})
+    assert "hits=(1, 2)" in refused(client, api.count_hits, address, [1, 2])
+    assert "keys=" in refused(client, api.describe, address, "dmdask-block-x-0")
+    assert "dmdask_rows: rows=" in refused(client, api.call, address, RowsRequest(["dmdask-block-x-0"]))
+    assert "wait=" in refused(client, api.call, address, RowsRequest({}, wait=60))
+    # a message that is not a typed request (the dicts of before), or with unknown fields
+    assert "message=None" in refused(client, worker.dmdask_rows, msg={"dmdask-block-x-0": [0]})
+    wire = to_wire(RowsRequest({}))
+    assert "arguments" in refused(client, worker.dmdask_rows, **wire, nonsense=1)
+    assert "RowsRequest" in refused(client, worker.dmdask_batch, **wire)
+    good_batch = {"requests": {}, "positions": {}, "index": np.arange(2), "sizes": [2], "fields": ["x"]}
+    for bad, name in (({"sizes": [3]}, "sizes"), ({"sizes": [-1, 3]}, "sizes"), ({"fields": "x"}, "fields"),
+                      ({"transform": "code"}, "transform"), ({"requests": {"tcp://a:1": {}}}, "positions"),
+                      ({"context": TransformContext(-1, 0)}, "context.epoch"), ({"wait": -1}, "wait"),
+                      ({"requests": {"tcp://a:1": {}}, "positions": {"tcp://a:1": np.array([0, 5])}},
+                       "positions['tcp://a:1']")):
+        message = refused(client, api.call, address, BatchRequest(**{**good_batch, **bad}))
+        assert message.startswith(f"dmdask_batch: {name}="), message
     after = dmdask.stats(client)["total"]
     assert after["ram"]["hits"] == before["ram"]["hits"] and after["ssd"]["hits"] == before["ssd"]["hits"]
-    client.sync(worker.dmdask_count_hits, hits={"ram": [2, 16]})  # a good report still counts
+    client.sync(api.count_hits, address, {"ram": [2, 16]})  # a good report still counts
     assert dmdask.stats(client)["total"]["ram"]["hits"] == before["ram"]["hits"] + 2
 
 
@@ -251,13 +261,11 @@ def test_bytes_handed_over_by_another_client_are_never_served(tmp_path):
         fs, path = fsspec.core.url_to_fs("dmdask::" + url)
         key = fs.source(path, fsspec.filesystem("http").info(url)).reader(0).key  # what an attacker can compute
         poison = {key: b"p" * 5000}
+        api = WorkerAPI(client.rpc)
         for worker in client.scheduler_info()["workers"]:
-            try:  # whatever the handler takes: with a made-up claim, or none
-                client.sync(client.rpc(worker).dmdask_hand_over, blocks=poison, claim="made-up")
-            except Exception:  # noqa: BLE001 - a handler without claims
-                client.sync(client.rpc(worker).dmdask_hand_over, blocks=poison)
+            assert set(client.sync(api.hand_over, worker, poison, "made-up")) <= {key}  # kept for that claim only
         truth = hashlib.sha1(b"s" * 5000).hexdigest()
         assert _digest_in_new_process("dmdask::" + url, cluster.scheduler_address) == truth
         assert _digest_in_new_process("dmdask::" + url, cluster.scheduler_address) == truth  # from the cache
         with pytest.raises(dmdask.HandlerArgumentError, match="claim"):
-            client.sync(client.rpc(next(iter(client.scheduler_info()["workers"]))).dmdask_hand_over, blocks=poison)
+            client.sync(api.hand_over, next(iter(client.scheduler_info()["workers"])), poison, None)

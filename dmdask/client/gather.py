@@ -23,12 +23,11 @@ from typing import Collection, Dict, List, Optional, Tuple
 import numpy as np
 import zict
 from distributed.comm import get_address_host
-from distributed.core import send_recv
-from distributed.protocol.serialize import to_serialize
 
+from ..protocol.worker import Moved, RowsRequest, WorkerAPI
 from ..source import parse_block_key
 from ..shm.arena import ID_FIELD, ArenaMaps
-from ..shm.fileblocks import map_arrays, readable, take_rows
+from ..shm.fileblocks import assemble, map_arrays, readable, take_rows
 from ..shm.memory import empty_batch
 from ..shm.window import MAX_ARENAS, Window
 
@@ -69,14 +68,6 @@ _pool = ForkSafeExecutor(2, "dmdask-gather")
 # worth of copying per training process, overlapping the training step (numpy releases
 # the GIL while it copies), leaving the node's other cores to the other ranks.
 copier = ForkSafeExecutor(1, "dmdask-copy")
-
-
-class Moved(Exception):
-    """Blocks are no longer where they were located (released, recomputed elsewhere)."""
-
-    def __init__(self, keys):
-        self.keys = list(keys)
-        super().__init__(f"blocks moved: {self.keys[:3]}")
 
 
 class _Mapped:
@@ -244,6 +235,7 @@ class Gatherer:
 
     def __init__(self, client, my_host: Optional[str], arenas: Dict[str, LocalArenas]):
         self.client = client
+        self.workers = WorkerAPI(client.rpc, CONNECT_SECONDS)
         self.my_host = my_host
         self.arenas = arenas  # dataset identity -> its blocks in arenas on this host (a mixture has several)
         self.hits: Dict[str, Dict[str, List[int]]] = _counters()
@@ -345,7 +337,7 @@ class Gatherer:
     async def _describe(self, holder: str, keys: List[str]) -> None:
         unknown = [k for k in keys if (holder, k) not in _mapped.described]
         if unknown:
-            reply = await call_worker(self.client, holder, "dmdask_describe", keys=unknown)
+            reply = await self.workers.describe(holder, unknown)
             with _mapped.lock:
                 for key in unknown:
                     if key in reply:  # not held yet (still loading): asked again next time
@@ -355,11 +347,8 @@ class Gatherer:
     async def _rows(self, holder: str, wanted: Dict[str, np.ndarray], priority: Optional[int]):
         """(rows from `holder`, how many it read from the store for them). The holder
         waits a moment for blocks it is still loading (`locate(planned=True)`)."""
-        reply = await call_worker(self.client, holder, "dmdask_rows", msg=to_serialize(wanted), priority=priority,
-                                  wait=LOAD_WAIT)
-        if reply["status"] == "missing":
-            raise Moved(reply["keys"])
-        return reply["rows"], reply["from_store"]
+        reply = await self.workers.call(holder, RowsRequest(wanted, priority, LOAD_WAIT))
+        return reply.arrays, reply.from_store
 
     def _assemble(self, from_files, parts, n: int) -> Dict[str, np.ndarray]:
         """Runs in a thread: take the rows of mapped blocks and put every row in place."""
@@ -381,13 +370,7 @@ class Gatherer:
             parts.append((where, arrays))
             self.count(holder, description["tier"], len(rows),
                        sum(a.nbytes for a in arrays.values() if a.dtype != object))
-        out: Dict[str, np.ndarray] = {}
-        for where, arrays in parts:
-            for name, values in arrays.items():
-                if name not in out:
-                    out[name] = np.empty((n,) + values.shape[1:], dtype=values.dtype)
-                out[name][where] = values
-        return out
+        return assemble(parts, n)
 
     def has_hits(self) -> bool:
         return bool(self.hits)
@@ -409,22 +392,12 @@ class Gatherer:
 
         async def report(holder, tiers):
             try:  # a worker that left has nothing to count: never wait long for it
-                await asyncio.wait_for(self.client.rpc(holder).dmdask_count_hits(
-                    hits={t: list(c) for t, c in tiers.items()}), HITS_TIMEOUT)
+                await asyncio.wait_for(self.workers.count_hits(holder, {t: list(c) for t, c in tiers.items()}),
+                                       HITS_TIMEOUT)
             except Exception:  # noqa: BLE001 - counters only
                 pass
 
         await asyncio.gather(*(report(holder, tiers) for holder, tiers in hits.items()))
-
-
-async def call_worker(client, address: str, op: str, **kwargs):
-    """`op` on the worker at `address`, reply and all, whose connection waits at most
-    CONNECT_SECONDS: a worker that has gone away fails the call with an OSError at once
-    instead of after Dask's whole connect timeout (30 s of retries against a closed port)."""
-    comm = await client.rpc.connect(address, timeout=CONNECT_SECONDS)
-    reply = await send_recv(comm, op=op, **kwargs)
-    client.rpc.reuse(address, comm)
-    return reply
 
 
 async def connect_ahead(client, address: str) -> None:

@@ -27,17 +27,17 @@ import numpy as np
 from distributed import Client
 from distributed.comm import get_address_host
 from distributed.comm.core import CommClosedError
-from distributed.protocol.serialize import to_serialize
 
 from ..errors import (BlockReadError, NotADmdaskWorker, SchedulerLostError, SpecError, no_workers,
                       waiting_for_workers)
 from ..plan.elastic import remaining
 from ..plan.order import ORDER_VERSION, EpochOrder, RankShare
 from ..recovery import Tries
-from ..spec import Mix, Spec, as_int, dumps_transform
+from ..protocol.worker import BatchRequest, RowsRequest
+from ..spec import Mix, Spec, TransformContext, as_int, dumps_transform
 from ..shm.results import map_batches
 from .datasets import open_dataset
-from .gather import (LOAD_WAIT, Gatherer, LocalArenas, Moved, call_worker, connect_ahead, copier, plan_rows,
+from .gather import (LOAD_WAIT, Gatherer, LocalArenas, Moved, connect_ahead, copier, plan_rows,
                      split_batches)
 from .locate import locate, my_host
 from .mixture import MixedInfo, check_fields_match, take_mixed
@@ -396,18 +396,15 @@ class BatchIterator:
         loss), so a transform that kills its process fails its batch, not another worker."""
         worker = await self._local_worker()
         index, extra = self._index(ids)
-        msg = {"requests": plan, "positions": positions, "index": index, "extra": extra,
-               "sizes": [len(b) for b in group], "fields": list(self.info.fields), "transform": self._transform,
-               "context": {"epoch": self.epoch, "seed": self.spec.seed},  # dmdask.transform_context()
-               "same_host": get_address_host(worker) == my_host(self.client), "isolate": isolate, "priority": first,
-               "wait": LOAD_WAIT}
-        reply = await call_worker(self.client, worker, "dmdask_batch", msg=to_serialize(msg))
-        if reply["status"] != "OK":
-            raise Moved(reply["keys"])
-        self._cold = reply["from_store"] > 0
+        request = BatchRequest(plan, positions, index, [len(b) for b in group], list(self.info.fields),
+                               self._transform, TransformContext(self.epoch, self.spec.seed), extra,
+                               isolate=isolate, same_host=get_address_host(worker) == my_host(self.client),
+                               priority=first, wait=LOAD_WAIT)
+        reply = await self._gatherer.workers.call(worker, request)  # Moved when a holder lost a block
+        self._cold = reply.from_store > 0
         # written into the worker's shared memory: mapped, not copied
-        batches = map_batches(reply["shared"]) if "shared" in reply else list(reply["batches"])
-        return batches + [reply["error"]] if reply.get("error") is not None else batches
+        batches = map_batches(reply.shared) if reply.shared is not None else list(reply.batches)
+        return batches + [reply.error] if reply.error is not None else batches
 
     def _index(self, ids: np.ndarray) -> tuple:
         """A group's "index" and its other fields not read from blocks: the ids as they
@@ -439,14 +436,12 @@ class BatchIterator:
                 try:
                     holder = (await self._holders_of([key]))[0].get(key)
                     if holder is not None:
-                        first_row = {key: np.zeros(1, dtype=np.int64)}
-                        reply = await self.client.rpc(holder).dmdask_rows(msg=to_serialize(first_row))
-                        if reply["status"] == "OK":
-                            out.append(reply["rows"])
-                            break
+                        first_row = RowsRequest({key: np.zeros(1, dtype=np.int64)})
+                        out.append((await self._gatherer.workers.call(holder, first_row)).arrays)
+                        break
                 except BlockReadError:
                     raise
-                except (OSError, CommClosedError):  # its holder left: ask again
+                except (Moved, OSError, CommClosedError):  # its holder left or let the block go: ask again
                     pass
                 self._holders.pop(key, None)
             else:  # no break: the deadline passed

@@ -20,10 +20,10 @@ import threading
 from typing import Dict, List, Optional
 
 import fsspec
-from distributed.protocol.serialize import to_serialize
 
 from ..client.datasets import submit_blocks
 from ..client.locate import locate
+from ..protocol.worker import WorkerAPI
 from ..recovery import Tries
 from ..source.files import FileSource, read_blocks
 from . import probe
@@ -211,9 +211,9 @@ class Claims:
         for worker, reader, content in queued:
             by_worker.setdefault(worker, {})[reader.key] = content
             reader.claim = self._claim  # its load task takes only the bytes handed over with it
-        replies = await asyncio.gather(*(client.rpc(w).dmdask_hand_over(blocks=to_serialize(blocks),
-                                                                        claim=self._claim)
-                                         for w, blocks in by_worker.items()), return_exceptions=True)
+        workers = WorkerAPI(client.rpc)
+        replies = await asyncio.gather(*(workers.hand_over(w, blocks, self._claim) for w, blocks in by_worker.items()),
+                                       return_exceptions=True)
         for worker, reply in zip(by_worker, replies):
             if isinstance(reply, BaseException):  # that worker reads those blocks itself
                 logger.debug("could not hand blocks over to %s: %r", worker, reply)

@@ -125,6 +125,11 @@ class DatasetsPlugin(SchedulerPlugin):
             "dmdask_fs_open_blocks": self.fs_open_blocks,
         })
         scheduler.extensions["dmdask"] = self
+        from distributed.protocol.pickle import dumps
+
+        from ..worker.plugin import WorkerPlugin  # the workers' side (their cache and handlers), as shuffle does
+
+        await scheduler.register_worker_plugin(None, dumps(WorkerPlugin()), name=WorkerPlugin.name, idempotent=True)
 
     # -- get or create ---------------------------------------------------------------
     async def get_or_claim(self, name: str, claimant: str) -> dict:

@@ -107,6 +107,17 @@ def take_rows(mapped: dict, rows: np.ndarray) -> Arrays:
     return out
 
 
+def assemble(parts, n: int) -> Arrays:
+    """A group of `n` rows from `parts`, (positions, arrays) pairs: each part's rows put at
+    its positions, field by field (the worker's batch handler and a trainer's gatherer)."""
+    out: Arrays = {}
+    for where, arrays in parts:
+        for name, values in arrays.items():
+            if name not in out:
+                out[name] = np.empty((n,) + values.shape[1:], dtype=values.dtype)
+            out[name][where] = values
+    return out
+
 def _map(path: str, dtype: str, shape: tuple) -> np.ndarray:
     """A read-only array over the file's pages (a plain ndarray: indexing it costs what
     indexing memory costs, without `np.memmap`'s per-call Python overhead)."""

@@ -1,4 +1,5 @@
-"""The dmdask worker: Dask's worker with tiered block storage and dmdask's handlers.
+"""The dmdask worker: Dask's worker with tiered block storage (`TieredStore`); its handlers
+come with the worker plugin the scheduler plugin installs (`dmdask.worker.plugin`).
 
 Start it with `dask worker SCHEDULER --worker-class dmdask.Worker`; capacities come
 from the `dmdask.worker` config namespace (or keyword arguments).
@@ -15,7 +16,8 @@ from dask.utils import parse_bytes
 from ..errors import SpecError
 from ..shm.modes import group_id
 from ..tasks import load_block
-from .cache import BlockCache
+from .cache import NO_COUNTS, BlockCache
+from .plugin import WorkerPlugin
 from . import sizing
 from .tiers import TieredStore
 
@@ -80,21 +82,21 @@ class Worker(distributed.Worker):
         store.remove_stale()  # what crashed workers of this node left behind
         store.open_ssd()  # an unusable ssd_dir: a warning and stats()["ssd"]["error"], not a crash
         store.check_shared_memory()  # a RAM tier larger than /dev/shm: a warning and stats()["ram"]["warning"]
-        buffer = capacity(config("stream-buffer", stream_buffer), "stream_buffer")
-        self.dmdask = BlockCache(self, store, buffer, read_threads=int(dask.config.get("dmdask.worker.read-threads")),
-                                 transform_threads=int(dask.config.get("dmdask.worker.transform-threads")))
+        self.stream_buffer = capacity(config("stream-buffer", stream_buffer), "stream_buffer")
+        # the tiers until the worker plugin's cache adds its counts: the scheduler reads a
+        # joining worker's room from this metric (`DatasetsPlugin._win_back`)
+        self.metrics["dmdask"] = lambda worker: {**store.stats(), **NO_COUNTS}
 
     async def start_unsafe(self):
         await super().start_unsafe()
-        logger.info("dmdask tiers: %s", self.dmdask.store.describe())
+        logger.info("dmdask tiers: %s", self.data.describe())
         return self
 
     async def close(self, *args, **kwargs):
         try:
             return await super().close(*args, **kwargs)
         finally:
-            self.dmdask.close()
-            self.dmdask.store.close()
+            self.data.close()
 
 
 def _sized_ram(setting, shm_dir) -> "sizing.Sized":
@@ -121,4 +123,4 @@ class Nanny(distributed.Nanny):
         super().__init__(*args, **kwargs)
 
 
-__all__ = ["BlockCache", "Nanny", "TieredStore", "Worker", "capacity", "load_block"]
+__all__ = ["BlockCache", "Nanny", "TieredStore", "Worker", "WorkerPlugin", "capacity", "load_block"]

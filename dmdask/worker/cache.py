@@ -1,18 +1,11 @@
-"""`BlockCache`: dmdask's state on one worker, its block loads and its two RPC handlers.
+"""`BlockCache`: dmdask's state on one worker and its block loads and row serving.
 
 - `load_block` (a Dask task, one per block, stable key): reads the block from the
   shared store once and admits it into the fastest tier with room, or leaves a
   `Streamed` marker when no tier has room. Its future is the block's cache entry.
-- `dmdask_rows` (RPC): serves rows of the blocks this worker holds, to itself or to a
-  peer. Rows of a streamed block come straight from the store when it holds one file
-  per sample; otherwise the block goes through a small `StreamBuffer`, read once while
-  the ranks take their rows of it.
-- `dmdask_hand_over` (RPC, transparent mode): bytes of blocks a reader already read
-  from the store, taken by their load tasks in place of a store read (`handover`).
-- `dmdask_batch` (RPC, called by a rank on its own node): gathers one batch's rows from
-  the holders (itself without a copy, peers over Dask's comms), puts them in batch
-  order, runs the spec's transform and returns the batches: to a trainer on its own
-  host through a file in shared memory (`dmdask.shm.results`), to others over TCP.
+- `serve`: rows of the blocks this worker holds (`Holding.serve`), for its handlers
+  (`dmdask.worker.plugin`), counted per tier; a block whose files cannot be read any
+  more is read again from the store (`_reread`).
 """
 from __future__ import annotations
 
@@ -24,18 +17,14 @@ from typing import Dict, Tuple
 
 import distributed
 import numpy as np
-from distributed.comm.core import CommClosedError
-from distributed.protocol.serialize import to_serialize
 
-from .. import arguments as check
-from ..shm.results import shareable, write_batches
-from ..spec import TransformContext, loads_transform
+from ..protocol.worker import Moved
 from .handover import Handovers
+from .filling import FillingBlock
+from .holdings import Arrays, Block, FileBlock, Holding, Streamed, concat, payload_bytes
 from .reads import LAST, PriorityPool
-from .holdings import ArenaBlock, Arrays, Block, FileBlock, FillingBlock, Streamed, sample_nbytes
 from .stream import StreamBuffer
 from .tiers import TieredStore
-from .transforms import transform_in_order, transform_isolated
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +50,7 @@ class StoreCounters:
 
 
 class BlockCache:
-    """dmdask's state on one worker: tiers, stream buffer, counters and handlers (registered here)."""
+    """dmdask's state on one worker: tiers, read and transform threads, stream buffer, counters."""
 
     def __init__(self, worker: distributed.Worker, store: TieredStore, stream_buffer: int,
                  read_threads: int = 16, transform_threads: int = 2):
@@ -80,12 +69,6 @@ class BlockCache:
         self._arrivals: Dict[str, list] = {}  # key -> futures of requests waiting for its load task
         store.on_block = self._arrived
         self._rereads: Dict[str, asyncio.Future] = {}  # key -> (block, value) being read again (`_reread`)
-        worker.handlers["dmdask_rows"] = self.rows_handler
-        worker.handlers["dmdask_batch"] = self.batch_handler
-        worker.handlers["dmdask_describe"] = self.describe_handler
-        worker.handlers["dmdask_count_hits"] = self.count_hits_handler
-        worker.handlers["dmdask_hand_over"] = self.hand_over_handler
-        worker.metrics["dmdask"] = lambda worker: self.stats()
 
     # -- reading from the shared store -------------------------------------------------
     def read(self, reader) -> Block:
@@ -97,19 +80,9 @@ class BlockCache:
         self.store_reads.add(block.nbytes)
         return block
 
-    def hand_over_handler(self, blocks: Dict[str, bytes], claim: str = None) -> list:
-        """Keep blocks' bytes for their load tasks of claim `claim` (`Handovers`); the keys
-        kept (others had no room)."""
-        check.mapping("dmdask_hand_over", "blocks", blocks)
-        check.text("dmdask_hand_over", "claim", claim)
-        wrong = [key for key, content in blocks.items() if not isinstance(content, (bytes, bytearray, memoryview))]
-        if wrong:
-            raise check.refuse("dmdask_hand_over", f"blocks[{wrong[0]!r}]", "bytes", type(blocks[wrong[0]]).__name__)
-        return [key for key, content in blocks.items() if self.handovers.put(key, claim, content)]
-
     def read_rows(self, reader, rows) -> Arrays:
         arrays = reader.read_rows(rows, on_retry=self.store_reads.retried)
-        self.store_reads.add(_nbytes(arrays))
+        self.store_reads.add(payload_bytes(arrays))
         return arrays
 
     def load(self, reader):
@@ -163,85 +136,29 @@ class BlockCache:
         `rows` are offsets inside the block. Reads it needs run at `priority` (lower
         first: the position of the batch that waits for them, `PriorityPool`)."""
         value = self.store[key]
-        if isinstance(value, (Block, FillingBlock, FileBlock, ArenaBlock, Streamed)):
-            rows = check_rows(key, rows, _length(value))
+        if not isinstance(value, Holding):
+            raise KeyError(key)
+        rows = check_rows(key, rows, len(value))
         if key in self._rereads:  # its files failed and it is being read again: wait for that read
             block, _ = await asyncio.shield(self._rereads[key])
             self.streamed_hits += len(rows)
             return block.take(rows), len(rows)
-        if isinstance(value, Block):
-            out = value.take(rows)
-            tier = "ram"
-        elif isinstance(value, FillingBlock):
-            out, read = await self._take_filling(value, rows, priority)
-            self.streamed_hits += read
-            if len(rows) > read:
-                self.store.count_hit("ram", len(rows) - read, _nbytes(out) * (len(rows) - read) // len(rows))
-            return out, read
-        elif isinstance(value, (FileBlock, ArenaBlock)):
-            try:
-                out = await asyncio.wrap_future(self.reads.submit_at(priority, value.take, rows))
-            except OSError as exc:  # its files were deleted or cannot be read
-                if not isinstance(value, FileBlock) or value.reader is None:
-                    raise
-                if self.store.get(key) is value:  # the first request to find out
-                    self._reread(key, value, exc)
-                return await self.take(key, rows, priority)  # from the block read again
-            tier = value.tier
-        elif isinstance(value, Streamed) and value.reader.row_granular:
-            # one file per sample: read just these samples, nothing is held afterwards
-            out = await asyncio.wrap_future(self.reads.submit_at(priority, self.read_rows, value.reader, rows))
-            self.streamed_hits += len(rows)
-            return out, len(rows)
-        elif isinstance(value, Streamed):
-            block = await self.stream.get(value.reader, priority)
-            self.streamed_hits += len(rows)
-            out = block.take(rows)
-            self.stream.served(key, len(rows))
-            return out, len(rows)
-        else:
-            raise KeyError(key)
-        self.store.count_hit(tier, len(rows), _nbytes(out))
-        return out, 0
-
-    async def _take_filling(self, block: FillingBlock, rows: np.ndarray, priority: float):
-        """(the rows of a filling block, how many of them this request read from the store).
-        Rows not held yet are read now, at `priority`, unless a read under way for another
-        request brings them: then that read is awaited, so each row is read once and a
-        request waits only for the reads of its own rows."""
-        missing = block.missing(rows)
-        under_way = {id(f): f for f in map(block.reading.get, missing.tolist()) if f is not None}
-        mine = np.array([r for r in missing.tolist() if r not in block.reading], dtype=np.int64)
-        reads = list(under_way.values())
-        if len(mine):
-            read = asyncio.ensure_future(self._fill(block, mine, priority))  # not cancelled with this request
-            for r in mine.tolist():
-                block.reading[r] = read
-            reads.append(read)
-        spares = [await asyncio.shield(read) for read in reads]
-        if not spares:
-            return block.take(rows), 0
-        spare_rows = np.concatenate([r for r, _ in spares])
-        order = np.argsort(spare_rows, kind="stable")
-        spare = {f: _concat([a[f] for _, a in spares])[order] for f in spares[0][1]}
-        return block.take(rows, spare_rows[order], spare), len(mine)
-
-    async def _fill(self, block: FillingBlock, rows: np.ndarray, priority: float):
-        """Read `rows` (increasing) of a filling block from the store and keep those the
-        tier has room for; (rows, their arrays), kept or not."""
         try:
-            arrays = await asyncio.wrap_future(self.reads.submit_at(priority, self.read_rows, block.reader, rows))
-            kept = len(rows)
-            if not block.sized:
-                sizes = sample_nbytes(arrays)
-                kept = self.store.charge("ram", sizes)
-                block.samples += kept
-                block.nbytes += int(sizes[:kept].sum())
-            block.fill(rows[:kept], {f: a[:kept] for f, a in arrays.items()})
-            return rows, arrays
-        finally:
-            for r in rows.tolist():
-                block.reading.pop(r, None)
+            out, read = await value.serve(rows, self, priority)
+        except OSError as exc:  # its files were deleted or cannot be read
+            if not value.rereadable:
+                raise
+            if self.store.get(key) is value:  # the first request to find out
+                self._reread(key, value, exc)
+            return await self.take(key, rows, priority)  # from the block read again
+        self.streamed_hits += read
+        if len(rows) > read:
+            self.store.count_hit(value.tier, len(rows) - read, payload_bytes(out) * (len(rows) - read) // len(rows))
+        return out, read
+
+    def in_thread(self, priority: float, fn, *args) -> asyncio.Future:
+        """`fn(*args)` in a read thread, the earliest batch's reads first (`PriorityPool`)."""
+        return asyncio.wrap_future(self.reads.submit_at(priority, fn, *args))
 
     def _arrived(self, key: str) -> None:
         """A block was stored (from any thread): wake the requests waiting for it."""
@@ -311,7 +228,7 @@ class BlockCache:
         """(the rows of several held blocks, concatenated per field in request order; how
         many of them were read from the store for this request). A block whose load task
         this worker is running or about to run is waited for, up to `wait` seconds;
-        `MissingBlocks` names those it does not hold then.
+        `Moved` names those it does not hold then.
 
         One array per field (not one per block) keeps messages to a few frames."""
         missing = [key for key in requests if key not in self.store]
@@ -319,123 +236,10 @@ class BlockCache:
             await self._wait_for_loads(missing, wait)
             missing = [key for key in requests if key not in self.store]
         if missing:
-            raise MissingBlocks(missing)
+            raise Moved(missing)
         taken = await asyncio.gather(*(self.take(key, rows, priority) for key, rows in requests.items()))
         parts = [arrays for arrays, _ in taken]
-        return ({f: _concat([p[f] for p in parts]) for f in parts[0]} if parts else {}), sum(n for _, n in taken)
-
-    async def rows_handler(self, msg, priority=None, wait=0.0):
-        """RPC `dmdask_rows`: {key: rows} -> one array per field and "from_store" (how many
-        of the rows were read from the store for this request), or the missing keys.
-        `priority`: the position of the batch that waits for these rows (lower is served
-        first; None: after every prioritised read). `wait`: seconds to wait for blocks
-        this worker is loading (at most `MAX_WAIT`). Rows that are not offsets inside
-        their block raise `ValueError` (`take`), which the caller's RPC re-raises."""
-        check.mapping("dmdask_rows", "msg", msg)
-        if priority is not None:
-            check.number("dmdask_rows", "priority", priority, 0, float("inf"))
-        check.number("dmdask_rows", "wait", wait, 0, MAX_WAIT)
-        try:
-            rows, from_store = await self.serve(msg, LAST if priority is None else float(priority),
-                                                float(wait))
-        except MissingBlocks as exc:
-            return {"status": "missing", "keys": exc.keys}
-        self.peer_bytes_out += _nbytes(rows)
-        return {"status": "OK", "rows": to_serialize(rows), "from_store": from_store}
-
-    def describe_handler(self, keys):
-        """RPC `dmdask_describe`: {key: how to map the block's files, or None} for held
-        blocks (keys not held are left out); a block held in files can be read by the
-        worker's user (or group) on this host."""
-        check.texts("dmdask_describe", "keys", keys)
-        out = {}
-        for key in keys:
-            if key not in self.store:
-                continue  # not held (yet): the caller asks again
-            value = self.store[key]
-            if isinstance(value, FileBlock) and not value.files_exist():
-                value = None  # its files are gone: rows through `dmdask_rows`, which reads it again
-            out[key] = value.describe() if isinstance(value, (FileBlock, ArenaBlock)) else None
-        return out
-
-    def count_hits_handler(self, hits):
-        """RPC `dmdask_count_hits`: {tier: [samples, bytes]} that training processes on this
-        host took from this worker's files themselves, counted like any other hit. Every
-        count is checked before any is added."""
-        check.mapping("dmdask_count_hits", "hits", hits, known=("ram", "ssd"))
-        counted = []
-        for tier, pair in hits.items():
-            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-                raise check.refuse("dmdask_count_hits", f"hits[{tier!r}]", "[samples, bytes]", pair)
-            counted.append((tier, check.count("dmdask_count_hits", f"hits[{tier!r}] samples", pair[0]),
-                            check.count("dmdask_count_hits", f"hits[{tier!r}] bytes", pair[1])))
-        for tier, samples, nbytes in counted:
-            self.store.count_hit(tier, samples, nbytes)
-
-    async def batch_handler(self, msg):
-        """RPC `dmdask_batch`: gather consecutive batches from their holders, in batch order.
-
-        msg: "requests" holder -> block key -> rows; "positions" holder -> where its rows
-        go in the group; "index", "sizes" (batch lengths), "fields", "transform",
-        "context" ({"epoch", "seed"}: what `dmdask.transform_context()` gives the transform),
-        and optionally "extra": more fields of the group, given whole (a mixture's "source"),
-        "priority": the position of the group's first batch (its reads go first), and
-        "wait": seconds a holder may wait for blocks it is loading (`serve`), so that a
-        group sent to a block's planned holder is not served in part and asked again."""
-        check_batch_request(msg)
-        requests: Dict[str, Dict[str, np.ndarray]] = msg["requests"]
-        me = self.worker.address
-
-        priority = msg.get("priority")
-        wait = check.number("dmdask_batch", "wait", msg.get("wait", 0.0), 0, MAX_WAIT)
-
-        async def from_holder(holder, wanted):
-            if holder == me:
-                return await self.serve(wanted, LAST if priority is None else float(priority), float(wait))
-            try:
-                reply = await self.worker.rpc(holder).dmdask_rows(msg=to_serialize(wanted), priority=priority,
-                                                                  wait=wait)
-            except RuntimeError as exc:  # this worker is closing ("ConnectionPool is closed"): a lost worker
-                raise CommClosedError(f"worker {me} is closing: {exc}") from None
-            if reply["status"] == "missing":
-                raise MissingBlocks(reply["keys"])
-            self.peer_bytes_in += _nbytes(reply["rows"])
-            return reply["rows"], reply["from_store"]
-
-        try:
-            taken = await asyncio.gather(*(from_holder(h, w) for h, w in requests.items()))
-        except MissingBlocks as exc:
-            return {"status": "missing", "keys": exc.keys}
-        replies, from_store = [rows for rows, _ in taken], sum(n for _, n in taken)
-        index = msg["index"]
-        group = {}
-        for f in msg["fields"]:
-            first = replies[0][f]
-            out = np.empty((len(index),) + first.shape[1:], dtype=first.dtype)
-            for holder, rows in zip(requests, replies):
-                out[msg["positions"][holder]] = rows[f]
-            group[f] = out
-        group.update(msg.get("extra") or {})
-        group["index"] = index
-        bounds = np.cumsum([0] + list(msg["sizes"]))
-        batches = [{f: v[a:b] for f, v in group.items()} for a, b in zip(bounds[:-1], bounds[1:])]
-        if msg["transform"] is None:
-            return {"status": "OK", "batches": to_serialize(batches), "from_store": from_store}
-        context = TransformContext(**msg["context"]) if msg.get("context") else None
-        if msg.get("isolate"):  # after a worker loss: in a process of its own, which may die
-            done, error = await asyncio.get_running_loop().run_in_executor(
-                self.transforms, transform_isolated, msg["transform"], batches, context)
-        else:
-            done, error = await asyncio.get_running_loop().run_in_executor(
-                self.transforms, transform_in_order, loads_transform(msg["transform"]), batches, context)
-        reply = {"status": "OK", "error": error, "from_store": from_store}
-        folder = self.store.shared_folder() if msg.get("same_host") else None
-        if folder is not None and done and shareable(done):  # the trainer maps them: no pickle, no socket
-            reply["shared"] = await asyncio.get_running_loop().run_in_executor(
-                self.transforms, write_batches, folder, done)
-        else:
-            reply["batches"] = to_serialize(done)
-        return reply
+        return ({f: concat([p[f] for p in parts]) for f in parts[0]} if parts else {}), sum(n for _, n in taken)
 
     def close(self) -> None:
         self.reads.shutdown(wait=False, cancel_futures=True)
@@ -443,67 +247,20 @@ class BlockCache:
 
     # -- accounting --------------------------------------------------------------------
     def stats(self) -> dict:
-        tiers = self.store.stats()
-        return {
-            "ram": tiers["ram"],
-            "ssd": tiers["ssd"],
-            "streamed_blocks": tiers["streamed_blocks"],
-            "stream": {"hits": self.streamed_hits, "buffer_bytes": self.stream.bytes,
-                       "buffer_capacity": self.stream.capacity},
-            "shared_store": {"requests": self.store_reads.requests, "bytes": self.store_reads.bytes,
-                             "retries": self.store_reads.retries},
-            "peer": {"bytes_out": self.peer_bytes_out, "bytes_in": self.peer_bytes_in},
-        }
+        """The worker's `dmdask` metric and `dmdask.stats`: its tiers' and the cache's counters."""
+        return {**self.store.stats(),
+                "stream": {"hits": self.streamed_hits, "buffer_bytes": self.stream.bytes,
+                           "buffer_capacity": self.stream.capacity},
+                "shared_store": {"requests": self.store_reads.requests, "bytes": self.store_reads.bytes,
+                                 "retries": self.store_reads.retries},
+                "peer": {"bytes_out": self.peer_bytes_out, "bytes_in": self.peer_bytes_in}}
 
 
-MAX_WAIT = 5.0  # seconds a request may wait for blocks this worker is loading
+NO_COUNTS = {"stream": {"hits": 0, "buffer_bytes": 0, "buffer_capacity": 0},  # `stats` before a cache starts
+             "shared_store": {"requests": 0, "bytes": 0, "retries": 0}, "peer": {"bytes_out": 0, "bytes_in": 0}}
+
+
 LOADING_STATES = frozenset({"waiting", "ready", "constrained", "executing", "long-running"})
-
-
-class MissingBlocks(Exception):
-    """The asked worker does not hold these blocks (yet, or any more)."""
-
-    def __init__(self, keys):
-        self.keys = list(keys)
-        super().__init__(f"blocks not held here: {self.keys[:3]}...")
-
-
-BATCH_KEYS = ("requests", "positions", "index", "sizes", "fields", "transform", "context", "extra", "isolate",
-              "same_host", "priority", "wait")
-
-
-def check_batch_request(msg) -> None:
-    """`HandlerArgumentError` unless `msg` is a `dmdask_batch` request (the rows
-    themselves are checked against their blocks when taken, `check_rows`)."""
-    handler = "dmdask_batch"
-    check.mapping(handler, "msg", msg, known=BATCH_KEYS, required=("requests", "positions", "index", "sizes",
-                                                                     "fields", "transform"))
-    index = np.asarray(msg["index"])
-    if index.ndim != 1 or (index.size and index.dtype.kind not in "iu"):
-        raise check.refuse(handler, "index", "a 1-d array of sample ids", msg["index"])
-    sizes = msg["sizes"]
-    if not isinstance(sizes, (list, tuple)) or sum(check.count(handler, "sizes", s) for s in sizes) != len(index):
-        raise check.refuse(handler, "sizes", f"batch lengths that add up to {len(index)}", sizes)
-    check.texts(handler, "fields", msg["fields"])
-    requests = check.mapping(handler, "requests", msg["requests"])
-    positions = check.mapping(handler, "positions", msg["positions"], known=list(requests), required=list(requests))
-    for holder, wanted in requests.items():
-        check.mapping(handler, f"requests[{holder!r}]", wanted)
-        check.indices(handler, f"positions[{holder!r}]", positions[holder], len(index))
-    if msg["transform"] is not None and not isinstance(msg["transform"], bytes):
-        raise check.refuse(handler, "transform", "a pickled transform (bytes) or None", type(msg["transform"]))
-    if msg.get("context") is not None:
-        context = check.mapping(handler, "context", msg["context"], known=("epoch", "seed"),
-                                required=("epoch", "seed"))
-        for name in ("epoch", "seed"):
-            check.count(handler, f"context[{name!r}]", context[name])
-    if msg.get("extra") is not None:
-        check.mapping(handler, "extra", msg["extra"])
-    for name in ("isolate", "same_host"):
-        if name in msg:
-            check.flag(handler, name, msg[name])
-    if msg.get("priority") is not None:
-        check.count(handler, "priority", msg["priority"])
 
 
 def check_rows(key: str, rows, length: int) -> np.ndarray:
@@ -520,30 +277,4 @@ def check_rows(key: str, rows, length: int) -> np.ndarray:
         raise ValueError(f"rows of block {key} must be offsets in 0..{length - 1}; "
                          f"got {bad[:8].tolist()}{more}")
     return rows.astype(np.int64, copy=False)
-
-
-def _length(value) -> int:
-    """Samples of a held block (a `Streamed` marker's from its reader)."""
-    return value.reader.stop - value.reader.start if isinstance(value, Streamed) else len(value)
-
-
-def _concat(arrays):
-    if len(arrays) == 1:
-        return arrays[0]
-    if arrays and arrays[0].dtype == object:
-        out = np.empty(sum(len(a) for a in arrays), dtype=object)
-        i = 0
-        for a in arrays:
-            out[i:i + len(a)] = a
-            i += len(a)
-        return out
-    return np.concatenate(arrays)
-
-
-def _nbytes(arrays: Arrays) -> int:
-    total = 0
-    for a in arrays.values():
-        total += a.nbytes if a.dtype != object else sum(v.nbytes for v in a)
-    return total
-
 

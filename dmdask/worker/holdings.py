@@ -1,15 +1,17 @@
-"""What a worker holds under a block's key, each with `take(rows)`.
+"""What a worker holds under a block's key: `Holding`s, one protocol for all of them.
 
 - `Block`: the samples in the worker's memory, one array per field;
-- `FillingBlock`: a RAM block of a one-file-per-sample source, filled as ranks ask;
+- `FillingBlock` (`filling`): a RAM block of a one-file-per-sample source, filled as ranks ask;
 - `FileBlock`: the samples in files (shared memory for RAM, the SSD), mapped to take rows;
 - `ArenaBlock`: a RAM block in a slot of its dataset's arena (shared memory);
 - `Streamed`: a marker for a block that fits no tier (read from the store when asked).
-Their files' formats are `dmdask.shm`'s (training processes read them too)."""
+Their files' formats are `dmdask.shm`'s (training processes read them too). A holding
+serves rows through its worker's `BlockCache` (`serve`: its read threads at a priority,
+its store reads, its stream buffer), which counts what each serve did."""
 from __future__ import annotations
 
-import asyncio
-from typing import Dict
+import shutil
+from typing import Optional, Tuple
 
 import numpy as np
 
@@ -28,10 +30,38 @@ def arrays_nbytes(arrays: Arrays) -> int:
     return total
 
 
-class Span:
-    """Samples `start..stop-1` of a dataset: the part every holding shares."""
+def payload_bytes(arrays: Arrays) -> int:
+    """Bytes of the samples themselves (an object array: its elements' bytes only)."""
+    return sum(a.nbytes if a.dtype != object else sum(v.nbytes for v in a) for a in arrays.values())
+
+
+def concat(arrays):
+    """One array of the rows of `arrays` (object arrays of per-sample arrays too)."""
+    if len(arrays) == 1:
+        return arrays[0]
+    if arrays and arrays[0].dtype == object:
+        out = np.empty(sum(len(a) for a in arrays), dtype=object)
+        i = 0
+        for a in arrays:
+            out[i:i + len(a)] = a
+            i += len(a)
+        return out
+    return np.concatenate(arrays)
+
+
+class Holding:
+    """What a worker holds under a block's key, samples `start..stop-1` of a dataset.
+
+    `tier`: the tier it is charged to ("ram", "ssd"; None: in none, streamed); `nbytes`;
+    `describe()`: how a process on this host maps its rows, None when it cannot;
+    `serve(rows, cache, priority)`: (the rows, how many were read from the store for
+    them), reads done in `cache`'s read threads at `priority`; `take(rows)`: the rows of
+    a holding that holds them all; `release()`: when it leaves the tier; `rereadable`:
+    whether unreadable files are read again from the store (`BlockCache._reread`)."""
 
     __slots__ = ()
+    tier: Optional[str] = "ram"
+    rereadable = False
 
     def __len__(self) -> int:
         return self.stop - self.start
@@ -40,8 +70,17 @@ class Span:
     def samples(self) -> int:
         return self.stop - self.start
 
+    def describe(self) -> Optional[dict]:
+        return None
 
-class Block(Span):
+    async def serve(self, rows: np.ndarray, cache, priority: float) -> Tuple[Arrays, int]:
+        return self.take(rows), 0
+
+    def release(self) -> None:
+        """Nothing to free beyond the object itself."""
+
+
+class Block(Holding):
     """Samples `start..stop-1` of a dataset as one array per field (first axis: samples).
 
     Variable-size fields are object arrays of per-sample `uint8` arrays.
@@ -66,17 +105,37 @@ class Block(Span):
         return self.nbytes
 
 
-class Streamed:
+class Streamed(Holding):
     """Stands in the worker's data for a block that did not fit any tier.
 
     Holding the reader (not the bytes), it lets the worker stream the block from the
-    shared store when a rank asks for its rows.
+    shared store when a rank asks for its rows: just the rows asked for when the store
+    holds one file per sample; otherwise the whole block through the `StreamBuffer`, read
+    once while the ranks take their rows of it.
     """
 
     __slots__ = ("reader",)
+    tier = None
+    nbytes = 0
 
     def __init__(self, reader):
         self.reader = reader
+
+    @property
+    def start(self) -> int:
+        return self.reader.start
+
+    @property
+    def stop(self) -> int:
+        return self.reader.stop
+
+    async def serve(self, rows: np.ndarray, cache, priority: float) -> Tuple[Arrays, int]:
+        if self.reader.row_granular:  # nothing is held afterwards
+            return await cache.in_thread(priority, cache.read_rows, self.reader, rows), len(rows)
+        block = await cache.stream.get(self.reader, priority)
+        out = block.take(rows)
+        cache.stream.served(self.reader.key, len(rows))
+        return out, len(rows)
 
     def __reduce__(self):
         return (Streamed, (self.reader,))
@@ -85,98 +144,14 @@ class Streamed:
         return 64
 
 
-class FillingBlock:
-    """A RAM block of a one-file-per-sample source, filled sample by sample as ranks ask.
-
-    Each sample is read from the store the first time a rank wants it, so epoch 1
-    streams like a plain loader, and every sample kept is read once for the whole run.
-    `sized`: the block's whole room was reserved when it was created (its size came
-    from the listing); otherwise (an HTTP folder lists no sizes) each sample is charged
-    to the tier when read, and samples the tier has no room for are served and not
-    kept. Used only from the worker's event loop (reads run in threads, fills happen on
-    the loop). `reading`: row -> the future of the read under way that brings it, so a
-    row asked twice at once is read once, and a request never waits for reads of rows
-    it did not ask for.
-    """
-
-    __slots__ = ("reader", "arrays", "have", "nbytes", "samples", "sized", "start", "stop", "reading")
-
-    def __init__(self, reader, sized: bool = True):
-        n = reader.stop - reader.start
-        self.reader = reader
-        self.arrays = None  # field -> array, made on the first fill
-        self.have = np.zeros(n, dtype=bool)
-        self.sized = sized
-        self.nbytes = reader.nbytes if sized else 0
-        self.samples = n if sized else 0  # samples charged to the tier
-        self.start, self.stop = reader.start, reader.stop
-        self.reading: Dict[int, "asyncio.Future"] = {}
-
-    def __len__(self) -> int:
-        return self.stop - self.start
-
-    def missing(self, rows: np.ndarray) -> np.ndarray:
-        """The rows not read yet, each once, in increasing order."""
-        return np.unique(rows[~self.have[rows]])
-
-    def fill(self, rows: np.ndarray, arrays: Arrays) -> None:
-        if not len(rows):
-            return
-        if self.arrays is None:
-            self.arrays = {}
-            for name, values in arrays.items():
-                shape = (len(self),) + values.shape[1:]
-                self.arrays[name] = np.empty(shape, dtype=values.dtype)
-        for name, values in arrays.items():
-            self.arrays[name][rows] = values
-        self.have[rows] = True
-
-    @property
-    def complete(self) -> bool:
-        return bool(self.have.all())
-
-    def take(self, rows: np.ndarray, spare_rows=None, spare: Arrays = None) -> Arrays:
-        """The given rows: held ones from the block, the others from `spare` (the arrays
-        of `spare_rows`, increasing, just read and not kept)."""
-        held = self.have[rows]
-        if held.all():
-            return {name: arr[rows] for name, arr in self.arrays.items()}
-        where = np.searchsorted(spare_rows, rows[~held])
-        out = {}
-        for name, values in spare.items():
-            col = np.empty((len(rows),) + values.shape[1:], dtype=values.dtype)
-            if held.any():
-                col[held] = self.arrays[name][rows[held]]
-            col[~held] = values[where]
-            out[name] = col
-        return out
-
-    def __reduce__(self):
-        # Leaving the worker (a graceful retirement): travel as a complete block.
-        arrays = self.arrays if self.complete else self.reader.read()
-        return (Block, (arrays, self.start, self.stop))
-
-    def __sizeof__(self) -> int:
-        return self.nbytes
-
-
-def sample_nbytes(arrays: Arrays) -> np.ndarray:
-    """Bytes each sample of `arrays` takes in memory (an object array's element plus its
-    8-byte pointer; a row of a fixed-size field)."""
-    n = len(next(iter(arrays.values())))
-    sizes = np.zeros(n, dtype=np.int64)
-    for arr in arrays.values():
-        if arr.dtype == object:
-            sizes += np.fromiter((v.nbytes for v in arr), dtype=np.int64, count=n) + 8
-        else:
-            sizes += arr.nbytes // max(1, n)
-    return sizes
-
-
-class _InFiles(Span):
-    """A block in files of this host (`dmdask.shm`) that leaves the worker as its data."""
+class _InFiles(Holding):
+    """A block in files of this host (`dmdask.shm`) that leaves the worker as its data;
+    its rows are copied out in a read thread."""
 
     __slots__ = ()
+
+    async def serve(self, rows: np.ndarray, cache, priority: float) -> Tuple[Arrays, int]:
+        return await cache.in_thread(priority, self.take, rows), 0
 
     def load(self) -> Block:
         return Block(self.take(np.arange(len(self))), self.start, self.stop)
@@ -211,17 +186,25 @@ class FileBlock(_InFiles):
         path, layout = fileblocks.write(directory, block.arrays, block.start)
         return cls(path, block.start, block.stop, block.nbytes, layout, tier, reader)
 
-    def describe(self) -> dict:
-        """What a process on the same host needs to map this block (`map_arrays`)."""
+    @property
+    def rereadable(self) -> bool:
+        return self.reader is not None
+
+    def _description(self) -> dict:
         return {"path": self.path, "layout": self.layout, "tier": self.tier}
 
-    def files_exist(self) -> bool:
-        """Whether every file of the block is still there with the size its layout says."""
-        return fileblocks.files_exist(self.path, self.layout, len(self))
+    def describe(self) -> Optional[dict]:
+        """What a process on the same host needs to map this block (`map_arrays`); None
+        when a file is gone or of another size (rows then come through the worker,
+        which reads the block again)."""
+        return self._description() if fileblocks.files_exist(self.path, self.layout, len(self)) else None
 
     def take(self, rows: np.ndarray) -> Arrays:
         """The given rows, copied out of the files. Thread-safe."""
-        return take_rows(map_arrays(self.describe()), rows)
+        return take_rows(map_arrays(self._description()), rows)
+
+    def release(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
 
 
 class ArenaBlock(_InFiles):
@@ -240,3 +223,6 @@ class ArenaBlock(_InFiles):
 
     def take(self, rows: np.ndarray) -> Arrays:
         return ArenaMaps.shared.take(self.describe(), rows)
+
+    def release(self) -> None:
+        self.arena.free(self.slot)

@@ -26,7 +26,7 @@ from dask.utils import format_bytes
 from ..shm.arena import Arena, all_fixed
 from ..source import is_block_key, parse_block_key
 from .folders import make_folder, remove_stale
-from .holdings import ArenaBlock, Block, FileBlock, FillingBlock, Streamed
+from .holdings import ArenaBlock, Block, FileBlock, Holding
 
 logger = logging.getLogger(__name__)
 
@@ -274,17 +274,17 @@ class TieredStore(MutableMapping):
 
     # -- MutableMapping ---------------------------------------------------------------
     def __setitem__(self, key, value):
-        if is_block_key(key) and isinstance(value, (Block, FillingBlock, FileBlock, ArenaBlock, Streamed)):
+        if is_block_key(key) and isinstance(value, Holding):
             self._discard_block(key)
             self._blocks[key] = value
             self._other.pop(key, None)
             if self.on_block is not None:
                 self.on_block(key)
-            if isinstance(value, Streamed):
+            tier = value.tier
+            if tier is None:  # streamed: in no tier
                 return
             # Charged here, whether placed by `load_block` (its reservation is released)
             # or brought by Dask itself (a graceful retirement moving blocks: RAM).
-            tier = value.tier if isinstance(value, (FileBlock, ArenaBlock)) else "ram"
             self._tier_of[key] = tier
             with self._lock:
                 placed_tier, reserved = self._reservations.pop(key, (tier, 0))
@@ -318,10 +318,7 @@ class TieredStore(MutableMapping):
             stats.bytes -= value.nbytes
             stats.blocks -= 1
             stats.samples -= value.samples
-        if isinstance(value, FileBlock):
-            shutil.rmtree(value.path, ignore_errors=True)
-        elif isinstance(value, ArenaBlock):
-            value.arena.free(value.slot)
+        value.release()
 
     def __contains__(self, key) -> bool:
         return key in self._blocks or key in self._other
@@ -352,4 +349,4 @@ class TieredStore(MutableMapping):
         dirs = {tier: self.tier_dir(tier) for tier in ("ram", "ssd")}
         with self._lock:
             return {"ram": dict(self.ram.as_dict(), dir=dirs["ram"]), "ssd": dict(self.ssd.as_dict(), dir=dirs["ssd"]),
-                    "streamed_blocks": sum(isinstance(v, Streamed) for v in self._blocks.values())}
+                    "streamed_blocks": sum(v.tier is None for v in self._blocks.values())}

@@ -1,0 +1,250 @@
+"""The workers' handlers as typed messages, and `WorkerAPI`, which sends them.
+
+Each handler takes one request dataclass and answers one reply dataclass (or None). On
+the wire a message is the handler's keyword arguments: "message" (its class) and its
+fields, the `PAYLOAD` ones (arrays, bytes) wrapped by `to_serialize` as they always were.
+`received` rebuilds a request and checks it, once. One fact, one type: blocks not held
+where asked are the `Missing` reply on the wire and `Moved` everywhere else.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass
+from typing import Any, ClassVar, Dict, List, Optional
+
+import numpy as np
+from distributed.core import send_recv
+from distributed.protocol.serialize import to_serialize
+
+from .. import arguments as check
+
+MAX_WAIT = 5.0  # seconds a request may wait for blocks its worker is loading
+
+
+class Moved(Exception):
+    """Blocks are not (or no longer) where they were located: locate them again."""
+
+    def __init__(self, keys):
+        self.keys = list(keys)
+        super().__init__(f"blocks moved: {self.keys[:3]}")
+
+
+class Message:
+    PAYLOAD: ClassVar[tuple] = ()  # fields serialised by Dask (`to_serialize`)
+
+    def check(self, handler: str) -> None:
+        """`HandlerArgumentError` unless the fields are of their types and ranges."""
+
+
+@dataclass
+class RowsRequest(Message):
+    """`dmdask_rows`: block key -> rows (offsets). `priority`: the position of the batch
+    waiting for them (lower first; None: last); `wait`: seconds to wait for blocks loading."""
+
+    rows: Dict[str, np.ndarray]
+    priority: Optional[float] = None
+    wait: float = 0.0
+    PAYLOAD: ClassVar[tuple] = ("rows",)
+
+    def check(self, handler: str) -> None:
+        check.mapping(handler, "rows", self.rows)
+        if self.priority is not None:
+            check.number(handler, "priority", self.priority, 0, float("inf"))
+        check.number(handler, "wait", self.wait, 0, MAX_WAIT)
+
+
+@dataclass
+class Rows(Message):
+    """One array per field, in request order; `from_store`: rows read from the store for it."""
+
+    arrays: Dict[str, np.ndarray]
+    from_store: int = 0
+    PAYLOAD: ClassVar[tuple] = ("arrays",)
+
+
+@dataclass
+class Missing(Message):
+    keys: List[str]
+
+
+@dataclass
+class BatchRequest(Message):
+    """`dmdask_batch`: consecutive batches gathered from their holders (`requests`: holder
+    -> block key -> rows; `positions`: holder -> where its rows go), in batch order;
+    `extra`: fields given whole (a mixture's "source"); `context`: a `TransformContext`;
+    `isolate`: the transform in a process of its own; `same_host`: batches may come back
+    in shared memory; `priority`, `wait` as in `RowsRequest`."""
+
+    requests: Dict[str, Dict[str, np.ndarray]]
+    positions: Dict[str, np.ndarray]
+    index: np.ndarray
+    sizes: List[int]
+    fields: List[str]
+    transform: Optional[bytes] = None
+    context: Any = None
+    extra: Optional[Dict[str, np.ndarray]] = None
+    isolate: bool = False
+    same_host: bool = False
+    priority: Optional[int] = None
+    wait: float = 0.0
+    PAYLOAD: ClassVar[tuple] = ("requests", "positions", "index", "extra", "context", "transform")
+
+    def check(self, handler: str) -> None:
+        """The rows themselves are checked against their blocks when taken (`check_rows`)."""
+        index = np.asarray(self.index)
+        if index.ndim != 1 or (index.size and index.dtype.kind not in "iu"):
+            raise check.refuse(handler, "index", "a 1-d array of sample ids", self.index)
+        sizes = self.sizes
+        if not isinstance(sizes, (list, tuple)) or sum(check.count(handler, "sizes", s) for s in sizes) != len(index):
+            raise check.refuse(handler, "sizes", f"batch lengths that add up to {len(index)}", sizes)
+        check.texts(handler, "fields", self.fields)
+        requests = check.mapping(handler, "requests", self.requests)
+        check.mapping(handler, "positions", self.positions, known=list(requests), required=list(requests))
+        for holder, wanted in requests.items():
+            check.mapping(handler, f"requests[{holder!r}]", wanted)
+            check.indices(handler, f"positions[{holder!r}]", self.positions[holder], len(index))
+        if self.transform is not None and not isinstance(self.transform, bytes):
+            raise check.refuse(handler, "transform", "a pickled transform (bytes) or None", type(self.transform))
+        for name in ("epoch", "seed") if self.context is not None else ():
+            check.count(handler, f"context.{name}", getattr(self.context, name, None))
+        if self.extra is not None:
+            check.mapping(handler, "extra", self.extra)
+        check.flag(handler, "isolate", self.isolate)
+        check.flag(handler, "same_host", self.same_host)
+        if self.priority is not None:
+            check.count(handler, "priority", self.priority)
+        check.number(handler, "wait", self.wait, 0, MAX_WAIT)
+
+
+@dataclass
+class Batches(Message):
+    """The batches, as arrays or written to shared memory on the caller's host (`shared`,
+    for `map_batches`); `error`: the first failed transform's `TransformError`."""
+
+    batches: Optional[list] = None
+    shared: Optional[dict] = None
+    error: Optional[BaseException] = None
+    from_store: int = 0
+    PAYLOAD: ClassVar[tuple] = ("batches", "error")
+
+
+@dataclass
+class DescribeRequest(Message):
+    """`dmdask_describe`: how to map these blocks' files."""
+
+    keys: List[str]
+
+    def check(self, handler: str) -> None:
+        check.texts(handler, "keys", self.keys)
+
+
+@dataclass
+class Descriptions(Message):
+    """Key -> how to map its files (`Holding.describe`; None: in no file); keys not held are left out."""
+
+    blocks: Dict[str, Optional[dict]]
+
+
+@dataclass
+class HitsReport(Message):
+    """`dmdask_count_hits`: tier -> [samples, bytes] taken from the worker's files by others."""
+
+    hits: Dict[str, List[int]]
+
+    def check(self, handler: str) -> None:
+        check.mapping(handler, "hits", self.hits, known=("ram", "ssd"))
+        for tier, pair in self.hits.items():
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise check.refuse(handler, f"hits[{tier!r}]", "[samples, bytes]", pair)
+            check.count(handler, f"hits[{tier!r}] samples", pair[0])
+            check.count(handler, f"hits[{tier!r}] bytes", pair[1])
+
+
+@dataclass
+class HandOver(Message):
+    """`dmdask_hand_over`: bytes of blocks a reader read, for their load tasks of `claim`."""
+
+    blocks: Dict[str, bytes]
+    claim: str
+    PAYLOAD: ClassVar[tuple] = ("blocks",)
+
+    def check(self, handler: str) -> None:
+        check.mapping(handler, "blocks", self.blocks)
+        check.text(handler, "claim", self.claim)
+        for key, content in self.blocks.items():
+            if not isinstance(content, (bytes, bytearray, memoryview)):
+                raise check.refuse(handler, f"blocks[{key!r}]", "bytes", type(content).__name__)
+
+
+@dataclass
+class Kept(Message):
+    keys: List[str]  # those whose bytes the worker kept (others had no room)
+
+
+OPS = {RowsRequest: "dmdask_rows", BatchRequest: "dmdask_batch", DescribeRequest: "dmdask_describe",
+       HitsReport: "dmdask_count_hits", HandOver: "dmdask_hand_over"}
+_MESSAGES = {cls.__name__: cls for cls in (*OPS, Rows, Missing, Batches, Descriptions, Kept)}
+
+
+def to_wire(message: Message) -> dict:
+    wire = {"message": type(message).__name__}
+    for f in dataclasses.fields(message):
+        value = getattr(message, f.name)
+        wire[f.name] = to_serialize(value) if f.name in message.PAYLOAD and value is not None else value
+    return wire
+
+
+def received(handler: str, kind: type, wire: dict) -> Message:
+    """The `kind` request that `handler` received as keyword arguments, checked."""
+    name = wire.pop("message", None)
+    if name != kind.__name__:
+        raise check.refuse(handler, "message", f"a {kind.__name__} (send it with WorkerAPI)", name)
+    try:
+        request = kind(**wire)
+    except TypeError:
+        fields = [f.name for f in dataclasses.fields(kind)]
+        raise check.refuse(handler, "arguments", f"the fields {fields} of {kind.__name__}", sorted(wire)) from None
+    request.check(handler)
+    return request
+
+
+def handler(kind: type, method):
+    """`method` (a `kind` request -> a reply or None) as the Dask handler of its op."""
+    async def handle(**wire):
+        reply = method(received(OPS[kind], kind, wire))
+        reply = (await reply) if inspect.isawaitable(reply) else reply
+        return None if reply is None else to_wire(reply)
+
+    handle.__name__ = OPS[kind]
+    return handle
+
+
+class WorkerAPI:
+    """The workers' handlers over a `ConnectionPool` (`client.rpc`, `worker.rpc`).
+    `connect_seconds`: how long a connection may take (None: the pool's timeout), so that
+    a worker gone away fails a call with an OSError at once, not after 30 s of retries."""
+
+    def __init__(self, rpc, connect_seconds: Optional[float] = None):
+        self.rpc, self.connect_seconds = rpc, connect_seconds
+
+    async def call(self, address: str, request: Message) -> Optional[Message]:
+        """The worker's reply to `request`; `Moved` for blocks it does not hold."""
+        comm = await self.rpc.connect(address, timeout=self.connect_seconds)
+        try:
+            reply = await send_recv(comm, op=OPS[type(request)], **to_wire(request))
+        finally:
+            self.rpc.reuse(address, comm)
+        reply = None if reply is None else _MESSAGES[reply.pop("message")](**reply)
+        if isinstance(reply, Missing):
+            raise Moved(reply.keys)
+        return reply
+
+    async def describe(self, address: str, keys: List[str]) -> Dict[str, Optional[dict]]:
+        return (await self.call(address, DescribeRequest(keys))).blocks
+
+    async def count_hits(self, address: str, hits: Dict[str, List[int]]) -> None:
+        await self.call(address, HitsReport(hits))
+
+    async def hand_over(self, address: str, blocks: Dict[str, bytes], claim: str) -> List[str]:
+        return (await self.call(address, HandOver(blocks, claim))).keys

@@ -1,0 +1,133 @@
+"""`FillingBlock`: a RAM block of a one-file-per-sample source, filled as ranks ask."""
+from __future__ import annotations
+
+import asyncio
+from typing import Dict, Tuple
+
+import numpy as np
+
+from ..shm.fileblocks import Arrays
+from .holdings import Block, Holding, concat
+
+
+class FillingBlock(Holding):
+    """A RAM block of a one-file-per-sample source, filled sample by sample as ranks ask.
+
+    Each sample is read from the store the first time a rank wants it, so epoch 1
+    streams like a plain loader, and every sample kept is read once for the whole run.
+    `sized`: the block's whole room was reserved when it was created (its size came
+    from the listing); otherwise (an HTTP folder lists no sizes) each sample is charged
+    to the tier when read, and samples the tier has no room for are served and not
+    kept. Used only from the worker's event loop (reads run in threads, fills happen on
+    the loop). `reading`: row -> the future of the read under way that brings it, so a
+    row asked twice at once is read once, and a request never waits for reads of rows
+    it did not ask for.
+    """
+
+    __slots__ = ("reader", "arrays", "have", "nbytes", "samples", "sized", "start", "stop", "reading")
+
+    def __init__(self, reader, sized: bool = True):
+        n = reader.stop - reader.start
+        self.reader = reader
+        self.arrays = None  # field -> array, made on the first fill
+        self.have = np.zeros(n, dtype=bool)
+        self.sized = sized
+        self.nbytes = reader.nbytes if sized else 0
+        self.samples = n if sized else 0  # samples charged to the tier
+        self.start, self.stop = reader.start, reader.stop
+        self.reading: Dict[int, "asyncio.Future"] = {}
+
+    def missing(self, rows: np.ndarray) -> np.ndarray:
+        """The rows not read yet, each once, in increasing order."""
+        return np.unique(rows[~self.have[rows]])
+
+    def fill(self, rows: np.ndarray, arrays: Arrays) -> None:
+        if not len(rows):
+            return
+        if self.arrays is None:
+            self.arrays = {}
+            for name, values in arrays.items():
+                shape = (len(self),) + values.shape[1:]
+                self.arrays[name] = np.empty(shape, dtype=values.dtype)
+        for name, values in arrays.items():
+            self.arrays[name][rows] = values
+        self.have[rows] = True
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.have.all())
+
+    def take(self, rows: np.ndarray, spare_rows=None, spare: Arrays = None) -> Arrays:
+        """The given rows: held ones from the block, the others from `spare` (the arrays
+        of `spare_rows`, increasing, just read and not kept)."""
+        held = self.have[rows]
+        if held.all():
+            return {name: arr[rows] for name, arr in self.arrays.items()}
+        where = np.searchsorted(spare_rows, rows[~held])
+        out = {}
+        for name, values in spare.items():
+            col = np.empty((len(rows),) + values.shape[1:], dtype=values.dtype)
+            if held.any():
+                col[held] = self.arrays[name][rows[held]]
+            col[~held] = values[where]
+            out[name] = col
+        return out
+
+    async def serve(self, rows: np.ndarray, cache, priority: float) -> Tuple[Arrays, int]:
+        """Rows not held yet are read now, at `priority`, unless a read under way for
+        another request brings them: then that read is awaited, so each row is read once
+        and a request waits only for the reads of its own rows."""
+        missing = self.missing(rows)
+        under_way = {id(f): f for f in map(self.reading.get, missing.tolist()) if f is not None}
+        mine = np.array([r for r in missing.tolist() if r not in self.reading], dtype=np.int64)
+        reads = list(under_way.values())
+        if len(mine):
+            read = asyncio.ensure_future(self._fill(mine, cache, priority))  # not cancelled with this request
+            for r in mine.tolist():
+                self.reading[r] = read
+            reads.append(read)
+        spares = [await asyncio.shield(read) for read in reads]
+        if not spares:
+            return self.take(rows), 0
+        spare_rows = np.concatenate([r for r, _ in spares])
+        order = np.argsort(spare_rows, kind="stable")
+        spare = {f: concat([a[f] for _, a in spares])[order] for f in spares[0][1]}
+        return self.take(rows, spare_rows[order], spare), len(mine)
+
+    async def _fill(self, rows: np.ndarray, cache, priority: float):
+        """Read `rows` (increasing) from the store and keep those the tier has room for;
+        (rows, their arrays), kept or not."""
+        try:
+            arrays = await cache.in_thread(priority, cache.read_rows, self.reader, rows)
+            kept = len(rows)
+            if not self.sized:
+                sizes = sample_nbytes(arrays)
+                kept = cache.store.charge("ram", sizes)
+                self.samples += kept
+                self.nbytes += int(sizes[:kept].sum())
+            self.fill(rows[:kept], {f: a[:kept] for f, a in arrays.items()})
+            return rows, arrays
+        finally:
+            for r in rows.tolist():
+                self.reading.pop(r, None)
+
+    def __reduce__(self):
+        # Leaving the worker (a graceful retirement): travel as a complete block.
+        arrays = self.arrays if self.complete else self.reader.read()
+        return (Block, (arrays, self.start, self.stop))
+
+    def __sizeof__(self) -> int:
+        return self.nbytes
+
+
+def sample_nbytes(arrays: Arrays) -> np.ndarray:
+    """Bytes each sample of `arrays` takes in memory (an object array's element plus its
+    8-byte pointer; a row of a fixed-size field)."""
+    n = len(next(iter(arrays.values())))
+    sizes = np.zeros(n, dtype=np.int64)
+    for arr in arrays.values():
+        if arr.dtype == object:
+            sizes += np.fromiter((v.nbytes for v in arr), dtype=np.int64, count=n) + 8
+        else:
+            sizes += arr.nbytes // max(1, n)
+    return sizes

@@ -1,0 +1,136 @@
+"""dmdask's worker side as a Dask worker plugin, which the scheduler plugin installs on
+every worker (as `distributed.shuffle` does): on a `dmdask.Worker` it starts the
+`BlockCache` over the worker's tiers and registers the handlers of
+`dmdask.protocol.worker`: `dmdask_rows` (rows of held blocks, for this worker or a peer),
+`dmdask_batch` (a rank's group on its own node: rows from their holders, in batch order,
+transformed, returned in shared memory to the same host or over TCP), `dmdask_describe`
+and `dmdask_count_hits` (trainers on this host that map held blocks' files themselves),
+`dmdask_hand_over` (transparent mode: bytes a reader read, for the load tasks, `handover`).
+Handlers use `cache`, `address` and `peers` (a `WorkerAPI`): testable without a cluster.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import dask
+import distributed
+import numpy as np
+from distributed.comm.core import CommClosedError
+from distributed.core import Status
+
+from ..protocol.worker import (Batches, BatchRequest, DescribeRequest, Descriptions, HandOver, HitsReport, Kept,
+                               Missing, Moved, OPS, Rows, RowsRequest, WorkerAPI, handler)
+from ..shm.fileblocks import assemble
+from ..shm.results import shareable, write_batches
+from ..spec import loads_transform
+from .cache import BlockCache
+from .holdings import Holding, payload_bytes
+from .reads import LAST
+from .tiers import TieredStore
+from .transforms import transform_in_order, transform_isolated
+
+
+class WorkerPlugin(distributed.WorkerPlugin):
+    """dmdask on one worker: its `BlockCache` (`worker.extensions["dmdask"]`) and handlers.
+    A worker without dmdask's tiers (a plain Dask worker) is left as it is."""
+
+    name = "dmdask"
+    idempotent = True
+
+    def __init__(self):
+        self.cache = None
+        self.address = None
+        self.peers = None
+
+    def setup(self, worker) -> None:
+        if not isinstance(worker.data, TieredStore):
+            return
+        self.cache = worker.extensions.get("dmdask")  # kept when added again (by a new scheduler)
+        if self.cache is None:
+            self.cache = BlockCache(worker, worker.data, worker.stream_buffer,
+                                    read_threads=int(dask.config.get("dmdask.worker.read-threads")),
+                                    transform_threads=int(dask.config.get("dmdask.worker.transform-threads")))
+        self.address, self.peers = worker.address, WorkerAPI(worker.rpc)
+        worker.handlers.update({OPS[kind]: handler(kind, method) for kind, method in (
+            (RowsRequest, self.rows), (BatchRequest, self.batch), (DescribeRequest, self.describe),
+            (HitsReport, self.count_hits), (HandOver, self.hand_over))})
+        worker.extensions["dmdask"] = self.cache
+        worker.metrics["dmdask"] = lambda worker: self.cache.stats()
+
+    def teardown(self, worker) -> None:
+        if self.cache is not None and worker.status == Status.closing:  # not when added again
+            self.cache.close()
+
+    async def rows(self, request: RowsRequest):
+        """`Rows` (one array per field, in request order), or `Missing` for blocks not
+        held once `request.wait` has passed. Rows that are not offsets inside their block
+        raise `ValueError` (`check_rows`), which the caller's RPC re-raises."""
+        try:
+            arrays, from_store = await self.cache.serve(request.rows, _priority(request.priority), request.wait)
+        except Moved as exc:
+            return Missing(exc.keys)
+        self.cache.peer_bytes_out += payload_bytes(arrays)
+        return Rows(arrays, from_store)
+
+    async def batch(self, request: BatchRequest):
+        """`Batches` of the group, or `Missing` for blocks a holder does not hold."""
+        async def from_holder(holder, wanted):
+            if holder == self.address:
+                return await self.cache.serve(wanted, _priority(request.priority), request.wait)
+            try:
+                reply = await self.peers.call(holder, RowsRequest(wanted, request.priority, request.wait))
+            except RuntimeError as exc:  # this worker is closing ("ConnectionPool is closed"): a lost worker
+                raise CommClosedError(f"worker {self.address} is closing: {exc}") from None
+            self.cache.peer_bytes_in += payload_bytes(reply.arrays)
+            return reply.arrays, reply.from_store
+
+        try:
+            taken = await asyncio.gather(*(from_holder(h, w) for h, w in request.requests.items()))
+        except Moved as exc:
+            return Missing(exc.keys)
+        from_store = sum(n for _, n in taken)
+        rows = assemble(((request.positions[h], arrays) for h, (arrays, _) in zip(request.requests, taken)),
+                        len(request.index))
+        group = {f: rows[f] for f in request.fields}
+        group.update(request.extra or {})
+        group["index"] = request.index
+        bounds = np.cumsum([0] + list(request.sizes))
+        batches = [{f: v[a:b] for f, v in group.items()} for a, b in zip(bounds[:-1], bounds[1:])]
+        if request.transform is None:
+            return Batches(batches=batches, from_store=from_store)
+        loop = asyncio.get_running_loop()
+        if request.isolate:  # after a worker loss: in a process of its own, which may die
+            done, error = await loop.run_in_executor(self.cache.transforms, transform_isolated, request.transform,
+                                                     batches, request.context)
+        else:
+            done, error = await loop.run_in_executor(self.cache.transforms, transform_in_order,
+                                                     loads_transform(request.transform), batches, request.context)
+        folder = self.cache.store.shared_folder() if request.same_host else None
+        if folder is not None and done and shareable(done):  # the trainer maps them: no pickle, no socket
+            shared = await loop.run_in_executor(self.cache.transforms, write_batches, folder, done)
+            return Batches(shared=shared, error=error, from_store=from_store)
+        return Batches(batches=done, error=error, from_store=from_store)
+
+    def describe(self, request: DescribeRequest) -> Descriptions:
+        """How to map each held block's files (None: rows through `dmdask_rows`); blocks
+        not held (yet) are left out, the caller asks again. A block held in files can be
+        read by the worker's user (or group) on this host."""
+        store = self.cache.store
+        held = {key: store[key] for key in request.keys if key in store}
+        return Descriptions({key: value.describe() if isinstance(value, Holding) else None
+                             for key, value in held.items()})
+
+    def count_hits(self, request: HitsReport) -> None:
+        """Count rows that training processes on this host took from this worker's files
+        themselves like any other hit (every count was checked before any is added)."""
+        for tier, (samples, nbytes) in request.hits.items():
+            self.cache.store.count_hit(tier, int(samples), int(nbytes))
+
+    def hand_over(self, request: HandOver) -> Kept:
+        """Keep blocks' bytes for their load tasks of `request.claim` (`Handovers`)."""
+        return Kept([key for key, content in request.blocks.items()
+                     if self.cache.handovers.put(key, request.claim, content)])
+
+
+def _priority(priority) -> float:
+    return LAST if priority is None else float(priority)
