@@ -9,7 +9,32 @@ from .worker import Nanny, Worker, capacity
 DASHBOARD_PRELOAD = "dmdask.dashboard"
 
 
-class LocalCluster(distributed.LocalCluster):
+class ReleasesOnClose:
+    """A cluster whose closing (`close()`, also at the end of `with` and at exit; `async
+    with`) releases dmdask's datasets first: released, its blocks are no results the
+    scheduler warns it "lost" (and plans to recompute) as each worker leaves."""
+
+    def close(self, timeout=None):
+        if self.status == distributed.Status.running:  # on the loop, queued before Dask's close (FIFO)
+            self.loop.add_callback(self.release_datasets)
+        return super().close(timeout)
+
+    async def __aexit__(self, *exc_info):
+        self.release_datasets()
+        await super().__aexit__(*exc_info)
+
+    def release_datasets(self) -> int:
+        """Release every dataset of the dmdask plugin of the in-process scheduler (none when
+        the scheduler is elsewhere or has no plugin); on the cluster's loop. Returns how many."""
+        from .scheduler import DatasetsPlugin
+
+        plugin = getattr(self.scheduler, "extensions", {}).get("dmdask")
+        if not isinstance(plugin, DatasetsPlugin):
+            return 0
+        return sum(bool(plugin.release(name)) for name in list(plugin.datasets))
+
+
+class LocalCluster(ReleasesOnClose, distributed.LocalCluster):
     """A `distributed.LocalCluster` whose workers carry dmdask's RAM and SSD tiers.
 
     ram, ssd, ssd_dir, shm_dir, stream_buffer: per-worker cache capacities (bytes or
@@ -26,32 +51,12 @@ class LocalCluster(distributed.LocalCluster):
                  stream_buffer=None, threads_per_worker: int = 1, processes: bool = True, **kwargs):
         given = {"ram": ram, "ssd": ssd, "stream_buffer": stream_buffer}
         worker_options = {name: capacity(value, name) for name, value in given.items() if value is not None}
-        for name, value in (("ssd_dir", ssd_dir), ("shm_dir", shm_dir)):
-            if value is not None:
-                worker_options[name] = value
+        worker_options.update({n: v for n, v in (("ssd_dir", ssd_dir), ("shm_dir", shm_dir)) if v is not None})
         kwargs.setdefault("dashboard_address", ":0")
         kwargs["scheduler_kwargs"] = with_dashboard_preload(kwargs.get("scheduler_kwargs"))
         super().__init__(n_workers=n_workers, threads_per_worker=threads_per_worker,
                          processes=processes, worker_class=Nanny if processes else Worker,
                          **worker_options, **kwargs)
-
-    async def _close(self):
-        """Release dmdask's datasets, then close as Dask does. The cache goes with the
-        cluster anyway; released first, its blocks are no longer results the scheduler
-        would warn it "lost" (and plan to recompute) as each worker leaves."""
-        release_datasets(self.scheduler)
-        await super()._close()
-
-
-def release_datasets(scheduler) -> int:
-    """Release every dataset of the dmdask plugin of an in-process scheduler (none when
-    the scheduler is elsewhere or has no plugin); returns how many."""
-    from .scheduler import DatasetsPlugin
-
-    plugin = getattr(scheduler, "extensions", {}).get("dmdask")
-    if not isinstance(plugin, DatasetsPlugin):
-        return 0
-    return sum(bool(plugin.release(name)) for name in list(plugin.datasets))
 
 
 def with_dashboard_preload(scheduler_kwargs) -> dict:
@@ -66,12 +71,10 @@ def with_dashboard_preload(scheduler_kwargs) -> dict:
     preload = [preload] if isinstance(preload, str) else list(preload)
     if DASHBOARD_PRELOAD in preload:
         return options
-    argv = options.get("preload_argv") or dask.config.get("distributed.scheduler.preload-argv") or []
-    argv = list(argv)
+    argv = list(options.get("preload_argv") or dask.config.get("distributed.scheduler.preload-argv") or [])
     if argv and not isinstance(argv[0], str):  # one list of arguments per preload
         argv.append([])
-        options["preload_argv"] = argv
-    elif argv:
+    if argv:
         options["preload_argv"] = argv
     options["preload"] = preload + [DASHBOARD_PRELOAD]
     return options

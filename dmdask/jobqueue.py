@@ -15,7 +15,7 @@ goes to dask-jobqueue's own class. Needs the `jobqueue` extra:
 """
 from __future__ import annotations
 
-from .cluster import release_datasets, with_dashboard_preload
+from .cluster import ReleasesOnClose, with_dashboard_preload
 
 __all__ = ["PBSCluster", "SLURMCluster", "dmdask_options"]
 
@@ -47,15 +47,11 @@ def dmdask_options(kwargs: dict) -> dict:
 def _cluster_class(name: str):
     base = getattr(_jobqueue(), name)
 
-    class Cluster(base):
+    class Cluster(ReleasesOnClose, base):  # as dmdask.LocalCluster: no "lost" warnings as jobs end
         __doc__ = f"`dask_jobqueue.{name}` whose jobs run dmdask workers sized from their job (dmdask.jobqueue)."
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **dmdask_options(kwargs))
-
-        async def _close(self):
-            release_datasets(self.scheduler)  # as dmdask.LocalCluster: no "lost" warnings as jobs end
-            await super()._close()
 
     Cluster.__name__ = Cluster.__qualname__ = name
     Cluster.__module__ = __name__

@@ -1,4 +1,5 @@
 import concurrent.futures
+import time
 import warnings
 
 import distributed
@@ -22,6 +23,17 @@ def run_epoch(client, spec, epoch=0, world_size=None, concurrent_ranks=True):
         return [one(s) for s in specs]
     with concurrent.futures.ThreadPoolExecutor(world) as pool:
         return list(pool.map(one, specs))
+
+
+def wait_until(condition, seconds: float, what: str, pause: float = 0.05):
+    """Poll `condition()` until it returns something true, and return that; after
+    `seconds` without, fail naming `what` was awaited."""
+    deadline = time.monotonic() + seconds
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {seconds} s: {what}")
+        time.sleep(pause)
+    return value
 
 
 def all_ids(per_rank):

@@ -6,7 +6,6 @@ import os
 
 import pytest
 
-pytest.importorskip("matplotlib", reason="the benchmark plots need matplotlib (the `bench` extra)")
 pytest.importorskip("torch", reason="the scenario's baseline and model need torch")
 
 from benchmarks import training  # noqa: E402

@@ -90,8 +90,6 @@ def test_peers_and_simulation_run_at_tiny_size_and_merge_into_the_page(tmp_path)
     """`run --peers` at tiny size: dmdask, the DataLoader baseline and WebDataset run (the peers that
     `make test` does not install are reported as not run, with the reason); the simulation runs."""
     pytest.importorskip("torch", reason="the ranks join a torch.distributed (gloo) process group")
-    pytest.importorskip("webdataset", reason="WebDataset is one of the peers (the test extra installs it)")
-    pytest.importorskip("matplotlib", reason="the plots need matplotlib")
     from benchmarks.peers import LOADERS
     from benchmarks.peers.goals import bound
 

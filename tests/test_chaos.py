@@ -17,6 +17,8 @@ import dmdask
 from dmdask.plan.order import EpochOrder, RankShare
 from dmdask.testing.datasets import write_zarr, zarr_sample
 
+from conftest import wait_until
+
 N, CHUNK, RANKS = 1200, 50, 2
 
 
@@ -33,10 +35,8 @@ class Step:
 
 
 def _wait_for_workers(client, count: int, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while len(client.scheduler_info()["workers"]) < count:
-        assert time.monotonic() < deadline, "the nannies did not restart the workers"
-        time.sleep(0.2)
+    wait_until(lambda: len(client.scheduler_info()["workers"]) >= count, timeout, "the nannies restarted the workers",
+               pause=0.2)
 
 
 def _epoch(client, spec, epoch: int, chaos=None, resume=None):

@@ -30,7 +30,7 @@ from dmdask.dashboard.page import fmt_bytes
 from dmdask.source import open_source
 from dmdask.testing.datasets import write_zarr, zarr_sample
 
-from conftest import all_ids, run_epoch
+from conftest import all_ids, run_epoch, wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
@@ -271,6 +271,20 @@ DEEP_TEXT = """(() => {
   return {bokeh, canvases, tables, text: texts.join(" ").replace(/\\s+/g, " ")};
 })()"""
 
+DRAWN = """(() => {
+  const drawn = [innerWidth, innerHeight, document.documentElement.scrollHeight];
+  const walk = (node) => {
+    if (node.shadowRoot) walk(node.shadowRoot);
+    for (const child of node.children || []) {
+      if (child.tagName === "CANVAS") drawn.push(child.width, child.height, child.toDataURL().length);
+      walk(child);
+    }
+  };
+  walk(document.documentElement);
+  return JSON.stringify(drawn);
+})()"""  # the viewport, the page's height and what each canvas shows: unchanged once it is drawn
+FRAMES = "new Promise(done => requestAnimationFrame(() => requestAnimationFrame(() => done(true))))"
+
 
 class Browser:
     """Headless Chromium driven over the DevTools protocol (tornado's websocket client)."""
@@ -331,13 +345,27 @@ class Browser:
         result = await self.send("Runtime.evaluate", expression=expression, returnByValue=True)
         return result["result"].get("value")
 
+    async def drawn(self, timeout: float = 30, readings: int = 4):
+        """Wait until the page is laid out and drawn: `DRAWN` the same in `readings`
+        readings in a row, each two frames after the last."""
+        deadline, seen = time.monotonic() + timeout, []
+        while len(seen) < readings or len(set(seen[-readings:])) > 1:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the page did not settle in {timeout} s: {seen[-2:]}")
+            await self.send("Runtime.evaluate", expression=FRAMES, awaitPromise=True)
+            seen.append(await self.evaluate(DRAWN))
+
     async def screenshot(self) -> bytes:
         """The whole page (the viewport grown to its height)."""
         layout = await self.send("Page.getLayoutMetrics")
-        height = int(layout.get("cssContentSize", layout.get("contentSize"))["height"]) + 1
-        await self.send("Emulation.setDeviceMetricsOverride", width=self.width, height=max(height, 400),
+        height = max(int(layout.get("cssContentSize", layout.get("contentSize"))["height"]) + 1, 400)
+        await self.send("Emulation.setDeviceMetricsOverride", width=self.width, height=height,
                         deviceScaleFactor=1, mobile=False)
-        await asyncio.sleep(1.0)  # the layout follows the new viewport
+        deadline = time.monotonic() + 30
+        while await self.evaluate("innerHeight") != height:  # the new viewport applied
+            assert time.monotonic() < deadline, "the viewport did not grow"
+            await self.send("Runtime.evaluate", expression=FRAMES, awaitPromise=True)
+        await self.drawn()  # and the layout followed it
         shot = await self.send("Page.captureScreenshot", format="png")
         return base64.b64decode(shot["data"])
 
@@ -379,7 +407,7 @@ async def render(binary: str, url: str, wanted, timeout: float = 60):
             if time.monotonic() > deadline:
                 raise AssertionError(f"the page never showed what was expected; it shows: {page}")
             await asyncio.sleep(0.25)
-        await asyncio.sleep(1.5)  # one more update, and the canvases drawn
+        await browser.drawn()  # the canvases drawn
         page = await browser.evaluate(DEEP_TEXT)
         return page, await browser.screenshot()
     finally:
@@ -396,7 +424,7 @@ def color_share(image, rgb, tolerance=12) -> float:
                                            "(or set DMDASK_CHROMIUM=/path/to/chrome)")
 def test_page_in_headless_chromium(cluster, small, large, tmp_path):
     binary = chromium()
-    Image = pytest.importorskip("PIL.Image", reason="pillow (a bokeh dependency) reads the screenshot")
+    from PIL import Image  # the test extra (and a bokeh dependency)
 
     _, client = cluster
     stats, tiers, _ = settled(client, lambda stats, tiers, prom: tiers["workers"] == stats["workers"])
@@ -414,7 +442,7 @@ def test_page_in_headless_chromium(cluster, small, large, tmp_path):
     tornado_log.addHandler(handler)
     try:
         page, png = asyncio.run(render(binary, base_url(client) + "/dmdask", wanted))
-        time.sleep(2)  # the page's next updates go to a closed websocket
+        time.sleep(2)  # an observation window, not a wait: the page's next updates go to a closed socket
     finally:
         tornado_log.removeHandler(handler)
     assert not [r.getMessage() for r in records if "/dmdask/ws" in r.getMessage()]  # a closed page logs nothing
@@ -496,9 +524,7 @@ def test_preload_on_the_dask_scheduler_cli(tmp_path):
                                "--scheduler-file", scheduler_file, "--preload", "dmdask.dashboard"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     try:
-        deadline = time.time() + 60
-        while not os.path.exists(scheduler_file) and time.time() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: os.path.exists(scheduler_file), 60, "the scheduler wrote its file")
         procs.append(subprocess.Popen(
             [os.path.join(BIN, "dask"), "worker", "--scheduler-file", scheduler_file, "--worker-class",
              "dmdask.Worker", "--nthreads", "1", "--host", "127.0.0.1", "--no-dashboard"],
@@ -549,18 +575,18 @@ def dask_config(values):
     return dask.config.set(values)
 
 
-def test_collector_registered_once():
+def test_collector_registered_once(monkeypatch):
     import prometheus_client
 
     from dmdask.dashboard import prometheus
 
     first = prometheus.collector()
+    again = []
+    monkeypatch.setattr(prometheus_client.REGISTRY, "register", again.append)  # from now on
     assert prometheus.collector() is first
     importlib.reload(prometheus)  # a reloaded module finds the registered collector
     assert prometheus.collector() is first
-    registered = [c for c in prometheus_client.REGISTRY._collector_to_names
-                  if type(c).__name__ == "DmdaskCollector"]
-    assert registered == [first]
+    assert again == []  # nothing registered a second time
 
 
 def test_a_closed_page_websocket_logs_no_traceback():

@@ -6,8 +6,7 @@ import sys
 
 import pytest
 
-pytest.importorskip("sklearn")
-pytest.importorskip("PIL")
+pytest.importorskip("sklearn")  # the demo extra (Pillow: the test extra)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -144,7 +144,8 @@ def test_an_epoch_has_exact_counts_values_of_the_sources_and_passes(client, sour
         assert len(pairs) == n
         assert np.bincount(pairs[:, 0]).tolist() == counts
         it = dmdask.batches(client, spec, epoch=epoch)
-        expected = np.stack(it.info.split(it._order.ids(np.arange(n))), axis=1)
+        order = it.info.order(shuffle=spec.shuffle, seed=spec.seed, epoch=epoch, shuffle_window=spec.shuffle_window)
+        expected = np.stack(it.info.split(order.ids(np.arange(n))), axis=1)
         it.close()
         assert np.array_equal(pairs, expected)  # rank r got positions r, r + 3, ...
         times = np.bincount(pairs[pairs[:, 0] == 1, 1], minlength=SIZES[1])

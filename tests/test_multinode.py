@@ -4,7 +4,6 @@ environment variables (`DASK_DMDASK__WORKER__RAM`)."""
 import os
 import subprocess
 import sys
-import time
 
 import distributed
 import numpy as np
@@ -13,7 +12,7 @@ import pytest
 import dmdask
 from dmdask.testing.datasets import write_zarr, zarr_sample
 
-from conftest import all_ids, run_epoch
+from conftest import all_ids, run_epoch, wait_until
 
 BIN = os.path.dirname(sys.executable)
 
@@ -33,9 +32,7 @@ def cli_cluster(tmp_path):
              "dmdask.Worker", "--nthreads", "1", "--name", f"node{i}", "--host", "127.0.0.1"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=worker_env))
     try:
-        deadline = time.time() + 60
-        while not os.path.exists(scheduler_file) and time.time() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: os.path.exists(scheduler_file), 60, "the scheduler wrote its file")
         with distributed.Client(scheduler_file=scheduler_file, timeout=30) as client:
             client.wait_for_workers(2, timeout=60)
             yield client

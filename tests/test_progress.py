@@ -54,13 +54,13 @@ def test_no_bar_by_default_when_not_a_terminal(client, zarr_path):
 
 def test_bar_shows_rate_and_hit_rate_without_per_batch_requests(client, zarr_path, monkeypatch):
     monkeypatch.setattr(progress, "STATS_INTERVAL", 0.2)
-    calls, real = [], progress.EpochProgress._ask
+    calls, real = [], progress.served_now
 
-    def ask(self):  # when each stats request is sent
+    def served_now(client):  # called as each stats request is sent
         calls.append(time.monotonic())
-        real(self)
+        return real(client)
 
-    monkeypatch.setattr(progress.EpochProgress, "_ask", ask)
+    monkeypatch.setattr(progress, "served_now", served_now)
     out = io.StringIO()
     spec = dmdask.Spec(zarr_path, batch_size=50, seed=4)
     it = dmdask.batches(client, spec, epoch=0, progress={"file": out, "mininterval": 0})

@@ -2,7 +2,6 @@
 work stealing on, one creation per cluster under concurrent ranks and jobs, the
 registry, release."""
 import concurrent.futures
-import time
 
 import distributed
 import numpy as np
@@ -11,7 +10,7 @@ import dmdask
 from dmdask.source import dataset_name
 from dmdask.testing.datasets import zarr_sample
 
-from conftest import all_ids, run_epoch
+from conftest import all_ids, run_epoch, wait_until
 
 N = 3001  # divisible by neither the chunk (50) nor the batch sizes
 
@@ -81,9 +80,7 @@ def test_release_empties_the_tiers_and_the_next_epoch_reads_again(zarr_path):
         first = dmdask.stats(client)["total"]["shared_store"]["bytes"]
         assert first > 0
         assert dmdask.release(client, spec) is True
-        deadline = time.monotonic() + 30
-        while dmdask.stats(client)["total"]["ram"]["blocks"] and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: not dmdask.stats(client)["total"]["ram"]["blocks"], 30, "the released blocks left RAM")
         stats = dmdask.stats(client)
         assert stats["total"]["ram"]["blocks"] == 0 and stats["total"]["ram"]["bytes"] == 0
         assert stats["datasets"] == []

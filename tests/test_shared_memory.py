@@ -15,6 +15,8 @@ import pytest
 import dmdask
 from dmdask.testing.datasets import zarr_label, zarr_sample
 
+from conftest import wait_until
+
 N = 2503  # divisible by neither the chunk nor the batch size
 RANK_SCRIPT = """
 import sys, numpy as np, distributed, dmdask
@@ -69,15 +71,15 @@ def test_a_killed_worker_leaves_no_segment_once_restarted(zarr_path, tmp_path):
         victim = pids[sorted(pids)[0]]
         assert any(f"-{victim}-" in name for name in _folders(shm))
         os.kill(victim, signal.SIGKILL)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            time.sleep(0.2)
+
+        def replaced():
             try:
                 live = set(client.run(os.getpid).values())
             except OSError:  # the dead worker is still listed for a moment
-                continue
-            if len(live) == 2 and victim not in live:
-                break
+                return False
+            return len(live) == 2 and victim not in live
+
+        wait_until(replaced, 60, "the nanny replaced the killed worker", pause=0.2)
         assert not any(f"-{victim}-" in name for name in _folders(shm))  # the new worker removed it
         ids = np.concatenate([b["index"] for b in dmdask.batches(client, spec, epoch=1)])
         assert np.array_equal(np.sort(ids), np.arange(N))
@@ -97,10 +99,8 @@ def test_a_killed_trainer_leaves_nothing_and_the_others_go_on(zarr_path, tmp_pat
                                    '__import__("time").sleep(0.5)')
         trainer = subprocess.Popen([sys.executable, "-c", slow, cluster.scheduler_address, zarr_path, "0", "1",
                                     str(tmp_path / "never.npy")])
-        deadline = time.monotonic() + 120
-        while not started.exists():  # killed mid-epoch: after its first batch
-            assert time.monotonic() < deadline and trainer.poll() is None, "the trainer never got a batch"
-            time.sleep(0.05)
+        wait_until(lambda: started.exists() or trainer.poll() is not None, 120, "the trainer's first batch")
+        assert trainer.poll() is None, "the trainer exited"  # killed mid-epoch: after its first batch
         trainer.kill()
         trainer.wait(30)
         assert _folders(shm) == folders  # trainers map the workers' files; they create none
@@ -147,11 +147,13 @@ def test_stale_result_files_are_swept(tmp_path):
     from dmdask.shm import results
 
     batch = {"x": np.arange(6, dtype=np.float32).reshape(2, 3), "index": np.arange(2)}
-    orphan = results.write_batches(str(tmp_path), [batch])["path"]
+    (tmp_path / "dead").mkdir()
+    (tmp_path / "live").mkdir()  # a folder no write has swept yet (a sweep is every STALE_SECONDS / 10)
+    orphan = str(tmp_path / "live" / "result-orphan")
+    os.rename(results.write_batches(str(tmp_path / "dead"), [batch])["path"], orphan)
     old = time.time() - results.STALE_SECONDS - 1
     os.utime(orphan, (old, old))
-    results._last_sweep.clear()
-    fresh = results.write_batches(str(tmp_path), [batch, batch])
+    fresh = results.write_batches(str(tmp_path / "live"), [batch, batch])
     assert not os.path.exists(orphan) and os.path.exists(fresh["path"])
     mapped = results.map_batches(fresh)
     assert not os.path.exists(fresh["path"])
@@ -168,9 +170,15 @@ def test_warm_batches_keep_the_epoch_order_with_two_arenas(zarr_path):
     with dmdask.LocalCluster(n_workers=2, ram="64 MiB") as cluster, distributed.Client(cluster) as client:
         spec = dmdask.Spec(zarr_path, batch_size=40, seed=3, rank=1, world_size=2)
         cold = list(dmdask.batches(client, spec, epoch=2))
+        hits = {address: s["ram"]["hits"] for address, s in dmdask.stats(client)["workers"].items()}
         it = dmdask.batches(client, spec, epoch=2)
         warm = list(it)
-        assert len({holder for holder, _ in it._local.arenas}) == 2  # the rows came from two arenas
+        assert it.requests == 0  # the warm path: every row from an arena on this host
+
+        def both_arenas():  # the rows came from two arenas: each holder counts hits (reported <= 1 s late)
+            return all(s["ram"]["hits"] > hits[a] for a, s in dmdask.stats(client)["workers"].items())
+
+        wait_until(both_arenas, 30, "rows taken from both workers' arenas")
         planned = RankShare(EpochOrder(N, 100, shuffle=True, seed=3, epoch=2), 1, 2, 40, False)
         assert len(warm) == len(cold) == len(planned)
         for i, (a, b) in enumerate(zip(cold, warm)):

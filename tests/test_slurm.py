@@ -25,6 +25,8 @@ import pytest
 
 from dmdask.testing.datasets import write_blobs
 
+from conftest import wait_until
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "scripts")
 HPC_DOC = os.path.join(ROOT, "docs", "hpc.md")
@@ -208,15 +210,16 @@ def test_a_requeued_job_refills_its_cache_and_reads_its_epoch_once(slurm, datase
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip().split(";")[0]
     _wait_for_state(slurm, job_id, {"RUNNING"})
-    time.sleep(3)  # its scheduler and worker are starting or up
+    wait_until(lambda: (tmp_path / f"dmdask-scheduler-{job_id}.json").exists(), 300, "the job's scheduler started")
     scontrol = ["scontrol"]
     assert subprocess.run(scontrol + ["requeue", job_id], env=slurm["env"], timeout=60).returncode == 0
     _wait_for_state(slurm, job_id, {"PENDING"})
     _wait_for_idle_node(slurm)
+    killed_by = int(time.time())
     # Slurm holds a requeued job back for a while (Reason=BeginTime); let it start sooner, but
     # in a later second than its kill: slurmd refuses credentials issued in the second of a
     # revocation ("already killed, do not launch batch job")
-    time.sleep(2)
+    wait_until(lambda: int(time.time()) > killed_by, 5, "a second later than the kill", pause=0.01)
     subprocess.run(scontrol + ["update", f"JobId={job_id}", "StartTime=now"], env=slurm["env"], timeout=60)
     _wait_for_state(slurm, job_id, {""})
     log = (tmp_path / "job.out").read_text()

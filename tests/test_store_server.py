@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from benchmarks.store_server import CHUNK, StoreServer
+from conftest import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -299,8 +300,7 @@ def test_stop_cuts_a_throttled_transfer(root):
 
     t = threading.Thread(target=reader, daemon=True)
     t.start()
-    while server.stats()["bytes"] == 0:
-        time.sleep(0.01)
+    wait_until(lambda: server.stats()["bytes"], 30, "the server sent big.bin's first bytes", pause=0.01)
     server.stop()
     t.join()
     assert len(errors) == 1

@@ -89,7 +89,7 @@ def test_folder_dataset_through_dataloader_workers_leaves_the_store_once(store, 
 
 
 def test_webdataset_pipeline_through_dmdask(store, cluster):
-    webdataset = pytest.importorskip("webdataset")
+    import webdataset  # the test extra
     server, root = store
     sizes = file_sizes(root / "shards", root)
     with distributed.Client(cluster):
@@ -105,7 +105,7 @@ def test_webdataset_pipeline_through_dmdask(store, cluster):
 
 
 def test_zarr_array_through_dmdask(store, cluster, tmp_path):
-    zarr = pytest.importorskip("zarr")
+    import zarr
     server, root = store
     data = np.arange(40 * 30, dtype="float32").reshape(40, 30)
     array = zarr.create_array(str(root / "arr.zarr"), shape=data.shape, chunks=(8, 30), dtype="float32",

@@ -118,7 +118,7 @@ class ThroughLocal(DmdaskFileSystem):
     protocol = "dmdask-writable-for-tests"
 
     def _write(self, op, path, *args, **kwargs):
-        out = getattr(self.fs, op)(self._path(path), *args, **kwargs)
+        out = getattr(self.fs, op)(self.target_path(path), *args, **kwargs)
         self.invalidate_cache()
         return out
 

@@ -14,6 +14,8 @@ import dmdask
 from dmdask.testing.datasets import write_zarr
 from benchmarks.store_server import StoreServer
 
+from conftest import wait_until
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PROCESS_SECONDS = 240  # the most a training process may take
@@ -93,20 +95,21 @@ READ = ("import hashlib, sys, fsspec\n"
 
 def test_a_read_before_any_worker_joins_waits_for_one(tmp_path):
     """A process reads while the cluster has no workers: it says so once and waits; a
-    worker joins 3 s later and the read returns the file's bytes."""
-    import time
-
+    worker joins once it said so, and the read returns the file's bytes."""
     root = tmp_path / "pfs"
     names = write_files(str(root / "files"), 1)
+    said = tmp_path / "reader.err"
     with StoreServer(str(root)) as store, \
-            dmdask.LocalCluster(n_workers=0, ram="64 MiB", dashboard_address=None) as empty:
+            dmdask.LocalCluster(n_workers=0, ram="64 MiB", dashboard_address=None) as empty, open(said, "w") as log:
         reader = subprocess.Popen([sys.executable, "-c", READ, empty.scheduler_address,
                                    f"{store.url}/files/{names[0]}"], env=env(), stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)
-        time.sleep(3)
-        assert reader.poll() is None  # waiting, not failed
+                                  stderr=log, text=True)
+        wait_until(lambda: "has no workers: waiting up to" in said.read_text() or reader.poll() is not None,
+                   PROCESS_SECONDS, "the reader saying it waits for a worker")
+        assert reader.poll() is None, said.read_text()  # waiting, not failed
         empty.scale(1)
-        out, err = reader.communicate(timeout=PROCESS_SECONDS)
+        out, _ = reader.communicate(timeout=PROCESS_SECONDS)
+    err = said.read_text()
     assert reader.returncode == 0, err
     assert out.strip() == hashlib.sha1((root / "files" / names[0]).read_bytes()).hexdigest()
     assert err.count("has no workers: waiting up to") == 1, err

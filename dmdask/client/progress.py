@@ -84,7 +84,8 @@ def _terminal_size(stream) -> bool:
     return bool(size.columns and size.lines)
 
 
-async def _served_now(client) -> dict:
+async def served_now(client) -> dict:
+    """Samples served per tier by all workers (`served`), and `_workers`: a bar's one stats request."""
     info = await client.scheduler.identity(n_workers=-1)
     workers = info.get("workers", {})
     counts = served((w.get("metrics") or {}).get("dmdask") for w in workers.values())
@@ -117,7 +118,7 @@ class EpochProgress:
 
     def _ask(self) -> None:
         try:
-            self._pending = asyncio.run_coroutine_threadsafe(_served_now(self.client), self._loop)
+            self._pending = asyncio.run_coroutine_threadsafe(served_now(self.client), self._loop)
         except RuntimeError:  # the client's loop is gone
             self._pending = None
         self._next_ask = time.monotonic() + self._interval

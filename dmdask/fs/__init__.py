@@ -109,7 +109,7 @@ class DmdaskFileSystem(_Base):
         protocol = fsspec.core.split_protocol(inner)[0] if "://" in inner else None
         return {"target_protocol": protocol} if protocol else {}
 
-    def _path(self, path: str) -> str:
+    def target_path(self, path: str) -> str:
         """`path` as the target names it."""
         return self.fs._strip_protocol(type(self)._strip_protocol(path))
 
@@ -121,11 +121,11 @@ class DmdaskFileSystem(_Base):
 
     # -- metadata -----------------------------------------------------------------------
     def ls(self, path, detail=True, **kwargs):
-        entries = self._session().metadata.ls(self.target_id, self.fs, self._path(path))
+        entries = self._session().metadata.ls(self.target_id, self.fs, self.target_path(path))
         return [dict(e) for e in entries] if detail else [e["name"] for e in entries]
 
     def info(self, path, **kwargs):
-        return dict(self._session().metadata.info(self.target_id, self.fs, self._path(path)))
+        return dict(self._session().metadata.info(self.target_id, self.fs, self.target_path(path)))
 
     def open_info(self, path) -> dict:
         """`info` of a file about to be read from its start: where the store's infos each
@@ -139,7 +139,7 @@ class DmdaskFileSystem(_Base):
         return globbing.glob(self, path, maxdepth=maxdepth, url_rules=probe.applies(self.fs), **kwargs)
 
     def isdir(self, path) -> bool:
-        return self.fs.isdir(self._path(path))
+        return self.fs.isdir(self.target_path(path))
 
     def invalidate_cache(self, path=None):
         """Forget every listing and info this process knows: the next ones are read from
@@ -157,26 +157,26 @@ class DmdaskFileSystem(_Base):
     def _file(self, path: str, start: Optional[int] = 0):
         """(info, source) of a file about to be read from byte `start` (None: from its
         end); source is None when it is empty or its size unknown."""
-        info = dict(self._session().claims.first_info(self, self._path(path), start))
+        info = dict(self._session().claims.first_info(self, self.target_path(path), start))
         if info.get("type", "file") != "file":
             raise IsADirectoryError(path)
         size = info.get("size")
-        return info, (self.source(self._path(path), info) if size else None)
+        return info, (self.source(self.target_path(path), info) if size else None)
 
     def _open(self, path, mode="rb", block_size=None, autocommit=True, cache_options=None, **kwargs):
         if mode != "rb":
             raise PermissionError(f"{PROTOCOL}:: is read-only; cannot open {path!r} with mode {mode!r}")
         info, source = self._file(path)
         if source is None and info.get("size") is None:  # no size to cut blocks by: read the store directly
-            return self.fs.open(self._path(path), "rb", **kwargs)
-        return DmdaskFile(self, self._path(path), source, cache_options=cache_options, **kwargs)
+            return self.fs.open(self.target_path(path), "rb", **kwargs)
+        return DmdaskFile(self, self.target_path(path), source, cache_options=cache_options, **kwargs)
 
     def _range(self, path, start, end):
         """(source, start, stop) to read through the cluster, or the bytes themselves for a
         file that is empty or of unknown size (read from the store directly)."""
         info, source = self._file(path, 0 if start is None else start)
         if source is None:
-            return b"" if info.get("size") == 0 else self.fs.cat_file(self._path(path), start=start, end=end)
+            return b"" if info.get("size") == 0 else self.fs.cat_file(self.target_path(path), start=start, end=end)
         size = source.size
         start = 0 if start is None else (max(0, size + start) if start < 0 else min(start, size))
         end = size if end is None else (max(0, size + end) if end < 0 else min(end, size))
@@ -192,7 +192,7 @@ class DmdaskFileSystem(_Base):
         n = len(paths)
         starts = starts if isinstance(starts, list) else [starts] * n
         ends = ends if isinstance(ends, list) else [ends] * n
-        self._session().metadata.learn_infos(self, [self._path(p) for p in paths])  # at once, not one by one
+        self._session().metadata.learn_infos(self, [self.target_path(p) for p in paths])  # at once, not one by one
         out, ranges, where = [None] * n, [], []
         for i, (path, start, end) in enumerate(zip(paths, starts, ends)):
             try:

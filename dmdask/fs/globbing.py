@@ -25,7 +25,7 @@ def glob(fs, path: str, maxdepth=None, url_rules: bool = False, **kwargs):
         raise ValueError("maxdepth must be at least 1")
     seps = ("/",) if url_rules else ((os.path.sep, os.path.altsep) if os.path.altsep else (os.path.sep,))
     ends_with_sep = path.endswith(seps)
-    path = fs._path(path)  # as the target strips it (a local path loses its trailing slash)
+    path = fs.target_path(path)  # as the target strips it (a local path loses its trailing slash)
     stars = ("/**", "/*") if url_rules else tuple(sep + "**" for sep in seps)
     append_slash_to_dirname = ends_with_sep or path.endswith(stars)
     magic = "*[" if url_rules else "*?["
@@ -49,7 +49,7 @@ def glob(fs, path: str, maxdepth=None, url_rules: bool = False, **kwargs):
         else:
             depth = None
     if root and not url_rules:
-        root = fs._path(root)  # as the generic find gets it from a target that strips slashes
+        root = fs.target_path(root)  # as the generic find gets it from a target that strips slashes
     allpaths = fs.find(root, maxdepth=depth, withdirs=withdirs, detail=True, **kwargs)
     pattern = re.compile(glob_translate(path + ("/" if ends_with_sep else "")))
     if url_rules:

@@ -154,7 +154,7 @@ class Metadata:
         if not target.async_impl:
             return
 
-        async def all_infos():
+        async def all_infos():  # `_info`: the documented coroutine API of an fsspec AsyncFileSystem (2026.9.0)
             return await asyncio.gather(*(target._info(p) for p in unknown), return_exceptions=True)
 
         found = fsspec.asyn.sync(target.loop, all_infos)

@@ -1,9 +1,9 @@
-"""The epoch bookkeeping all four adapters share: `_EpochPasses`.
+"""The epoch bookkeeping all four adapters share: `EpochPasses`.
 
 A loader over `dmdask.batches` that goes through passes of its current epoch, keeps a
 resumable position (`state_dict` / `load_state_dict`) and closes the batches in flight.
 What happens when an epoch's last batch is handed out is the loader's epoch-advance
-policy, given once to `_init_passes`: the TensorFlow, MXNet and JAX loaders move on to
+policy, given once to its constructor: the TensorFlow, MXNet and JAX loaders move on to
 the next epoch by themselves; `TorchLoader` stays at its epoch until `set_epoch`, as a
 `DistributedSampler` does.
 
@@ -18,10 +18,10 @@ import numpy as np
 
 import dmdask
 
-__all__ = ["_EpochPasses"]
+__all__ = ["EpochPasses"]
 
 
-class _EpochPasses:
+class EpochPasses:
     """The epoch bookkeeping of a loader over `dmdask.batches`.
 
     A pass yields the batches of the current epoch from its start point: the epoch's
@@ -37,10 +37,10 @@ class _EpochPasses:
       the last batch, `state_dict()` keeps reporting the finished pass (so a loader
       resumed from it hands out nothing more of that epoch).
 
-    A new pass closes the previous one.
+    A new pass (`start_pass`) closes the previous one; `peek` takes a batch without moving.
     """
 
-    def _init_passes(self, client, spec: dmdask.Spec, epoch: int, *, moves_on: bool = True) -> None:
+    def __init__(self, client, spec: dmdask.Spec, epoch: int, *, moves_on: bool = True) -> None:
         self.client = client
         self.spec = spec
         self.epoch = _check_epoch(epoch)
@@ -72,7 +72,7 @@ class _EpochPasses:
     def _make(self) -> dmdask.BatchIterator:
         return dmdask.batches(self.client, self.spec, epoch=self.epoch, resume=self._start)
 
-    def _pass(self, repeat: bool = False) -> Iterator[dict]:
+    def start_pass(self, repeat: bool = False) -> Iterator[dict]:
         """Start a pass now (closing the previous one): an iterator of the numpy batches
         of the current epoch. repeat=True goes on with the following epochs without end
         (where the loader moves on by itself)."""
@@ -180,7 +180,7 @@ class _EpochPasses:
                 self._fresh.close()
                 self._fresh = None
 
-    def _peek(self) -> dict:
+    def peek(self) -> dict:
         """One batch of the current epoch, from a separate iterator (no position moves)."""
         probe = dmdask.batches(self.client, self.spec.replace(prefetch=1), epoch=self.epoch)
         try:

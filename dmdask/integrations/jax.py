@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 import dmdask
-from ._passes import _EpochPasses
+from ._passes import EpochPasses
 from ._rank import spec_for_rank
 
 __all__ = ["JaxLoader", "to_jax", "local_batch_sharding", "process_spec"]
@@ -85,7 +85,7 @@ def to_jax(batch: Dict[str, Any], sharding: Optional[Sharding] = None, device=No
     return out
 
 
-class JaxLoader(_EpochPasses):
+class JaxLoader(EpochPasses):
     """This rank's dmdask batches, epoch after epoch, as dicts of `jax.Array`.
 
     Guarantees (from `dmdask.batches`):
@@ -133,12 +133,12 @@ class JaxLoader(_EpochPasses):
                 raise ValueError(f"sharding splits each batch into {shards} parts: use "
                                  f"Spec(drop_last=True) and a batch_size that {shards} divides "
                                  f"(got batch_size={spec.batch_size}, drop_last={spec.drop_last})")
-        self._init_passes(client, spec, epoch)
+        super().__init__(client, spec, epoch)
         self.sharding = sharding
         self.device = device
 
     def __iter__(self):
-        for batch in self._pass():
+        for batch in self.start_pass():
             yield to_jax(batch, self.sharding, self.device)
 
     def __repr__(self) -> str:

@@ -40,7 +40,7 @@ with warnings.catch_warnings():  # MXNet's import-time noise: distutils, numpy f
     import mxnet as mx  # noqa: E402
 
 import dmdask  # noqa: E402
-from ._passes import _EpochPasses  # noqa: E402
+from ._passes import EpochPasses  # noqa: E402
 from ._rank import spec_for_rank  # noqa: E402
 
 __all__ = ["MXNetLoader", "DmdaskDataIter", "to_mxnet", "kvstore_spec"]
@@ -100,7 +100,7 @@ def to_mxnet(batch: Dict[str, Any], ctx=None) -> Dict[str, Any]:
 
 # --- Gluon: an iterable of dicts of NDArray ----------------------------------------------------
 
-class MXNetLoader(_EpochPasses):
+class MXNetLoader(EpochPasses):
     """This rank's dmdask batches, epoch after epoch, as dicts of `mx.nd.NDArray`.
 
     Guarantees (from `dmdask.batches`):
@@ -130,11 +130,11 @@ class MXNetLoader(_EpochPasses):
     def __init__(self, client, spec: dmdask.Spec, *, ctx=None, kvstore=None, epoch: int = 0):
         if not isinstance(spec, dmdask.Spec):
             raise TypeError(f"spec must be a dmdask.Spec, got {type(spec).__name__}")
-        self._init_passes(client, kvstore_spec(spec, kvstore), epoch)
+        super().__init__(client, kvstore_spec(spec, kvstore), epoch)
         self.ctx = ctx if ctx is not None else mx.cpu()
 
     def __iter__(self):
-        for batch in self._pass():
+        for batch in self.start_pass():
             yield to_mxnet(batch, self.ctx)
 
     def __repr__(self) -> str:
@@ -175,7 +175,7 @@ class DmdaskDataIter(mx.io.DataIter):
         self.loader = MXNetLoader(client, spec, ctx=ctx, kvstore=kvstore, epoch=epoch)
         self.data_names, self.label_names = tuple(data_names), tuple(label_names)
         super().__init__(batch_size=self.loader.spec.batch_size)
-        first = self.loader._peek()
+        first = self.loader.peek()
         missing = [n for n in self.data_names + self.label_names if n not in first]
         if missing:
             raise ValueError(f"fields {missing} are not among the batch's fields {sorted(first)}")
@@ -229,7 +229,7 @@ class DmdaskDataIter(mx.io.DataIter):
         if self._done:
             raise StopIteration
         if self._gen is None:
-            self._gen = self.loader._pass()
+            self._gen = self.loader.start_pass()
         try:
             batch = next(self._gen)
         except StopIteration:

@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 import dmdask
-from ._passes import _EpochPasses
+from ._passes import EpochPasses
 from ._rank import spec_for_rank
 
 __all__ = ["TFLoader", "to_tensorflow", "strategy_spec", "rank_of_strategy", "signature_of"]
@@ -161,7 +161,7 @@ def signature_of(batch: Dict[str, Any]) -> Dict[str, Any]:
 
 # --- the loader -----------------------------------------------------------------------------
 
-class TFLoader(tf.train.experimental.PythonState, _EpochPasses):
+class TFLoader(tf.train.experimental.PythonState, EpochPasses):
     """This rank's dmdask batches, epoch after epoch, as a `tf.data.Dataset` of dicts.
 
     Guarantees (from `dmdask.batches`):
@@ -206,7 +206,7 @@ class TFLoader(tf.train.experimental.PythonState, _EpochPasses):
             raise TypeError(f"spec must be a dmdask.Spec, got {type(spec).__name__}")
         if ragged not in _RAGGED_MODES:
             raise ValueError(f"ragged must be one of {_RAGGED_MODES}, got {ragged!r}")
-        self._init_passes(client, strategy_spec(spec, strategy, input_context), epoch)
+        EpochPasses.__init__(self, client, strategy_spec(spec, strategy, input_context), epoch)
         self.ragged = ragged
         self._signature = dict(output_signature) if output_signature is not None else None
 
@@ -214,7 +214,7 @@ class TFLoader(tf.train.experimental.PythonState, _EpochPasses):
     def output_signature(self) -> Dict[str, Any]:
         """dict of `tf.TensorSpec`/`tf.RaggedTensorSpec`, batch dimension None."""
         if self._signature is None:
-            self._signature = signature_of(to_tensorflow(self._peek(), self.ragged))
+            self._signature = signature_of(to_tensorflow(self.peek(), self.ragged))
         return self._signature
 
     def dataset(self, repeat: bool = False) -> tf.data.Dataset:
@@ -258,7 +258,7 @@ class TFLoader(tf.train.experimental.PythonState, _EpochPasses):
         return strategy.distribute_datasets_from_function(dataset_fn)
 
     def _generate(self, repeat: bool):
-        for batch in self._pass(repeat):
+        for batch in self.start_pass(repeat):
             yield to_tensorflow(batch, self.ragged)
 
     # tf.train.experimental.PythonState: the state as JSON inside a tf.train.Checkpoint

@@ -23,7 +23,7 @@ import torch.utils.data
 
 import dmdask
 from ._device import CudaFeeder, check_device
-from ._passes import _EpochPasses
+from ._passes import EpochPasses
 from ._rank import spec_for_rank
 
 __all__ = ["TorchLoader", "to_torch", "distributed_spec"]
@@ -86,7 +86,7 @@ def to_torch(batch: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-class TorchLoader(_EpochPasses):
+class TorchLoader(EpochPasses):
     """This rank's batches of `spec.source`, epoch by epoch, as dicts of torch tensors.
 
     Guarantees (from `dmdask.batches`):
@@ -138,7 +138,7 @@ class TorchLoader(_EpochPasses):
         self.device = torch.device(device) if device is not None else None
         cuda = check_device(torch, self.device)  # before anything starts: a clear error without CUDA
         self.device_prefetch = int(device_prefetch)
-        self._init_passes(client, distributed_spec(spec), epoch, moves_on=False)
+        super().__init__(client, distributed_spec(spec), epoch, moves_on=False)
         self.pin_memory = cuda or (bool(pin_memory) and torch.cuda.is_available())
         self._feeder = CudaFeeder(torch, self.device, self.device_prefetch) if cuda else None
 
@@ -148,7 +148,7 @@ class TorchLoader(_EpochPasses):
                 "TorchLoader cannot run inside a DataLoader worker process: it prefetches on "
                 "the Dask cluster itself; iterate it directly in the training process"
             )
-        batches = self._pass()  # starts the pass here, at iter()
+        batches = self.start_pass()  # starts the pass here, at iter()
         if self._feeder is not None:
             return self._feeder(to_torch(batch) for batch in batches)
         return (self._place(to_torch(batch)) for batch in batches)

@@ -36,7 +36,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .order import ROUNDS, EpochOrder, _check_int, _Feistel, _mix64, _round_keys
+from .order import ROUNDS, EpochOrder, Feistel, check_int, mix64, round_keys
 
 MIX_ROUND = 64  # at most this many positions a round (with up to 32 sources): where the weights hold to within one
 _MAX_ROUNDS = 1 << 31  # keeps r * (count % rounds) within int64
@@ -50,7 +50,7 @@ def apportion(total: int, weights: Sequence) -> List[int]:
     each gets the integer part of its exact quota, and the units left go to the largest
     remainders (ties: the first). Exact (rational arithmetic), so the same everywhere; a
     zero weight gets 0, and quotas that are whole numbers are met exactly."""
-    total = _check_int("total", total, 0)
+    total = check_int("total", total, 0)
     exact = [Fraction(w) for w in weights]
     if not exact or any(w < 0 for w in exact) or sum(exact) <= 0:
         raise ValueError(f"weights must be non-negative with a positive sum, got {list(weights)!r}")
@@ -73,9 +73,9 @@ class MixOrder:
 
     def __init__(self, sizes: Sequence[int], counts: Sequence[int], block_lens: Sequence[int], *, shuffle: bool,
                  seed: int, epoch: int, shuffle_window: Optional[int] = None):
-        self.sizes = [_check_int("size", n, 1) for n in sizes]
-        self.counts = [_check_int("count", c, 0) for c in counts]
-        self.block_lens = [_check_int("block_len", b, 1) for b in block_lens]
+        self.sizes = [check_int("size", n, 1) for n in sizes]
+        self.counts = [check_int("count", c, 0) for c in counts]
+        self.block_lens = [check_int("block_len", b, 1) for b in block_lens]
         if not self.sizes or not len(self.sizes) == len(self.counts) == len(self.block_lens):
             raise ValueError("sizes, counts and block_lens must be non-empty lists of one length, got "
                              f"{len(self.sizes)}, {len(self.counts)} and {len(self.block_lens)}")
@@ -83,8 +83,8 @@ class MixOrder:
         if n >= 2**62 or sum(self.sizes) >= 2**62:
             raise ValueError("a mixture must have fewer than 2**62 positions and samples")
         self.shuffle = bool(shuffle)
-        self.seed = _check_int("seed", seed, 0)
-        self.epoch = _check_int("epoch", epoch, 0)
+        self.seed = check_int("seed", seed, 0)
+        self.epoch = check_int("epoch", epoch, 0)
         self.shuffle_window = shuffle_window
         self.offsets = np.cumsum([0] + self.sizes).astype(np.int64)  # global id of each source's sample 0
         s = len(self.sizes)
@@ -98,8 +98,8 @@ class MixOrder:
         self._whole = np.array([c // q for c in self.counts], dtype=np.int64)[:, None]
         self._part = np.array([c % q for c in self.counts], dtype=np.int64)[:, None]
         self._phase = np.array([i * q // s for i in range(s)], dtype=np.int64)[:, None]
-        keys = _round_keys(self.seed, self.epoch, _MIX_SALT, ROUNDS + 1)
-        self._network = _Feistel(round_len + s, keys[:ROUNDS])  # permutes every round (cycle-walking to its length)
+        keys = round_keys(self.seed, self.epoch, _MIX_SALT, ROUNDS + 1)
+        self._network = Feistel(round_len + s, keys[:ROUNDS])  # permutes every round (cycle-walking to its length)
         self._tweak_salt = keys[ROUNDS]
         # where this epoch's draws start in each source's passes: (pass, draw in it)
         self._start = [divmod(self.epoch * c, size) for c, size in zip(self.counts, self.sizes)]
@@ -148,7 +148,7 @@ class MixOrder:
 
     def _permute_in_round(self, rounds, slots, lengths):
         """Each slot permuted within its round (a network tweaked by the round, walked to the round's length)."""
-        tweaks = _mix64(rounds.astype(np.uint64) ^ self._tweak_salt)
+        tweaks = mix64(rounds.astype(np.uint64) ^ self._tweak_salt)
         lengths = lengths.astype(np.uint64)
         out = self._network._encrypt(slots.astype(np.uint64), tweaks)
         outside = np.flatnonzero(out >= lengths)

@@ -46,7 +46,7 @@ _MUL2 = np.uint64(0x94D049BB133111EB)
 _SHIFT30, _SHIFT27, _SHIFT31 = np.uint64(30), np.uint64(27), np.uint64(31)
 
 
-def _mix64(z: np.ndarray) -> np.ndarray:
+def mix64(z: np.ndarray) -> np.ndarray:
     """The splitmix64 finaliser, applied in place to a uint64 array and returned.
 
     A bijection of uint64 in which every input bit affects every output bit. (Integer
@@ -71,11 +71,11 @@ def _through_table(function, values: np.ndarray) -> np.ndarray:
     return function(np.arange(low, high + 1, dtype=np.int64))[values - low]
 
 
-def _round_keys(seed: int, epoch: int, salt: int, count: int, stream: Sequence[int] = ()) -> np.ndarray:
+def round_keys(seed: int, epoch: int, salt: int, count: int, stream: Sequence[int] = ()) -> np.ndarray:
     return np.random.SeedSequence([seed, epoch, salt, *stream]).generate_state(count, dtype=np.uint64)
 
 
-class _Feistel:
+class Feistel:
     """A keyed permutation of range(size): a balanced Feistel network with cycle-walking.
 
     The network permutes the smallest power of 4 >= size (two halves of `half_bits` bits).
@@ -135,7 +135,7 @@ class _Feistel:
         z = half ^ key
         if tweak is not None:
             z ^= tweak
-        z = _mix64(z)
+        z = mix64(z)
         z &= self._mask
         return z
 
@@ -156,8 +156,8 @@ class _Windows:
         self.num_blocks = -(-num_samples // block_len)
         self.window_len = k * block_len  # samples in a window of k whole blocks
         self.deficit = self.num_blocks * block_len - num_samples
-        self.blocks = _Feistel(self.num_blocks, _round_keys(seed, epoch, _BLOCK_SALT, ROUNDS, stream))
-        keys = _round_keys(seed, epoch, _WINDOW_SALT, ROUNDS + 1, stream)
+        self.blocks = Feistel(self.num_blocks, round_keys(seed, epoch, _BLOCK_SALT, ROUNDS, stream))
+        keys = round_keys(seed, epoch, _WINDOW_SALT, ROUNDS + 1, stream)
         self._window_keys, self._tweak_salt = keys[:ROUNDS], keys[ROUNDS]
         last_block = np.array([self.num_blocks - 1], dtype=np.uint64)
         self.short_slot = int(self.blocks.backward(last_block)[0])
@@ -203,7 +203,7 @@ class _Windows:
         return self.blocks.backward(blocks.astype(np.uint64)).astype(np.int64)
 
     def _tweak(self, windows):
-        return _mix64(windows.astype(np.uint64) ^ self._tweak_salt)  # distinct per window
+        return mix64(windows.astype(np.uint64) ^ self._tweak_salt)  # distinct per window
 
     def _permute_within(self, windows, offsets, inverse: bool):
         """Each offset permuted within its window (int64 in, int64 out)."""
@@ -214,13 +214,13 @@ class _Windows:
             chosen = np.flatnonzero(sizes == size)
             if len(chosen) == 0:
                 continue
-            network = _Feistel(size, self._window_keys)
+            network = Feistel(size, self._window_keys)
             permute = network.backward if inverse else network.forward
             out[chosen] = permute(offsets[chosen].astype(np.uint64), tweaks[chosen])
         return out
 
 
-def _check_int(name: str, value, low: int) -> int:
+def check_int(name: str, value, low: int) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     return int(value)
@@ -243,22 +243,22 @@ class EpochOrder:
 
     def __init__(self, num_samples: int, block_len: int, *, shuffle: bool, seed: int, epoch: int,
                  shuffle_window: Optional[int] = None, stream: Sequence[int] = ()):
-        self.num_samples = _check_int("num_samples", num_samples, 0)
+        self.num_samples = check_int("num_samples", num_samples, 0)
         if self.num_samples >= 2**62:  # positions and ids are int64, with room for arithmetic
             raise ValueError(f"num_samples must be below 2**62, got {num_samples!r}")
-        self.block_len = _check_int("block_len", block_len, 1)
-        self.seed = _check_int("seed", seed, 0)
-        self.epoch = _check_int("epoch", epoch, 0)
+        self.block_len = check_int("block_len", block_len, 1)
+        self.seed = check_int("seed", seed, 0)
+        self.epoch = check_int("epoch", epoch, 0)
         if shuffle_window is not None:
-            shuffle_window = _check_int("shuffle_window", shuffle_window, 1)
+            shuffle_window = check_int("shuffle_window", shuffle_window, 1)
         self.shuffle = bool(shuffle)
         self.shuffle_window = shuffle_window
-        self.stream = tuple(_check_int("stream", v, 0) for v in stream)
+        self.stream = tuple(check_int("stream", v, 0) for v in stream)
         self.num_blocks = -(-self.num_samples // self.block_len)
-        self._whole: Optional[_Feistel] = None
+        self._whole: Optional[Feistel] = None
         self._windows: Optional[_Windows] = None
         if self.shuffle and shuffle_window is None:
-            self._whole = _Feistel(self.num_samples, _round_keys(self.seed, self.epoch, _ORDER_SALT, ROUNDS,
+            self._whole = Feistel(self.num_samples, round_keys(self.seed, self.epoch, _ORDER_SALT, ROUNDS,
                                                                  self.stream))
         elif self.shuffle and self.num_samples:
             self._windows = _Windows(self.num_samples, self.block_len, shuffle_window, self.seed, self.epoch,
@@ -294,7 +294,7 @@ class EpochOrder:
         position that touches them, judged from the first `limit` positions only (evaluated in chunks,
         stopping early once every block was seen); blocks not seen follow in index order. Every block
         appears exactly once. O(limit + num_blocks)."""
-        limit = min(_check_int("limit", limit, 0), self.num_samples)
+        limit = min(check_int("limit", limit, 0), self.num_samples)
         if not self.shuffle:  # position order is block order
             return np.arange(self.num_blocks, dtype=np.int64)
         seen = np.zeros(self.num_blocks, dtype=bool)
@@ -348,11 +348,11 @@ class RankShare:
         self.order = order
         # the positions dealt: all of the epoch's, or what earlier generations left (elastic resume)
         self.remaining = remaining
-        self.world_size = _check_int("world_size", world_size, 1)
-        self.rank = _check_int("rank", rank, 0)
+        self.world_size = check_int("world_size", world_size, 1)
+        self.rank = check_int("rank", rank, 0)
         if self.rank >= self.world_size:
             raise ValueError(f"rank must be below world_size={self.world_size}, got {rank!r}")
-        self.batch_size = _check_int("batch_size", batch_size, 1)
+        self.batch_size = check_int("batch_size", batch_size, 1)
         self.drop_last = bool(drop_last)
         n = order.num_samples if remaining is None else len(remaining)
         if self.drop_last:

@@ -148,7 +148,7 @@ class FileBlockReader(StoreReader):
         return content
 
     async def read_bytes_async(self, fs) -> bytes:
-        """`read_bytes` on an async filesystem's event loop."""
+        """`read_bytes` on an async filesystem's loop (`_cat_file`: fsspec's documented async API)."""
         try:
             condition = _precondition(self.protocol, self.version)
             return await fs._cat_file(self.path, start=self.first, end=self.last, **condition)
