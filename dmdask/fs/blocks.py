@@ -19,8 +19,8 @@ from distributed.comm.core import CommClosedError
 
 from ..client.datasets import get_or_register, submit_blocks
 from ..client.gather import Moved, plan_rows
-from ..client.locate import locate
 from ..errors import BlockReadError, NoWorkersError
+from ..protocol.scheduler import Locate, SchedulerAPI
 from ..recovery import Deadline, Tries
 from ..source.files import ROW_BYTES
 
@@ -122,7 +122,7 @@ class Blocks:
                 self.registered.add(name)
                 get_or_register(client, sources[name])
             expect = [k for k in unknown if k in self.submitted]
-            found = session.sync("dmdask_locate", lambda: locate(client, unknown, session.my_host, expect=expect))
+            found = session.sync(Locate.op, lambda: SchedulerAPI(client).locate(unknown, session.my_host, expect=expect))
             self.submitted.difference_update(expect)  # waited for once: from now on, as any other key
             self.holders.update(found.holders)
             for key, error in found.erred.items():
@@ -154,7 +154,8 @@ class Blocks:
                 wanted.append(fs.source(path, info).info.block_key(0))
         if not wanted:
             return
-        holders = session.sync("dmdask_locate", lambda: locate(session.client, wanted, session.my_host, wait=0)).holders
+        api = SchedulerAPI(session.client)
+        holders = session.sync(Locate.op, lambda: api.locate(wanted, session.my_host, wait=0)).holders
         self.holders.update(holders)
         by_holder: Dict[str, List[str]] = {}
         for key, holder in holders.items():
