@@ -26,22 +26,20 @@ Guarantees:
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections import defaultdict
 from typing import Dict, List, Optional, Union
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from ..internals import held_type, load_first
+from ..internals import load_first
 from ..protocol.scheduler import (Abandon, Busy, Claimed, Created, Datasets, DatasetSummary, FsClaim, FsMetadata,
                                   FsOpenBlocks, GetOrClaim, GetOrRegister, Locate, NoWorkers, NotClaimed, OpenBlocks,
                                   Ready, Register, Registered, Release, serve)
 from ..source.base import DatasetInfo, block_key, parse_block_key
+from . import placement
 from .files import FileMetadata
 from .reads import BlockReads
-
-logger = logging.getLogger(__name__)
 
 CLAIM_SECONDS = 120  # a creator that sent nothing for this long is presumed gone
 
@@ -115,9 +113,7 @@ class DatasetsPlugin(SchedulerPlugin):
 
     # -- get or create ---------------------------------------------------------------
     async def get_or_claim(self, request: GetOrClaim) -> Union[Ready, Claimed]:
-        """`Ready` when the dataset exists (erred blocks are retried, so a repaired file is
-        read again), else `Claimed`: the caller must list the source, `Register` it and
-        submit its blocks."""
+        """Erred blocks of a dataset that exists are retried (a repaired file is read again)."""
         name, claimant = request.name, request.claimant
         while True:
             ds = self.datasets.get(name)
@@ -144,9 +140,7 @@ class DatasetsPlugin(SchedulerPlugin):
                 continue
 
     def register(self, request: Register) -> Union[Registered, NotClaimed, NoWorkers]:
-        """Plan the blocks of a claimed dataset: the i-th block of `order` goes to worker
-        i mod W and loads with priority -i. A lazy dataset is ready now (its blocks come
-        when first wanted) and its plan starts where the previous lazy dataset's stopped."""
+        """A lazy dataset is ready now and its plan starts where the previous lazy one's stopped."""
         info, order = request.info, request.order
         ds = self.datasets.get(request.name)
         if ds is None or ds.claimant != request.claimant:
@@ -154,26 +148,20 @@ class DatasetsPlugin(SchedulerPlugin):
         workers = sorted(self.scheduler.workers)
         if not workers:
             return NoWorkers()
-        n = info.num_blocks
         first = self._next_lazy if request.lazy else 0
         ds.info = info
-        ds.planned = [None] * n
-        ds.priority = [0] * n
-        for i, k in enumerate(range(n) if order is None else order):
-            ds.planned[k] = workers[(first + i) % len(workers)]
-            ds.priority[k] = n - i
+        placement.plan(ds, workers, order, first)
         self.by_identity[info.identity] = ds
         ds.claimed_at = time.monotonic()
         if request.lazy:
-            self._next_lazy = (first + n) % len(workers)
+            self._next_lazy = (first + info.num_blocks) % len(workers)
             ds.lazy = True
             ds.ready.set()
         return Registered()
 
     def get_or_register(self, request: GetOrRegister) -> Union[Ready, Created, Busy, NoWorkers]:
-        """A lazy dataset whose description needs no I/O (transparent mode's files), in one
-        request: `Ready` when it exists (erred blocks are retried), else registered now
-        (`Created`: none of its blocks exists yet) unless the cluster has no workers."""
+        """For datasets whose description needs no I/O (transparent mode's files); erred
+        blocks of one that exists are retried."""
         info = request.info
         ds = self.datasets.get(info.name)
         if ds is not None and ds.ready.is_set() and ds.info is not None:
@@ -211,7 +199,7 @@ class DatasetsPlugin(SchedulerPlugin):
             wanted[ds].append(key)
             ts = scheduler.tasks[key]
             if ts.state == "released" and not ts.worker_restrictions:
-                restrictions[key] = {self.live_planned(ds, k)}
+                restrictions[key] = {placement.live_planned(scheduler, ds, k)}
                 load_first(ts, ds.priority[k])
         if restrictions:
             scheduler.set_restrictions(restrictions)
@@ -219,14 +207,6 @@ class DatasetsPlugin(SchedulerPlugin):
             scheduler.client_desires_keys(keys=ds_keys, client=ds.holder_client)
             if len(ds_keys) == len(ds.planned):
                 ds.ready.set()
-
-    def live_planned(self, ds: DatasetState, k: int) -> str:
-        worker = ds.planned[k]
-        if worker not in self.scheduler.workers:
-            live = sorted(self.scheduler.workers)
-            if live:
-                worker = ds.planned[k] = live[k % len(live)]
-        return worker
 
     def remove_client(self, scheduler, client: str) -> None:
         self.reads.remove_client(client)
@@ -267,68 +247,15 @@ class DatasetsPlugin(SchedulerPlugin):
     # -- workers come and go -----------------------------------------------------------
     def remove_worker(self, scheduler, worker: str, *, stimulus_id: str, **kwargs) -> None:
         """Plan the blocks of a worker that left over the workers present."""
-        self._replan(lambda address: address == worker, stimulus_id)
+        placement.replan(scheduler, self.datasets.values(), lambda address: address == worker, stimulus_id)
 
     def add_worker(self, scheduler, worker: str) -> None:
         """Blocks whose planned worker is gone (every worker left at once) go to the workers
         present; blocks streamed for want of room move to the new worker, up to its room."""
         live = scheduler.workers
         stimulus_id = f"dmdask-add-worker-{time.time()}"
-        self._replan(lambda address: address not in live, stimulus_id)
-        self._win_back(worker, stimulus_id)
-
-    def _win_back(self, worker: str, stimulus_id: str) -> None:
-        """Capacity lost with a worker comes back when one joins: blocks held as `Streamed`
-        markers (their holders had no room; read from the store every epoch) are loaded
-        again on the new worker, as many as its free room (from its dmdask metrics) takes.
-        Each costs one read now, in place of the next epoch's stream read."""
-        ws = self.scheduler.workers.get(worker)
-        tiers = (ws.metrics.get("dmdask") if ws is not None else None) or {}
-        room = sum(max(0, t.get("capacity", 0) - t.get("bytes", 0) - t.get("reserved", 0))
-                   for name, t in tiers.items() if name in ("ram", "ssd") and not t.get("error"))
-        moved = []
-        for ds in self.datasets.values():
-            if ds.info is None or not ds.info.nbytes:
-                continue
-            per_block = ds.info.nbytes / max(1, len(ds.planned))
-            for k in range(len(ds.planned)):
-                key = block_key(ds.identity, k)
-                ts = self.scheduler.tasks.get(key)
-                if ts is None or ts.state != "memory" or not held_type(ts).endswith(".Streamed"):
-                    continue
-                if room < per_block:
-                    break
-                room -= per_block
-                ds.planned[k] = worker
-                moved.append(key)
-        if moved:
-            logger.info("moving %d streamed blocks to the new worker %s", len(moved), worker)
-            self.scheduler.set_restrictions({key: {worker} for key in moved})
-            self.scheduler.transitions({key: "released" for key in moved}, stimulus_id)
-
-    def _replan(self, orphaned, stimulus_id: str) -> None:
-        live = sorted(self.scheduler.workers)
-        if not live:
-            return
-        restrictions, recommendations = {}, {}
-        i = 0
-        for ds in self.datasets.values():
-            for k, worker in enumerate(ds.planned):
-                if worker is None or not orphaned(worker):
-                    continue
-                ds.planned[k] = worker = live[i % len(live)]
-                i += 1
-                key = block_key(ds.identity, k)
-                ts = self.scheduler.tasks.get(key)
-                if ts is None or ts.state == "memory":
-                    continue
-                restrictions[key] = {worker}
-                if ts.state == "no-worker":
-                    recommendations[key] = "processing"
-        if restrictions:
-            self.scheduler.set_restrictions(restrictions)
-        if recommendations:
-            self.scheduler.transitions(recommendations, stimulus_id)
+        placement.replan(scheduler, self.datasets.values(), lambda address: address not in live, stimulus_id)
+        placement.win_back(scheduler, self.datasets.values(), worker, stimulus_id)
 
     # -- release and the registry --------------------------------------------------------
     def release(self, name: str) -> bool:

@@ -23,6 +23,7 @@ from ..internals import task_error
 from ..protocol.scheduler import (BlocksOpened, Folders, FsClaim, FsMetadata, FsOpenBlocks, GetOrRegister,
                                   InfoClaims, Located, Locate, NoWorkers, OpenBlocks)
 from ..source.base import parse_block_key
+from . import placement
 
 
 class BlockReads:
@@ -94,7 +95,7 @@ class BlockReads:
                 holders[key] = _holder(ts, request.host)
             elif ts is None and not self._claimed(key) and ds and ds.lazy:
                 self.claims[key] = request.client
-                mine[key] = self.plugin.live_planned(ds, parsed[1])
+                mine[key] = placement.live_planned(self.scheduler, ds, parsed[1])
         return BlocksOpened(holders, mine)
 
     def fs_metadata(self, request: FsMetadata) -> Folders:
