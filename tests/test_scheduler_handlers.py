@@ -9,9 +9,9 @@ from distributed.protocol import ToPickle
 from distributed.utils_test import gen_cluster
 
 import dmdask
-from dmdask.protocol.scheduler import (Abandon, BlocksOpened, Busy, Claimed, Created, DatasetSummary, Datasets,
+from dmdask.protocol.scheduler import (Abandon, BlocksOpened, Busy, Claimed, DatasetSummary, Datasets,
                                        FileEntry, Folders, FolderEntries, FsClaim, FsMetadata, FsOpenBlocks, GetOrClaim,
-                                       GetOrRegister, InfoClaims, Locate, NoWorkers, NotClaimed, OpenBlocks, Ready,
+                                       GetOrRegister, InfoClaims, Locate, NoWorkers, OpenBlocks, Ready,
                                        Register, Registered, Release, SchedulerAPI)
 from dmdask.scheduler import DatasetsPlugin
 from dmdask.source.base import DatasetInfo
@@ -34,7 +34,7 @@ async def test_get_or_claim_then_register_then_ready_with_the_same_typed_info(c,
     api = await _api(c)
     assert await api.send(GetOrClaim("ds-x", "me")) == Claimed()
     assert await api.send(GetOrClaim("ds-x", "me")) == Claimed()  # its holder asks again before registering
-    assert await api.send(Register("ds-x", "you", INFO)) == NotClaimed()
+    assert await api.send(Register("ds-x", "you", INFO)) == Busy()
     assert await api.send(Register("ds-x", "me", INFO, order=[1, 0])) == Registered()
     plugin = s.extensions["dmdask"]
     assert plugin.datasets["ds-x"].planned == sorted(s.workers)[::-1]  # block 1 first: on the first worker
@@ -51,13 +51,13 @@ async def test_get_or_claim_then_register_then_ready_with_the_same_typed_info(c,
 @gen_cluster(client=True)
 async def test_get_or_register_creates_once_and_abandon_hands_the_claim_on(c, s, a, b):
     api = await _api(c)
-    assert await api.send(GetOrRegister(INFO)) == Created()
+    assert await api.send(GetOrRegister(INFO)) == Registered()
     assert await api.send(GetOrRegister(INFO)) == Ready(INFO, 0)
     other = dataclasses.replace(INFO, name="ds-y", identity="y")
     assert await api.send(GetOrClaim("ds-y", "me")) == Claimed()
     assert await api.send(GetOrRegister(other)) == Busy()  # being created by a get_or_claim
     await api.send(Abandon("ds-y", "me"))
-    assert await api.send(GetOrRegister(other)) == Created()
+    assert await api.send(GetOrRegister(other)) == Registered()
 
 
 @gen_cluster(client=True, nthreads=[])

@@ -12,7 +12,7 @@ from distributed import Client
 
 from ..errors import NotADmdaskWorker
 from ..plan.order import EpochOrder
-from ..protocol.scheduler import Abandon, Busy, Created, GetOrClaim, GetOrRegister, NoWorkers, Ready, Register, \
+from ..protocol.scheduler import Abandon, GetOrClaim, GetOrRegister, NoWorkers, Ready, Register, \
     Registered, Release, SchedulerAPI
 from ..scheduler import DatasetsPlugin
 from ..source import DatasetInfo, Source, dataset_name, open_source
@@ -77,8 +77,8 @@ def get_or_register(client: Client, source: Source) -> bool:
         reply = _call(client, GetOrRegister(source.info))
         if isinstance(reply, NoWorkers):
             raise NotADmdaskWorker(NO_WORKERS)
-        if not isinstance(reply, Busy):
-            return isinstance(reply, Created)
+        if isinstance(reply, (Ready, Registered)):
+            return isinstance(reply, Registered)
         time.sleep(0.05)  # being created by a get_or_create: ready in a moment
 
 

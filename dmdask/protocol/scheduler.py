@@ -83,7 +83,7 @@ class GetOrClaim(Request):
 
 @message
 class Register(Request):
-    """Plan the blocks of a claimed dataset (`Registered`, `NotClaimed` or `NoWorkers`):
+    """Plan the blocks of a claimed dataset (`Registered`, `Busy` or `NoWorkers`):
     `order`, the order they are first needed (None: index order); `lazy`: ready now, each
     block loaded when first wanted."""
     op = "dmdask_register"
@@ -100,7 +100,7 @@ class Register(Request):
 
 @message
 class GetOrRegister(Request):
-    """A lazy dataset under `info.name`: `Ready`, else registered now (`Created`) unless
+    """A lazy dataset under `info.name`: `Ready`, else registered now (`Registered`) unless
     another caller creates it (`Busy`) or the cluster has no workers (`NoWorkers`)."""
     op = "dmdask_get_or_register"
     info: DatasetInfo
@@ -202,22 +202,12 @@ class Claimed:
 
 @message
 class Registered:
-    """Its blocks are planned."""
-
-
-@message
-class Created:
-    """Registered now: none of its blocks exists yet."""
-
-
-@message
-class NotClaimed:
-    """The claim passed to another caller: ask again."""
+    """Registered now: its blocks are planned, none of them exists yet."""
 
 
 @message
 class Busy:
-    """Another caller is creating the dataset: ask again in a moment."""
+    """Another caller holds the claim to create the dataset: ask again (in a moment)."""
 
 
 @message

@@ -33,9 +33,9 @@ from typing import Dict, List, Optional, Union
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from ..internals import load_first
-from ..protocol.scheduler import (Abandon, Busy, Claimed, Created, Datasets, DatasetSummary, FsClaim, FsMetadata,
-                                  FsOpenBlocks, GetOrClaim, GetOrRegister, Locate, NoWorkers, NotClaimed, OpenBlocks,
-                                  Ready, Register, Registered, Release, serve)
+from ..protocol.scheduler import (Abandon, Busy, Claimed, Datasets, DatasetSummary, FsClaim, FsMetadata, FsOpenBlocks,
+                                  GetOrClaim, GetOrRegister, Locate, NoWorkers, OpenBlocks, Ready, Register, Registered,
+                                  Release, serve)
 from ..source.base import DatasetInfo, block_key, parse_block_key
 from . import placement
 from .files import FileMetadata
@@ -139,12 +139,12 @@ class DatasetsPlugin(SchedulerPlugin):
             if self.datasets.get(name) is not ds:  # abandoned: claim it afresh
                 continue
 
-    def register(self, request: Register) -> Union[Registered, NotClaimed, NoWorkers]:
+    def register(self, request: Register) -> Union[Registered, Busy, NoWorkers]:
         """A lazy dataset is ready now and its plan starts where the previous lazy one's stopped."""
         info, order = request.info, request.order
         ds = self.datasets.get(request.name)
         if ds is None or ds.claimant != request.claimant:
-            return NotClaimed()
+            return Busy()
         workers = sorted(self.scheduler.workers)
         if not workers:
             return NoWorkers()
@@ -159,7 +159,7 @@ class DatasetsPlugin(SchedulerPlugin):
             ds.ready.set()
         return Registered()
 
-    def get_or_register(self, request: GetOrRegister) -> Union[Ready, Created, Busy, NoWorkers]:
+    def get_or_register(self, request: GetOrRegister) -> Union[Ready, Registered, Busy, NoWorkers]:
         """For datasets whose description needs no I/O (transparent mode's files); erred
         blocks of one that exists are retried."""
         info = request.info
@@ -174,8 +174,7 @@ class DatasetsPlugin(SchedulerPlugin):
         reply = self.register(Register(info.name, claimant, info, lazy=True))
         if not isinstance(reply, Registered):
             self._forget(self.datasets[info.name])
-            return reply
-        return Created()
+        return reply
 
     def abandon(self, request: Abandon) -> None:
         """Drop a claim whose holder could not create the dataset (waiters claim it next)."""
