@@ -16,6 +16,7 @@ import numpy as np
 from .errors import HandlerArgumentError
 from .source.base import DatasetInfo
 
+
 def refuse(handler: str, name: str, expected: str, value) -> HandlerArgumentError:
     shown = repr(value)
     shown = shown if len(shown) <= 120 else shown[:117] + "..."

@@ -112,6 +112,7 @@ class Blocks:
         """A holder of each block (`wanted`: key -> (source, index)), waiting for blocks
         loading or read by another process, submitting those the cluster does not have."""
         session, client = self.session, self.session.client
+        api = SchedulerAPI(client)
         for _ in Tries(deadline):  # no pause: each locate waits on the scheduler
             unknown = [k for k in keys if k not in self.holders]
             if not unknown:
@@ -122,7 +123,7 @@ class Blocks:
                 self.registered.add(name)
                 get_or_register(client, sources[name])
             expect = [k for k in unknown if k in self.submitted]
-            found = session.sync(Locate.op, lambda: SchedulerAPI(client).locate(unknown, session.my_host, expect=expect))
+            found = session.sync(Locate.op, lambda: api.locate(unknown, session.my_host, expect=expect))
             self.submitted.difference_update(expect)  # waited for once: from now on, as any other key
             self.holders.update(found.holders)
             for key, error in found.erred.items():

@@ -54,7 +54,7 @@ class Claims:
         self._handed = threading.Condition(self._lock)  # notified as hand-overs finish
         self.to_hand: List[tuple] = []  # (worker, reader, bytes) queued for the next hand-over
         self._queued_bytes = 0  # bytes in to_hand and to_open
-        self.to_open: List[tuple] = []  # (info put, reader or None, its dataset info, bytes): `first_info`
+        self.to_open: List[tuple] = []  # (info put, reader or None, its DatasetInfo or None, bytes): `first_info`
 
     def first_info(self, fs, path: str, start: Optional[int] = 0) -> dict:
         """The info of file `path` of `fs` (a `DmdaskFileSystem`) for reading it from byte

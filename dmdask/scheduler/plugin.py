@@ -74,7 +74,8 @@ class DatasetState:
     def summary(self) -> DatasetSummary:
         info = self.info
         return DatasetSummary(self.name, info and info.url, info and info.identity, info and info.num_samples,
-                              len(self.planned), info and info.nbytes, self.loaded, len(self.erred), self.ready.is_set())
+                              len(self.planned), info and info.nbytes, self.loaded, len(self.erred),
+                              self.ready.is_set())
 
 
 class DatasetsPlugin(SchedulerPlugin):

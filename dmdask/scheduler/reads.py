@@ -1,14 +1,10 @@
-"""`BlockReads`: where blocks are (`Locate`), and who reads the lazy blocks nobody holds
-(`OpenBlocks`, and transparent mode's `FsClaim` and `FsOpenBlocks`, with the file
-metadata of `dmdask.scheduler.files`). Part of the `DatasetsPlugin`, on the scheduler's
-event loop.
+"""`BlockReads`, part of the `DatasetsPlugin`: where blocks are (`Locate`), and who reads
+the lazy blocks nobody holds (`OpenBlocks`; transparent mode's `FsClaim`, `FsOpenBlocks`).
 
 Guarantees: a lazy block nobody holds is read from the store by one reader at a time:
 the first reader to ask claims it, reads it itself and hands the bytes to the planned
 worker with the block's load task; the others wait for that task. A claim ends when the
 task arrives or its reader's client leaves (then the next reader to ask loads the block).
-`Locate` never raises for a missing key: it is reported as unknown, but keys the caller
-expects and keys a live reader claimed are waited for like keys still loading.
 """
 from __future__ import annotations
 
@@ -27,7 +23,7 @@ from . import placement
 
 
 class BlockReads:
-    """The plugin's (`DatasetsPlugin`) handlers about reading blocks; see the module docstring."""
+    """See the module docstring; used on the scheduler's event loop."""
 
     def __init__(self, plugin):
         self.plugin = plugin
