@@ -50,6 +50,7 @@ def _infos(op: str, name: str, value) -> None:
 
 
 _VALUES = {"listing": (list, tuple), "info": dict}
+# a field's check by the text of its annotation (strings here: `from __future__ import annotations`)
 _BY_TYPE = {"str": check.text, "Optional[str]": functools.partial(check.text, optional=True),
             "Sequence[str]": check.texts, "bool": check.flag, "Sequence[FileEntry]": _entries,
             "DatasetInfo": lambda op, name, value: check.dataset_info(op, value), "Sequence[DatasetInfo]": _infos}
