@@ -4,9 +4,9 @@ does not take (naming the handler and the field) with the registry left as it wa
 import dataclasses
 
 import pytest
-from distributed import Client, wait
+from distributed import Client, LocalCluster, wait
 from distributed.protocol import ToPickle
-from distributed.utils_test import gen_cluster
+from distributed.utils_test import gen_cluster, gen_test
 
 import dmdask
 from dmdask.protocol.scheduler import (Abandon, BlocksOpened, Busy, Claimed, DatasetSummary, Datasets,
@@ -46,6 +46,17 @@ async def test_get_or_claim_then_register_then_ready_with_the_same_typed_info(c,
     assert await api.send(Release("ds-x")) is True
     assert await api.send(Release("ds-x")) is False
     assert await api.send(Datasets()) == []
+
+
+@gen_test()
+async def test_replies_come_typed_over_an_inproc_comm_too():
+    """An inproc comm unpickles nothing: the reply reaches `SchedulerAPI` as the handler's ToPickle."""
+    async with LocalCluster(n_workers=1, processes=False, asynchronous=True, dashboard_address=":0") as cluster, \
+            Client(cluster, asynchronous=True) as c:
+        api = await _api(c)
+        assert c.scheduler.address.startswith("inproc://")
+        assert await api.send(GetOrRegister(INFO)) == Registered()
+        assert await api.send(Datasets()) == [DatasetSummary("ds-x", "/x", "x", 10, 2, 40, 0, 0, True)]
 
 
 @gen_cluster(client=True)

@@ -289,7 +289,8 @@ class SchedulerAPI:
     async def send(self, request: Request):
         """`request`'s reply; a refused request raises `HandlerArgumentError`, a lost
         connection `OSError` (callers retry with `dmdask.recovery.Tries`)."""
-        return await getattr(self.client.scheduler, request.op)(request=ToPickle(request))
+        reply = await getattr(self.client.scheduler, request.op)(request=ToPickle(request))
+        return reply.data if isinstance(reply, ToPickle) else reply  # an inproc comm passes a reply as it is
 
     async def locate(self, keys: Sequence[str], host: Optional[str], wait: float = LOCATE_SECONDS,
                      expect: Sequence[str] = (), planned: bool = False) -> Located:
