@@ -14,8 +14,7 @@ from typing import Iterable, Optional
 import numpy as np
 
 from .errors import HandlerArgumentError
-
-INFO_FIELDS = ("name", "identity", "url", "fields", "num_samples", "block_len", "nbytes")
+from .source.base import DatasetInfo
 
 
 def refuse(handler: str, name: str, expected: str, value) -> HandlerArgumentError:
@@ -94,16 +93,17 @@ def indices(handler: str, name: str, value, length: int) -> np.ndarray:
     return arr
 
 
-def dataset_info(handler: str, info) -> dict:
-    """A `DatasetInfo.as_dict()`: its fields exactly, each of its type and range."""
-    mapping(handler, "info", info, known=INFO_FIELDS, required=INFO_FIELDS)
+def dataset_info(handler: str, info) -> DatasetInfo:
+    """A `DatasetInfo` whose fields are each of its type and range."""
+    if not isinstance(info, DatasetInfo):
+        raise refuse(handler, "info", "a DatasetInfo", info)
     for name in ("name", "identity", "url"):
-        text(handler, f"info[{name!r}]", info[name])
-    texts(handler, "info['fields']", info["fields"])
-    count(handler, "info['num_samples']", info["num_samples"], low=0)
-    count(handler, "info['block_len']", info["block_len"], low=1)
-    if info["nbytes"] is not None:
-        count(handler, "info['nbytes']", info["nbytes"], low=0)
+        text(handler, f"info.{name}", getattr(info, name))
+    texts(handler, "info.fields", info.fields)
+    count(handler, "info.num_samples", info.num_samples, low=0)
+    count(handler, "info.block_len", info.block_len, low=1)
+    if info.nbytes is not None:
+        count(handler, "info.nbytes", info.nbytes, low=0)
     return info
 
 

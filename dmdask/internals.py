@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 from distributed.core import clean_exception
+from distributed.protocol.serialize import Serialized, deserialize
 
 
 def task_error(ts) -> BaseException:
@@ -29,7 +30,10 @@ def held_type(ts) -> str:
 
 def reraise(exception):
     """The exception an RPC reply carries (pickled as `distributed.core.error_message`
-    makes it), ready to raise."""
+    makes it, or as the scheduler keeps a task's error: `Serialized`, which a reply sent
+    `ToPickle` leaves serialized), ready to raise."""
+    if isinstance(exception, Serialized):
+        exception = deserialize(exception.header, exception.frames)
     return clean_exception(exception)[1]
 
 

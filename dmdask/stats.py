@@ -1,6 +1,7 @@
 """`dmdask.stats(client)`: what every worker's tiers hold and served, and the total."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict
 
 from distributed import Client
@@ -25,13 +26,14 @@ def stats(client: Client) -> Dict[str, dict]:
     samples of blocks beyond the cache, read from the shared store.
     """
     from .client.datasets import ensure_plugin
+    from .protocol.scheduler import Datasets, SchedulerAPI
 
     ensure_plugin(client)  # which installs the worker plugin (the cache and its counts) on every worker
     per_worker = client.run(_worker_stats)
     missing = [w for w, s in per_worker.items() if s is None]
     if missing:
         raise NotADmdaskWorker(f"workers {missing} have no dmdask tiers; start them with --worker-class dmdask.Worker")
-    registry = [dict(d) for d in client.sync(client.scheduler.dmdask_datasets)]
+    registry = [dataclasses.asdict(d) for d in client.sync(SchedulerAPI(client).send, Datasets())]
     return {"workers": per_worker, "total": total(per_worker.values()), "datasets": registry}
 
 

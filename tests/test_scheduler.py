@@ -23,7 +23,7 @@ def _placement(dask_scheduler, name):
     ds = dask_scheduler.extensions["dmdask"].datasets[name]
     out = []
     for k, worker in enumerate(ds.planned):
-        ts = dask_scheduler.tasks.get(ds.info and f"dmdask-block-{ds.info['identity']}-{k}")
+        ts = dask_scheduler.tasks.get(ds.info and f"dmdask-block-{ds.info.identity}-{k}")
         out.append((worker, sorted(ws.address for ws in ts.who_has) if ts is not None else []))
     return out
 

@@ -12,6 +12,7 @@ import pytest
 
 import dmdask
 import dmdask.fs
+from dmdask.protocol.scheduler import OpenBlocks, SchedulerAPI
 from dmdask.testing.datasets import tar_key, tar_member, write_folder, write_tar_shards
 from benchmarks.store_server import StoreServer
 
@@ -316,9 +317,8 @@ def test_a_reader_that_leaves_with_claimed_blocks_holds_no_one_up(store, cluster
     key = source.info.block_key(0)
     server.reset_stats()
     claimant = distributed.Client(cluster.scheduler_address, set_as_default=False)
-    reply = claimant.sync(claimant.scheduler.dmdask_open_blocks, datasets=[[source.info.name, source.info.as_dict()]],
-                          keys=[key], client=claimant.id)
-    assert list(reply["mine"]) == [key] and reply["mine"][key] in cluster.scheduler_info["workers"]
+    reply = claimant.sync(SchedulerAPI(claimant).send, OpenBlocks([source.info], [key], claimant.id))
+    assert list(reply.mine) == [key] and reply.mine[key] in cluster.scheduler_info["workers"]
     got = []
     reader = threading.Thread(target=lambda: got.append(fs.cat_file(url)))
     reader.start()
@@ -341,28 +341,3 @@ def test_handovers_are_bounded_taken_once_with_their_claim_and_expire():
     assert old.put("a", "mine", b"1")
     old.put("b", "mine", b"2")  # a has expired by now
     assert old.take("a", "mine") is None and old.take("b", "mine") == b"2"
-
-
-def test_the_first_read_handlers_refuse_bad_arguments_and_change_nothing(cluster):
-    """`dmdask_fs_claim` and `dmdask_fs_open_blocks` refuse what they do not take before
-    any change: no claim stands, no info is shared, no dataset is registered."""
-    with distributed.Client(cluster.scheduler_address, set_as_default=False) as client:
-        s = client.scheduler
-        before = client.sync(s.dmdask_datasets)
-        for bad in ("x", [["folder"]], [["folder", 7]]):
-            with pytest.raises(dmdask.HandlerArgumentError, match="dmdask_fs_claim"):
-                client.sync(s.dmdask_fs_claim, run="r", claim=bad)
-        info = {"name": "fs-z", "identity": "z", "url": "/z", "fields": ["data"], "num_samples": 1, "block_len": 1,
-                "nbytes": 9}
-        put = [["f|d", "info", "d/z", {"size": 1}]]
-        for bad in ({"put": [["f|d", "listing", "d/z", {}]]}, {"put": [["f|d", "info", "d/z", 5]]},
-                    {"datasets": [["fs-z", {**info, "block_len": 0}]]}, {"keys": "k"}):
-            msg = {**dict(run="r", put=put, datasets=[["fs-z", info]], keys=[], client="c"), **bad}
-            with pytest.raises(dmdask.HandlerArgumentError, match="open_blocks"):
-                client.sync(s.dmdask_fs_open_blocks, **msg)
-        assert client.sync(s.dmdask_datasets) == before
-        assert client.sync(s.dmdask_fs_metadata, run="r", get=["f|d"]) == {}  # no info shared
-        # a good claim is answered and stands: the run's next claim of it is told to wait
-        assert client.sync(s.dmdask_fs_claim, run="r", claim=[["f|d", "d/z"]]) == {"status": "OK"}
-        waiting = client.sync(s.dmdask_fs_claim, run="r", claim=[["f|d", "d/z"]])["probing"]
-        assert [list(p) for p in waiting] == [["f|d", "d/z"]]

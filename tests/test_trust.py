@@ -200,34 +200,6 @@ def test_worker_handlers_refuse_bad_arguments_and_change_nothing(plain_cluster, 
     assert dmdask.stats(client)["total"]["ram"]["hits"] == before["ram"]["hits"] + 2
 
 
-def test_scheduler_handlers_refuse_bad_arguments_and_change_nothing(plain_cluster, tmp_path):
-    client = plain_cluster
-    path = write_zarr(str(tmp_path / "d.zarr"), 100, chunk=50)
-    assert sum(len(b["index"]) for b in dmdask.batches(client, dmdask.Spec(path, batch_size=50))) == 100
-    before = client.sync(client.scheduler.dmdask_datasets)
-    s = client.scheduler
-    info = {"name": "ds-x", "identity": "x", "url": "/x", "fields": ["x"], "num_samples": 10, "block_len": 5,
-            "nbytes": 40}
-    assert client.sync(s.dmdask_get_or_claim, name="ds-x", claimant="me") == {"status": "claimed"}
-    for bad in ({"num_samples": -1}, {"block_len": 0}, {"fields": "x"}, {"nbytes": -5}, {"identity": ""},
-                {"extra": 1}):
-        message = refused(client, s.dmdask_register, name="ds-x", claimant="me", info={**info, **bad})
-        assert "dmdask_register" in message and "info" in message
-    for order in ([0, 0], [0, 1, 2], [5, 0], ["a", "b"]):
-        assert "order" in refused(client, s.dmdask_register, name="ds-x", claimant="me", info=info, order=order)
-    refused(client, s.dmdask_get_or_register, name="fs-y", info={**info, "num_samples": "10"})
-    refused(client, s.dmdask_locate, keys="dmdask-block-x-0")
-    refused(client, s.dmdask_locate, keys=["dmdask-block-x-0"], timeout=10**9)
-    refused(client, s.dmdask_locate, keys=["dmdask-block-x-0"], timeout=-1)
-    refused(client, s.dmdask_open_blocks, datasets=[["fs-y", {**info, "block_len": -1}]], keys=[], client="c")
-    refused(client, s.dmdask_open_blocks, datasets="fs-y", keys=[], client="c")
-    refused(client, s.dmdask_release, name=7)
-    refused(client, s.dmdask_get_or_claim, name=None, claimant="me")
-    client.sync(s.dmdask_abandon, name="ds-x", claimant="me")
-    assert client.sync(s.dmdask_datasets) == before  # the registry is as it was
-    assert sum(len(b["index"]) for b in dmdask.batches(client, dmdask.Spec(path, batch_size=50))) == 100
-
-
 def _digest_in_new_process(url: str, scheduler: str) -> str:
     """sha1 of a file read whole through `dmdask::` by a new process (a run of its own)."""
     import sys

@@ -5,13 +5,15 @@ from __future__ import annotations
 import time
 import uuid
 import weakref
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Optional
 
 import numpy as np
 from distributed import Client
 
 from ..errors import NotADmdaskWorker
 from ..plan.order import EpochOrder
+from ..protocol.scheduler import Abandon, GetOrClaim, GetOrRegister, NoWorkers, Ready, Register, \
+    Registered, Release, SchedulerAPI
 from ..scheduler import DatasetsPlugin
 from ..source import DatasetInfo, Source, dataset_name, open_source
 from ..spec import Mix
@@ -19,6 +21,7 @@ from ..tasks import load_block
 
 _registered: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # client -> scheduler address
 NEED_ORDER_POSITIONS = 8  # positions per block looked at to find the order blocks are first needed
+NO_WORKERS = "the cluster has no workers; start `dask worker ... --worker-class dmdask.Worker`"
 
 
 def ensure_plugin(client: Client) -> None:
@@ -29,21 +32,12 @@ def ensure_plugin(client: Client) -> None:
         _registered[client] = client.scheduler.address
 
 
-def _call(client: Client, op: str, **msg):
-    """One call to the scheduler plugin, from the caller's thread."""
-    return client.sync(getattr(client.scheduler, op), **msg)
+def _call(client: Client, request):
+    """One request to the scheduler plugin, from the caller's thread."""
+    return client.sync(SchedulerAPI(client).send, request)
 
 
-class Opened(NamedTuple):
-    """A dataset as a rank finds it: its description, and how many of its blocks were
-    held when it asked (about 0 for the rank that created it now). `loaded` only decides
-    whether learning where blocks are is worth a request before the first batch."""
-
-    info: DatasetInfo
-    loaded: int
-
-
-def open_dataset(client: Client, spec, epoch: int) -> Opened:
+def open_dataset(client: Client, spec, epoch: int) -> Ready:
     """The dataset of `spec`, created once per cluster: the first rank to ask lists the
     source and submits every block load in one graph; the others wait for it and get
     the same blocks."""
@@ -57,20 +51,20 @@ def open_dataset(client: Client, spec, epoch: int) -> Opened:
 
 
 def get_or_create(client: Client, name: str, opener: Callable[[], Source],
-                  order: Optional[Callable[[DatasetInfo], list]] = None) -> Opened:
+                  order: Optional[Callable[[DatasetInfo], list]] = None) -> Ready:
     """The registry's dataset `name`, created once per cluster from `opener()` by the
     first process to ask (the others wait for it), every block load submitted in one
     graph. `order(info)`: the order the blocks are first needed (None: index order)."""
     ensure_plugin(client)
     claimant = uuid.uuid4().hex
     while True:
-        reply = _call(client, "dmdask_get_or_claim", name=name, claimant=claimant)
-        if reply["status"] == "ready":
-            return Opened(DatasetInfo.from_dict(reply["info"]), reply.get("loaded", 1))  # 1: a plugin of before
-        try:  # then ask again: "ready" once the scheduler has the blocks, which later calls rely on
+        reply = _call(client, GetOrClaim(name, claimant))
+        if isinstance(reply, Ready):
+            return reply
+        try:  # then ask again: ready once the scheduler has the blocks, which later calls rely on
             _create(client, name, opener(), order, claimant)
         except BaseException:
-            _call(client, "dmdask_abandon", name=name, claimant=claimant)
+            _call(client, Abandon(name, claimant))
             raise
 
 
@@ -80,21 +74,20 @@ def get_or_register(client: Client, source: Source) -> bool:
     registered now, so that none of its blocks exists yet."""
     ensure_plugin(client)
     while True:
-        reply = _call(client, "dmdask_get_or_register", name=source.info.name, info=source.info.as_dict())
-        if reply["status"] == "no-workers":
-            raise NotADmdaskWorker("the cluster has no workers; start `dask worker ... --worker-class dmdask.Worker`")
-        if reply["status"] in ("ready", "created"):
-            return reply["status"] == "created"
+        reply = _call(client, GetOrRegister(source.info))
+        if isinstance(reply, NoWorkers):
+            raise NotADmdaskWorker(NO_WORKERS)
+        if isinstance(reply, (Ready, Registered)):
+            return isinstance(reply, Registered)
         time.sleep(0.05)  # being created by a get_or_create: ready in a moment
 
 
 def _create(client: Client, name: str, source: Source, order, claimant: str) -> None:
     info = source.info
-    reply = _call(client, "dmdask_register", name=name, claimant=claimant, info=info.as_dict(),
-                  order=None if order is None else order(info))
-    if reply["status"] == "no-workers":
-        raise NotADmdaskWorker("the cluster has no workers; start `dask worker ... --worker-class dmdask.Worker`")
-    if reply["status"] != "OK":
+    reply = _call(client, Register(name, claimant, info, None if order is None else order(info)))
+    if isinstance(reply, NoWorkers):
+        raise NotADmdaskWorker(NO_WORKERS)
+    if not isinstance(reply, Registered):
         return  # the claim passed to another rank: ask again
     del submit_blocks(client, [source.reader(k) for k in range(info.num_blocks)])[:]
 
@@ -113,6 +106,5 @@ def release(client: Client, spec) -> bool:
     every source of the mixture (True if the cluster held any)."""
     ensure_plugin(client)
     if isinstance(spec.source, Mix):
-        held = [_call(client, "dmdask_release", name=dataset_name(s)) for s in spec.source.specs(spec)]
-        return any(held)
-    return _call(client, "dmdask_release", name=dataset_name(spec))
+        return any([_call(client, Release(dataset_name(s))) for s in spec.source.specs(spec)])
+    return _call(client, Release(dataset_name(spec)))

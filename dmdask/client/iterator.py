@@ -32,6 +32,7 @@ from ..errors import (BlockReadError, NotADmdaskWorker, SchedulerLostError, Spec
                       waiting_for_workers)
 from ..plan.elastic import remaining
 from ..plan.order import ORDER_VERSION, EpochOrder, RankShare
+from ..protocol.scheduler import SchedulerAPI
 from ..recovery import Tries
 from ..protocol.worker import BatchRequest, RowsRequest
 from ..spec import Mix, Spec, TransformContext, as_int, dumps_transform
@@ -39,7 +40,7 @@ from ..shm.results import map_batches
 from .datasets import open_dataset
 from .gather import (LOAD_WAIT, Gatherer, LocalArenas, Moved, connect_ahead, copier, plan_rows,
                      split_batches)
-from .locate import locate, my_host
+from .locate import my_host
 from .mixture import MixedInfo, check_fields_match, take_mixed
 from .progress import make as _make_progress
 from .resume import resume_point
@@ -233,7 +234,7 @@ class BatchIterator:
             return
         await self._check_scheduler()
         mine = get_address_host(await self._local_worker())
-        holders = (await locate(self.client, keys, mine, wait=0)).holders
+        holders = (await SchedulerAPI(self.client).locate(keys, mine, wait=0)).holders
         self._holders.update(holders)
         await self._gatherer.learn(holders)
 
@@ -470,7 +471,8 @@ class BatchIterator:
         unknown = [k for k in keys if k not in self._holders]
         loading: Dict[str, str] = {}
         if unknown:
-            found = await locate(self.client, unknown, get_address_host(await self._local_worker()), planned=True)
+            found = await SchedulerAPI(self.client).locate(unknown, get_address_host(await self._local_worker()),
+                                                          planned=True)
             for error in found.erred.values():
                 raise error
             if found.unknown:

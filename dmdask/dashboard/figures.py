@@ -67,8 +67,8 @@ def datasets(scheduler) -> Dict[str, dict]:
     plugin = scheduler.extensions.get("dmdask")
     out = {}
     for d in plugin.summaries() if plugin is not None else ():
-        out[d["name"]] = {"url": public(str(d["url"])) if d["url"] else None, "blocks": d["blocks"],
-                          "loaded_blocks": d["loaded"], "samples": d["samples"], "bytes": d["nbytes"]}
+        out[d.name] = {"url": public(str(d.url)) if d.url else None, "blocks": d.blocks, "loaded_blocks": d.loaded,
+                       "samples": d.samples, "bytes": d.nbytes}
     return dict(sorted(out.items()))
 
 

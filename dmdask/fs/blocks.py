@@ -19,8 +19,8 @@ from distributed.comm.core import CommClosedError
 
 from ..client.datasets import get_or_register, submit_blocks
 from ..client.gather import Moved, plan_rows
-from ..client.locate import locate
 from ..errors import BlockReadError, NoWorkersError
+from ..protocol.scheduler import Locate, SchedulerAPI
 from ..recovery import Deadline, Tries
 from ..source.files import ROW_BYTES
 
@@ -112,6 +112,7 @@ class Blocks:
         """A holder of each block (`wanted`: key -> (source, index)), waiting for blocks
         loading or read by another process, submitting those the cluster does not have."""
         session, client = self.session, self.session.client
+        api = SchedulerAPI(client)
         for _ in Tries(deadline):  # no pause: each locate waits on the scheduler
             unknown = [k for k in keys if k not in self.holders]
             if not unknown:
@@ -122,7 +123,7 @@ class Blocks:
                 self.registered.add(name)
                 get_or_register(client, sources[name])
             expect = [k for k in unknown if k in self.submitted]
-            found = session.sync("dmdask_locate", lambda: locate(client, unknown, session.my_host, expect=expect))
+            found = session.sync(Locate.op, lambda: api.locate(unknown, session.my_host, expect=expect))
             self.submitted.difference_update(expect)  # waited for once: from now on, as any other key
             self.holders.update(found.holders)
             for key, error in found.erred.items():
@@ -154,7 +155,8 @@ class Blocks:
                 wanted.append(fs.source(path, info).info.block_key(0))
         if not wanted:
             return
-        holders = session.sync("dmdask_locate", lambda: locate(session.client, wanted, session.my_host, wait=0)).holders
+        api = SchedulerAPI(session.client)
+        holders = session.sync(Locate.op, lambda: api.locate(wanted, session.my_host, wait=0)).holders
         self.holders.update(holders)
         by_holder: Dict[str, List[str]] = {}
         for key, holder in holders.items():

@@ -22,7 +22,7 @@ from typing import Dict, List, Optional
 import fsspec
 
 from ..client.datasets import submit_blocks
-from ..client.locate import locate
+from ..protocol.scheduler import FileEntry, FsOpenBlocks, NoWorkers, OpenBlocks, SchedulerAPI
 from ..protocol.worker import WorkerAPI
 from ..recovery import Tries
 from ..source.files import FileSource, read_blocks
@@ -54,7 +54,7 @@ class Claims:
         self._handed = threading.Condition(self._lock)  # notified as hand-overs finish
         self.to_hand: List[tuple] = []  # (worker, reader, bytes) queued for the next hand-over
         self._queued_bytes = 0  # bytes in to_hand and to_open
-        self.to_open: List[tuple] = []  # (info put, [name, dataset info] or None, reader or None, bytes): `first_info`
+        self.to_open: List[tuple] = []  # (info put, reader or None, its DatasetInfo or None, bytes): `first_info`
 
     def first_info(self, fs, path: str, start: Optional[int] = 0) -> dict:
         """The info of file `path` of `fs` (a `DmdaskFileSystem`) for reading it from byte
@@ -85,14 +85,13 @@ class Claims:
             reader = source.reader(index)
             if len(content) != reader.last - reader.first:
                 reader = None
-        put = [f"{fsid}|{folder_of(path)}", "info", path, info]
+        put = FileEntry(f"{fsid}|{folder_of(path)}", "info", path, info)
         with self._lock:
             metadata.know(fsid, path, info)
             if reader is not None:  # the read that follows takes it from here
                 self.handing[reader.key] = reader.decode(content)
             first = not self.to_open
-            self.to_open.append((put, [source.info.name, source.info.as_dict()] if reader else None, reader,
-                                 content))
+            self.to_open.append((put, reader, reader and source.info, content))
         self._schedule_hand_over(first, OPEN_DELAY, len(content))
         return info
 
@@ -114,12 +113,11 @@ class Claims:
         if not new:
             return have
         sources = {wanted[key][0].info.name: wanted[key][0] for key in new}
-        datasets = [[n, s.info.as_dict()] for n, s in sources.items()]
-        reply = session.call_with_workers("dmdask_open_blocks", datasets=datasets, keys=new, client=session.client.id,
-                                          host=session.my_host)
+        reply = session.call_with_workers(OpenBlocks([s.info for s in sources.values()], new, session.client.id,
+                                                     session.my_host))
         blocks.registered.update(sources)
-        blocks.holders.update(reply["holders"])
-        mine = [(key, worker, wanted[key][0].reader(wanted[key][1])) for key, worker in reply["mine"].items()]
+        blocks.holders.update(reply.holders)
+        mine = [(key, worker, wanted[key][0].reader(wanted[key][1])) for key, worker in reply.mine.items()]
         if not mine:
             return have
         contents = read_blocks([reader for _, _, reader in mine])
@@ -171,7 +169,7 @@ class Claims:
             with self._handed:
                 for _, reader, _ in queued:
                     self.handing.pop(reader.key, None)
-                for _, _, reader, _ in opening:
+                for _, reader, _, _ in opening:
                     if reader is not None:
                         self.handing.pop(reader.key, None)
                 self._handed.notify_all()
@@ -187,21 +185,21 @@ class Claims:
         request shares the infos, registers the files and claims the blocks nobody holds or
         reads; those are returned as (worker, reader, bytes) to hand over."""
         session, blocks = self.session, self.session.blocks
-        datasets = {d[0]: d for _, d, _, _ in opening if d is not None}
-        readers = [(reader, content) for _, _, reader, content in opening if reader is not None]
+        readers = [(reader, content) for _, reader, _, content in opening if reader is not None]
+        datasets = {info.name: info for _, _, info, _ in opening if info is not None}
+        request = OpenBlocks(list(datasets.values()), [reader.key for reader, _ in readers], session.client.id,
+                             session.my_host)
         try:
-            reply = await session.client.scheduler.dmdask_fs_open_blocks(
-                run=session.metadata.run, put=[put for put, _, _, _ in opening], datasets=list(datasets.values()),
-                keys=[reader.key for reader, _ in readers], client=session.client.id, host=session.my_host)
+            reply = await SchedulerAPI(session.client).send(
+                FsOpenBlocks(session.metadata.run, [put for put, _, _, _ in opening], request))
         except Exception:  # noqa: BLE001 - the read has its bytes; a later one finds the scheduler gone
             logger.debug("could not open blocks read with their infos", exc_info=True)
             return []
-        if reply["status"] != "OK":
+        if isinstance(reply, NoWorkers):
             return []
         blocks.registered.update(datasets)
-        blocks.holders.update(reply["holders"])
-        return [(reply["mine"][reader.key], reader, content) for reader, content in readers
-                if reader.key in reply["mine"]]
+        blocks.holders.update(reply.holders)
+        return [(reply.mine[reader.key], reader, content) for reader, content in readers if reader.key in reply.mine]
 
     async def _hand_queued(self, queued: List[tuple]) -> None:
         client = self.session.client
@@ -222,7 +220,7 @@ class Claims:
         # with the loads unsent, and the next reader would read these blocks again
         keys = [reader.key for _, reader, _ in queued]
         async for _ in Tries(HANDOVER_EXIT_SECONDS):
-            found = await locate(client, keys, self.session.my_host, expect=keys)
+            found = await SchedulerAPI(client).locate(keys, self.session.my_host, expect=keys)
             self.session.blocks.holders.update(found.holders)
             keys = [k for k in keys if k not in found.holders and k not in found.erred]
             if not keys:

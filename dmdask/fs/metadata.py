@@ -16,6 +16,7 @@ from typing import Dict, List, Optional
 import fsspec
 import fsspec.asyn
 
+from ..protocol.scheduler import FileEntry, FsClaim, FsMetadata, SchedulerAPI
 from ..recovery import Tries
 from .run import new_run
 from .run import start as start_run
@@ -58,17 +59,16 @@ class Metadata:
         self.asked: set = set(known.asked) if known else set()  # folders asked of the cluster
         self.asked_infos: set = set(known.asked_infos) if known else set()  # ... for their files' infos
         self.files: Dict[str, set] = {k: set(v) for k, v in known.files.items()} if known else {}  # folder -> paths
-        self.to_tell: List[list] = []  # metadata queued for the scheduler
+        self.to_tell: List[FileEntry] = []  # metadata queued for the scheduler
 
     def _ask(self, fsid: str, folder: str) -> None:
         """Everything this run knows of `folder` now (one request)."""
         key = f"{fsid}|{folder}"
-        reply = self.session.call("dmdask_fs_metadata", run=self.run, get=[key])
+        found = self.session.call(FsMetadata(self.run, get=[key])).found.get(key)
         with self._lock:
-            found = reply.get(key, {"listing": None, "infos": {}})
-            if found["listing"] is not None:
-                self.listings[key] = found["listing"]
-            for path, info in found["infos"].items():
+            if found is not None and found.listing is not None:
+                self.listings[key] = found.listing
+            for path, info in (found.infos.items() if found is not None else ()):
                 self.know(fsid, path, info)
             self.asked.add(key)
             self.asked_infos.add(key)
@@ -77,13 +77,13 @@ class Metadata:
         self.infos[f"{fsid}|{path}"] = info
         self.files.setdefault(f"{fsid}|{folder_of(path)}", set()).add(path)
 
-    def tell(self, fsid: str, puts: List[list]) -> None:
+    def tell(self, fsid: str, puts: List[FileEntry]) -> None:
         """Share infos read from the store with the run, in the background and a batch at
         a time (a process that exits first only costs the next one a store request)."""
         client = self.session.client
         with self._lock:
             first = not self.to_tell
-            self.to_tell.extend([f"{fsid}|{f}", kind, p, v] for f, kind, p, v in puts)
+            self.to_tell.extend(e._replace(folder=f"{fsid}|{e.folder}") for e in puts)
         if first:  # the timer set on the loop's own thread (call_later is not thread-safe)
             client.loop.add_callback(client.loop.call_later, TELL_DELAY, self.tell_queued)
 
@@ -92,7 +92,7 @@ class Metadata:
             msg, self.to_tell = self.to_tell, []
         if msg:
             try:
-                await self.session.client.scheduler.dmdask_fs_metadata(run=self.run, put=msg)
+                await SchedulerAPI(self.session.client).send(FsMetadata(self.run, put=msg))
             except Exception:  # noqa: BLE001 - shared metadata is an optimisation
                 logger.debug("could not share file metadata with the scheduler", exc_info=True)
 
@@ -117,15 +117,15 @@ class Metadata:
             found = self.infos.get(f"{fsid}|{path}")  # read by another thread of this process meanwhile
             if found is not None:
                 return found
-            reply = self.session.call_with_workers("dmdask_fs_claim", run=self.run, claim=[[folder, path]])
-            found = reply.get(folder, {"infos": {}})["infos"].get(path)
+            reply = self.session.call_with_workers(FsClaim(self.run, [(folder, path)]))
+            found = reply.known.get((folder, path))
             if found is not None:
                 with self._lock:
                     self.know(fsid, path, found)
                 return found
-            if reply.get("elsewhere"):
+            if reply.elsewhere:
                 return ELSEWHERE
-            if not reply.get("probing"):
+            if not reply.probing:
                 return None
         return None
 
@@ -134,7 +134,7 @@ class Metadata:
         found = self.known_info(fsid, path)
         if found is None:
             found = plain(target.info(path))
-            self.tell(fsid, [[folder_of(path), "info", path, found]])
+            self.tell(fsid, [FileEntry(folder_of(path), "info", path, found)])
             with self._lock:
                 self.know(fsid, path, found)
         return found
@@ -158,7 +158,8 @@ class Metadata:
             return await asyncio.gather(*(target._info(p) for p in unknown), return_exceptions=True)
 
         found = fsspec.asyn.sync(target.loop, all_infos)
-        puts = [[folder_of(p), "info", p, plain(info)] for p, info in zip(unknown, found) if isinstance(info, dict)]
+        puts = [FileEntry(folder_of(p), "info", p, plain(info)) for p, info in zip(unknown, found)
+                if isinstance(info, dict)]
         with self._lock:
             for _, _, path, info in puts:
                 self.know(fsid, path, info)
@@ -177,8 +178,8 @@ class Metadata:
         if found is None:
             found = [plain(e) for e in target.ls(path, detail=True)]
             files = [e for e in found if e.get("type") == "file" and e.get("size") is not None and version_of(e)]
-            self.tell(fsid, [[path, "listing", path, found]] + [[folder_of(e["name"]), "info", e["name"], e]
-                                                                 for e in files])
+            self.tell(fsid, [FileEntry(path, "listing", path, found)]
+                      + [FileEntry(folder_of(e["name"]), "info", e["name"], e) for e in files])
             with self._lock:
                 self.listings[key] = found
                 for e in files:

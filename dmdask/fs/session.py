@@ -29,6 +29,7 @@ from ..client.datasets import ensure_plugin
 from ..client.gather import Gatherer, LocalArenas
 from ..client.locate import my_host
 from ..errors import DmdaskError, SchedulerLostError, no_workers, waiting_for_workers
+from ..protocol.scheduler import NoWorkers, Request, SchedulerAPI
 from ..recovery import Tries
 from .blocks import Blocks
 from .claims import HANDOVER_EXIT_SECONDS, Claims
@@ -139,18 +140,18 @@ class Session:
                 f"(dmdask.client.recovery-seconds; {type(exc).__name__}: {exc}). Is the scheduler still "
                 "running? dmdask.fs.close() drops this process's connection; the next read makes a new one") from exc
 
-    def call(self, op: str, **msg):
-        """Scheduler handler `op`'s reply (see `sync`)."""
-        return self.sync(op, lambda: getattr(self.client.scheduler, op)(**msg))
+    def call(self, request: Request):
+        """The scheduler plugin's reply to `request` (see `sync`)."""
+        return self.sync(request.op, lambda: SchedulerAPI(self.client).send(request))
 
-    def call_with_workers(self, op: str, **msg) -> dict:
-        """Scheduler handler `op`'s reply; while it answers that the cluster has no workers,
+    def call_with_workers(self, request: Request):
+        """The scheduler plugin's reply to `request`; while it answers `NoWorkers`,
         waits for one to join (said once in a warning per process), as `dmdask.batches`
         does; `NoWorkersError` after `dmdask.client.recovery-seconds` without any."""
         limit = self.recovery_seconds()
         for _ in Tries(limit, pause=0.5):
-            reply = self.call(op, **msg)
-            if reply["status"] != "no-workers":
+            reply = self.call(request)
+            if not isinstance(reply, NoWorkers):
                 return reply
             if not self._said_waiting:
                 self._said_waiting = True

@@ -18,9 +18,11 @@ event loop.
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional
+from typing import Dict, Optional, Sequence, Tuple
 
 import zict
+
+from ..protocol.scheduler import FileEntry, FolderEntries, InfoClaims
 
 RUNS_KEPT = 16  # runs remembered per entry (older runs read it again)
 FOLDERS_KEPT = 100_000  # folders kept (least recently asked for dropped first)
@@ -57,19 +59,9 @@ class FileMetadata:
     def __init__(self):
         self.folders = zict.LRU(FOLDERS_KEPT, {})  # folder -> _Folder (least recently asked for dropped first)
 
-    def handler(self, run: str, get: List[str] = (), paths: List[list] = (), put: List[list] = (),
-                claim: List[list] = ()) -> dict:
-        """Scheduler handler `dmdask_fs_metadata`. `put`: [folder, "listing" or "info",
-        path, value] read from the store by `run`; `get`: folders whose entries `run`
-        read, answered as {folder: {"listing": entries or None, "infos": {path: info}}};
-        `paths`: [folder, path] of single infos, answered under "infos" the same way;
-        `claim`: [folder, path] of infos the caller will read from the store unless
-        known (then answered under "infos") or claimed by another process of the run
-        (answered in "probing": [[folder, path]]: ask again shortly), or read by another
-        run (answered in "elsewhere": [[folder, path]], not claimed: the caller checks
-        its version with the store, and may find its blocks cached)."""
-        now = time.monotonic()
-        for folder, kind, path, value in put:
+    def put(self, run: str, entries: Sequence[FileEntry]) -> None:
+        """`run` read these listings and infos from the store (ending its claims of them)."""
+        for folder, kind, path, value in entries:
             entry = self._folder(folder)
             entry.probing.pop((run, path), None)
             if kind == "listing":
@@ -81,31 +73,37 @@ class FileMetadata:
                 entry.infos[path].seen(value, run)
             else:
                 entry.infos[path] = _Entry(value, run)
+
+    def get(self, run: str, folders: Sequence[str]) -> Dict[str, FolderEntries]:
+        """What `run` read of these folders (those it read nothing of left out)."""
         out = {}
-        for folder in get:
+        for folder in folders:
             entry = self.folders.get(folder)
             if entry is None:
                 continue
             listing = entry.listing.value if entry.listing is not None and run in entry.listing.runs else None
-            out[folder] = {"listing": listing,
-                           "infos": {p: e.value for p, e in entry.infos.items() if run in e.runs}}
-        for folder, path in paths:
-            entry = self.folders.get(folder)
-            found = entry.infos.get(path) if entry is not None else None
-            if found is not None and run in found.runs:
-                out.setdefault(folder, {"listing": None, "infos": {}})["infos"][path] = found.value
+            out[folder] = FolderEntries(listing, {p: e.value for p, e in entry.infos.items() if run in e.runs})
+        return out
+
+    def claim(self, run: str, claim: Sequence[Tuple[str, str]]) -> InfoClaims:
+        """(folder, path) of infos the caller will read from the store unless known to
+        `run` (answered in `known`), claimed by another process of the run (`probing`: ask
+        again shortly), or read by another run only (`elsewhere`, not claimed: the caller
+        checks its version with the store, and may find its blocks cached)."""
+        now = time.monotonic()
+        reply = InfoClaims({}, [], [])
         for folder, path in claim:
             entry = self._folder(folder)
             found = entry.infos.get(path)
             if found is not None and run in found.runs:
-                out.setdefault(folder, {"listing": None, "infos": {}})["infos"][path] = found.value
+                reply.known[(folder, path)] = found.value
             elif found is not None:
-                out.setdefault("elsewhere", []).append([folder, path])
+                reply.elsewhere.append((folder, path))
             elif now - entry.probing.get((run, path), -PROBE_SECONDS) < PROBE_SECONDS:
-                out.setdefault("probing", []).append([folder, path])
+                reply.probing.append((folder, path))
             else:
                 entry.probing[(run, path)] = now
-        return out
+        return reply
 
     def _folder(self, folder: str) -> _Folder:
         entry = self.folders.get(folder)

@@ -73,13 +73,6 @@ class DatasetInfo:
     def block_key(self, k: int) -> str:
         return block_key(self.identity, k)
 
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "DatasetInfo":
-        return cls(**{**d, "fields": tuple(d["fields"])})
-
 
 def block_key(identity: str, index: int) -> str:
     """The Dask key of a block: the same for every rank and every job."""

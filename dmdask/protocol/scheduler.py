@@ -1,0 +1,299 @@
+"""The scheduler plugin's handlers (`dmdask.scheduler`): a request and a reply dataclass
+each, and `SchedulerAPI`, which sends them.
+
+A request travels as one `ToPickle` argument, `request`, and its reply as a `ToPickle`, as
+distributed's shuffle sends its run specs: `DatasetInfo` and the replies keep their types.
+Pickling costs tens of microseconds per message; these are sent a few times per epoch. A
+handler checks its request once (`Request.check`, by the fields' types) before it changes
+anything. Outcomes that are not errors (`NoWorkers`, `Busy`) are replies: callers wait on
+them, and a handler's exception would be logged on the scheduler.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from typing import Callable, ClassVar, Dict, List, NamedTuple, Optional, Sequence, Tuple, Type, Union
+
+from distributed.protocol import ToPickle
+
+from .. import arguments as check
+from ..internals import reraise
+from ..source.base import DatasetInfo
+
+LOCATE_LONGEST = 60.0  # the longest a `Locate` may wait
+LOCATE_SECONDS = 2.0  # one wait on the scheduler for blocks still loading
+message = dataclasses.dataclass(frozen=True)
+
+
+class FileEntry(NamedTuple):
+    """What a process read from the store: a folder's `listing` (path: the folder) or a
+    file's `info`; `folder` names the store and its options too (`fsid|folder`)."""
+    folder: str
+    kind: str  # "listing" or "info"
+    path: str
+    value: Union[list, dict]
+
+
+def _entries(op: str, name: str, value, kinds=("listing", "info")) -> None:
+    check.tuples(op, name, value, 4, leading_texts=3)
+    for e in value:
+        if not isinstance(e, FileEntry) or e.kind not in kinds or not isinstance(e.value, _VALUES[e.kind]):
+            raise check.refuse(op, name, f"FileEntry values of the kinds {kinds}", e)
+
+
+def _infos(op: str, name: str, value) -> None:
+    if not isinstance(value, (list, tuple)):
+        raise check.refuse(op, name, "a list of DatasetInfo", value)
+    for info in value:
+        check.dataset_info(op, info)
+
+
+_VALUES = {"listing": (list, tuple), "info": dict}
+# a field's check by the text of its annotation (strings here: `from __future__ import annotations`)
+_BY_TYPE = {"str": check.text, "Optional[str]": functools.partial(check.text, optional=True),
+            "Sequence[str]": check.texts, "bool": check.flag, "Sequence[FileEntry]": _entries,
+            "DatasetInfo": lambda op, name, value: check.dataset_info(op, value), "Sequence[DatasetInfo]": _infos}
+
+
+def checked(how: Callable, default=dataclasses.MISSING):
+    """A field checked by `how(op, name, value)` rather than by its type (None: by its request's `check`)."""
+    return dataclasses.field(default=default, metadata={"check": how})
+
+
+@message
+class Request:
+    op: ClassVar[str]  # the handler's name on the scheduler
+
+    def check(self, op: Optional[str] = None) -> None:
+        """Raise `HandlerArgumentError`, naming `op` and the field, unless each field is of
+        its type and range."""
+        for f in dataclasses.fields(self):
+            how = f.metadata["check"] if "check" in f.metadata else _BY_TYPE[f.type]
+            if how is not None:
+                how(op or self.op, f.name, getattr(self, f.name))
+
+
+@message
+class GetOrClaim(Request):
+    """The dataset `name` (`Ready`), or the claim to create it (`Claimed`)."""
+    op = "dmdask_get_or_claim"
+    name: str
+    claimant: str
+
+
+@message
+class Register(Request):
+    """Plan the blocks of a claimed dataset (`Registered`, `Busy` or `NoWorkers`):
+    `order`, the order they are first needed (None: index order); `lazy`: ready now, each
+    block loaded when first wanted."""
+    op = "dmdask_register"
+    name: str
+    claimant: str
+    info: DatasetInfo
+    order: Optional[List[int]] = checked(None, None)  # checked with `info`, below
+    lazy: bool = False
+
+    def check(self, op: Optional[str] = None) -> None:
+        super().check(op)
+        check.block_order(self.op, self.order, self.info.num_blocks)
+
+
+@message
+class GetOrRegister(Request):
+    """A lazy dataset under `info.name`: `Ready`, else registered now (`Registered`) unless
+    another caller creates it (`Busy`) or the cluster has no workers (`NoWorkers`)."""
+    op = "dmdask_get_or_register"
+    info: DatasetInfo
+
+
+@message
+class Abandon(Request):
+    """Drop the claim of a dataset its holder could not create (no reply)."""
+    op = "dmdask_abandon"
+    name: str
+    claimant: str
+
+
+@message
+class Locate(Request):
+    """Where blocks are (`Located`), once each is held or erred or after `timeout` s: keys
+    the scheduler does not have are unknown, but keys in `expect` (just submitted by the
+    caller) and blocks a live reader claimed are waited for like blocks loading; a holder
+    on `host` preferred. `planned`: a block loading now is named with its worker instead."""
+    op = "dmdask_locate"
+    keys: Sequence[str]
+    host: Optional[str] = None
+    timeout: float = checked(functools.partial(check.number, low=0, high=LOCATE_LONGEST), LOCATE_SECONDS)
+    expect: Sequence[str] = ()
+    planned: bool = False
+
+
+@message
+class OpenBlocks(Request):
+    """A reader's first look at blocks of lazy datasets (`BlocksOpened` or `NoWorkers`):
+    `datasets` registered when new, the blocks nobody holds, loads or reads claimed for
+    `client`, which reads them from the store and submits their loads."""
+    op = "dmdask_open_blocks"
+    datasets: Sequence[DatasetInfo]
+    keys: Sequence[str]
+    client: str
+    host: Optional[str] = None
+
+
+@message
+class Release(Request):
+    """Forget the dataset `name` (True if the registry had it)."""
+    op = "dmdask_release"
+    name: str
+
+
+@message
+class Datasets(Request):
+    """A `DatasetSummary` of each registered dataset."""
+    op = "dmdask_datasets"
+
+
+@message
+class FsMetadata(Request):
+    """Share `put`, read from the store by `run`; get what `run` read of the folders `get` (`Folders`)."""
+    op = "dmdask_fs_metadata"
+    run: str
+    get: Sequence[str] = ()
+    put: Sequence[FileEntry] = ()
+
+
+@message
+class FsClaim(Request):
+    """(folder, path) of file infos the caller is to read from the store unless `run`
+    knows them or another of its processes reads them (`InfoClaims` or `NoWorkers`)."""
+    op = "dmdask_fs_claim"
+    run: str
+    claim: Sequence[Tuple[str, str]] = checked(functools.partial(check.tuples, width=2, leading_texts=2))
+
+
+def _open(op: str, name: str, value) -> None:
+    if not isinstance(value, OpenBlocks):
+        raise check.refuse(op, name, "an OpenBlocks", value)
+    value.check(op)
+
+
+@message
+class FsOpenBlocks(Request):
+    """`open` and the sharing of the infos read with its blocks (`put`, which ends their
+    claims), in one request: `BlocksOpened` or `NoWorkers`."""
+    op = "dmdask_fs_open_blocks"
+    run: str
+    put: Sequence[FileEntry] = checked(functools.partial(_entries, kinds=("info",)))
+    open: OpenBlocks = checked(_open)
+
+
+@message
+class Ready:
+    """The dataset exists: its description, and how many of its blocks were held then
+    (about 0 just after its creation: it decides whether a rank asks where they are)."""
+    info: DatasetInfo
+    loaded: int
+
+
+@message
+class Claimed:
+    """The caller is to list the source, `Register` it and submit its blocks."""
+
+
+@message
+class Registered:
+    """Registered now: its blocks are planned, none of them exists yet."""
+
+
+@message
+class Busy:
+    """Another caller holds the claim to create the dataset: ask again (in a moment)."""
+
+
+@message
+class NoWorkers:
+    """The cluster has no workers; nothing was changed."""
+
+
+@message
+class Located:
+    holders: Dict[str, str]  # key -> a worker holding it
+    erred: Dict[str, BaseException]  # key -> the error of its load
+    unknown: List[str]  # keys the scheduler does not have (released, forgotten or never submitted)
+    pending: List[str]  # keys still loading when the wait ended
+    loading: Dict[str, str]  # `planned`: key -> the worker loading it right now (not waited for)
+
+
+@message
+class BlocksOpened:
+    holders: Dict[str, str]  # key -> a worker holding it
+    mine: Dict[str, str]  # key -> its planned worker: claimed for the caller, to read and hand over
+
+
+@message
+class FolderEntries:
+    listing: Optional[list]  # None: the run did not read it
+    infos: Dict[str, dict]  # path -> info
+
+
+@message
+class Folders:
+    found: Dict[str, FolderEntries]  # folder -> what the run read of it (folders it read nothing of left out)
+
+
+@message
+class InfoClaims:
+    known: Dict[Tuple[str, str], dict]  # (folder, path) -> the info the run read
+    elsewhere: List[Tuple[str, str]]  # read by another run only: not claimed (its blocks may be cached)
+    probing: List[Tuple[str, str]]  # being read by another process of the run: ask again shortly
+
+
+@message
+class DatasetSummary:
+    name: str
+    url: Optional[str]
+    identity: Optional[str]
+    samples: Optional[int]
+    blocks: int
+    nbytes: Optional[int]
+    loaded: int
+    erred: int
+    ready: bool
+
+
+def serve(handlers: Dict[Type[Request], Callable]) -> Dict[str, Callable]:
+    """Scheduler handlers (op -> handler) that check their request, call the plugin's
+    method with it and send its reply typed."""
+
+    def one(kind: Type[Request], method: Callable) -> Callable:
+        async def handler(request: Request = None, **untyped):
+            if untyped or not isinstance(request, kind):
+                raise check.refuse(kind.op, "request", f"a {__name__}.{kind.__name__}", request)
+            request.check()
+            result = method(request)
+            return ToPickle(await result if inspect.isawaitable(result) else result)
+
+        return handler
+
+    return {kind.op: one(kind, method) for kind, method in handlers.items()}
+
+
+class SchedulerAPI:
+    """The scheduler plugin's handlers as coroutines of the client's loop (from another
+    thread: `client.sync(api.send, request)`). `client`: anything with a `scheduler` rpc."""
+
+    def __init__(self, client):
+        self.client = client
+
+    async def send(self, request: Request):
+        """`request`'s reply; a refused request raises `HandlerArgumentError`, a lost
+        connection `OSError` (callers retry with `dmdask.recovery.Tries`)."""
+        reply = await getattr(self.client.scheduler, request.op)(request=ToPickle(request))
+        return reply.data if isinstance(reply, ToPickle) else reply  # an inproc comm passes a reply as it is
+
+    async def locate(self, keys: Sequence[str], host: Optional[str], wait: float = LOCATE_SECONDS,
+                     expect: Sequence[str] = (), planned: bool = False) -> Located:
+        """Where `keys` are (`Locate`); `erred` holds the errors of their loads, ready to raise."""
+        found = await self.send(Locate(list(keys), host, wait, list(expect), planned))
+        return dataclasses.replace(found, erred={k: reraise(e) for k, e in found.erred.items()})

@@ -1,0 +1,88 @@
+"""Where each block loads: its planned worker, chosen when its dataset is registered and
+kept among the live workers as workers come and go. Functions of the scheduler and the
+registry's `DatasetState`s, used by the `DatasetsPlugin` on the scheduler's event loop."""
+from __future__ import annotations
+
+import logging
+from typing import Iterable, List, Optional
+
+from ..internals import held_type
+from ..source.base import block_key
+
+logger = logging.getLogger(__name__)
+
+
+def plan(ds, workers: List[str], order: Optional[List[int]], first: int) -> None:
+    """The i-th block of `order` (None: index order) goes to worker first + i mod W, and
+    loads with priority -i."""
+    n = ds.info.num_blocks
+    ds.planned, ds.priority = [None] * n, [0] * n
+    for i, k in enumerate(range(n) if order is None else order):
+        ds.planned[k] = workers[(first + i) % len(workers)]
+        ds.priority[k] = n - i
+
+
+def live_planned(scheduler, ds, k: int) -> str:
+    """Block k's planned worker, planned again over the live workers if it left."""
+    worker = ds.planned[k]
+    if worker not in scheduler.workers:
+        live = sorted(scheduler.workers)
+        if live:
+            worker = ds.planned[k] = live[k % len(live)]
+    return worker
+
+
+def win_back(scheduler, datasets: Iterable, worker: str, stimulus_id: str) -> None:
+    """Capacity lost with a worker comes back when one joins: blocks held as `Streamed`
+    markers (their holders had no room; read from the store every epoch) are loaded
+    again on the new worker, as many as its free room (from its dmdask metrics) takes.
+    Each costs one read now, in place of the next epoch's stream read."""
+    ws = scheduler.workers.get(worker)
+    tiers = (ws.metrics.get("dmdask") if ws is not None else None) or {}
+    room = sum(max(0, t.get("capacity", 0) - t.get("bytes", 0) - t.get("reserved", 0))
+               for name, t in tiers.items() if name in ("ram", "ssd") and not t.get("error"))
+    moved = []
+    for ds in datasets:
+        if ds.info is None or not ds.info.nbytes:
+            continue
+        per_block = ds.info.nbytes / max(1, len(ds.planned))
+        for k in range(len(ds.planned)):
+            key = block_key(ds.identity, k)
+            ts = scheduler.tasks.get(key)
+            if ts is None or ts.state != "memory" or not held_type(ts).endswith(".Streamed"):
+                continue
+            if room < per_block:
+                break
+            room -= per_block
+            ds.planned[k] = worker
+            moved.append(key)
+    if moved:
+        logger.info("moving %d streamed blocks to the new worker %s", len(moved), worker)
+        scheduler.set_restrictions({key: {worker} for key in moved})
+        scheduler.transitions({key: "released" for key in moved}, stimulus_id)
+
+
+def replan(scheduler, datasets: Iterable, orphaned, stimulus_id: str) -> None:
+    """Blocks whose planned worker is `orphaned(address)` go to the live workers."""
+    live = sorted(scheduler.workers)
+    if not live:
+        return
+    restrictions, recommendations = {}, {}
+    i = 0
+    for ds in datasets:
+        for k, worker in enumerate(ds.planned):
+            if worker is None or not orphaned(worker):
+                continue
+            ds.planned[k] = worker = live[i % len(live)]
+            i += 1
+            key = block_key(ds.identity, k)
+            ts = scheduler.tasks.get(key)
+            if ts is None or ts.state == "memory":
+                continue
+            restrictions[key] = {worker}
+            if ts.state == "no-worker":
+                recommendations[key] = "processing"
+    if restrictions:
+        scheduler.set_restrictions(restrictions)
+    if recommendations:
+        scheduler.transitions(recommendations, stimulus_id)

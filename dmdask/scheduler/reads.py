@@ -1,0 +1,132 @@
+"""`BlockReads`, part of the `DatasetsPlugin`: where blocks are (`Locate`), and who reads
+the lazy blocks nobody holds (`OpenBlocks`; transparent mode's `FsClaim`, `FsOpenBlocks`).
+
+Guarantees: a lazy block nobody holds is read from the store by one reader at a time:
+the first reader to ask claims it, reads it itself and hands the bytes to the planned
+worker with the block's load task; the others wait for that task. A claim ends when the
+task arrives or its reader's client leaves (then the next reader to ask loads the block).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from typing import Dict, List, Optional, Union
+
+from distributed.comm import get_address_host
+
+from ..internals import task_error
+from ..protocol.scheduler import (BlocksOpened, Folders, FsClaim, FsMetadata, FsOpenBlocks, GetOrRegister,
+                                  InfoClaims, Located, Locate, NoWorkers, OpenBlocks)
+from ..source.base import parse_block_key
+from . import placement
+
+
+class BlockReads:
+    """See the module docstring; used on the scheduler's event loop."""
+
+    def __init__(self, plugin):
+        self.plugin = plugin
+        self.claims: Dict[str, str] = {}  # block key -> the client reading it from the store
+        self.waiters: Dict[str, List[asyncio.Future]] = defaultdict(list)  # key -> `locate` calls waiting for it
+
+    @property
+    def scheduler(self):
+        return self.plugin.scheduler
+
+    async def locate(self, request: Locate) -> Located:
+        """Where the keys are once every key is held or erred, or after `timeout` seconds
+        with what is known then (see `Locate`)."""
+        deadline = time.monotonic() + request.timeout
+        expect, host = set(request.expect), request.host
+        while True:
+            holders, erred, pending, unknown, loading = {}, {}, [], [], {}
+            for key in request.keys:
+                ts = self.scheduler.tasks.get(key)
+                if ts is None:
+                    (pending if key in expect or self._claimed(key) else unknown).append(key)
+                elif ts.state == "memory" and ts.who_has:
+                    holders[key] = _holder(ts, host)
+                elif ts.state == "erred":
+                    erred[key] = task_error(ts)
+                elif request.planned and ts.state == "processing" and ts.processing_on is not None:
+                    loading[key] = ts.processing_on.address
+                else:
+                    pending.append(key)
+            left = deadline - time.monotonic()
+            if not pending or left <= 0:
+                return Located(holders, erred, unknown, pending, loading)
+            waiters = []
+            for key in pending:
+                fut = asyncio.get_running_loop().create_future()
+                self.waiters[key].append(fut)
+                waiters.append(fut)
+            await asyncio.wait(waiters, timeout=left, return_when=asyncio.ALL_COMPLETED)
+            for key, fut in zip(pending, waiters):
+                if not fut.done():
+                    fut.cancel()
+                    if fut in self.waiters.get(key, ()):
+                        self.waiters[key].remove(fut)
+                        if not self.waiters[key]:
+                            del self.waiters[key]
+
+    def wake(self, key: str, finish: str) -> None:
+        """The task of `key` reached `finish` (held, erred, released or forgotten)."""
+        for fut in self.waiters.pop(key, ()):
+            if not fut.done():
+                fut.set_result(finish)
+
+    def open_blocks(self, request: OpenBlocks) -> Union[BlocksOpened, NoWorkers]:
+        """Register the request's datasets when new, then name the holders of its keys and
+        claim for its client those of lazy datasets that nobody holds, loads or reads."""
+        for info in request.datasets:
+            if isinstance(self.plugin.get_or_register(GetOrRegister(info)), NoWorkers):
+                return NoWorkers()
+        holders, mine = {}, {}
+        for key in request.keys:
+            ts = self.scheduler.tasks.get(key)
+            parsed = parse_block_key(key)
+            ds = parsed and self.plugin.by_identity.get(parsed[0])
+            if ts is not None and ts.state == "memory" and ts.who_has:
+                holders[key] = _holder(ts, request.host)
+            elif ts is None and not self._claimed(key) and ds and ds.lazy:
+                self.claims[key] = request.client
+                mine[key] = placement.live_planned(self.scheduler, ds, parsed[1])
+        return BlocksOpened(holders, mine)
+
+    def fs_metadata(self, request: FsMetadata) -> Folders:
+        files = self.plugin.files
+        files.put(request.run, request.put)
+        return Folders(files.get(request.run, request.get))
+
+    def fs_claim(self, request: FsClaim) -> Union[InfoClaims, NoWorkers]:
+        """Transparent mode's look before reading new files' infos from the store; nothing
+        is claimed while the cluster has no workers (the caller waits for one)."""
+        if not self.scheduler.workers:
+            return NoWorkers()
+        return self.plugin.files.claim(request.run, request.claim)
+
+    def fs_open_blocks(self, request: FsOpenBlocks) -> Union[BlocksOpened, NoWorkers]:
+        """After a reader read claimed files' first blocks with their infos (`FsClaim`), open
+        those blocks and share the infos with the run (ending the claims) at once: a reader
+        of the run that waited for an info finds its block claimed, and waits for that."""
+        reply = self.open_blocks(request.open)
+        self.plugin.files.put(request.run, request.put)
+        return reply
+
+    def _claimed(self, key: str) -> bool:
+        """Whether a live client is reading this block from the store."""
+        return self.claims.get(key) in self.scheduler.clients
+
+    def remove_client(self, client: str) -> None:
+        """A reader left: the blocks it claimed and never handed over go to the next reader."""
+        for key in [key for key, holder in self.claims.items() if holder == client]:
+            del self.claims[key]
+            self.wake(key, "released")
+
+
+def _holder(ts, host: Optional[str]) -> str:
+    """A worker holding the task's result, one on `host` if any."""
+    addresses = sorted(ws.address for ws in ts.who_has)
+    local = [a for a in addresses if host and get_address_host(a) == host]
+    return (local or addresses)[0]

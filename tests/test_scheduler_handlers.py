@@ -1,0 +1,175 @@
+"""The scheduler plugin's handlers through `SchedulerAPI`, on `gen_cluster`'s in-process
+scheduler and workers: the exact typed reply of each, and the refusal of what a handler
+does not take (naming the handler and the field) with the registry left as it was."""
+import dataclasses
+
+import pytest
+from distributed import Client, LocalCluster, wait
+from distributed.protocol import ToPickle
+from distributed.utils_test import gen_cluster, gen_test
+
+import dmdask
+from dmdask.protocol.scheduler import (Abandon, BlocksOpened, Busy, Claimed, DatasetSummary, Datasets,
+                                       FileEntry, Folders, FolderEntries, FsClaim, FsMetadata, FsOpenBlocks, GetOrClaim,
+                                       GetOrRegister, InfoClaims, Locate, NoWorkers, OpenBlocks, Ready,
+                                       Register, Registered, Release, SchedulerAPI)
+from dmdask.scheduler import DatasetsPlugin
+from dmdask.source.base import DatasetInfo
+
+INFO = DatasetInfo(name="ds-x", identity="x", url="/x", fields=("x",), num_samples=10, block_len=5, nbytes=40)
+NEW = dataclasses.replace(INFO, name="fs-z", identity="z")  # not in the registry: a refused request registers nothing
+
+
+def _fails():
+    raise ValueError("no such block")
+
+
+async def _api(c):
+    await c.register_plugin(DatasetsPlugin())
+    return SchedulerAPI(c)
+
+
+@gen_cluster(client=True)
+async def test_get_or_claim_then_register_then_ready_with_the_same_typed_info(c, s, a, b):
+    api = await _api(c)
+    assert await api.send(GetOrClaim("ds-x", "me")) == Claimed()
+    assert await api.send(GetOrClaim("ds-x", "me")) == Claimed()  # its holder asks again before registering
+    assert await api.send(Register("ds-x", "you", INFO)) == Busy()
+    assert await api.send(Register("ds-x", "me", INFO, order=[1, 0])) == Registered()
+    plugin = s.extensions["dmdask"]
+    assert plugin.datasets["ds-x"].planned == sorted(s.workers)[::-1]  # block 1 first: on the first worker
+    futures = c.map(lambda k: k, [0, 1], key=[INFO.block_key(0), INFO.block_key(1)])
+    await wait(futures)
+    reply = await api.send(GetOrClaim("ds-x", "other"))
+    assert reply == Ready(INFO, 2) and isinstance(reply.info, DatasetInfo) and reply.info.fields == ("x",)
+    assert await api.send(Datasets()) == [DatasetSummary("ds-x", "/x", "x", 10, 2, 40, 2, 0, True)]
+    assert await api.send(Release("ds-x")) is True
+    assert await api.send(Release("ds-x")) is False
+    assert await api.send(Datasets()) == []
+
+
+@gen_test()
+async def test_replies_come_typed_over_an_inproc_comm_too():
+    """An inproc comm unpickles nothing: the reply reaches `SchedulerAPI` as the handler's ToPickle."""
+    async with LocalCluster(n_workers=1, processes=False, asynchronous=True, dashboard_address=":0") as cluster, \
+            Client(cluster, asynchronous=True) as c:
+        api = await _api(c)
+        assert c.scheduler.address.startswith("inproc://")
+        assert await api.send(GetOrRegister(INFO)) == Registered()
+        assert await api.send(Datasets()) == [DatasetSummary("ds-x", "/x", "x", 10, 2, 40, 0, 0, True)]
+
+
+@gen_cluster(client=True)
+async def test_get_or_register_creates_once_and_abandon_hands_the_claim_on(c, s, a, b):
+    api = await _api(c)
+    assert await api.send(GetOrRegister(INFO)) == Registered()
+    assert await api.send(GetOrRegister(INFO)) == Ready(INFO, 0)
+    other = dataclasses.replace(INFO, name="ds-y", identity="y")
+    assert await api.send(GetOrClaim("ds-y", "me")) == Claimed()
+    assert await api.send(GetOrRegister(other)) == Busy()  # being created by a get_or_claim
+    await api.send(Abandon("ds-y", "me"))
+    assert await api.send(GetOrRegister(other)) == Registered()
+
+
+@gen_cluster(client=True, nthreads=[])
+async def test_a_cluster_without_workers_registers_nothing(c, s):
+    api = await _api(c)
+    assert await api.send(GetOrRegister(INFO)) == NoWorkers()
+    assert await api.send(OpenBlocks([INFO], [INFO.block_key(0)], c.id)) == NoWorkers()
+    assert await api.send(FsClaim("run", [("f|d", "d/z")])) == NoWorkers()
+    assert await api.send(Datasets()) == []
+
+
+@gen_cluster(client=True)
+async def test_locate_names_holders_errors_and_unknown_keys(c, s, a, b):
+    api = await _api(c)
+    held, erred = c.submit(lambda: 1, key="held"), c.submit(_fails, key="erred")
+    await wait([held, erred])
+    found = await api.locate(["held", "erred", "gone"], host=None, wait=0)
+    assert found.holders == {"held": next(iter(s.tasks["held"].who_has)).address}
+    assert list(found.erred) == ["erred"] and isinstance(found.erred["erred"], ValueError)
+    assert str(found.erred["erred"]) == "no such block"
+    assert found.unknown == ["gone"] and found.pending == [] and found.loading == {}
+
+
+@gen_cluster(client=True)
+async def test_open_blocks_claims_a_lazy_block_for_one_reader_until_it_leaves(c, s, a, b):
+    api = await _api(c)
+    keys = [INFO.block_key(0), INFO.block_key(1)]
+    async with Client(s.address, asynchronous=True) as reader:
+        first = await api.send(OpenBlocks([INFO], keys, reader.id))
+        planned = s.extensions["dmdask"].datasets["ds-x"].planned
+        assert first == BlocksOpened({}, dict(zip(keys, planned)))
+        assert await api.send(OpenBlocks([INFO], keys, c.id)) == BlocksOpened({}, {})
+        assert (await api.locate(keys, host=None, wait=0)).pending == keys  # claimed: waited for, not unknown
+    # it left without handing them over: the next reader claims them
+    assert await api.send(OpenBlocks([INFO], keys[:1], c.id)) == BlocksOpened({}, {keys[0]: planned[0]})
+
+
+@gen_cluster(client=True)
+async def test_file_infos_are_claimed_once_per_run_and_shared_with_their_first_blocks(c, s, a, b):
+    api = await _api(c)
+    claim = FsClaim("run-1", [("f|d", "d/z")])
+    assert await api.send(claim) == InfoClaims({}, [], [])  # the caller reads it
+    assert await api.send(claim) == InfoClaims({}, [], [("f|d", "d/z")])  # another process waits
+    info = {"size": 7, "mtime": 1.0}
+    opened = await api.send(FsOpenBlocks("run-1", [FileEntry("f|d", "info", "d/z", info)],
+                                         OpenBlocks([INFO], [INFO.block_key(0)], c.id)))
+    assert opened == BlocksOpened({}, {INFO.block_key(0): s.extensions["dmdask"].datasets["ds-x"].planned[0]})
+    assert await api.send(claim) == InfoClaims({("f|d", "d/z"): info}, [], [])
+    assert await api.send(FsClaim("run-2", [("f|d", "d/z")])) == InfoClaims({}, [("f|d", "d/z")], [])
+    listing = [{"name": "d/z", "size": 7}]
+    assert await api.send(FsMetadata("run-2", put=[FileEntry("f|d", "listing", "d", listing)])) == Folders({})
+    assert await api.send(FsMetadata("run-2", get=["f|d", "f|e"])) == Folders({"f|d": FolderEntries(listing, {})})
+    assert await api.send(FsMetadata("run-1", get=["f|d"])) == Folders({"f|d": FolderEntries(None, {"d/z": info})})
+
+
+BAD = [  # (request, the field its refusal names)
+    (GetOrClaim(None, "me"), "name"),
+    (GetOrClaim("ds-x", ""), "claimant"),
+    (Register("ds-x", "me", dataclasses.replace(INFO, num_samples=-1)), "info.num_samples"),
+    (Register("ds-x", "me", dataclasses.replace(INFO, block_len=0)), "info.block_len"),
+    (Register("ds-x", "me", dataclasses.replace(INFO, fields="x")), "info.fields"),
+    (Register("ds-x", "me", dataclasses.replace(INFO, nbytes=-5)), "info.nbytes"),
+    (Register("ds-x", "me", dataclasses.replace(INFO, identity="")), "info.identity"),
+    (Register("ds-x", "me", {"name": "ds-x"}), "info"),
+    (Register("ds-x", "me", INFO, order=[0, 0]), "order"),
+    (Register("ds-x", "me", INFO, order=["a", "b"]), "order"),
+    (Register("ds-x", "me", INFO, lazy="yes"), "lazy"),
+    (GetOrRegister(dataclasses.replace(INFO, num_samples="10")), "info.num_samples"),
+    (Locate("dmdask-block-x-0"), "keys"),
+    (Locate(["dmdask-block-x-0"], timeout=10 ** 9), "timeout"),
+    (Locate(["dmdask-block-x-0"], timeout=-1), "timeout"),
+    (Locate(["dmdask-block-x-0"], expect=[7]), "expect"),
+    (OpenBlocks([NEW, dataclasses.replace(INFO, block_len=-1)], [], "c"), "info.block_len"),
+    (OpenBlocks("ds-x", [], "c"), "datasets"),
+    (OpenBlocks([INFO], "k", "c"), "keys"),
+    (Release(7), "name"),
+    (FsClaim("r", "x"), "claim"),
+    (FsClaim("r", [("folder",)]), "claim"),
+    (FsClaim("r", [("folder", 7)]), "claim"),
+    (FsMetadata("r", put=[["f|d", "info", "d/z", {}]]), "put"),  # a list, not a FileEntry
+    (FsMetadata("r", put=[FileEntry("f|d", "info", "d/z", 5)]), "put"),
+    (FsOpenBlocks("r", [FileEntry("f|d", "listing", "d/z", [])], OpenBlocks([NEW], [NEW.block_key(0)], "c")), "put"),
+    (FsOpenBlocks("r", [FileEntry("f|d", "info", "d/z", {})], OpenBlocks([NEW], "k", "c")), "keys"),
+    (FsOpenBlocks("r", [], None), "open"),
+]
+
+
+@gen_cluster(client=True)
+async def test_handlers_refuse_what_they_do_not_take_and_change_nothing(c, s, a, b):
+    api = await _api(c)
+    assert await api.send(GetOrClaim("ds-x", "me")) == Claimed()
+    for request, field in BAD:
+        with pytest.raises(dmdask.HandlerArgumentError) as refused:
+            await api.send(request)
+        assert str(refused.value).startswith(f"{request.op}: {field}="), (request, str(refused.value))
+    with pytest.raises(dmdask.HandlerArgumentError, match="dmdask_locate: request=.* expected a .*Locate"):
+        await c.scheduler.dmdask_locate(request=ToPickle(Release("ds-x")))
+    with pytest.raises(dmdask.HandlerArgumentError, match="dmdask_release: request=None"):
+        await c.scheduler.dmdask_release(name="ds-x")  # the untyped call of before
+    plugin = s.extensions["dmdask"]
+    assert list(plugin.datasets) == ["ds-x"] and plugin.datasets["ds-x"].info is None  # still only claimed
+    assert plugin.reads.claims == {} and len(plugin.files.folders) == 0
+    await api.send(Abandon("ds-x", "me"))
+    assert await api.send(Datasets()) == []
