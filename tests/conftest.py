@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 import dmdask
-from benchmarks.store_server import StoreServer
 from dmdask.testing.datasets import write_zarr
 
 
@@ -67,6 +66,9 @@ def store(request, tmp_path_factory):
     HTTP by a `benchmarks.store_server.StoreServer` (a stand-in shared store)."""
     root = tmp_path_factory.mktemp("pfs")
     request.module.write_store(root)
+    # imported here: workers import test modules for their transforms, and so this one
+    from benchmarks.store_server import StoreServer
+
     with StoreServer(str(root)) as server:
         yield server, root
 

@@ -96,6 +96,17 @@ def test_stock_scheduler_preload_installs_the_plugin():
         assert client.run_on_scheduler(lambda dask_scheduler: "dmdask" in dask_scheduler.plugins)
 
 
+def test_a_stock_scheduler_gets_the_plugin_from_the_first_rank_that_asks(zarr_path):
+    """No `--preload dmdask`: the first request finds no handler, registers the plugin
+    (which installs the workers' side) and asks again; every sample comes once."""
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=2, processes=False, worker_class=dmdask.Worker,
+                                  dashboard_address=":0") as cluster, distributed.Client(cluster) as client:
+        assert "dmdask" not in cluster.scheduler.plugins
+        ids = all_ids([list(dmdask.batches(client, dmdask.Spec(zarr_path, batch_size=64, seed=2)))])
+        assert "dmdask" in cluster.scheduler.plugins
+    assert np.array_equal(np.sort(ids), np.arange(N))
+
+
 def test_blocks_are_created_again_after_a_cluster_restart(zarr_path):
     """`client.restart()` makes the scheduler forget every task (and the workers come back
     on new addresses): the next epoch recreates the blocks and delivers every sample."""
