@@ -192,7 +192,7 @@ def test_a_reused_slot_is_never_read_as_the_block_it_held(tmp_path):
     """The window's knowledge goes stale when a worker frees a slot and writes another
     block there: the take notices from the row labels and raises Moved, never returning
     the other block's rows."""
-    from dmdask.client.gather import LocalArenas, Moved
+    from dmdask.client.arenas import LocalArenas, Moved
     from dmdask.shm.arena import Arena
     from dmdask.worker.holdings import ArenaBlock, Block
 

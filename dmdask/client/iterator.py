@@ -38,8 +38,8 @@ from ..protocol.worker import BatchRequest, RowsRequest
 from ..spec import Mix, Spec, TransformContext, as_int, dumps_transform
 from ..shm.results import map_batches
 from .datasets import open_dataset
-from .gather import (LOAD_WAIT, Gatherer, LocalArenas, Moved, connect_ahead, copier, plan_rows,
-                     split_batches)
+from .arenas import LocalArenas, split_batches
+from .gather import LOAD_WAIT, Gatherer, Moved, connect_ahead, copier, plan_rows
 from .locate import my_host
 from .mixture import MixedInfo, check_fields_match, take_mixed
 from .progress import make as _make_progress

@@ -18,7 +18,7 @@ from ..errors import SpecError
 from ..plan.mix import MixOrder, apportion
 from ..source import DatasetInfo
 from ..spec import Mix
-from .gather import LocalArenas, split_batches
+from .arenas import LocalArenas, split_batches
 from ..shm.memory import empty_batch
 
 SOURCE_FIELD = "source"  # the batch field that holds each row's source index

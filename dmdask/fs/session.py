@@ -26,7 +26,8 @@ import distributed
 from distributed.comm.core import CommClosedError
 
 from ..client.datasets import ensure_plugin
-from ..client.gather import Gatherer, LocalArenas
+from ..client.arenas import LocalArenas
+from ..client.gather import Gatherer
 from ..client.locate import my_host
 from ..errors import DmdaskError, SchedulerLostError, no_workers, waiting_for_workers
 from ..protocol.scheduler import NoWorkers, Request, SchedulerAPI

@@ -1,0 +1,155 @@
+"""The warm path: a training process takes the rows of blocks held in arenas on its own
+host (`dmdask.shm.arena`) with no request at all, one `np.take` per field over a
+`Window` that maps every arena of the host side by side, straight into pooled memory.
+
+Guarantees: every row comes from the block that holds it, in the epoch's order; a block
+released, moved or whose slot was reused while mapped raises `Moved` (the row labels are
+checked after the copy), never rows of another block; nothing here writes to a
+worker's files.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from ..protocol.worker import Moved
+from ..shm.arena import ID_FIELD
+from ..shm.memory import empty_batch
+from ..shm.window import MAX_ARENAS, Window
+
+
+class LocalArenas:
+    """Per process and dataset: the blocks held in arenas on this host, and their rows.
+
+    Filled as the slow path learns where blocks are (`Gatherer.gather`), shared by every
+    iterator of the dataset in the process, so a warm epoch takes its rows with no
+    request at all: every arena of a field is mapped into one `Window`, so a group of
+    batches is one `np.take` per field, in the epoch's order, straight into pooled
+    memory (`dmdask.shm.memory`). Knowledge may go stale (a block released, moved, its
+    slot reused): every take checks the arenas' row labels and raises `Moved` instead of
+    returning rows of another block. Thread-safe.
+    """
+
+    _of: Dict[str, "LocalArenas"] = {}
+    _registry = threading.Lock()
+
+    @classmethod
+    def of(cls, identity: str, num_samples: int, block_len: int) -> "LocalArenas":
+        with cls._registry:
+            found = cls._of.get(identity)
+            if found is None or (found.num_samples, found.block_len) != (num_samples, block_len):
+                found = cls._of[identity] = cls(num_samples, block_len)
+        return found
+
+    def __init__(self, num_samples: int, block_len: int):
+        self.num_samples, self.block_len = num_samples, block_len
+        num_blocks = -(-num_samples // block_len)
+        self._lock = threading.Lock()
+        self.arena_of = np.full(num_blocks, -1, dtype=np.int32)  # block -> index into self.arenas
+        self.first_row = np.zeros(num_blocks, dtype=np.int64)  # block -> its first row in that arena
+        self.arenas: List[Tuple[str, dict]] = []  # (holder, arena fields)
+        self._index: Dict[Tuple[str, str], int] = {}
+        self._windows: Optional[Dict[str, Window]] = None  # field -> its window; {} when none can be made
+
+    def knows(self, blocks: np.ndarray) -> bool:
+        """Whether every block is in a known arena (`take` applies)."""
+        return bool(len(blocks)) and bool((self.arena_of[blocks] >= 0).all())
+
+    def remember(self, holder: str, block: int, description: dict) -> None:
+        """Block `block` is in `holder`'s arena (`ArenaBlock.describe`); ignored when its
+        arena cannot be mapped (the slow path keeps serving it)."""
+        fields = description["arena"]
+        ident = (holder, fields[ID_FIELD][0])
+        rows = description["first_row"] + min(self.block_len, self.num_samples - block * self.block_len)
+        with self._lock:
+            if self._windows is None:
+                self._windows = self._open_windows(fields)
+            arena = self._index.get(ident, len(self.arenas))
+            if not self._windows or arena >= MAX_ARENAS:
+                return
+            try:
+                for name, window in self._windows.items():
+                    window.map(arena, fields[name][0], rows)
+            except (OSError, KeyError):  # gone already, or another layout: not known here
+                return
+            if arena == len(self.arenas):
+                self._index[ident] = arena
+                self.arenas.append((holder, fields))
+            self.first_row[block] = description["first_row"]
+            self.arena_of[block] = arena
+
+    def _open_windows(self, fields: dict) -> Dict[str, Window]:
+        windows = {}
+        for name, (_, dtype, shape) in fields.items():
+            window = Window.open(self.num_samples, dtype, tuple(shape))
+            if window is None:
+                for opened in windows.values():
+                    opened.close()
+                return {}
+            windows[name] = window
+        return windows
+
+    def forget(self) -> None:
+        """After a move: find every block's place again (and stop mapping gone workers' files)."""
+        with self._lock:
+            for window in (self._windows or {}).values():
+                window.close()
+            self._windows = None
+            self.arena_of[:] = -1
+            self.arenas.clear()
+            self._index.clear()
+
+    def forget_if_gone(self) -> None:
+        """Forget everything if a known arena's worker is gone (its files removed): its
+        mapped rows would still read right, but would keep its memory alive."""
+        with self._lock:
+            gone = any(not os.path.exists(fields[ID_FIELD][0]) for _, fields in self.arenas)
+        if gone:
+            self.forget()
+
+    def take(self, group: List[np.ndarray], count) -> List[Dict[str, np.ndarray]]:
+        """Batches of sample ids `group` (all in known arenas), each with its "index", in
+        the epoch's order. `count(holder, tier, rows, bytes)` records the hits. Raises
+        `Moved` when a block is no longer where it was known."""
+        ids = np.concatenate(group)
+        blocks = ids // self.block_len
+        with self._lock:  # held through the copy: nothing is unmapped while it reads
+            arena = self.arena_of[blocks]
+            if not self._windows or (arena < 0).any():
+                raise Moved([int(b) for b in blocks[arena < 0][:3]])
+            rows = self.first_row[blocks] + (ids - blocks * self.block_len)
+            layout = tuple((name, w.rows.dtype.str, w.rows.shape[1:]) for name, w in self._windows.items()
+                           if name != ID_FIELD)
+            out = empty_batch(layout, len(ids))
+            for name, window in self._windows.items():
+                where = arena * np.int64(window.stride) + rows
+                if name == ID_FIELD:
+                    held = window.rows[where]
+                else:  # mode="clip" avoids a buffered copy; every row is mapped
+                    np.take(window.rows, where, axis=0, out=out[name], mode="clip")
+            holders = [holder for holder, _ in self.arenas]
+        if not np.array_equal(held, ids):  # after the copy: were those rows still the right ones?
+            self.forget()
+            raise Moved([holders[a] for a in np.unique(arena[held != ids]).tolist()])
+        row_bytes = sum(values[:1].nbytes for values in out.values())
+        for a, n in enumerate(np.bincount(arena).tolist()):
+            if n:
+                count(holders[a], "ram", n, n * row_bytes)
+        return split_batches(out, ids, [len(b) for b in group])
+
+
+def _after_fork() -> None:
+    """In a forked child: the registry's lock made anew (a parent thread may have held it)."""
+    LocalArenas._registry = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def split_batches(arrays: Dict[str, np.ndarray], ids: np.ndarray, sizes: List[int]) -> List[Dict[str, np.ndarray]]:
+    """A group's arrays cut into its batches (views), each with its "index"."""
+    bounds = np.cumsum([0] + sizes).tolist()
+    return [{**{f: v[a:b] for f, v in arrays.items()}, "index": ids[a:b]} for a, b in zip(bounds[:-1], bounds[1:])]
