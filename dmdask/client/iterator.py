@@ -17,8 +17,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import warnings
-import weakref
 from collections import deque
 from typing import Deque, Dict, List, Optional, Set, Tuple
 
@@ -28,8 +26,7 @@ from distributed import Client
 from distributed.comm import get_address_host
 from distributed.comm.core import CommClosedError
 
-from ..errors import (BlockReadError, NotADmdaskWorker, SchedulerLostError, SpecError, no_workers,
-                      waiting_for_workers)
+from ..errors import BlockReadError, NotADmdaskWorker, SpecError, no_workers
 from ..plan.elastic import remaining
 from ..plan.order import ORDER_VERSION, EpochOrder, RankShare
 from ..protocol.scheduler import SchedulerAPI
@@ -39,7 +36,8 @@ from ..spec import Mix, Spec, TransformContext, as_int, dumps_transform
 from ..shm.results import map_batches
 from .datasets import open_dataset
 from .arenas import LocalArenas, split_batches
-from .gather import LOAD_WAIT, Gatherer, Moved, connect_ahead, copier, plan_rows
+from .contact import Contact
+from .gather import LOAD_WAIT, Gatherer, Moved, copier, plan_rows
 from .locate import my_host
 from .mixture import MixedInfo, check_fields_match, take_mixed
 from .progress import make as _make_progress
@@ -47,12 +45,10 @@ from .resume import resume_point
 
 logger = logging.getLogger(__name__)
 _matching_mixtures: set = set()  # (identity, fields) of mixtures whose sources' rows were found to match
-_reached: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # client -> scheduler its workers were reached on
 
 REQUEST_BYTES = 8 << 20  # small batches are fetched several per request, up to about this size
 LEARN_BLOCKS = 1 << 16  # datasets up to this many blocks: where every block is, learnt before the first batch
 HITS_SECONDS = 1.0  # how often workers hear of the rows taken from their files (progress bar, dashboard)
-CONNECT_AHEAD = 32  # workers a new iterator connects to while its dataset opens
 
 
 def batches(client: Client, spec: Spec, epoch: int = 0, resume: Optional[dict] = None,
@@ -89,13 +85,10 @@ class BatchIterator:
         self.client = client
         self.spec = spec
         self.epoch = epoch
-        self._said_waiting = False  # the wait for workers was logged (`_workers`)
         self._mixed: Optional[MixedInfo] = None  # the sources of a mixture, as one dataset of global ids
-        self._worker: Optional[str] = None
         self._loop = client.loop.asyncio_loop
-        if client.scheduler is not None and _reached.get(client) != client.scheduler.address:  # once per scheduler
-            _reached[client] = client.scheduler.address
-            asyncio.run_coroutine_threadsafe(self._reach_workers(), self._loop)  # while the dataset opens
+        self._contact = Contact(client, spec.rank)
+        self._contact.reach_ahead(self._loop)  # while the dataset opens
         if isinstance(spec.source, Mix):
             opened = [open_dataset(client, s, epoch) for s in spec.source.specs(spec)]
             self.info = info = self._mixed = MixedInfo(spec.source, [o.info for o in opened])
@@ -232,8 +225,8 @@ class BatchIterator:
         keys = [d.block_key(k) for d in datasets if d.num_blocks <= LEARN_BLOCKS for k in range(d.num_blocks)]
         if not keys:
             return
-        await self._check_scheduler()
-        mine = get_address_host(await self._local_worker())
+        await self._contact.check_scheduler()
+        mine = get_address_host(await self._contact.local_worker())
         holders = (await SchedulerAPI(self.client).locate(keys, mine, wait=0)).holders
         self._holders.update(holders)
         await self._gatherer.learn(holders)
@@ -312,13 +305,13 @@ class BatchIterator:
         isolate = False  # set once a worker was lost while this group's transform ran
         tries = Tries(recovery, pause=lambda attempt: min(1.0, 0.05 * attempt))
         async for _ in tries:
-            await self._check_scheduler()
+            await self._contact.check_scheduler()
             try:
                 holders, loading = await self._holders_of(list(keys.values()))
                 if len(holders) < len(keys):  # still loading, being recomputed after a loss, or no worker left
-                    if not await self._workers(wait=False):
-                        self._worker = None
-                        await self._workers()  # says once what it waits for; NoWorkersError after recovery-seconds
+                    if not await self._contact.workers(wait=False):
+                        self._contact.forget_worker()
+                        await self._contact.workers()  # says once what it waits for; NoWorkersError after recovery-seconds
                         tries.deadline.renew()
                     tries.no_pause()  # the locate waited on the scheduler
                     continue
@@ -341,9 +334,9 @@ class BatchIterator:
                                    "running them once more in a process of their own", first, stop - 1,
                                    self.spec.rank)
                     isolate = True
-                self._worker = None
-                if not await self._workers(wait=False):  # none left: wait as a new iterator does, saying so once
-                    await self._workers()  # NoWorkersError after recovery-seconds
+                self._contact.forget_worker()
+                if not await self._contact.workers(wait=False):  # none left: wait as a new iterator does, saying so once
+                    await self._contact.workers()  # NoWorkersError after recovery-seconds
                     tries.deadline.renew()  # one joined: the group gets its full time again
             except Moved as exc:
                 last_error = exc
@@ -352,42 +345,11 @@ class BatchIterator:
                     raise
                 last_error = exc
             self._holders.clear()
-        if not await self._workers(wait=False):
+        if not await self._contact.workers(wait=False):
             raise no_workers(recovery) from last_error
         raise RuntimeError(f"batches {first}..{stop - 1} of rank {self.spec.rank} still failing after {recovery:.0f} s "
                            f"({tries.count} tries, dmdask.client.recovery-seconds); is the cluster losing workers?") \
             from last_error
-
-    async def _check_scheduler(self) -> None:
-        """Wait while the client reconnects to its scheduler; `SchedulerLostError` once it
-        was unreachable for `dmdask.client.scheduler-seconds`."""
-        limit = float(dask.config.get("dmdask.client.scheduler-seconds"))
-        async for _ in Tries(limit, pause=0.2):
-            if self.client.status == "running" and self.client.scheduler is not None:
-                return
-            if self.client.status in ("closing", "closed"):
-                break
-        raise self._scheduler_lost(f"status {self.client.status!r}", limit)
-
-    def _scheduler_lost(self, how: str, limit: float) -> SchedulerLostError:
-        return SchedulerLostError(
-            f"rank {self.spec.rank} lost the scheduler of its client ({how} for {limit:.0f} s, "
-            "dmdask.client.scheduler-seconds): resume from the last state_dict() once a scheduler runs again")
-
-    async def _identity(self) -> dict:
-        """The scheduler's identity. A scheduler that does not answer (its connection
-        refused or reset while the client still says "running") is asked again until
-        `dmdask.client.scheduler-seconds` have passed, then `SchedulerLostError`: it is
-        never mistaken for a cluster without workers."""
-        limit = float(dask.config.get("dmdask.client.scheduler-seconds"))
-        tries = Tries(limit, pause=0.2)
-        async for _ in tries:
-            await self._check_scheduler()
-            try:
-                return await asyncio.wait_for(self.client.scheduler.identity(), max(0.5, tries.deadline.left()))
-            except (OSError, CommClosedError):  # TimeoutError is an OSError
-                pass
-        raise self._scheduler_lost("no answer", limit)
 
     async def _from_local_worker(self, plan, positions, ids, group, first: int, isolate: bool = False) -> list:
         """Batches gathered and transformed by a worker on this node (`dmdask_batch`); when
@@ -395,7 +357,7 @@ class BatchIterator:
         first: the position of the group's first batch (its reads' priority).
         isolate: the worker runs the transform in a process of its own (after a worker
         loss), so a transform that kills its process fails its batch, not another worker."""
-        worker = await self._local_worker()
+        worker = await self._contact.local_worker()
         index, extra = self._index(ids)
         request = BatchRequest(plan, positions, index, [len(b) for b in group], list(self.info.fields),
                                self._transform, TransformContext(self.epoch, self.spec.seed), extra,
@@ -433,7 +395,7 @@ class BatchIterator:
                 continue
             key = info.block_key(0)
             async for _ in Tries(recovery, pause=0.1):
-                await self._check_scheduler()
+                await self._contact.check_scheduler()
                 try:
                     holder = (await self._holders_of([key]))[0].get(key)
                     if holder is not None:
@@ -471,7 +433,7 @@ class BatchIterator:
         unknown = [k for k in keys if k not in self._holders]
         loading: Dict[str, str] = {}
         if unknown:
-            found = await SchedulerAPI(self.client).locate(unknown, get_address_host(await self._local_worker()),
+            found = await SchedulerAPI(self.client).locate(unknown, get_address_host(await self._contact.local_worker()),
                                                           planned=True)
             for error in found.erred.values():
                 raise error
@@ -483,46 +445,3 @@ class BatchIterator:
         holders = {k: self._holders.get(k) or loading[k] for k in keys if k in self._holders or k in loading}
         return holders, {k for k in loading if k not in self._holders}
 
-    async def _local_worker(self) -> str:
-        """A worker on this rank's own node: rank r takes local worker r mod n."""
-        if self._worker is None:
-            self._choose_local_worker(await self._workers())
-        return self._worker
-
-    def _choose_local_worker(self, workers: List[str]) -> None:
-        if self._worker is not None:  # chosen meanwhile (`_reach_workers` and `_local_worker` may both ask)
-            return
-        mine = my_host(self.client)
-        local = [w for w in workers if get_address_host(w) == mine]
-        if not local:
-            warnings.warn(f"no dmdask worker on this node ({mine}); batches will cross the network",
-                          RuntimeWarning, stacklevel=2)
-            local = workers
-        self._worker = local[self.spec.rank % len(local)]
-
-    async def _reach_workers(self) -> None:
-        """While the dataset opens: this rank's local worker chosen and a connection made
-        to the workers its first batches will ask (those on this host first), so the first
-        request pays for neither. Best effort: a failure here surfaces on that request."""
-        workers = await self._workers(wait=False)
-        if workers:
-            self._choose_local_worker(workers)
-        mine = my_host(self.client)
-        nearest = sorted(workers, key=lambda w: get_address_host(w) != mine)[:CONNECT_AHEAD]
-        await asyncio.gather(*(connect_ahead(self.client, w) for w in nearest))
-
-    async def _workers(self, wait: bool = True) -> List[str]:
-        """The cluster's workers, waiting up to `dmdask.client.recovery-seconds` while it
-        has none (say, every worker restarting); then `NoWorkersError`. wait=False: the
-        workers now, maybe none."""
-        limit = float(dask.config.get("dmdask.client.recovery-seconds"))
-        async for _ in Tries(limit, pause=0.5):
-            workers = sorted((await self._identity())["workers"])
-            if workers:
-                self._said_waiting = False
-            if workers or not wait:
-                return workers
-            if not self._said_waiting:  # once per iterator and outage: a pause explained
-                self._said_waiting = True
-                logger.warning(waiting_for_workers(limit))
-        raise no_workers(limit)

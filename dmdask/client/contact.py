@@ -1,0 +1,121 @@
+"""A rank's contact with its cluster: whether the scheduler answers, which workers there
+are, and the worker on the rank's own node that serves it.
+
+Guarantees: a scheduler that does not answer (the client reconnecting, a connection
+refused or reset) is asked again until `dmdask.client.scheduler-seconds` have passed,
+then `SchedulerLostError`: it is never taken for a cluster without workers. A cluster
+without workers is waited for up to `dmdask.client.recovery-seconds`, said once per
+outage, then `NoWorkersError`. Rank r is served by local worker r mod n, chosen once
+(and again after `forget_worker`).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import warnings
+import weakref
+from typing import List, Optional
+
+import dask.config
+from distributed.comm import get_address_host
+from distributed.comm.core import CommClosedError
+
+from ..errors import SchedulerLostError, no_workers, waiting_for_workers
+from ..recovery import Tries
+from .gather import connect_ahead
+from .locate import my_host
+
+logger = logging.getLogger(__name__)
+_reached: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # client -> scheduler its workers were reached on
+CONNECT_AHEAD = 32  # workers a new iterator connects to while its dataset opens
+
+
+class Contact:
+    """One iterator's view of its client's cluster; coroutines of the client's loop."""
+
+    def __init__(self, client, rank: int):
+        self.client, self.rank = client, rank
+        self.worker: Optional[str] = None  # this rank's local worker, once chosen
+        self._said_waiting = False  # the wait for workers was logged
+
+    def reach_ahead(self, loop) -> None:
+        """Once per client and scheduler, in the background: `reach_workers`."""
+        if self.client.scheduler is not None and _reached.get(self.client) != self.client.scheduler.address:
+            _reached[self.client] = self.client.scheduler.address
+            asyncio.run_coroutine_threadsafe(self.reach_workers(), loop)
+
+    async def reach_workers(self) -> None:
+        """While the dataset opens: this rank's local worker chosen and a connection made
+        to the workers its first batches will ask (those on this host first), so the first
+        request pays for neither. Best effort: a failure here surfaces on that request."""
+        workers = await self.workers(wait=False)
+        if workers:
+            self._choose_local_worker(workers)
+        mine = my_host(self.client)
+        nearest = sorted(workers, key=lambda w: get_address_host(w) != mine)[:CONNECT_AHEAD]
+        await asyncio.gather(*(connect_ahead(self.client, w) for w in nearest))
+
+    async def check_scheduler(self) -> None:
+        """Wait while the client reconnects to its scheduler; `SchedulerLostError` once it
+        was unreachable for `dmdask.client.scheduler-seconds`."""
+        limit = float(dask.config.get("dmdask.client.scheduler-seconds"))
+        async for _ in Tries(limit, pause=0.2):
+            if self.client.status == "running" and self.client.scheduler is not None:
+                return
+            if self.client.status in ("closing", "closed"):
+                break
+        raise self._scheduler_lost(f"status {self.client.status!r}", limit)
+
+    def _scheduler_lost(self, how: str, limit: float) -> SchedulerLostError:
+        return SchedulerLostError(
+            f"rank {self.rank} lost the scheduler of its client ({how} for {limit:.0f} s, "
+            "dmdask.client.scheduler-seconds): resume from the last state_dict() once a scheduler runs again")
+
+    async def identity(self) -> dict:
+        """The scheduler's identity, asked again while it does not answer (see above)."""
+        limit = float(dask.config.get("dmdask.client.scheduler-seconds"))
+        tries = Tries(limit, pause=0.2)
+        async for _ in tries:
+            await self.check_scheduler()
+            try:
+                return await asyncio.wait_for(self.client.scheduler.identity(), max(0.5, tries.deadline.left()))
+            except (OSError, CommClosedError):  # TimeoutError is an OSError
+                pass
+        raise self._scheduler_lost("no answer", limit)
+
+    async def workers(self, wait: bool = True) -> List[str]:
+        """The cluster's workers, waiting up to `dmdask.client.recovery-seconds` while it
+        has none (say, every worker restarting); then `NoWorkersError`. wait=False: the
+        workers now, maybe none."""
+        limit = float(dask.config.get("dmdask.client.recovery-seconds"))
+        async for _ in Tries(limit, pause=0.5):
+            workers = sorted((await self.identity())["workers"])
+            if workers:
+                self._said_waiting = False
+            if workers or not wait:
+                return workers
+            if not self._said_waiting:  # once per iterator and outage: a pause explained
+                self._said_waiting = True
+                logger.warning(waiting_for_workers(limit))
+        raise no_workers(limit)
+
+    async def local_worker(self) -> str:
+        """A worker on this rank's own node: rank r takes local worker r mod n."""
+        if self.worker is None:
+            self._choose_local_worker(await self.workers())
+        return self.worker
+
+    def forget_worker(self) -> None:
+        """The local worker left: the next `local_worker` chooses again."""
+        self.worker = None
+
+    def _choose_local_worker(self, workers: List[str]) -> None:
+        if self.worker is not None:  # chosen meanwhile (`reach_workers` and `local_worker` may both ask)
+            return
+        mine = my_host(self.client)
+        local = [w for w in workers if get_address_host(w) == mine]
+        if not local:
+            warnings.warn(f"no dmdask worker on this node ({mine}); batches will cross the network",
+                          RuntimeWarning, stacklevel=2)
+            local = workers
+        self.worker = local[self.rank % len(local)]
