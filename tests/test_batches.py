@@ -127,7 +127,7 @@ def test_prefetch_window_is_bounded(client, zarr_path):
     it = dmdask.batches(client, spec)
     seen = 0
     for _ in it:
-        in_flight_or_ready = it._next_request - it.position
+        in_flight_or_ready = it.requested - it.position
         assert 0 <= in_flight_or_ready <= 3
         seen += 1
     assert seen == len(it) == 101

@@ -17,7 +17,7 @@ import os
 import threading
 import time
 from collections import defaultdict
-from typing import Collection, Dict, List, Optional, Tuple
+from typing import Collection, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 import zict
@@ -106,6 +106,18 @@ def _after_fork() -> None:
 os.register_at_fork(after_in_child=_after_fork)
 
 
+class FromFile(NamedTuple):
+    """Rows a process takes from files on its host: of one block's files, or of several
+    blocks in one arena (their rows, positions and ids concatenated)."""
+
+    description: dict  # the block's layout (`dmdask_describe`), or {"arena": fields, "tier": "ram"}
+    rows: np.ndarray  # rows of the files
+    where: np.ndarray  # their positions in the group
+    holder: str
+    keys: List[str]  # the blocks they belong to
+    ids: Optional[np.ndarray]  # their sample ids, checked against an arena's labels; None for a block's files
+
+
 class Gatherer:
     """Assembles groups of batches for one iterator; counts the rows it took from
     workers' files itself and reports them to those workers (`flush_hits`)."""
@@ -141,8 +153,8 @@ class Gatherer:
         whose holder is still loading them (in no file yet: asked for rows, not described)."""
         local = [h for h in plan if get_address_host(h) == self.my_host]
         await asyncio.gather(*(self._describe(h, [k for k in plan[h] if k not in loading]) for h in local))
-        from_files: List[tuple] = []  # (description, rows, positions, holder, key, ids or None)
-        from_arenas: Dict[tuple, tuple] = {}  # (holder, arena) -> (fields, [rows], [positions], [keys], [ids])
+        from_files: List[FromFile] = []
+        from_arenas: Dict[tuple, FromFile] = {}  # (holder, arena) -> its rows, one take per arena, not per block
         remote: Dict[str, Tuple[Dict[str, np.ndarray], List[np.ndarray]]] = {}
         for holder, wanted in plan.items():
             offset = 0
@@ -150,17 +162,16 @@ class Gatherer:
                 where = positions[holder][offset:offset + len(rows)]
                 offset += len(rows)
                 description = _mapped.described.get((holder, key)) if holder in local else None
-                if description is not None and "arena" in description:  # one take per arena, not per block
-                    arena = (holder, description["arena"][ID_FIELD][0])
-                    _, arena_rows, places, arena_keys, ids = from_arenas.setdefault(
-                        arena, (description["arena"], [], [], [], []))
-                    arena_rows.append(description["first_row"] + rows)
-                    ids.append(description["start"] + rows)
-                    places.append(where)
-                    arena_keys.append(key)
+                if description is not None and "arena" in description:
+                    taken = from_arenas.setdefault((holder, description["arena"][ID_FIELD][0]), FromFile(
+                        {"arena": description["arena"], "tier": "ram"}, [], [], holder, [], []))
+                    taken.rows.append(description["first_row"] + rows)
+                    taken.ids.append(description["start"] + rows)
+                    taken.where.append(where)
+                    taken.keys.append(key)
                     self._remember(holder, key, description)
                 elif description is not None:
-                    from_files.append((description, rows, where, holder, key, None))
+                    from_files.append(FromFile(description, rows, where, holder, [key], None))
                 else:
                     asked, places = remote.setdefault(holder, ({}, []))
                     asked[key] = rows
@@ -168,9 +179,8 @@ class Gatherer:
         replies = await asyncio.gather(*(self._rows(h, asked, priority) for h, (asked, _) in remote.items()))
         parts = [(np.concatenate(places), rows) for (_, places), (rows, _) in zip(remote.values(), replies)]
         loop = asyncio.get_running_loop()
-        for (holder, _), (fields, arena_rows, places, arena_keys, ids) in from_arenas.items():
-            from_files.append(({"arena": fields, "tier": "ram"}, np.concatenate(arena_rows), np.concatenate(places),
-                               holder, arena_keys, np.concatenate(ids)))
+        from_files += [taken._replace(rows=np.concatenate(taken.rows), where=np.concatenate(taken.where),
+                                      ids=np.concatenate(taken.ids)) for taken in from_arenas.values()]
         arrays = await loop.run_in_executor(_pool, self._assemble, from_files, parts, n)
         return arrays, sum(from_store for _, from_store in replies)
 
@@ -188,7 +198,8 @@ class Gatherer:
                 description = _mapped.described.get((holder, key))
                 if description is None or "path" not in description:
                     return None
-                from_files.append((description, rows, positions[holder][offset:offset + len(rows)], holder, key, None))
+                from_files.append(FromFile(description, rows, positions[holder][offset:offset + len(rows)], holder,
+                                           [key], None))
                 offset += len(rows)
         return self._assemble(from_files, [], n)
 
@@ -227,7 +238,7 @@ class Gatherer:
         reply = await self.workers.call(holder, RowsRequest(wanted, priority, LOAD_WAIT))
         return reply.arrays, reply.from_store
 
-    def _assemble(self, from_files, parts, n: int) -> Dict[str, np.ndarray]:
+    def _assemble(self, from_files: List[FromFile], parts, n: int) -> Dict[str, np.ndarray]:
         """Runs in a thread: take the rows of mapped blocks and put every row in place."""
         for description, rows, where, holder, keys, ids in from_files:
             try:
@@ -236,7 +247,6 @@ class Gatherer:
                 else:
                     arrays = take_rows(_mapped.arrays(description), rows)
             except FileNotFoundError:  # released, moved, or its worker is gone
-                keys = keys if isinstance(keys, list) else [keys]
                 _mapped.forget(holder, keys)
                 if "arena" in description:
                     for path, _, _ in description["arena"].values():

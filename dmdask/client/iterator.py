@@ -143,6 +143,12 @@ class BatchIterator:
         return self._position
 
     @property
+    def requested(self) -> int:
+        """Batches of this epoch requested so far: handed out, ready or in flight (at most
+        `position + spec.prefetch`)."""
+        return self._next_request
+
+    @property
     def progress(self):
         """The epoch's progress bar (`dmdask.client.progress.EpochProgress`, its tqdm bar
         as `.bar`); None when none is shown or once the epoch ended."""
