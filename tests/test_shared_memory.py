@@ -258,6 +258,11 @@ def test_pooled_batch_memory_is_private_to_a_forked_child():
             parent["x"][:] = 9
         finally:
             os._exit(0)
-    os.waitpid(pid, 0)
+    try:  # a child stuck on a lock held at the fork fails the test, not hangs the run
+        wait_until(lambda: os.waitpid(pid, os.WNOHANG) != (0, 0), 60, "the forked child's exit", pause=0.01)
+    except AssertionError:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise
     assert parent["x"].tolist() == [2, 2, 2, 2]
     assert all((empty_batch(layout, 4)["x"] != 9).all() for _ in range(4))
