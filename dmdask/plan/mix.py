@@ -36,7 +36,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .order import ROUNDS, EpochOrder, Feistel, check_int, mix64, round_keys
+from .feistel import ROUNDS, Feistel, mix64, round_keys
+from .order import EpochOrder, check_int, check_positions
 
 MIX_ROUND = 64  # at most this many positions a round (with up to 32 sources): where the weights hold to within one
 _MAX_ROUNDS = 1 << 31  # keeps r * (count % rounds) within int64
@@ -112,13 +113,12 @@ class MixOrder:
 
     def draws(self, positions) -> Tuple[np.ndarray, np.ndarray]:
         """(source, k) of each position: the k-th draw of that source in this epoch."""
-        flat = self._checked(positions)
+        flat, shape = check_positions(positions, self.num_samples)
         sources = np.empty(len(flat), dtype=np.int64)
         ks = np.empty(len(flat), dtype=np.int64)
         piece = max(1, _PIECE // len(self.sizes))
         for at in range(0, len(flat), piece):
             sources[at:at + piece], ks[at:at + piece] = self._draws(flat[at:at + piece])
-        shape = np.shape(positions)
         return sources.reshape(shape), ks.reshape(shape)
 
     def _draws(self, p: np.ndarray):
@@ -150,10 +150,10 @@ class MixOrder:
         """Each slot permuted within its round (a network tweaked by the round, walked to the round's length)."""
         tweaks = mix64(rounds.astype(np.uint64) ^ self._tweak_salt)
         lengths = lengths.astype(np.uint64)
-        out = self._network._encrypt(slots.astype(np.uint64), tweaks)
+        out = self._network.encrypt(slots.astype(np.uint64), tweaks)
         outside = np.flatnonzero(out >= lengths)
         while outside.size:  # ends: each value's cycle in the network re-enters range(length)
-            out[outside] = self._network._encrypt(out[outside], tweaks[outside])
+            out[outside] = self._network.encrypt(out[outside], tweaks[outside])
             outside = outside[out[outside] >= lengths[outside]]
         return out.astype(np.int64)
 
@@ -196,17 +196,6 @@ class MixOrder:
         ids = np.asarray(ids, dtype=np.int64)
         sources = np.searchsorted(self.offsets, ids, side="right") - 1
         return sources, ids - self.offsets[sources]
-
-    def _checked(self, positions) -> np.ndarray:
-        array = np.asarray(positions)
-        if array.size == 0:
-            return np.zeros(0, dtype=np.int64)
-        if not np.issubdtype(array.dtype, np.integer):
-            raise ValueError(f"positions must be integers, got an array of {array.dtype}")
-        low, high = array.min(), array.max()
-        if low < 0 or high >= self.num_samples:
-            raise IndexError(f"position {low if low < 0 else high} is outside 0..{self.num_samples - 1}")
-        return array.astype(np.int64, copy=False).ravel()
 
     def __repr__(self) -> str:
         return (f"MixOrder(sizes={self.sizes}, counts={self.counts}, shuffle={self.shuffle}, seed={self.seed}, "
