@@ -1,11 +1,4 @@
-"""The epoch bookkeeping all four adapters share: `EpochPasses`.
-
-A loader over `dmdask.batches` that goes through passes of its current epoch, keeps a
-resumable position (`state_dict` / `load_state_dict`) and closes the batches in flight.
-What happens when an epoch's last batch is handed out is the loader's epoch-advance
-policy, given once to its constructor: the TensorFlow, MXNet and JAX loaders move on to
-the next epoch by themselves; `TorchLoader` stays at its epoch until `set_epoch`, as a
-`DistributedSampler` does.
+"""The epoch and resume bookkeeping all four adapters share: `EpochPasses`.
 
 This module imports numpy and dmdask, and no framework.
 """
@@ -24,9 +17,14 @@ __all__ = ["EpochPasses"]
 class EpochPasses:
     """The epoch bookkeeping of a loader over `dmdask.batches`.
 
-    A pass yields the batches of the current epoch from its start point: the epoch's
-    first batch, or the position given to `load_state_dict`. `set_epoch` picks an epoch
-    explicitly. The epoch-advance policy (`moves_on`) decides the rest:
+    Guarantees (from `dmdask.batches`): a pass yields the batches of the current epoch,
+    in the order fixed by (seed, epoch), from its start point: the epoch's first batch,
+    or the position given to `load_state_dict`; across `world_size` ranks every sample
+    of an epoch is yielded exactly once. `len()` is the number of batches this rank gets
+    per epoch. `state_dict()` records the epoch and the batches handed out, as plain
+    values; `load_state_dict()` continues right after them with the batches an
+    uninterrupted run would give. `set_epoch` picks an epoch explicitly. The
+    epoch-advance policy (`moves_on`, given once) decides the rest:
 
     - moves_on=True: handing out the last batch of the epoch moves the loader to the
       next epoch at once (a consumer that stops after a known number of steps still

@@ -40,6 +40,7 @@ with warnings.catch_warnings():  # MXNet's import-time noise: distutils, numpy f
     import mxnet as mx  # noqa: E402
 
 import dmdask  # noqa: E402
+from ._fields import converted  # noqa: E402
 from ._passes import EpochPasses  # noqa: E402
 from ._rank import spec_for_rank  # noqa: E402
 
@@ -53,20 +54,19 @@ _WIDEN = {np.dtype("int16"): np.dtype("int32"), np.dtype("uint16"): np.dtype("in
 
 def kvstore_spec(spec: dmdask.Spec, kvstore=None) -> dmdask.Spec:
     """`spec` with rank and world size from a distributed `mx.kv.KVStore` (`kv.rank`,
-    `kv.num_workers`, as with kvstore "dist_sync"); None or a store of one worker (a
-    local store): unchanged.
-
-    Several workers: the adapters' shared rule (`dmdask.integrations._rank.spec_for_rank`),
-    a spec at the defaults rank=0, world_size=1 takes the store's values; explicit values
-    must agree (ValueError naming both).
-    """
+    `kv.num_workers`, by `_rank.spec_for_rank`); None or a store of one worker: unchanged."""
     if kvstore is None or int(kvstore.num_workers) == 1:
         return spec
     return spec_for_rank(spec, kvstore.rank, kvstore.num_workers, "the kvstore")
 
 
+def _mx_dtype(dtype: np.dtype) -> np.dtype:
+    """`dtype` in native byte order, widened where NDArray lacks it."""
+    return _WIDEN.get(dtype.newbyteorder("="), dtype.newbyteorder("="))
+
+
 def _ndarray(arr: np.ndarray, ctx):
-    dtype = _WIDEN.get(arr.dtype.newbyteorder("="), arr.dtype.newbyteorder("="))
+    dtype = _mx_dtype(arr.dtype)
     if dtype not in _MX_DTYPES:
         return arr  # complex, uint64, float128, ...: left as numpy
     return mx.nd.array(np.ascontiguousarray(arr, dtype=dtype), ctx=ctx, dtype=dtype)
@@ -84,18 +84,7 @@ def to_mxnet(batch: Dict[str, Any], ctx=None) -> Dict[str, Any]:
     - strings and anything else pass through unchanged.
     """
     ctx = ctx if ctx is not None else mx.cpu()
-    out: Dict[str, Any] = {}
-    for name, value in batch.items():
-        if name == "index":
-            value = np.asarray(value).astype(np.int64, copy=False)
-        if not isinstance(value, np.ndarray) or value.dtype.kind in "USV":
-            out[name] = value
-        elif value.dtype == object:
-            out[name] = [_ndarray(v, ctx) if isinstance(v, np.ndarray) and v.dtype != object else v
-                         for v in value]
-        else:
-            out[name] = _ndarray(value, ctx)
-    return out
+    return converted(batch, lambda arr: _ndarray(arr, ctx))
 
 
 # --- Gluon: an iterable of dicts of NDArray ----------------------------------------------------
@@ -103,18 +92,9 @@ def to_mxnet(batch: Dict[str, Any], ctx=None) -> Dict[str, Any]:
 class MXNetLoader(EpochPasses):
     """This rank's dmdask batches, epoch after epoch, as dicts of `mx.nd.NDArray`.
 
-    Guarantees (from `dmdask.batches`):
-    - a pass (`for batch in loader`) yields the batches of the current epoch in the
-      order fixed by (seed, epoch); across `world_size` ranks every sample of an epoch
-      is yielded exactly once;
-    - handing out the last batch of an epoch moves the loader to the next epoch; a
-      pass abandoned part-way does not (the next pass starts that epoch again from its
-      start point: its first batch, or the loaded position); `set_epoch(e)` picks an
-      epoch explicitly (the usual `set_epoch(epoch)` at the top of the loop agrees);
-    - `len(loader)` is the number of batches this rank gets per epoch;
-    - `state_dict()` records the epoch and the batches handed out (plain values, for
-      pickle or JSON next to `net.save_parameters`); `load_state_dict()` continues
-      right after them with the batches an uninterrupted run would give.
+    Guarantees: those of `EpochPasses` with moves_on=True: handing out the last batch of
+    an epoch moves the loader to the next epoch, a pass abandoned part-way does not.
+    `state_dict()` holds plain values (for pickle or JSON next to `net.save_parameters`).
 
     client: a `distributed.Client` of a cluster of dmdask workers.
     spec: a `dmdask.Spec`; with `kvstore` (a distributed `mx.kv.KVStore`) at the default
@@ -190,8 +170,7 @@ class DmdaskDataIter(mx.io.DataIter):
         if value.dtype == object or value.dtype.kind not in "biuf":
             raise TypeError(f"field {name!r} holds {value.dtype} samples; a DataIter field must be numeric "
                             "with one sample shape (use MXNetLoader for variable-size samples)")
-        dtype = _WIDEN.get(value.dtype.newbyteorder("="), value.dtype.newbyteorder("="))
-        return mx.io.DataDesc(name, (rows,) + value.shape[1:], dtype=dtype)
+        return mx.io.DataDesc(name, (rows,) + value.shape[1:], dtype=_mx_dtype(value.dtype))
 
     @property
     def provide_data(self):
