@@ -1,4 +1,4 @@
-"""`Spec`: the frozen, validated description of what one rank reads."""
+"""`Spec` and `Mix`: the frozen, validated description of what one rank reads."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,9 +10,12 @@ import numpy as np
 
 from .errors import SpecError
 from .source.urls import resolve_local
-# the transform's own names, imported from here by other modules
-from .transform import (Transform, TransformContext, dumps_transform, loads_transform, per_sample,  # noqa: F401
+from .transform import (Transform, TransformContext, dumps_transform, loads_transform, per_sample,
                         transform_context, using_context)
+
+# the transform's names (dmdask.transform) are imported from here too
+__all__ = ["Mix", "Spec", "as_int", "as_source", "Transform", "TransformContext", "dumps_transform",
+           "loads_transform", "per_sample", "transform_context", "using_context"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,15 +1,14 @@
 """The epoch and resume bookkeeping all four adapters share: `EpochPasses`.
 
-This module imports numpy and dmdask, and no framework.
+This module imports dmdask and no framework.
 """
 from __future__ import annotations
 
 import threading
 from typing import Iterator, Optional
 
-import numpy as np
-
 import dmdask
+from dmdask.plan.order import check_int
 
 __all__ = ["EpochPasses"]
 
@@ -41,7 +40,7 @@ class EpochPasses:
     def __init__(self, client, spec: dmdask.Spec, epoch: int, *, moves_on: bool = True) -> None:
         self.client = client
         self.spec = spec
-        self.epoch = _check_epoch(epoch)
+        self.epoch = check_int("epoch", epoch, 0)
         self._moves_on = moves_on  # the epoch-advance policy (see the class)
         self._lock = threading.RLock()
         self._start: Optional[dict] = None  # inner state the next pass starts from
@@ -51,7 +50,7 @@ class EpochPasses:
     def set_epoch(self, epoch: int) -> None:
         """Iterate `epoch` on the next pass. The epoch the loader is already at changes
         nothing (a loaded position survives); another epoch starts at its first batch."""
-        epoch = _check_epoch(epoch)
+        epoch = check_int("epoch", epoch, 0)
         with self._lock:
             if epoch != self.epoch:
                 self._close_all()
@@ -143,7 +142,7 @@ class EpochPasses:
                                  "every rank's")
             if one["iterator"] is not None and not isinstance(one["iterator"], dict):
                 raise ValueError("state['iterator'] must be None or a dmdask BatchIterator state")
-        epochs = sorted({_check_epoch(one["epoch"]) for one in states})
+        epochs = sorted({check_int("epoch", one["epoch"], 0) for one in states})
         if len(epochs) > 1:
             raise ValueError(f"the states are of epochs {epochs}: take every rank's state at the same step "
                              "(with drop_last=True ranks step together)")
@@ -164,19 +163,16 @@ class EpochPasses:
                 self._start = self._fresh.state_dict()  # this rank's own start, whatever was given
 
     def _close_all(self) -> None:
-        for it in (self._current, self._fresh):
-            if it is not None:
-                it.close()
-        self._current = self._fresh = None
+        self.close()
+        self._current = None
 
     def close(self) -> None:
         """Cancel batches in flight. The loader stays usable: the next pass starts anew."""
         with self._lock:
-            if self._current is not None:
-                self._current.close()  # kept: state_dict() still reports its position
-            if self._fresh is not None:
-                self._fresh.close()
-                self._fresh = None
+            for it in (self._current, self._fresh):
+                if it is not None:
+                    it.close()
+            self._fresh = None  # the current pass is kept: state_dict() still reports its position
 
     def peek(self) -> dict:
         """One batch of the current epoch, from a separate iterator (no position moves)."""
@@ -191,9 +187,3 @@ class EpochPasses:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _check_epoch(epoch) -> int:
-    if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
-        raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
-    return int(epoch)

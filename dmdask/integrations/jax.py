@@ -8,10 +8,8 @@
             params, loss = train_step(params, batch["x"], batch["y"])
         checkpoint = {"params": params, "loader": loader.state_dict()}
 
-Handing out the last batch of an epoch moves the loader on to the next epoch, so a loop
-without `set_epoch` also goes epoch after epoch. dmdask prefetches `spec.prefetch`
-batches on the cluster, and `jax.device_put` copies asynchronously.
-This module imports JAX and no other framework.
+dmdask prefetches `spec.prefetch` batches on the cluster, and `jax.device_put` copies
+asynchronously. This module imports JAX and no other framework.
 """
 from __future__ import annotations
 

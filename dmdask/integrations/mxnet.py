@@ -15,16 +15,10 @@
     mod = mx.mod.Module(symbol, data_names=("x",), label_names=("y",))
     mod.fit(train, num_epoch=5)                 # fit epoch k iterates dmdask epoch k
 
-Handing out the last batch of an epoch moves the loader on to the next epoch, so plain
-loops, `DataIter.reset()` and `Module.fit` all go epoch after epoch; `set_epoch` picks
-one explicitly.
-
-MXNet 1.9.1 (its last release) is built against numpy < 2 and still uses `np.bool`, an
-alias numpy removed in 1.24: with numpy 1.24-1.26 `import mxnet` fails with
-AttributeError. Importing this module restores the alias (`numpy.bool = bool`, only
-when numpy lacks it) before it imports mxnet, so import this module before mxnet, or
-set the alias yourself. Use numpy 1.26.x (`pip install numpy==1.26.4 mxnet==1.9.1`).
-This module imports MXNet and no other framework.
+MXNet 1.9.1 (its last release) still uses `np.bool`, which numpy removed in 1.24, so
+`import mxnet` fails with numpy 1.24-1.26. This module restores the alias (`numpy.bool =
+bool`, only when numpy lacks it) before it imports mxnet: import it before mxnet. Use
+numpy 1.26.x (`pip install numpy==1.26.4 mxnet==1.9.1`). It imports no other framework.
 """
 from __future__ import annotations
 
@@ -102,9 +96,8 @@ class MXNetLoader(EpochPasses):
     ctx: the `mx.Context` of the NDArrays (default `mx.cpu()`).
     epoch: the first epoch.
 
-    dmdask prefetches `spec.prefetch` batches on the cluster: no `gluon.data.DataLoader`
-    or worker processes are needed. One pass at a time. With kvstore "dist_sync" give
-    every worker `spec.drop_last=True`, so that all take the same number of steps.
+    No `gluon.data.DataLoader` is needed: dmdask prefetches on the cluster. One pass at a
+    time. With kvstore "dist_sync" give every worker `spec.drop_last=True`.
     """
 
     def __init__(self, client, spec: dmdask.Spec, *, ctx=None, kvstore=None, epoch: int = 0):

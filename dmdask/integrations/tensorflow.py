@@ -5,14 +5,9 @@
     model.fit(ds, epochs=5)                                  # fit epoch k iterates dmdask epoch k
     tf.train.Checkpoint(model=model, loader=loader).save("ckpt/run")   # with the loader's position
 
-Each pass over the dataset (each `iter()`, so each `fit` epoch) iterates the loader's
-current dmdask epoch; handing out the epoch's last batch moves the loader on to the next
-epoch. `set_epoch` chooses an epoch explicitly. Rank and world size come from a `tf.distribute`
-strategy (or `tf.distribute.InputContext`), or from the spec.
-
-dmdask prefetches `spec.prefetch` batches on the cluster while the model computes, so
-the dataset needs no `.prefetch()`, no `num_parallel_calls` and no `.shard()` (each rank
-already gets only its share; the dataset turns tf.distribute's auto-sharding off).
+Each pass over the dataset (each `fit` epoch) iterates the loader's current dmdask epoch.
+dmdask prefetches on the cluster, so the dataset needs no `.prefetch()`, no
+`num_parallel_calls` and no `.shard()` (each rank already gets only its share).
 This module imports TensorFlow and no other framework.
 """
 from __future__ import annotations
@@ -178,12 +173,10 @@ class TFLoader(tf.train.experimental.PythonState, EpochPasses):
         of the current epoch (fetched once, by a separate iterator that moves no
         position). Give it when a transform makes inner shapes vary between batches.
 
-    Positions count batches taken from the dataset: an explicit `.prefetch()`, a
-    parallel `.map()` or a strategy's prefetch to devices read a few batches ahead of
-    the steps taken, so a mid-epoch checkpoint is exact in a plain loop over the
-    dataset; under `model.fit` checkpoint at epoch ends (`on_epoch_end`), where they
-    agree. One pass at a time. Under a multi-worker strategy use `distribute()` and give
-    every worker `spec.drop_last=True`, so that all take the same number of steps.
+    Positions count batches taken from the dataset, so a mid-epoch checkpoint is exact in
+    a plain loop over it (a `.prefetch()` or a parallel `.map()` reads ahead); under
+    `model.fit` checkpoint at epoch ends. One pass at a time. Under a multi-worker
+    strategy use `distribute()` and give every worker `spec.drop_last=True`.
     """
 
     def __init__(self, client, spec: dmdask.Spec, *, strategy=None, input_context=None, epoch: int = 0,

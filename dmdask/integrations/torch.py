@@ -7,10 +7,9 @@
             loss = step(batch["x"], batch["y"])
         torch.save({"loader": loader.state_dict(), ...}, "ckpt.pt")
 
-Use it in place of a `torch.utils.data.DataLoader`, not inside one: dmdask already
-prefetches `spec.prefetch` batches on the cluster while the loop computes, so no
-DataLoader worker processes are needed. Iterating it in a DataLoader worker subprocess
-is not supported (each worker would replay the whole epoch) and raises RuntimeError.
+Use it in place of a `torch.utils.data.DataLoader`, not inside one: dmdask prefetches
+`spec.prefetch` batches on the cluster; in a DataLoader worker (each would replay the
+whole epoch) it raises RuntimeError.
 """
 from __future__ import annotations
 
@@ -84,12 +83,10 @@ class TorchLoader(EpochPasses):
         when `torch.cuda.is_available()`; on CPU-only builds or machines it is a no-op
         (pinning would raise there). A CUDA `device` always pins.
     device: where batches are handed out. None (default): host memory, as converted by
-        `to_torch`. A CUDA device ("cuda", "cuda:1", `rank.device` of
-        `dmdask.rank_from_environment()`): batches are copied through pinned buffers on a
-        CUDA stream of their own (`non_blocking`), `device_prefetch` batches ahead of the
-        training step, which waits for each batch's copy on its current stream
-        (`dmdask.integrations._device`); without CUDA, RuntimeError saying so, here. Any
-        other device ("cpu"): tensors moved there with `.to`.
+        `to_torch`. A CUDA device ("cuda:1", `dmdask.rank_from_environment().device`):
+        copied on a stream of their own, `device_prefetch` batches ahead of the training
+        step (`_device.CudaFeeder`); without CUDA, RuntimeError, here. Any other device
+        ("cpu"): tensors moved there with `.to`.
     device_prefetch: batches in flight on a CUDA device (default 2; 0: one at a time).
     epoch: the first epoch.
 
