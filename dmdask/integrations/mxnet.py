@@ -182,16 +182,13 @@ class DmdaskDataIter(mx.io.DataIter):
         return self.loader.epoch
 
     def set_epoch(self, epoch: int) -> None:
-        self._stop_pass()
+        self.reset()
         self.loader.set_epoch(epoch)
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def reset(self) -> None:
-        self._stop_pass()
-
-    def _stop_pass(self) -> None:
         if self._gen is not None:
             self._gen.close()  # cancels its prefetched batches
         self._gen = None
@@ -221,11 +218,11 @@ class DmdaskDataIter(mx.io.DataIter):
         return self.loader.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self._stop_pass()
+        self.reset()
         self.loader.load_state_dict(state)
 
     def close(self) -> None:
-        self._stop_pass()
+        self.reset()
         self.loader.close()
 
     def __repr__(self) -> str:

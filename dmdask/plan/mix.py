@@ -1,30 +1,24 @@
-"""The order of a mixture epoch: which source, and which of its samples, at each position.
+"""The order of a mixture epoch (`dmdask.Mix`): which source, and which of its samples, at each position.
 
-A mixture (`dmdask.Mix`) reads several sources in one epoch of `N` positions, source
-`i` taking exactly `counts[i]` of them (`apportion`: N in proportion to the weights,
-rounded by largest remainder). `MixOrder` maps each position to a *global id*,
-`offsets[i] + sample id` (the sources' sample ids laid end to end), so that everything
-that deals positions to ranks (`RankShare`, `dmdask.plan.elastic`) works unchanged.
+Source `i` takes exactly `counts[i]` of the epoch's `N` positions (`apportion`).
+`MixOrder` maps each position to a *global id*, `offsets[i] + sample id` (the sources'
+sample ids laid end to end), so that `RankShare` and `dmdask.plan.elastic` deal it unchanged.
 
 Guarantees:
 
-- A bijection from positions 0..N-1 to draws (source i, k), 0 <= k < counts[i]: every
-  draw of the epoch is at exactly one position.
-- Draws become samples in *passes*: source i's draws are numbered on across epochs
-  (draw k of epoch e is the source's draw e*counts[i] + k), and every run of n_i
-  consecutive draws (pass p = draw // n_i) is a permutation of the source's n_i samples
-  (`EpochOrder` of the source keyed by (seed, pass, source)). So within a pass no sample
-  repeats; a source drawn more often than it has samples starts new passes, one drawn
-  less often goes on with the same pass in the next epoch.
+- A bijection from positions 0..N-1 to draws (source i, k), 0 <= k < counts[i].
+- Draws become samples in *passes*: draw k of epoch e is the source's draw e*counts[i] + k,
+  and every run of n_i consecutive draws (pass p = draw // n_i) is a permutation of the
+  source's n_i samples (`EpochOrder` keyed by (seed, pass, source)): no sample repeats
+  within a pass.
 - Spread: the epoch is cut into rounds of fewer than `MIX_ROUND` positions (with up to
-  32 sources; 256 up to 224 sources, ...); source i's draws are spread over the rounds
-  as evenly as integers allow (its draws before round r are
-  `floor((r * counts[i] + phase[i]) / rounds)`), so each round holds every source's
-  share to within one, and a source's draws come in order from round to round (a
-  source read with a shuffle window keeps to its windows). With shuffle=True the
-  positions of a round are permuted (one keyed network over `MIX_ROUND` values,
-  tweaked by the round, cycle-walked to the round's length), with shuffle=False the
-  sources take their turns in list order.
+  32 sources; 256 up to 224 sources, ...); source i's draws before round r are
+  `floor((r * counts[i] + phase[i]) / rounds)`, so each round holds every source's share
+  to within one, and a source's draws come in order from round to round (a source read
+  with a shuffle window keeps to its windows). With shuffle=True the positions of a round
+  are permuted (one keyed network over `MIX_ROUND` values, tweaked by the round,
+  cycle-walked to the round's length), with shuffle=False the sources take their turns
+  in list order.
 - Everything is a function of (sizes, counts, block_lens, shuffle, seed, epoch,
   shuffle_window) alone, in fixed-width integer arithmetic, O(log S) time per position
   and O(S) per round and per source touched: nothing is materialised over the epoch.
