@@ -14,7 +14,7 @@ from .transform import (Transform, TransformContext, dumps_transform, loads_tran
                         transform_context, using_context)
 
 # the transform's names (dmdask.transform) are imported from here too
-__all__ = ["Mix", "Spec", "as_int", "as_source", "Transform", "TransformContext", "dumps_transform",
+__all__ = ["Mix", "Spec", "Transform", "TransformContext", "as_int", "as_source", "dumps_transform",
            "loads_transform", "per_sample", "transform_context", "using_context"]
 
 
