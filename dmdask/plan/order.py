@@ -162,7 +162,6 @@ class RankShare:
     def __init__(self, order: EpochOrder, rank: int, world_size: int, batch_size: int, drop_last: bool,
                  remaining=None):
         self.order = order
-        # the positions dealt: all of the epoch's, or what earlier generations left (elastic resume)
         self.remaining = remaining
         self.world_size = check_int("world_size", world_size, 1)
         self.rank = check_int("rank", rank, 0)
