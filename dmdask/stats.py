@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict
+from typing import Dict, Optional
 
 from distributed import Client
 
@@ -35,6 +35,16 @@ def stats(client: Client) -> Dict[str, dict]:
         raise NotADmdaskWorker(f"workers {missing} have no dmdask tiers; start them with --worker-class dmdask.Worker")
     registry = [dataclasses.asdict(d) for d in client.sync(SchedulerAPI(client).send, Datasets())]
     return {"workers": per_worker, "total": total(per_worker.values()), "datasets": registry}
+
+
+def hit_shares(stats: dict) -> Optional[Dict[str, float]]:
+    """Fractions of the samples served from RAM, SSD and streamed from the store
+    (None before the first sample was served)."""
+    hits = {"ram": stats["ram"]["hits"], "ssd": stats["ssd"]["hits"], "stream": stats["stream"]["hits"]}
+    served = sum(hits.values())
+    if not served:
+        return None
+    return {tier: n / served for tier, n in hits.items()}
 
 
 def total(items) -> dict:
