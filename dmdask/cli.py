@@ -79,8 +79,13 @@ def status(args) -> int:
     print()
     print("\n".join(format_tiers(stats)))
     if dashboard:
-        print(f"\ndashboard page: {dashboard.rsplit('/', 1)[0]}/dmdask (with `dask scheduler --preload dmdask.dashboard`)")
+        print(f"\ndashboard page: {tiers_page(dashboard)} (with `dask scheduler --preload dmdask.dashboard`)")
     return 0
+
+
+def tiers_page(dashboard_link: str) -> str:
+    """The dmdask page next to the dashboard's status page."""
+    return dashboard_link.rsplit("/", 1)[0] + "/dmdask"
 
 
 def mount(args) -> int:
@@ -206,11 +211,11 @@ def _parser():
     """`dmdask` and its commands, each a subparser whose `run` takes the parsed options."""
     import argparse
 
-    from . import demo
+    from . import __version__, demo
 
     parser = argparse.ArgumentParser(prog="dmdask", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--version", action="version", version=f"dmdask {_version()}")
+    parser.add_argument("--version", action="version", version=f"dmdask {__version__}")
     commands = parser.add_subparsers(metavar="COMMAND", help="demo, status or mount")
     demo.add_arguments(commands.add_parser("demo", description=demo.DESCRIPTION, epilog=demo.EPILOG)
                        ).set_defaults(run=demo.command)
@@ -233,12 +238,6 @@ def _parser():
     p.add_argument("--debug", action="store_true", help="libfuse's debug output")
     p.set_defaults(run=mount)
     return parser
-
-
-def _version() -> str:
-    from . import __version__
-
-    return __version__
 
 
 def main(argv=None) -> int:

@@ -15,11 +15,14 @@ import argparse
 import io
 import os
 import shutil
+import signal
 import time
 
 import distributed
 import numpy as np
-from dask.utils import format_bytes
+from dask.utils import format_bytes, parse_bytes
+
+from .cli import tiers_page
 
 TEST_FRACTION = 0.2
 MEAN, STD = 0.3, 0.4  # of the digits' pixels in [0, 1]: normalize() centres them
@@ -48,11 +51,6 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="a progress bar per epoch with the hit rate (default: in a terminal)")
     return p
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="dmdask demo", description=DESCRIPTION, epilog=EPILOG)
-    return command(add_arguments(parser).parse_args(argv))
 
 
 def command(args) -> int:
@@ -268,7 +266,6 @@ store reads of an epoch are those samples, whatever the RAM and SSD counts.""")
 def serve(client) -> None:
     print(f"\nserving the cluster until Ctrl-C; dashboard: {tiers_page(client.dashboard_link)}, "
           f"scheduler: {client.scheduler.address} (try `dmdask status {client.scheduler.address}`)")
-    import signal
 
     def stop(signum, frame):
         raise KeyboardInterrupt
@@ -285,14 +282,7 @@ def serve(client) -> None:
             signal.signal(sig, handler)
 
 
-def tiers_page(dashboard_link: str) -> str:
-    """The dmdask page next to the dashboard's status page."""
-    return dashboard_link.rsplit("/", 1)[0] + "/dmdask"
-
-
 def _bytes(size: str) -> int:
-    from dask.utils import parse_bytes
-
     return int(parse_bytes(size)) if str(size).strip() not in ("0", "") else 0
 
 
@@ -300,7 +290,3 @@ def _shown(path: str) -> str:
     """`path` relative to the current folder when it is below it."""
     relative = os.path.relpath(path)
     return path if relative.startswith("..") else relative
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

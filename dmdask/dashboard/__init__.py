@@ -17,6 +17,8 @@ import json
 import logging
 import weakref
 
+from distributed.http.utils import RequestHandler
+
 from . import prometheus
 from .figures import Monitor, monitor, snapshot  # noqa: F401  (public helpers)
 
@@ -45,22 +47,17 @@ def register_page() -> bool:
 register_page()  # at import: a preload is imported before the scheduler builds its dashboard
 
 
-def _tiers_handler():
-    from distributed.http.utils import RequestHandler
+class TiersHandler(RequestHandler):
+    """GET /dmdask/tiers.json: `figures.snapshot` of the scheduler (and the history)."""
 
-    class TiersHandler(RequestHandler):
-        """GET /dmdask/tiers.json: `figures.snapshot` of the scheduler (and the history)."""
-
-        def get(self):
-            mon = monitor(self.server)
-            out = dict(mon.snapshot())
-            if self.get_argument("history", "0") not in ("", "0", "false"):
-                out["history"] = list(mon.history)
-            self.set_header("Content-Type", "application/json")
-            self.set_header("Cache-Control", "no-store")
-            self.write(json.dumps(out))
-
-    return TiersHandler
+    def get(self):
+        mon = monitor(self.server)
+        out = dict(mon.snapshot())
+        if self.get_argument("history", "0") not in ("", "0", "false"):
+            out["history"] = list(mon.history)
+        self.set_header("Content-Type", "application/json")
+        self.set_header("Cache-Control", "no-store")
+        self.write(json.dumps(out))
 
 
 def _dashboard_prefix(scheduler) -> str:
@@ -81,7 +78,7 @@ def add_routes(scheduler) -> None:
     if application is None or scheduler in _routed:
         return
     route = _dashboard_prefix(scheduler) + JSON_ROUTE
-    application.add_handlers(r".*", [(route, _tiers_handler(), {"dask_server": scheduler})])
+    application.add_handlers(r".*", [(route, TiersHandler, {"dask_server": scheduler})])
     _routed.add(scheduler)
 
 

@@ -13,8 +13,10 @@ LAYOUTS = ("CHW", "HWC")
 
 
 class Pipeline:
-    """A batch transform applying `steps` to each sample of `batch[field]` and putting
-    the stacked result in `batch[out]` (see `dmdask.images`)."""
+    """A batch transform for `Spec.transform`: `steps` applied to each sample of
+    `batch[field]`, the results stacked into `batch[out]` ((n, C, H, W) for
+    layout="CHW", (n, H, W, C) for "HWC"), `field` dropped, the other fields kept.
+    seed: of the augmentations (None: the spec's seed)."""
 
     def __init__(self, *steps: Step, field: str = "data", out: str = "image", layout: str = "CHW",
                  seed: Optional[int] = None):
@@ -84,13 +86,7 @@ def _as_image(value) -> np.ndarray:
                     f"{image.dtype} of shape {image.shape}; for the bytes of image files start with decode()")
 
 
-def pipeline(*steps: Step, field: str = "data", out: str = "image", layout: str = "CHW",
-             seed: Optional[int] = None) -> Pipeline:
-    """A batch transform for `Spec.transform`: `steps` applied to each sample of
-    `batch[field]`, the results stacked into `batch[out]` ((n, C, H, W) for
-    layout="CHW", (n, H, W, C) for "HWC"), `field` dropped, the other fields kept.
-    seed: of the augmentations (None: the spec's seed)."""
-    return Pipeline(*steps, field=field, out=out, layout=layout, seed=seed)
+pipeline = Pipeline  # the documented name
 
 
 def train_pipeline(size: Size, mean=IMAGENET_MEAN, std=IMAGENET_STD, scale=(0.08, 1.0), hflip: bool = True,

@@ -31,6 +31,9 @@ class Step:
 
 
 class Decode(Step):
+    """Image file bytes -> (H, W, 3) uint8 ("RGB") or (H, W, 1) ("L"); JPEGs through
+    simplejpeg when installed (`backend="auto"`), everything else through Pillow."""
+
     name = "decode"
 
     def __init__(self, mode: str = "RGB", backend: str = "auto"):
@@ -53,6 +56,8 @@ class Decode(Step):
 
 
 class Resize(Step):
+    """int: the shorter side to `size`, keeping the aspect ratio; (h, w): exactly that."""
+
     name = "resize"
 
     def __init__(self, size: Size, interpolation: str = "bilinear"):
@@ -72,6 +77,8 @@ class Resize(Step):
 
 
 class CenterCrop(Step):
+    """The central (h, w) (or size x size) region, zero-padded if the image is smaller."""
+
     name = "center_crop"
 
     def __init__(self, size: Size):
@@ -89,6 +96,9 @@ class CenterCrop(Step):
 
 
 class RandomResizedCrop(Step):
+    """A random region of `scale` of the area and `ratio` of aspect, resized to `size`
+    (torchvision's `RandomResizedCrop`)."""
+
     name = "random_resized_crop"
     random = True
 
@@ -127,6 +137,8 @@ class RandomResizedCrop(Step):
 
 
 class Flip(Step):
+    """Mirror left-right with probability `p`."""
+
     name = "flip"
     random = True
 
@@ -140,6 +152,8 @@ class Flip(Step):
 
 
 class ToFloat(Step):
+    """uint8 -> float32 in [0, 1]."""
+
     name = "to_float"
     batched = True
 
@@ -150,6 +164,9 @@ class ToFloat(Step):
 
 
 class Normalize(Step):
+    """float32 (x - mean) / std per channel, mean and std in [0, 1] units (one value or
+    one per channel; a uint8 image is scaled to [0, 1] first)."""
+
     name = "normalize"
     batched = True
 
@@ -183,40 +200,11 @@ def _size(size, what: str, allow_int: bool = False):
     raise ValueError(f"{what}: size is a positive int or a (height, width) pair, not {size!r}")
 
 
-def decode(mode: str = "RGB", backend: str = "auto") -> Decode:
-    """Image file bytes -> (H, W, 3) uint8 ("RGB") or (H, W, 1) ("L"); JPEGs through
-    simplejpeg when installed (`backend="auto"`), everything else through Pillow."""
-    return Decode(mode, backend)
-
-
-def resize(size: Size, interpolation: str = "bilinear") -> Resize:
-    """int: the shorter side to `size`, keeping the aspect ratio; (h, w): exactly that."""
-    return Resize(size, interpolation)
-
-
-def center_crop(size: Size) -> CenterCrop:
-    """The central (h, w) (or size x size) region, zero-padded if the image is smaller."""
-    return CenterCrop(size)
-
-
-def random_resized_crop(size: Size, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3),
-                        interpolation: str = "bilinear") -> RandomResizedCrop:
-    """A random region of `scale` of the area and `ratio` of aspect, resized to `size`
-    (torchvision's `RandomResizedCrop`)."""
-    return RandomResizedCrop(size, scale, ratio, interpolation)
-
-
-def flip(p: float = 0.5) -> Flip:
-    """Mirror left-right with probability `p`."""
-    return Flip(p)
-
-
-def to_float() -> ToFloat:
-    """uint8 -> float32 in [0, 1]."""
-    return ToFloat()
-
-
-def normalize(mean=IMAGENET_MEAN, std=IMAGENET_STD) -> Normalize:
-    """float32 (x - mean) / std per channel, mean and std in [0, 1] units (one value or
-    one per channel)."""
-    return Normalize(mean, std)
+# the documented names of the steps (docs/quickstart.md, "Images")
+decode = Decode
+resize = Resize
+center_crop = CenterCrop
+random_resized_crop = RandomResizedCrop
+flip = Flip
+to_float = ToFloat
+normalize = Normalize
