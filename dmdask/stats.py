@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional
 
 from distributed import Client
 
@@ -14,7 +13,7 @@ def _worker_stats(dask_worker) -> dict:
     return None if metric is None else metric(dask_worker)
 
 
-def stats(client: Client) -> Dict[str, dict]:
+def stats(client: Client) -> dict[str, dict]:
     """Per-worker counters and their sum under "total".
 
     "datasets": the cluster's registry, one summary per dataset (name, url, samples,
@@ -37,7 +36,7 @@ def stats(client: Client) -> Dict[str, dict]:
     return {"workers": per_worker, "total": total(per_worker.values()), "datasets": registry}
 
 
-def hit_shares(stats: dict) -> Optional[Dict[str, float]]:
+def hit_shares(stats: dict) -> dict[str, float] | None:
     """Fractions of the samples served from RAM, SSD and streamed from the store
     (None before the first sample was served)."""
     hits = {"ram": stats["ram"]["hits"], "ssd": stats["ssd"]["hits"], "stream": stats["stream"]["hits"]}

@@ -69,7 +69,7 @@ def _dashboard_prefix(scheduler) -> str:
     return ""
 
 
-_routed: "weakref.WeakSet" = weakref.WeakSet()  # schedulers already serving the route
+_routed: weakref.WeakSet = weakref.WeakSet()  # schedulers already serving the route
 
 
 def add_routes(scheduler) -> None:

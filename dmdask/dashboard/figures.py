@@ -12,9 +12,9 @@ from __future__ import annotations
 import time
 import weakref
 from collections import deque
-from typing import Dict, Optional
 
-from ..stats import hit_shares, total as sum_stats
+from ..stats import hit_shares
+from ..stats import total as sum_stats
 
 HISTORY_SECONDS = 3600  # what the line plot can show
 SAMPLE_INTERVAL = 1.0  # seconds between two history points
@@ -43,7 +43,7 @@ def worker_metrics(scheduler):
     return dict(sorted(workers.items())), names, sorted(others)
 
 
-def datasets(scheduler) -> Dict[str, dict]:
+def datasets(scheduler) -> dict[str, dict]:
     """The datasets in dmdask's registry: the source URL (without credentials), blocks,
     blocks loaded (cached in a tier or streamed), samples and decoded bytes (None when unknown)."""
     from ..source.urls import public
@@ -56,7 +56,7 @@ def datasets(scheduler) -> Dict[str, dict]:
     return dict(sorted(out.items()))
 
 
-def cluster_summary(total: dict, sets: Dict[str, dict], workers: Optional[int] = None) -> dict:
+def cluster_summary(total: dict, sets: dict[str, dict], workers: int | None = None) -> dict:
     """Whole-cluster figures: how much of the registered datasets the tiers hold and
     what was read from the shared store so far."""
     cached_bytes = total["ram"]["bytes"] + total["ssd"]["bytes"]
@@ -116,7 +116,7 @@ class Monitor:
     def __init__(self, scheduler):
         self._scheduler = weakref.ref(scheduler)
         self.history: deque = deque(maxlen=int(HISTORY_SECONDS / SAMPLE_INTERVAL))
-        self._latest: Optional[dict] = None
+        self._latest: dict | None = None
         self._callback = None
 
     @property
@@ -170,7 +170,7 @@ class Monitor:
             self._callback = None
 
 
-_monitors: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_monitors: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def monitor(scheduler) -> Monitor:

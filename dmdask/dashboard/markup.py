@@ -3,7 +3,6 @@ and datasets' tables), and the number formats the page shows."""
 from __future__ import annotations
 
 import html
-from typing import Optional
 
 from dask.utils import format_bytes
 
@@ -25,15 +24,15 @@ SECTION = f"{FONT};font-size:13px;font-weight:bold;color:#333;margin-top:8px"
 LEFT = "text-align:left;"  # the first two columns: names
 
 
-def fmt_bytes(n: Optional[float]) -> str:
+def fmt_bytes(n: float | None) -> str:
     return "?" if n is None else format_bytes(n)
 
 
-def fmt_pct(x: Optional[float]) -> str:
+def fmt_pct(x: float | None) -> str:
     return "–" if x is None else f"{100 * x:.0f}%" if x in (0, 1) or x >= 0.1 else f"{100 * x:.1f}%"
 
 
-def fmt_int(n: Optional[int]) -> str:
+def fmt_int(n: int | None) -> str:
     return "?" if n is None else f"{n:,}"
 
 

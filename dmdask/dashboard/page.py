@@ -6,8 +6,6 @@ redraws once a second from `figures.Monitor.snapshot()`; nothing here talks to a
 from __future__ import annotations
 
 import math
-from typing import Dict, List
-
 from bokeh.layouts import column, row
 from bokeh.models import (BasicTicker, ColumnDataSource, CustomJSTickFormatter, DataRange1d, Div,
                           FactorRange, HoverTool, Legend, LinearAxis, NumeralTickFormatter, Range1d)
@@ -77,7 +75,7 @@ class TiersPage:
 
     def __init__(self, mon: Monitor):
         self.monitor = mon
-        self.workers: List[str] = []
+        self.workers: list[str] = []
         self._last_time = 0.0
         self._labels: list = []  # text renderers next to the bars, hidden when rows get thin
         self.summary, self.table, self.datasets = _div(), _div(), _div()
@@ -224,7 +222,7 @@ class TiersPage:
         fig.x_range.end = max(caps + used + [1]) * 1.75  # room for the labels right of the bars
 
     def _update_hits(self, labels, stats) -> None:
-        data: Dict[str, list] = {k: [] for k in self.hits.data}
+        data: dict[str, list] = {k: [] for k in self.hits.data}
         for label, s in zip(labels, stats):
             shares = hit_shares(s) or {"ram": 0.0, "ssd": 0.0, "stream": 0.0}
             data["worker"].append(label)

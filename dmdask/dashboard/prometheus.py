@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from typing import Iterator
+from collections.abc import Iterator
 
 from .figures import monitor
 

@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import io
-from typing import Optional, Tuple
 
 import numpy as np
 
 INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "lanczos", "box", "hamming")
 
 
-def decode_jpeg(data: np.ndarray, mode: str) -> Optional[np.ndarray]:
+def decode_jpeg(data: np.ndarray, mode: str) -> np.ndarray | None:
     """JPEG bytes -> (H, W, C) uint8 through simplejpeg; None without simplejpeg or for what
     libjpeg-turbo cannot decode (CMYK, ...), which Pillow then tries."""
     try:
@@ -40,7 +39,7 @@ def resample_filter(name: str):
     return getattr(Image.Resampling, name.upper())
 
 
-def resized(image: np.ndarray, size: Tuple[int, int], box, interpolation: str) -> np.ndarray:
+def resized(image: np.ndarray, size: tuple[int, int], box, interpolation: str) -> np.ndarray:
     """The `box` (left, top, right, bottom) of an (H, W, C) uint8 image resized to (h, w)."""
     from PIL import Image
 

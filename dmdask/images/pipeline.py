@@ -1,8 +1,6 @@
 """`pipeline`: image steps as a batch transform for `Spec.transform`, and the two ImageNet recipes."""
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 
 from ..spec import transform_context
@@ -19,7 +17,7 @@ class Pipeline:
     seed: of the augmentations (None: the spec's seed)."""
 
     def __init__(self, *steps: Step, field: str = "data", out: str = "image", layout: str = "CHW",
-                 seed: Optional[int] = None):
+                 seed: int | None = None):
         if not steps or not all(isinstance(s, Step) for s in steps):
             raise TypeError("pipeline() takes steps such as images.decode(), images.flip() (at least one)")
         if any(isinstance(s, Decode) for s in steps[1:]):
@@ -37,7 +35,7 @@ class Pipeline:
         self._per_sample, self._on_batch = self.steps[:tail], self.steps[tail:]
         self._random = any(s.random for s in self._per_sample)
 
-    def __call__(self, batch: dict, epoch: Optional[int] = None) -> dict:
+    def __call__(self, batch: dict, epoch: int | None = None) -> dict:
         """epoch: of the random draws (None: the batch's, `dmdask.transform_context()`; 0 outside dmdask)."""
         context = transform_context()
         if epoch is None:
@@ -98,7 +96,7 @@ def train_pipeline(size: Size, mean=IMAGENET_MEAN, std=IMAGENET_STD, scale=(0.08
     return pipeline(*steps, _finish(mean, std), **kwargs)
 
 
-def eval_pipeline(size: Size, resize_to: Optional[Size] = None, mean=IMAGENET_MEAN, std=IMAGENET_STD,
+def eval_pipeline(size: Size, resize_to: Size | None = None, mean=IMAGENET_MEAN, std=IMAGENET_STD,
                   mode: str = "RGB", **kwargs) -> Pipeline:
     """torchvision's ImageNet evaluation recipe: decode, resize(resize_to; default
     size * 256 / 224 on the shorter side), center_crop(size), normalize(mean, std)."""

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Tuple, Union
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -10,7 +10,7 @@ from .pillow import decode_jpeg, decode_with_pillow, resample_filter, resized
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-Size = Union[int, Tuple[int, int]]
+Size = int | tuple[int, int]
 
 
 class Step:
@@ -22,7 +22,7 @@ class Step:
     random = False
     batched = False
 
-    def __call__(self, image: np.ndarray, rng: Optional[np.random.Generator]) -> np.ndarray:
+    def __call__(self, image: np.ndarray, rng: np.random.Generator | None) -> np.ndarray:
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -111,7 +111,7 @@ class RandomResizedCrop(Step):
         self.interpolation = interpolation
         resample_filter(interpolation)
 
-    def box(self, height: int, width: int, rng: np.random.Generator) -> Tuple[int, int, int, int]:
+    def box(self, height: int, width: int, rng: np.random.Generator) -> tuple[int, int, int, int]:
         """(top, left, h, w) of the crop: torchvision's `RandomResizedCrop.get_params`."""
         area = height * width
         log_ratio = (math.log(self.ratio[0]), math.log(self.ratio[1]))
@@ -170,8 +170,8 @@ class Normalize(Step):
     name = "normalize"
     batched = True
 
-    def __init__(self, mean: Union[float, Sequence[float]] = IMAGENET_MEAN,
-                 std: Union[float, Sequence[float]] = IMAGENET_STD):
+    def __init__(self, mean: float | Sequence[float] = IMAGENET_MEAN,
+                 std: float | Sequence[float] = IMAGENET_STD):
         self.mean = np.asarray(mean, dtype=np.float32).reshape(-1)
         self.std = np.asarray(std, dtype=np.float32).reshape(-1)
         if (self.std <= 0).any():
