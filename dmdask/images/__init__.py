@@ -20,7 +20,7 @@ epoch, yet the same for a sample of a given epoch whatever the number of ranks a
 workers, the batch it lands in, or a resume mid-epoch. A pipeline is picklable and
 holds no state between calls; the workers need Pillow (`pip install "dmdask[images]"`).
 """
-from .pipeline import LAYOUTS, Pipeline, eval_pipeline, pipeline, train_pipeline
+from .transform import LAYOUTS, Pipeline, eval_pipeline, pipeline, train_pipeline
 from .steps import (IMAGENET_MEAN, IMAGENET_STD, CenterCrop, Decode, Flip, Normalize, RandomResizedCrop, Resize,
                     Size, Step, ToFloat, center_crop, decode, flip, normalize, random_resized_crop, resize, to_float)
 

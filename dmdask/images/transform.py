@@ -1,4 +1,4 @@
-"""`pipeline`: image steps as a batch transform for `Spec.transform`, and the two ImageNet recipes."""
+"""`Pipeline` (`pipeline`): image steps as a batch transform for `Spec.transform`, and the two ImageNet recipes."""
 from __future__ import annotations
 
 import numpy as np
