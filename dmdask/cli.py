@@ -41,6 +41,12 @@ def scheduler_address(given=None) -> str:
     return f"tcp://{unparse_host_port(host, port)}"
 
 
+def _fail(command: str, message, code: int = 1) -> int:
+    """Say why `dmdask COMMAND` failed (one line on stderr); its exit status."""
+    print(f"dmdask {command}: {message}", file=sys.stderr)
+    return code
+
+
 def status(args) -> int:
     """Print the per-worker tier table of a running cluster."""
     import distributed
@@ -50,8 +56,7 @@ def status(args) -> int:
     try:
         address = scheduler_address(args.address or args.scheduler)
     except UsageError as exc:
-        print(f"dmdask status: {exc}", file=sys.stderr)
-        return 2
+        return _fail("status", exc, 2)
     security = None
     if args.tls_ca_file or args.tls_cert:
         security = distributed.Security(tls_ca_file=args.tls_ca_file, tls_client_cert=args.tls_cert,
@@ -61,16 +66,11 @@ def status(args) -> int:
             stats = dmdask.stats(client)
             dashboard = client.dashboard_link
     except (OSError, TimeoutError, ValueError) as exc:
-        print(f"dmdask status: cannot reach the scheduler at {address}: {type(exc).__name__}: {exc}",
-              file=sys.stderr)
-        return 1
+        return _fail("status", f"cannot reach the scheduler at {address}: {type(exc).__name__}: {exc}")
     except TypeError as exc:  # distributed's way of saying tls:// lacks its certificates
-        print(f"dmdask status: cannot connect to {address}: {exc}; pass --tls-ca-file, --tls-cert and --tls-key",
-              file=sys.stderr)
-        return 1
+        return _fail("status", f"cannot connect to {address}: {exc}; pass --tls-ca-file, --tls-cert and --tls-key")
     except dmdask.NotADmdaskWorker as exc:
-        print(f"dmdask status: {exc}", file=sys.stderr)
-        return 1
+        return _fail("status", exc)
     print(format_table(stats))
     for line in format_warnings(stats):
         print(line)
@@ -95,13 +95,11 @@ def mount(args) -> int:
     try:
         scheduler = scheduler_address(args.scheduler)
     except UsageError as exc:
-        print(f"dmdask mount: {exc}", file=sys.stderr)
-        return 2
+        return _fail("mount", exc, 2)
     try:
         serve(args.url, args.mountpoint, scheduler=scheduler, block_size=args.block_size, debug=args.debug)
     except (RuntimeError, OSError) as exc:
-        print(f"dmdask mount: {exc}", file=sys.stderr)
-        return 1
+        return _fail("mount", exc)
     return 0
 
 

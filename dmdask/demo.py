@@ -256,11 +256,12 @@ block also counts 8 bytes a sample of file pointers, hence a little over 1.00x),
 sample by sample as the ranks first ask for them (counted as "streamed" in epoch 0, "from RAM"
 afterwards). From epoch 1 on, only the samples the cache has no room for are streamed: the
 store reads of an epoch are those samples, whatever the RAM and SSD counts.""")
-    print(f"\nshared store over epochs 0-{epochs - 1}: {format_bytes(total)} = {total / dataset_bytes:.2f}x the dataset "
-          f"(a loader without a cache reads {epochs}x)")
+    print(f"\nshared store over epochs 0-{epochs - 1}: {format_bytes(total)} = {total / dataset_bytes:.2f}x "
+          f"the dataset (a loader without a cache reads {epochs}x)")
     if epochs > 1:
         later = np.mean([r["seconds"] for r in rows[1:]])
-        print(f"epoch 0 (cold cache): {rows[0]['seconds']:.2f} s; epochs 1-{epochs - 1}: {later:.2f} s on average")
+        print(f"epoch 0 (cold cache): {rows[0]['seconds']:.2f} s; "
+              f"epochs 1-{epochs - 1}: {later:.2f} s on average")
 
 
 def serve(client) -> None:

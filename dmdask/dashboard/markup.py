@@ -73,7 +73,8 @@ def summary_html(snap: dict) -> str:
         parts.append(_card(
             "dataset cached", fmt_pct(c["cached_share"]),
             f"{c['cached_blocks']:,} of {c['dataset_blocks']:,} blocks · {fmt_bytes(c['cached_bytes'])} of {size}"
-            f"<br>{_dot(RAM, True)}RAM {fmt_bytes(total['ram']['bytes'])}{_dot(SSD)}SSD {fmt_bytes(total['ssd']['bytes'])}"
+            f"<br>{_dot(RAM, True)}RAM {fmt_bytes(total['ram']['bytes'])}"
+            f"{_dot(SSD)}SSD {fmt_bytes(total['ssd']['bytes'])}"
             f"{_dot(STREAM)}{c['streamed_blocks']:,} blocks streamed"))
     ratio = c["shared_store_reads_per_dataset"]
     parts.append(_card(

@@ -51,8 +51,7 @@ class DmdaskCollector:
         def counter(name, doc, labels=()):
             return CounterMetricFamily(name, doc, labels=list(labels))
 
-        workers = gauge("dmdask_workers", "Workers reporting dmdask tiers")
-        workers.add_metric([], len(snap["workers"]))
+        workers = GaugeMetricFamily("dmdask_workers", "Workers reporting dmdask tiers", value=len(snap["workers"]))
         tier_bytes = gauge("dmdask_tier_bytes", "Bytes of blocks held in the tier", WT)
         capacity = gauge("dmdask_tier_capacity_bytes", "Capacity of the tier in bytes", WT)
         blocks = gauge("dmdask_tier_blocks", "Blocks held per tier (tier=stream: blocks beyond the "
