@@ -14,16 +14,9 @@ def _worker_stats(dask_worker) -> dict:
 
 
 def stats(client: Client) -> dict[str, dict]:
-    """Per-worker counters and their sum under "total".
-
-    "datasets": the cluster's registry, one summary per dataset (name, url, samples,
-    blocks, nbytes, loaded, erred). Each worker: {"ram"|"ssd": {capacity, bytes, blocks, hits, hit_bytes, full,
-    error (why the tier's folder is unusable, None when fine), dir (the tier's folder; None: RAM in the
-    worker's memory), source (where its capacity came from: a setting or the job's limits)},
-    "stream": {hits, ...}, "shared_store": {requests, bytes, retries}, "peer": {bytes_out, bytes_in},
-    "streamed_blocks"}. Hits count samples served from that tier; "stream" hits are
-    samples of blocks beyond the cache, read from the shared store.
-    """
+    """{"workers": {address: counters}, "total": their sum, "datasets": the registry}: each
+    counter is described in docs/architecture.md, section 9 ("Accounting"). Raises
+    NotADmdaskWorker when a worker has no dmdask tiers."""
     from .client.datasets import ensure_plugin
     from .protocol.scheduler import Datasets, SchedulerAPI
 
