@@ -240,7 +240,6 @@ def _parser():
 
 def main(argv=None) -> int:
     """Run a command; its exit status (2 for a command line argparse rejects, or none)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     try:
         args = parser.parse_args(argv)
