@@ -1,15 +1,5 @@
-"""JAX adapter: `JaxLoader`, this rank's dmdask batches as dicts of `jax.Array`, optionally sharded.
-
-    loader = JaxLoader(client, dmdask.Spec(source="train.zarr", batch_size=256, drop_last=True),
-                       sharding="local")          # each batch split over the local devices
-    for epoch in range(start, epochs):
-        loader.set_epoch(epoch)
-        for batch in loader:                       # {"x": jax.Array, ..., "index": numpy int64}
-            params, loss = train_step(params, batch["x"], batch["y"])
-        checkpoint = {"params": params, "loader": loader.state_dict()}
-
-dmdask prefetches `spec.prefetch` batches on the cluster, and `jax.device_put` copies
-asynchronously. This module imports JAX and no other framework.
+"""JAX adapter: `JaxLoader`, this rank's dmdask batches as dicts of `jax.Array`, optionally
+sharded (docs/frameworks.md). This module imports JAX and no other framework.
 """
 from __future__ import annotations
 
@@ -53,17 +43,10 @@ def _put(arr: np.ndarray, sharding: Optional[Sharding], device):
 
 
 def to_jax(batch: Dict[str, Any], sharding: Optional[Sharding] = None, device=None) -> Dict[str, Any]:
-    """Convert one dmdask batch (dict of numpy arrays) to JAX.
-
-    - numeric arrays -> `jax.Array`, placed with `sharding` (the batch axis split over
-      its devices; across processes, `jax.make_array_from_process_local_data` assembles
-      the global batch) or on `device` (default: JAX's default device). Without
-      `jax_enable_x64`, JAX stores 64-bit values as 32-bit ones (its usual rule);
-    - object arrays (variable-size samples, e.g. the uint8 bytes of a file folder) ->
-      a list with one `jax.Array` per sample, on `device` (never sharded);
-    - "index" -> stays a numpy int64 array of global sample ids (exact without x64,
-      and host-side where bookkeeping needs it);
-    - strings and dtypes JAX lacks pass through as numpy.
+    """One dmdask batch converted by `_fields.converted` to `jax.Array`s placed with
+    `sharding` (across processes assembled by `jax.make_array_from_process_local_data`) or
+    on `device`; variable-size samples on `device`, never sharded. "index" stays numpy
+    int64 (exact without `jax_enable_x64`); strings and dtypes JAX lacks stay numpy.
     """
     return converted(batch, lambda arr: _put(arr, sharding, device), lambda arr: _put(arr, None, device),
                      index=False)
@@ -72,20 +55,13 @@ def to_jax(batch: Dict[str, Any], sharding: Optional[Sharding] = None, device=No
 class JaxLoader(EpochPasses):
     """This rank's dmdask batches, epoch after epoch, as dicts of `jax.Array`.
 
-    Guarantees: those of `EpochPasses` with moves_on=True: handing out the last batch of
-    an epoch moves the loader to the next epoch, a pass abandoned part-way does not.
-    `state_dict()` holds plain values (JSON, pickle, or beside the params in any format).
+    Guarantees: those of `EpochPasses` with moves_on=True; `state_dict()` holds plain values.
 
-    client: a `distributed.Client` of a cluster of dmdask workers.
-    spec: a `dmdask.Spec`. In a multi-process JAX run its rank and world size come from
-        JAX when left at the defaults (see `process_spec`).
-    sharding: None (each array on `device`), "local" (the batch axis split over this
-        process's devices, `local_batch_sharding()`), or any `jax.sharding.Sharding`
-        for the numeric fields; a sharding over several processes assembles each global
-        batch from every process's rows. Sharded batches must divide evenly: use
-        `spec.drop_last=True` and a batch size the shards divide (ValueError if not).
+    spec: in a multi-process JAX run, rank and world size from JAX (`process_spec`).
+    sharding: None (each array on `device`), "local" (`local_batch_sharding()`), or any
+        `jax.sharding.Sharding` for the numeric fields. Sharded batches must divide
+        evenly: `spec.drop_last=True` and a batch size the shards divide (ValueError if not).
     device: the device of unsharded arrays (default: JAX's default device).
-    epoch: the first epoch.
 
     One pass at a time; not thread-safe.
     """

@@ -1,24 +1,8 @@
-"""MXNet adapter: dmdask batches as a Gluon-style iterable of NDArrays and as an `mx.io.DataIter`.
+"""MXNet adapter: `MXNetLoader` (Gluon, dicts of NDArray) and `DmdaskDataIter` (an `mx.io.DataIter`
+for the Module API); docs/frameworks.md.
 
-    # Gluon: dicts of NDArray
-    loader = MXNetLoader(client, dmdask.Spec(source="train.zarr", batch_size=256), ctx=mx.cpu())
-    for epoch in range(start, epochs):
-        loader.set_epoch(epoch)
-        for batch in loader:
-            with autograd.record():
-                loss = loss_fn(net(batch["x"]), batch["y"])
-            loss.backward()
-            trainer.step(batch["x"].shape[0])
-
-    # Module API: an mx.io.DataIter with provide_data / provide_label
-    train = DmdaskDataIter(client, spec, data_names=("x",), label_names=("y",))
-    mod = mx.mod.Module(symbol, data_names=("x",), label_names=("y",))
-    mod.fit(train, num_epoch=5)                 # fit epoch k iterates dmdask epoch k
-
-MXNet 1.9.1 (its last release) still uses `np.bool`, which numpy removed in 1.24, so
-`import mxnet` fails with numpy 1.24-1.26. This module restores the alias (`numpy.bool =
-bool`, only when numpy lacks it) before it imports mxnet: import it before mxnet. Use
-numpy 1.26.x (`pip install numpy==1.26.4 mxnet==1.9.1`). It imports no other framework.
+MXNet 1.9.1 uses `np.bool`, which numpy 1.24 removed: this module sets `numpy.bool = bool`
+(only when numpy lacks it) before it imports mxnet, so import it before mxnet.
 """
 from __future__ import annotations
 
@@ -67,16 +51,8 @@ def _ndarray(arr: np.ndarray, ctx):
 
 
 def to_mxnet(batch: Dict[str, Any], ctx=None) -> Dict[str, Any]:
-    """Convert one dmdask batch (dict of numpy arrays) to MXNet NDArrays on `ctx`
-    (default: `mx.cpu()`), copying.
-
-    - numeric arrays -> `NDArray` of the same dtype (int16/uint16 widened to int32,
-      uint32 to int64; dtypes NDArray lacks stay numpy);
-    - object arrays (variable-size samples, e.g. the uint8 bytes of a file folder) ->
-      a list with one NDArray per sample;
-    - "index" -> an int64 NDArray of global sample ids;
-    - strings and anything else pass through unchanged.
-    """
+    """One dmdask batch converted by `_fields.converted` to NDArrays on `ctx` (default
+    `mx.cpu()`), copying; dtypes widened by `_mx_dtype`, those NDArray lacks stay numpy."""
     ctx = ctx if ctx is not None else mx.cpu()
     return converted(batch, lambda arr: _ndarray(arr, ctx))
 
@@ -86,18 +62,12 @@ def to_mxnet(batch: Dict[str, Any], ctx=None) -> Dict[str, Any]:
 class MXNetLoader(EpochPasses):
     """This rank's dmdask batches, epoch after epoch, as dicts of `mx.nd.NDArray`.
 
-    Guarantees: those of `EpochPasses` with moves_on=True: handing out the last batch of
-    an epoch moves the loader to the next epoch, a pass abandoned part-way does not.
-    `state_dict()` holds plain values (for pickle or JSON next to `net.save_parameters`).
+    Guarantees: those of `EpochPasses` with moves_on=True; `state_dict()` holds plain values.
 
-    client: a `distributed.Client` of a cluster of dmdask workers.
-    spec: a `dmdask.Spec`; with `kvstore` (a distributed `mx.kv.KVStore`) at the default
-        rank/world size, they are taken from it (see `kvstore_spec`).
+    spec: with a distributed `kvstore`, rank and world size from it (`kvstore_spec`).
     ctx: the `mx.Context` of the NDArrays (default `mx.cpu()`).
-    epoch: the first epoch.
 
-    No `gluon.data.DataLoader` is needed: dmdask prefetches on the cluster. One pass at a
-    time. With kvstore "dist_sync" give every worker `spec.drop_last=True`.
+    One pass at a time.
     """
 
     def __init__(self, client, spec: dmdask.Spec, *, ctx=None, kvstore=None, epoch: int = 0):
@@ -121,24 +91,14 @@ class MXNetLoader(EpochPasses):
 class DmdaskDataIter(mx.io.DataIter):
     """An `mx.io.DataIter` over this rank's dmdask batches, for `Module.fit` and friends.
 
-    Each `DataBatch` has `data` (NDArrays of the fields in `data_names`), `label` (of
-    `label_names`), `index` (the global sample ids, numpy int64) and `pad=0`: dmdask
-    never pads with repeated samples, so the last batch of an epoch may be shorter
-    (with its own `provide_data`, which `Module` reshapes to), unless `spec.drop_last`.
-    `provide_data` / `provide_label` describe full batches: `mx.io.DataDesc(name,
-    (batch_size, *sample_shape), dtype)`, read from one batch of the current epoch.
+    Each `DataBatch` has `data` (the `data_names` fields), `label` (`label_names`), `index`
+    (numpy int64) and `pad=0`: a short last batch carries its own `provide_data`.
+    `provide_data` / `provide_label` describe full batches, read from one batch.
 
-    Epochs: `next()` goes through the current epoch, then raises StopIteration; handing
-    out its last batch moves on to the next epoch, so `reset()` after a finished epoch
-    (as `Module.fit` does after each) starts the next one. `reset()` part-way through
-    starts the current epoch again from its start point (its first batch, or a loaded
-    position). `set_epoch`, `len()`, `state_dict()` / `load_state_dict()` and `close()`
-    are as in `MXNetLoader` (resume with `Module.fit(..., begin_epoch=state["epoch"])`).
-
-    client, spec, kvstore, epoch: as for `MXNetLoader`.
-    data_names, label_names: the fields of the source that are inputs and labels
-        (numeric, fixed sample shape).
-    ctx: the context of the NDArrays (default `mx.cpu()`; `Module` copies to its own).
+    `next()` goes through the current epoch, then raises StopIteration; `reset()` after a
+    finished epoch starts the next one, part-way it starts the current one again from its
+    start point. The other arguments and methods are those of `MXNetLoader`. The named
+    fields must be numeric with one sample shape (TypeError otherwise).
     """
 
     def __init__(self, client, spec: dmdask.Spec, data_names: Sequence[str] = ("data",),

@@ -1,14 +1,5 @@
-"""TensorFlow adapter: `TFLoader`, dmdask batches as a `tf.data.Dataset` that `model.fit` takes.
-
-    loader = TFLoader(client, dmdask.Spec(source="train.zarr", batch_size=256))
-    ds = loader.dataset().map(lambda b: (b["x"], b["y"]))   # elements: dict[str, tf.Tensor]
-    model.fit(ds, epochs=5)                                  # fit epoch k iterates dmdask epoch k
-    tf.train.Checkpoint(model=model, loader=loader).save("ckpt/run")   # with the loader's position
-
-Each pass over the dataset (each `fit` epoch) iterates the loader's current dmdask epoch.
-dmdask prefetches on the cluster, so the dataset needs no `.prefetch()`, no
-`num_parallel_calls` and no `.shard()` (each rank already gets only its share).
-This module imports TensorFlow and no other framework.
+"""TensorFlow adapter: `TFLoader`, dmdask batches as a `tf.data.Dataset` that `model.fit` takes
+(docs/frameworks.md). This module imports TensorFlow and no other framework.
 """
 from __future__ import annotations
 
@@ -30,19 +21,10 @@ _RAGGED_MODES = ("ragged", "bytes")
 # --- rank and world size -------------------------------------------------------------------
 
 def rank_of_strategy(strategy=None, input_context=None) -> tuple:
-    """(rank, world_size) of this input pipeline: the process's place among the workers.
-
-    - `input_context` (a `tf.distribute.InputContext`, as handed to the function of
-      `strategy.distribute_datasets_from_function`): its `input_pipeline_id` and
-      `num_input_pipelines`.
-    - a strategy with a multi-worker `cluster_resolver` (`MultiWorkerMirroredStrategy`,
-      `TPUStrategy` over several hosts): the chief is rank 0 and worker i is rank
-      i + (number of chiefs), among chief + worker tasks, as TensorFlow numbers its
-      input pipelines. An "evaluator" task reads the whole dataset: (0, 1).
-    - a single-worker strategy (default, `MirroredStrategy`, `OneDeviceStrategy`): (0, 1);
-      its local replicas split each batch, so `spec.batch_size` is the global batch.
-    `ParameterServerStrategy` raises ValueError: there the coordinator reads the data;
-    give the rank and world size in the spec instead.
+    """(rank, world_size) of this input pipeline: from `input_context` if given; else from a
+    multi-worker `cluster_resolver`: chief rank 0, worker i rank i + (number of chiefs), as
+    TensorFlow numbers its input pipelines; (0, 1) for an "evaluator" task and single-worker
+    strategies. `ParameterServerStrategy` and other task types raise ValueError.
     """
     if input_context is not None:
         return int(input_context.input_pipeline_id), int(input_context.num_input_pipelines)
@@ -120,14 +102,10 @@ def _field(name: str, value, ragged: str):
 
 
 def to_tensorflow(batch: Dict[str, Any], ragged: str = "ragged") -> Dict[str, Any]:
-    """Convert one dmdask batch (dict of numpy arrays) to a dict of TensorFlow values.
-
-    - numeric arrays -> `tf.Tensor` of the same dtype and shape (a copy);
-    - object arrays of variable-size numeric samples (e.g. the uint8 bytes of a file
-      folder) -> `tf.RaggedTensor` (rows = samples, every inner dimension ragged), or
-      with ragged="bytes" a `tf.string` vector of each sample's raw bytes (for
-      `tf.io.decode_image` and friends);
-    - str/bytes arrays -> `tf.string`; "index" -> int64 global sample ids.
+    """One dmdask batch as a dict of TensorFlow values (copies): numeric arrays as `tf.Tensor`;
+    variable-size numeric samples as a `tf.RaggedTensor` (every inner dimension ragged) or,
+    with ragged="bytes", a `tf.string` of each sample's bytes; str/bytes as `tf.string`;
+    "index" as int64. ValueError for another `ragged`, TypeError for other object samples.
     """
     if ragged not in _RAGGED_MODES:
         raise ValueError(f"ragged must be one of {_RAGGED_MODES}, got {ragged!r}")
@@ -155,28 +133,17 @@ class TFLoader(tf.train.experimental.PythonState, EpochPasses):
     """This rank's dmdask batches, epoch after epoch, as a `tf.data.Dataset` of dicts.
 
     Guarantees: those of `EpochPasses` with moves_on=True, a pass being one over
-    `dataset()`: handing out the last batch of an epoch moves the loader to the next
-    epoch, so `model.fit(ds, epochs=E)` iterates epochs 0..E-1 (from a restored state:
-    pass `initial_epoch=loader.epoch`); a pass abandoned part-way (`take`, `break`, Keras
-    peeking at one batch to build the model) does not. The loader is also a
+    `dataset()`, so `model.fit(ds, epochs=E)` iterates epochs 0..E-1. The loader is a
     `tf.train.Checkpoint` dependency: its state is saved and restored with it.
 
-    client: a `distributed.Client` of a cluster of dmdask workers.
-    spec: a `dmdask.Spec`; rank and world size may come from `strategy` or
+    spec: rank and world size may come from `strategy` (default: the one in scope) or
         `input_context` (see `strategy_spec`), resolved once, here.
-    strategy: a `tf.distribute.Strategy` (default: the one in scope, if any).
-    input_context: a `tf.distribute.InputContext`, inside `distribute_datasets_from_function`.
-    epoch: the first epoch.
-    ragged: how variable-size samples arrive: "ragged" (`tf.RaggedTensor`) or "bytes"
-        (`tf.string`).
-    output_signature: the dataset's element signature; by default read from one batch
-        of the current epoch (fetched once, by a separate iterator that moves no
-        position). Give it when a transform makes inner shapes vary between batches.
+    ragged: variable-size samples as "ragged" (`tf.RaggedTensor`) or "bytes" (`tf.string`).
+    output_signature: by default read from one batch of the current epoch (by `peek`).
+        Give it when a transform makes inner shapes vary between batches.
 
-    Positions count batches taken from the dataset, so a mid-epoch checkpoint is exact in
-    a plain loop over it (a `.prefetch()` or a parallel `.map()` reads ahead); under
-    `model.fit` checkpoint at epoch ends. One pass at a time. Under a multi-worker
-    strategy use `distribute()` and give every worker `spec.drop_last=True`.
+    Positions count batches taken from the dataset (a `.prefetch()` or a parallel `.map()`
+    reads ahead). One pass at a time.
     """
 
     def __init__(self, client, spec: dmdask.Spec, *, strategy=None, input_context=None, epoch: int = 0,
@@ -197,32 +164,21 @@ class TFLoader(tf.train.experimental.PythonState, EpochPasses):
         return self._signature
 
     def dataset(self, repeat: bool = False) -> tf.data.Dataset:
-        """A `tf.data.Dataset` of this rank's batches (dicts of tensors incl. "index").
-
-        Each pass iterates the loader's current epoch (see the class). repeat=True: one
-        endless pass, epoch after epoch, for `model.fit(..., steps_per_epoch=len(loader))`
-        or loops that count steps.
-        """
+        """A `tf.data.Dataset` of this rank's batches, each pass over the loader's current
+        epoch; repeat=True: one endless pass, epoch after epoch."""
         ds = tf.data.Dataset.from_generator(lambda: self._generate(repeat), output_signature=self.output_signature)
         options = tf.data.Options()
         # each rank already reads only its share: tf.distribute must not shard it again
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-        # dmdask prefetches already; without tf.data's own read-ahead (injected prefetch,
-        # sequential maps made parallel) the positions count the batches taken from the
-        # pipeline. An explicit .prefetch() or parallel map still reads ahead.
+        # no tf.data read-ahead of its own, so that positions count the batches taken
         options.experimental_optimization.inject_prefetch = False
         options.experimental_optimization.map_parallelization = False
         return ds.with_options(options)
 
     def distribute(self, strategy=None, map_fn=None, repeat: bool = False):
-        """`dataset(repeat).map(map_fn)` as this worker's input pipeline of `strategy`
-        (default: the strategy in scope), through `strategy.distribute_datasets_from_function`.
-
-        Use it for multi-worker strategies: `strategy.experimental_distribute_dataset`
-        (what `model.fit` applies to a plain dataset) takes each batch as the global batch
-        and splits it across the replicas of all workers. Here each batch goes whole to
-        one local replica: `spec.batch_size` is the per-replica batch. The input context
-        must agree with the loader's rank and world size (ValueError if not).
+        """`dataset(repeat).map(map_fn)` through `strategy.distribute_datasets_from_function`
+        (default: the strategy in scope): each batch goes whole to one local replica. The
+        input context must agree with the loader's rank and world size (ValueError if not).
         """
         strategy = strategy if strategy is not None else tf.distribute.get_strategy()
 

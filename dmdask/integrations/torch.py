@@ -1,15 +1,7 @@
-"""PyTorch adapter: `TorchLoader`, a DataLoader-like iterable over dmdask batches.
+"""PyTorch adapter: `TorchLoader`, a DataLoader-like iterable over dmdask batches (docs/frameworks.md).
 
-    loader = TorchLoader(client, dmdask.Spec(source="train.zarr", batch_size=256))
-    for epoch in range(start, epochs):
-        loader.set_epoch(epoch)
-        for batch in loader:          # dict[str, torch.Tensor]
-            loss = step(batch["x"], batch["y"])
-        torch.save({"loader": loader.state_dict(), ...}, "ckpt.pt")
-
-Use it in place of a `torch.utils.data.DataLoader`, not inside one: dmdask prefetches
-`spec.prefetch` batches on the cluster; in a DataLoader worker (each would replay the
-whole epoch) it raises RuntimeError.
+Use it in place of a `torch.utils.data.DataLoader`, not inside one: in a DataLoader
+worker (each would replay the whole epoch) it raises RuntimeError.
 """
 from __future__ import annotations
 
@@ -57,15 +49,8 @@ def _tensor(arr: np.ndarray):
 
 
 def to_torch(batch: Dict[str, Any]) -> Dict[str, Any]:
-    """Convert one dmdask batch (dict of numpy arrays) to torch, without copies where possible.
-
-    - numeric arrays -> `torch.from_numpy` (shares memory; copied only if read-only,
-      byte-swapped or negatively strided);
-    - object arrays (variable-size samples, e.g. the uint8 bytes of a file folder) ->
-      a list with one tensor per sample (non-array elements kept as they are);
-    - "index" -> an int64 tensor of global sample ids;
-    - anything torch cannot represent (strings, ...) is passed through unchanged.
-    """
+    """One dmdask batch converted by `_fields.converted` to torch tensors that share the numpy
+    memory (see `_tensor`); "index" an int64 tensor; what torch cannot represent unchanged."""
     return converted(batch, _tensor)
 
 
@@ -77,18 +62,12 @@ class TorchLoader(EpochPasses):
     keeps a loaded position. `state_dict()` holds plain Python values (for `torch.save`,
     `torch.load(weights_only=True)` and JSON).
 
-    client: a `distributed.Client` of a cluster of dmdask workers.
-    spec: a `dmdask.Spec`; rank and world size from torch.distributed (`distributed_spec`), once, here.
-    pin_memory: pin tensors in page-locked memory for faster host-to-GPU copies. Only
-        when `torch.cuda.is_available()`; on CPU-only builds or machines it is a no-op
-        (pinning would raise there). A CUDA `device` always pins.
-    device: where batches are handed out. None (default): host memory, as converted by
-        `to_torch`. A CUDA device ("cuda:1", `dmdask.rank_from_environment().device`):
-        copied on a stream of their own, `device_prefetch` batches ahead of the training
-        step (`_device.CudaFeeder`); without CUDA, RuntimeError, here. Any other device
-        ("cpu"): tensors moved there with `.to`.
-    device_prefetch: batches in flight on a CUDA device (default 2; 0: one at a time).
-    epoch: the first epoch.
+    spec: rank and world size from torch.distributed (`distributed_spec`), once, here.
+    pin_memory: pin tensors in page-locked memory; a no-op without CUDA. A CUDA `device` always pins.
+    device: None (default): host memory. A CUDA device ("cuda:1"): copied on a stream of
+        their own, `device_prefetch` batches ahead of the training step (`_device.CudaFeeder`);
+        without CUDA, RuntimeError, here. Any other device: tensors moved there with `.to`.
+    device_prefetch: batches in flight on a CUDA device (0: one at a time).
 
     With DistributedDataParallel, set `spec.drop_last=True` so that every rank takes the
     same number of steps per epoch. One pass at a time: a new `iter()` closes the previous
