@@ -41,23 +41,18 @@ class Spec:
     rank, world_size: this rank and the number of ranks; each sample of an epoch
         goes to exactly one rank.
     drop_last: drop the tail so every rank gets the same number of full batches.
-    shuffle_window: None shuffles all samples of the dataset together (an exact
-        global permutation, `dmdask.plan.order`). An integer k permutes the blocks,
-        then shuffles the samples of each run of k blocks together: blocks beyond
-        the cluster cache are then wanted a window at a time, so they leave the
-        shared store once per epoch as long as the workers' stream buffers hold a
-        window's streamed blocks and the ranks move through the epoch together.
+    shuffle_window: None shuffles all samples of the dataset together (an exact global
+        permutation). An integer k permutes the blocks, then shuffles the samples of each
+        run of k blocks together (docs/quickstart.md, "Shuffle window").
     keys: the arrays (Parquet columns, HDF5 datasets) of the source to read (None: all).
-    transform: a picklable function `dict[str, ndarray] -> dict[str, ndarray]`
-        applied to each batch on the workers, after the cache (see `per_sample`,
-        and `dmdask.images` for ready image transforms). While it runs,
-        `dmdask.transform_context()` gives the batch's epoch and this spec's seed.
+    transform: a picklable function `dict[str, ndarray] -> dict[str, ndarray]` applied to
+        each batch on the workers, after the cache (see `per_sample` and `dmdask.images`).
     prefetch: batches in flight ahead of the consumer (>= 1).
     block_size: samples per block for file folders and tar shards; for Zarr and HDF5,
         a multiple of the chunk length along the sample axis; for Parquet, rows whose
         multiples fall on row-group boundaries (None: one chunk, the smallest run of
         whole row groups, about 8 MiB of a contiguous HDF5 file, or 256 samples).
-    storage_options: passed to fsspec when opening the source.
+    storage_options: fsspec options.
     """
 
     source: Union[str, Sequence[str], "Mix"]
@@ -111,8 +106,7 @@ class Spec:
 
 
 def _suggesting(init):
-    """`Spec.__init__` that names the nearest field of a misspelt keyword (`batchsize`
-    -> `batch_size`) in the TypeError Python raises for it."""
+    """`Spec.__init__` whose TypeError for an unknown keyword names the nearest field."""
     import difflib
     import functools
 
@@ -133,10 +127,9 @@ Spec.__init__ = _suggesting(Spec.__init__)
 
 
 def as_source(source):
-    """`source` as a `str`, or a list of shard URLs as a tuple of `str` (path-like
-    objects become strings), or a `Mix` as it is; `SpecError` unless it is a non-empty
-    path or URL, or a non-empty list of them. A relative local path is made absolute
-    here, in the client's working directory (workers run in their own)."""
+    """`source` as a `str`, a list of shard URLs as a tuple of `str`, a `Mix` as it is;
+    `SpecError` unless it is a non-empty path or URL, or a non-empty list of them. A
+    relative local path is made absolute here, in the client's working directory."""
     allowed = "a non-empty path or fsspec URL, or a non-empty list of shard paths or URLs, or a dmdask.Mix"
     if isinstance(source, Mix):
         return source
@@ -156,26 +149,9 @@ def as_source(source):
 class Mix:
     """Several sources read as one weighted mixture: `Spec(source=dmdask.Mix(...), ...)`.
 
-        spec = dmdask.Spec(source=dmdask.Mix(["/data/web.zarr", "/data/books.zarr"], weights=[0.7, 0.3]),
-                           batch_size=256)
-
     Each batch then also holds "source" (int64: the position of each sample's source in
-    `sources`), and "index" is the sample id within that source. What an epoch is:
-
-    - it has `epoch_size` positions (default: the sum of the sources' sizes), and source
-      i takes exactly `epoch_size * weights[i] / sum(weights)` of them (rounded by
-      largest remainder; default weights: the sources' sizes, which makes an epoch one
-      pass over every source, shuffled together);
-    - the positions of a source are spread evenly over the epoch: rounds of fewer than
-      64 positions (with up to 32 sources) each hold every source's share to within one,
-      placed at random within the round (`Spec.shuffle`; without it, the sources in
-      list order);
-    - a source is read in passes: each pass is a permutation of all its samples (from
-      the seed, the pass and the source), so within a pass no sample repeats; passes go
-      on from one epoch to the next (a source drawn less than its size per epoch is
-      covered over several epochs, one drawn more starts new passes within an epoch);
-    - the positions are dealt to the ranks as those of a single source (exactly once
-      over the ranks, `resume=` and elastic resume alike).
+    `sources`), and "index" is the sample id within that source. What an epoch is (its
+    rounds and passes): docs/quickstart.md, "Mixing sources"; docs/architecture.md.
 
     sources: a list of sources, each as `Spec.source` takes one (a path or URL, or a list
         of WebDataset shard URLs), or a `Spec` whose `source`, `keys`, `block_size` and
@@ -186,8 +162,7 @@ class Mix:
         other job that reads it, and released (`dmdask.release`) as one.
     weights: non-negative numbers with a positive sum, one per source (a zero weight
         leaves its source out); None: in proportion to the sources' sizes, so that an
-        epoch reads every sample of every source once, as dmdask's epochs of one source
-        do (tf.data and Grain default to equal weights instead: pass `[1] * len(sources)`).
+        epoch reads every sample of every source once.
     epoch_size: positions per epoch (>= 1); None: the sum of the sources' sizes.
     """
 

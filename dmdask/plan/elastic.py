@@ -1,11 +1,8 @@
 """Elastic resume: the rest of an epoch after ranks of another world size stopped part-way.
 
-The epoch's positions 0..n-1 are dealt to the ranks of a generation by interleaving
-(`RankShare`). When every rank's state is saved and the job restarts with another
-number of ranks, the positions none of them handed out form the `Remaining` sequence,
-which the new ranks deal among themselves the same way. Generations chain: each
-resumed state records the consumed counts of the generations before it (`history`),
-so a job may change its world size any number of times within an epoch.
+The positions none of a generation's ranks handed out form the `Remaining` sequence,
+which the next generation's ranks deal among themselves as `RankShare` deals an epoch.
+Each resumed state records the consumed counts of the generations before it (`history`).
 
 Guarantees: over all generations of an epoch, every position is handed out exactly
 once (with drop_last=True, the tail of the last generation that does not fill a batch

@@ -9,13 +9,11 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import numpy as np
-import numpy.random  # noqa: F401 - numpy imports it lazily, on the first epoch's order (12 ms)
+import numpy.random  # noqa: F401 - now, not lazily at the first epoch's order
 
 ROUNDS = 6  # Feistel rounds; 4 already make a strong pseudo-random permutation (Luby-Rackoff)
-# Values a permutation pass takes at a time: its ~30 temporaries of 64 KiB come from the
-# heap and are reused, where arrays of 256 KiB were each a new mapping (glibc maps blocks
-# of 128 KiB and more), faulted in and unmapped again: 9,500 page faults an epoch of
-# 160,000 samples, ~20% of a warm epoch's time.
+# values a permutation pass takes at a time: its temporaries of 64 KiB stay below glibc's
+# mmap threshold (128 KiB), so they are reused from the heap rather than mapped and unmapped
 _SLICE = 1 << 13
 
 _MUL1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -24,11 +22,7 @@ _SHIFT30, _SHIFT27, _SHIFT31 = np.uint64(30), np.uint64(27), np.uint64(31)
 
 
 def mix64(z: np.ndarray) -> np.ndarray:
-    """The splitmix64 finaliser, applied in place to a uint64 array and returned.
-
-    A bijection of uint64 in which every input bit affects every output bit. (Integer
-    arrays wrap around silently in numpy: no overflow warning to silence.)
-    """
+    """The splitmix64 finaliser (a bijection of uint64), applied in place to a uint64 array and returned."""
     z ^= z >> _SHIFT30
     z *= _MUL1
     z ^= z >> _SHIFT27
@@ -42,13 +36,8 @@ def round_keys(seed: int, epoch: int, salt: int, count: int, stream: Sequence[in
 
 
 class Feistel:
-    """A keyed permutation of range(size): a balanced Feistel network with cycle-walking.
-
-    The network permutes the smallest power of 4 >= size (two halves of `half_bits` bits).
-    An image >= size is fed through the network again until it lands inside range(size),
-    which keeps the map a bijection of range(size). A `tweak` (one uint64 per value, or
-    None) selects one of many unrelated permutations that share the round keys.
-    """
+    """A keyed permutation of range(size) (see the module). A `tweak` (one uint64 per value,
+    or None) selects one of many unrelated permutations that share the round keys."""
 
     def __init__(self, size: int, round_keys: np.ndarray):
         self.size = size

@@ -11,14 +11,9 @@ Guarantees:
   and every run of n_i consecutive draws (pass p = draw // n_i) is a permutation of the
   source's n_i samples (`EpochOrder` keyed by (seed, pass, source)): no sample repeats
   within a pass.
-- Spread: the epoch is cut into rounds of fewer than `MIX_ROUND` positions (with up to
-  32 sources; 256 up to 224 sources, ...); source i's draws before round r are
-  `floor((r * counts[i] + phase[i]) / rounds)`, so each round holds every source's share
-  to within one, and a source's draws come in order from round to round (a source read
-  with a shuffle window keeps to its windows). With shuffle=True the positions of a round
-  are permuted (one keyed network over `MIX_ROUND` values, tweaked by the round,
-  cycle-walked to the round's length), with shuffle=False the sources take their turns
-  in list order.
+- Spread: each round of fewer than `MIX_ROUND` positions (with up to 32 sources) holds
+  every source's share to within one, and a source's draws come in order from round to
+  round (docs/architecture.md, "An epoch of a mixture").
 - Everything is a function of (sizes, counts, block_lens, shuffle, seed, epoch,
   shuffle_window) alone, in fixed-width integer arithmetic, O(log S) time per position
   and O(S) per round and per source touched: nothing is materialised over the epoch.
@@ -60,11 +55,8 @@ def apportion(total: int, weights: Sequence) -> List[int]:
 
 
 class MixOrder:
-    """Positions 0..N-1 of one mixture epoch -> global ids (see the module's guarantees).
-
-    sizes: samples of each source (>= 1); counts: its draws this epoch (>= 0, N = their
-    sum); block_lens: each source's block length (for its shuffle window).
-    """
+    """Positions 0..N-1 of one mixture epoch -> global ids (see the module's guarantees);
+    N = sum(counts), each source's draws this epoch."""
 
     def __init__(self, sizes: Sequence[int], counts: Sequence[int], block_lens: Sequence[int], *, shuffle: bool,
                  seed: int, epoch: int, shuffle_window: Optional[int] = None):

@@ -11,10 +11,6 @@ Guarantees:
 - The ranks' shares (`RankShare`) partition the epoch: every sample goes to exactly one
   rank (with `drop_last=True`, the tail that does not fill a batch on every rank goes to
   none).
-
-How: a keyed `Feistel` permutation over all samples (`dmdask.plan.feistel`), or with
-`shuffle_window=k` a permutation of the blocks and one within each window of k blocks
-(`dmdask.plan.windows`).
 """
 from __future__ import annotations
 
@@ -22,7 +18,7 @@ import operator
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
-import numpy.ma  # noqa: F401 - numpy imports it lazily, on the first np.unique: a rank's first batch (7-25 ms)
+import numpy.ma  # noqa: F401 - now, not lazily at the first np.unique (a rank's first batch)
 
 from .feistel import ROUNDS, Feistel, round_keys
 from .windows import Windows
@@ -55,7 +51,7 @@ def check_positions(values, num_samples: int, what: str = "position") -> Tuple[n
 
 
 class EpochOrder:
-    """The order of one epoch: a bijection from positions 0..n-1 to sample ids 0..n-1.
+    """The order of one epoch (see the module's guarantees).
 
     shuffle=False is the stored order (id == position), whatever the window. shuffle=True
     with shuffle_window=None is a keyed pseudo-random permutation of all samples. With
@@ -93,10 +89,8 @@ class EpochOrder:
                                      self.stream)
 
     def ids(self, positions: np.ndarray) -> np.ndarray:
-        """int64 sample ids at the given positions (any int array), O(len(positions)) time and memory.
-
-        The result has the shape of `positions`. IndexError if a position is outside 0..n-1.
-        """
+        """int64 sample ids at `positions` (any int array, whose shape the result has);
+        IndexError if a position is outside 0..n-1."""
         flat, shape = check_positions(positions, self.num_samples)
         if self._whole is not None:
             out = self._whole.forward(flat.astype(np.uint64)).astype(np.int64)
@@ -198,9 +192,8 @@ class RankShare:
         return [ids[i:i + self.batch_size] for i in range(0, len(ids), self.batch_size)]
 
     def _ids(self, first: int, end: int) -> np.ndarray:
-        """Ids of share samples first..end-1, computed in chunks: a call on a few batches
-        costs a fixed ~0.1 ms per cycle-walking pass, a chunk amortises it. Chunks double
-        from the size asked up to CHUNK_SAMPLES, so the first batch waits for its own ids only."""
+        """Ids of share samples first..end-1, computed in chunks that double from the size
+        asked up to CHUNK_SAMPLES, so the first batch waits for its own ids only."""
         at, ids = self._chunk
         if not (at <= first and end <= at + len(ids)):
             size = min(CHUNK_SAMPLES, max(end - first, 2 * len(ids)))
