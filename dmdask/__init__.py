@@ -1,15 +1,7 @@
-"""dmdask: a shared, tiered block cache on Dask distributed that feeds training loops.
-
-    import dmdask
-    cluster = dmdask.LocalCluster(n_workers=2, ram="2 GiB")
-    client = distributed.Client(cluster)
-    spec = dmdask.Spec(source="data/train.zarr", batch_size=256)
-    for batch in dmdask.batches(client, spec, epoch=0):
-        ...
-
-Loaders that read files through fsspec read through the cluster's cache when given
-`dmdask::` URLs (`dmdask.fs`, docs/transparent.md). A stock `dask scheduler --preload dmdask` installs the scheduler plugin; without the
-preload the first `dmdask.batches` call registers it.
+"""dmdask: a shared, tiered block cache on Dask distributed that feeds training loops
+(docs/quickstart.md). `dmdask::` URLs read files through the cluster's cache (docs/transparent.md).
+`dask scheduler --preload dmdask` installs the scheduler plugin; without the preload the
+first `dmdask.batches` call registers it.
 """
 from . import config as _config  # noqa: F401  (registers the dmdask config namespace)
 from .client import BatchIterator, batches, release

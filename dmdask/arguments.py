@@ -1,10 +1,8 @@
 """Checks of what clients send to dmdask's scheduler and worker handlers.
 
-A handler checks its arguments at its entry, before it changes anything, and refuses
-a wrong type, a value out of range or an unknown key with `HandlerArgumentError`
-naming the handler, the argument and what it takes, which the caller's RPC re-raises.
-So nothing a client sends can corrupt the registry or the counters other clients read.
-The checks cost O(arguments): nothing is copied.
+A handler checks its arguments at its entry, before it changes anything: a wrong type, a
+value out of range or an unknown key raises `HandlerArgumentError` naming the handler, the
+argument and what it takes (the caller's RPC re-raises it). The checks copy nothing.
 """
 from __future__ import annotations
 

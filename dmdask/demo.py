@@ -1,13 +1,6 @@
 """`dmdask demo`: train a small model on scikit-learn's digits through a local dmdask cluster.
 
-It writes the 1797 8x8 digits once as PNG files in class folders (`class-00` ...
-`class-09`, a train and a test folder) under `demo-data/shared`, the stand-in for a
-shared file system, and reads them from that path as a user would. A 2-worker
-`dmdask.LocalCluster` whose cache (RAM + SSD tiers) is smaller than the dataset
-decodes and augments them on the workers (`dmdask.images`), a small model trains on
-them (PyTorch if installed, else numpy softmax regression), and the report says per
-epoch what the workers read from the shared store and where each sample came from
-(RAM, SSD, streamed), then the accuracy on the held-out digits.
+What it does and reports: docs/quickstart.md, "The demo".
 """
 from __future__ import annotations
 

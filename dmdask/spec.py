@@ -27,13 +27,10 @@ class Spec:
     Integer fields accept Python and numpy integers (stored as `int`), never bools or
     floats.
 
-    source: a Zarr v3 group or array, a Parquet file, folder of Parquet files or
-        glob, an HDF5 file or a group in it (`file.h5/group`), a folder of per-sample
-        files in class-per-subfolder layout, or WebDataset tar shards (a folder of
-        `.tar` files, a `.tar` URL, or a brace pattern such as
-        `train-{000000..000099}.tar`); a local path or any fsspec URL. A list of shard
-        URLs (paths or URLs) is kept as a tuple and read as WebDataset shards in that order.
-        A `dmdask.Mix` of several sources reads them as one weighted mixture.
+    source: a local path or any fsspec URL of a Zarr v3 group or array, Parquet, HDF5
+        (`file.h5/group`), a class-per-subfolder folder of files or WebDataset tar shards
+        (docs/quickstart.md, "Sources"); a list of shard URLs, kept as a tuple and read as
+        WebDataset shards in that order; or a `dmdask.Mix` of several sources.
     batch_size: samples per batch (>= 1).
     shuffle: a seeded permutation per epoch (True) or the stored order (False).
     seed: seed of the permutation; the same seed and epoch give the same order on

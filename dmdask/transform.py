@@ -56,14 +56,7 @@ _context: contextvars.ContextVar = contextvars.ContextVar("dmdask_transform_cont
 def transform_context() -> Optional[TransformContext]:
     """The `TransformContext` of the batch being transformed, inside a `Spec.transform`
     that dmdask runs (on a worker, or in the child process of an isolated retry);
-    None anywhere else. A transform draws its randomness from it so that, say, a
-    random crop is fresh every epoch yet the same when an epoch is resumed::
-
-        def jitter(batch):
-            ctx = dmdask.transform_context()
-            rng = np.random.default_rng([ctx.seed, ctx.epoch, int(batch["index"][0])])
-            ...
-    """
+    None anywhere else. Example: docs/quickstart.md, "A transform knows its epoch"."""
     return _context.get()
 
 

@@ -1,15 +1,9 @@
-"""dmdask on the Dask dashboard: a scheduler preload (docs/dashboard.md).
+"""dmdask on the Dask dashboard, a scheduler preload (docs/dashboard.md): `/dmdask`,
+`/dmdask/tiers.json` and `dmdask_*` metrics on `/metrics`, all read on the scheduler from
+the workers' heartbeat metrics, so watching costs the workers nothing.
 
-    dask scheduler --preload dmdask.dashboard      # dmdask.LocalCluster does it for you
-
-serves `/dmdask` (a live Bokeh page of the workers' tiers, hit rates, peer and
-shared-store traffic), `/dmdask/tiers.json` (the same numbers; `?history=1` adds the
-line plot's points) and `dmdask_*` metrics on `/metrics`, all read on the scheduler
-from the workers' heartbeat metrics, so watching costs the workers nothing.
-
-Importing this module (a preload is imported before the scheduler builds its HTTP
-server) registers the page, which needs bokeh; `dask_setup` adds the JSON route, the
-navigation link, the history sampler and the Prometheus collector.
+Importing this module registers the page (which needs bokeh); `dask_setup` adds the JSON
+route, the navigation link, the history sampler and the Prometheus collector.
 """
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
-"""The numbers behind the dmdask dashboard, read on the scheduler without asking any worker.
-
-- per worker: `WorkerState.metrics["dmdask"]`, the worker's `BlockCache.stats()` sent
-  with every heartbeat (so up to one heartbeat old); workers without dmdask tiers have none;
-- per dataset: the registry of dmdask's scheduler plugin (`dmdask.scheduler`).
-
-`snapshot(scheduler)` is the one dict that the page, `/dmdask/tiers.json` and the
-Prometheus collector all show; its "workers" and "total" have the shape of `dmdask.stats(client)`.
+"""The numbers behind the dmdask dashboard, read on the scheduler without asking any worker:
+each worker's `BlockCache.stats()` from its heartbeat metrics (up to one heartbeat old) and
+the registry of dmdask's scheduler plugin. `snapshot(scheduler)` is the one dict that the
+page, `/dmdask/tiers.json` and Prometheus show; its "workers" and "total" have the shape of
+`dmdask.stats(client)`.
 """
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The `/dmdask` Bokeh page: per-worker tiers, hit rates, peer and shared-store traffic.
-
-`tiers_doc` is what the preload puts into Dask's dashboard applications. The page
-redraws once a second from `figures.Monitor.snapshot()`; nothing here talks to a worker.
+"""The `/dmdask` Bokeh page (`tiers_doc`): per-worker tiers, hit rates, peer and shared-store
+traffic, redrawn once a second from `figures.Monitor.snapshot()`; nothing here talks to a worker.
 """
 from __future__ import annotations
 

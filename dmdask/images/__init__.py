@@ -1,20 +1,8 @@
-"""Ready batch transforms for images: decode, crop, flip and normalise on the workers.
+"""Ready batch transforms for images: decode, crop, flip and normalise on the workers
+(docs/quickstart.md, "Images", describes each step and option).
 
-A pipeline is a `Spec.transform`: it takes a batch whose field "data" holds the file
-bytes of each sample (a folder source) and returns the batch with one fixed-size array
-in field "image" instead, the other fields ("label", "index") unchanged::
-
-    from dmdask import images
-
-    train = images.pipeline(images.decode(), images.random_resized_crop(224), images.flip(),
-                            images.normalize(images.IMAGENET_MEAN, images.IMAGENET_STD))
-    spec = dmdask.Spec("/data/train", batch_size=256, transform=train)
-    # batch: {"image": float32 (n, 3, 224, 224), "label": int64 (n,), "index": int64 (n,)}
-
-    train = images.train_pipeline(224)   # torchvision's ImageNet training recipe
-    test = images.eval_pipeline(224)     # and its evaluation recipe
-
-Each step and option is described in docs/quickstart.md ("Images"). Each sample's
+A pipeline is a `Spec.transform`: it replaces the file bytes of each sample (field "data")
+by one fixed-size array in field "image"; the other fields pass through. Each sample's
 random draws come from a generator seeded with (seed, epoch, sample id): fresh every
 epoch, yet the same for a sample of a given epoch whatever the number of ranks and
 workers, the batch it lands in, or a resume mid-epoch. A pipeline is picklable and

@@ -1,14 +1,10 @@
 """Batches onto a CUDA device ahead of the training step (`TorchLoader(device="cuda:N")`).
 
-For each host batch: every tensor is copied into pinned (page-locked) host memory
-(torch's caching host allocator: a pool of pinned buffers, each reused once the copies
-that read it are done), then copied to the device with `non_blocking=True` on a CUDA
-stream of its own, so the copy overlaps the training step on the current stream. Up to
-`depth` batches are in flight on the device. A batch is handed out only after the
-current stream was told to wait for its copy (`wait_event`), and its tensors are
-recorded on the current stream, so the allocator never reuses their memory early.
-
-`prefetched` (the ordering, no CUDA) is unit-tested on CPU; `CudaFeeder` needs CUDA.
+Each tensor is pinned (torch's caching host allocator) and copied to the device with
+`non_blocking=True` on a stream of its own, overlapping the training step; up to `depth`
+batches are in flight. A batch is handed out only after the current stream waits for its
+copy (`wait_event`), and its tensors are recorded on that stream, so the allocator never
+reuses their memory early.
 """
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""The walk over a batch's fields that the PyTorch, JAX and MXNet adapters share: `converted`.
-
-This module imports numpy and no framework.
-"""
+"""The walk over a batch's fields that the PyTorch, JAX and MXNet adapters share (imports no framework)."""
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, Optional

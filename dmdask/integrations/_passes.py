@@ -1,7 +1,4 @@
-"""The epoch and resume bookkeeping all four adapters share: `EpochPasses`.
-
-This module imports dmdask and no framework.
-"""
+"""The epoch and resume bookkeeping all four adapters share: `EpochPasses` (imports no framework)."""
 from __future__ import annotations
 
 import threading

@@ -1,8 +1,5 @@
-"""The rank rule the four adapters share: `spec_for_rank`.
-
-Each adapter asks its own framework for this process's rank and world size and hands
-them here as plain numbers. This module imports dmdask and no framework.
-"""
+"""The rank rule the four adapters share, given each framework's rank and world size as
+plain numbers: `spec_for_rank` (imports no framework)."""
 from __future__ import annotations
 
 import dmdask

@@ -63,7 +63,7 @@ class JaxLoader(EpochPasses):
         evenly: `spec.drop_last=True` and a batch size the shards divide (ValueError if not).
     device: the device of unsharded arrays (default: JAX's default device).
 
-    One pass at a time; not thread-safe.
+    Not thread-safe.
     """
 
     def __init__(self, client, spec: dmdask.Spec, *, sharding: Union[None, str, Sharding] = None,

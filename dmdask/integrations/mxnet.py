@@ -66,8 +66,6 @@ class MXNetLoader(EpochPasses):
 
     spec: with a distributed `kvstore`, rank and world size from it (`kvstore_spec`).
     ctx: the `mx.Context` of the NDArrays (default `mx.cpu()`).
-
-    One pass at a time.
     """
 
     def __init__(self, client, spec: dmdask.Spec, *, ctx=None, kvstore=None, epoch: int = 0):

@@ -143,7 +143,7 @@ class TFLoader(tf.train.experimental.PythonState, EpochPasses):
         Give it when a transform makes inner shapes vary between batches.
 
     Positions count batches taken from the dataset (a `.prefetch()` or a parallel `.map()`
-    reads ahead). One pass at a time.
+    reads ahead).
     """
 
     def __init__(self, client, spec: dmdask.Spec, *, strategy=None, input_context=None, epoch: int = 0,

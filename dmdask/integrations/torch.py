@@ -57,10 +57,8 @@ def to_torch(batch: Dict[str, Any]) -> Dict[str, Any]:
 class TorchLoader(EpochPasses):
     """This rank's batches of `spec.source`, epoch by epoch, as dicts of torch tensors.
 
-    Guarantees: those of `EpochPasses` with moves_on=False: the epoch changes only with
-    `set_epoch` (as with `DistributedSampler`), and setting the epoch the loader is at
-    keeps a loaded position. `state_dict()` holds plain Python values (for `torch.save`,
-    `torch.load(weights_only=True)` and JSON).
+    Guarantees: those of `EpochPasses` with moves_on=False (as with `DistributedSampler`).
+    `state_dict()` holds plain values (for `torch.load(weights_only=True)` and JSON).
 
     spec: rank and world size from torch.distributed (`distributed_spec`), once, here.
     pin_memory: pin tensors in page-locked memory; a no-op without CUDA. A CUDA `device` always pins.
@@ -70,8 +68,7 @@ class TorchLoader(EpochPasses):
     device_prefetch: batches in flight on a CUDA device (0: one at a time).
 
     With DistributedDataParallel, set `spec.drop_last=True` so that every rank takes the
-    same number of steps per epoch. One pass at a time: a new `iter()` closes the previous
-    one. Not thread-safe.
+    same number of steps per epoch. Not thread-safe.
     """
 
     def __init__(self, client, spec: dmdask.Spec, *, pin_memory: bool = False,

@@ -54,11 +54,9 @@ class EpochOrder:
     """The order of one epoch (see the module's guarantees).
 
     shuffle=False is the stored order (id == position), whatever the window. shuffle=True
-    with shuffle_window=None is a keyed pseudo-random permutation of all samples. With
-    shuffle_window=k the blocks (block b = samples b*block_len .. min(n, (b+1)*block_len) - 1)
-    are shuffled and cut into windows of k consecutive blocks, and each window's samples are
-    shuffled among themselves: a window's positions cover exactly the samples of its blocks,
-    so a reader needs only k blocks at a time. k >= num_blocks is one window over all.
+    with shuffle_window=None is a keyed `Feistel` permutation of all samples. With
+    shuffle_window=k (`Windows`) a window's positions cover exactly the samples of k
+    blocks (block b = samples b*block_len ..), so a reader needs only k blocks at a time.
 
     stream: further integers that select an unrelated order for the same (seed, epoch),
     such as a source of a mixture and its pass (`dmdask.plan.mix`); () is the order of a
