@@ -132,10 +132,7 @@ COLUMNS = [
 
 
 def format_table(stats: dict) -> str:
-    """The table of `dmdask.stats(client)`: one row per worker (sorted) and the total.
-
-    Sizes in MiB with one decimal; blocks and hits (samples served per tier) exact.
-    """
+    """The table of `dmdask.stats(client)`: one row per worker (sorted) and the total."""
     rows = sorted(stats["workers"].items()) + [("total", stats["total"])]
     cells = [["worker"] + [h for h, _ in COLUMNS]]
     cells += [[name] + [fn(s) for _, fn in COLUMNS] for name, s in rows]
@@ -170,9 +167,8 @@ def format_warnings(stats: dict) -> list:
 
 
 def format_datasets(datasets) -> str:
-    """The registry of `dmdask.stats(client)["datasets"]`: one line per dataset, and one
-    per folder for the files read through `dmdask::` URLs or `dmdask mount` (transparent
-    mode makes a dataset of each file). URLs are shown without credentials."""
+    """The registry of `dmdask.stats(client)["datasets"]`: one line per dataset, and one per
+    folder of the files read in transparent mode. URLs are shown without credentials."""
     from .source.urls import public
 
     if not datasets:

@@ -155,8 +155,6 @@ class Mix:
         `storage_options` are used (its other fields are not; it may have no transform).
         Plain sources take those three from the mixture's `Spec`. Every source must give
         the same fields with the same dtypes and sample shapes (`keys=` selects them).
-        Each source is a dataset of its own in the cluster: cached, shared with any
-        other job that reads it, and released (`dmdask.release`) as one.
     weights: non-negative numbers with a positive sum, one per source (a zero weight
         leaves its source out); None: in proportion to the sources' sizes, so that an
         epoch reads every sample of every source once.

@@ -7,7 +7,15 @@ from typing import Iterator, Optional
 import dmdask
 from dmdask.plan.order import check_int
 
-__all__ = ["EpochPasses"]
+__all__ = ["EpochPasses", "described"]
+
+
+def described(name: str, loader, **extra) -> str:
+    """The repr of an adapter: `name(source=..., ..., epoch=..., extra...)`, values as str."""
+    s = loader.spec
+    fields = dict(source=repr(s.source), batch_size=s.batch_size, rank=s.rank, world_size=s.world_size,
+                  epoch=loader.epoch, **extra)
+    return f"{name}({', '.join(f'{key}={value}' for key, value in fields.items())})"
 
 
 class EpochPasses:

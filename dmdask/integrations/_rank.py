@@ -12,8 +12,7 @@ def spec_for_rank(spec: dmdask.Spec, rank: int, world_size: int, source: str) ->
 
     A spec at the defaults rank=0, world_size=1 (given explicitly or not) takes `rank` and
     `world_size`; a spec that sets them must agree (ValueError naming both otherwise);
-    `spec` itself comes back when it already says `rank` of `world_size`. The caller
-    decides whether its framework runs distributed at all.
+    `spec` itself comes back when it already says `rank` of `world_size`.
     """
     rank, world_size = int(rank), int(world_size)
     if (spec.rank, spec.world_size) == (rank, world_size):

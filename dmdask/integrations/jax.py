@@ -11,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 import dmdask
 from ._fields import converted
-from ._passes import EpochPasses
+from ._passes import EpochPasses, described
 from ._rank import spec_for_rank
 
 __all__ = ["JaxLoader", "to_jax", "local_batch_sharding", "process_spec"]
@@ -92,9 +92,7 @@ class JaxLoader(EpochPasses):
             yield to_jax(batch, self.sharding, self.device)
 
     def __repr__(self) -> str:
-        s = self.spec
-        return (f"JaxLoader(source={s.source!r}, batch_size={s.batch_size}, rank={s.rank}, "
-                f"world_size={s.world_size}, epoch={self.epoch}, sharding={self.sharding})")
+        return described("JaxLoader", self, sharding=self.sharding)
 
 
 def _batch_shards(sharding: Sharding) -> int:

@@ -19,7 +19,7 @@ with warnings.catch_warnings():  # MXNet's import-time noise: distutils, numpy f
 
 import dmdask  # noqa: E402
 from ._fields import converted  # noqa: E402
-from ._passes import EpochPasses  # noqa: E402
+from ._passes import EpochPasses, described  # noqa: E402
 from ._rank import spec_for_rank  # noqa: E402
 
 __all__ = ["MXNetLoader", "DmdaskDataIter", "to_mxnet", "kvstore_spec"]
@@ -57,8 +57,6 @@ def to_mxnet(batch: Dict[str, Any], ctx=None) -> Dict[str, Any]:
     return converted(batch, lambda arr: _ndarray(arr, ctx))
 
 
-# --- Gluon: an iterable of dicts of NDArray ----------------------------------------------------
-
 class MXNetLoader(EpochPasses):
     """This rank's dmdask batches, epoch after epoch, as dicts of `mx.nd.NDArray`.
 
@@ -79,12 +77,8 @@ class MXNetLoader(EpochPasses):
             yield to_mxnet(batch, self.ctx)
 
     def __repr__(self) -> str:
-        s = self.spec
-        return (f"MXNetLoader(source={s.source!r}, batch_size={s.batch_size}, rank={s.rank}, "
-                f"world_size={s.world_size}, epoch={self.epoch}, ctx={self.ctx})")
+        return described("MXNetLoader", self, ctx=self.ctx)
 
-
-# --- the Module API: an mx.io.DataIter ----------------------------------------------------------
 
 class DmdaskDataIter(mx.io.DataIter):
     """An `mx.io.DataIter` over this rank's dmdask batches, for `Module.fit` and friends.
@@ -184,6 +178,4 @@ class DmdaskDataIter(mx.io.DataIter):
         self.loader.close()
 
     def __repr__(self) -> str:
-        s = self.spec
-        return (f"DmdaskDataIter(source={s.source!r}, batch_size={s.batch_size}, rank={s.rank}, "
-                f"world_size={s.world_size}, epoch={self.epoch}, data={self.data_names}, label={self.label_names})")
+        return described("DmdaskDataIter", self, data=self.data_names, label=self.label_names)

@@ -10,7 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 import dmdask
-from ._passes import EpochPasses
+from ._passes import EpochPasses, described
 from ._rank import spec_for_rank
 
 __all__ = ["TFLoader", "to_tensorflow", "strategy_spec", "rank_of_strategy", "signature_of"]
@@ -127,8 +127,6 @@ def signature_of(batch: Dict[str, Any]) -> Dict[str, Any]:
     return {k: _unbatched(tf.type_spec_from_value(v)) for k, v in converted.items()}
 
 
-# --- the loader -----------------------------------------------------------------------------
-
 class TFLoader(tf.train.experimental.PythonState, EpochPasses):
     """This rank's dmdask batches, epoch after epoch, as a `tf.data.Dataset` of dicts.
 
@@ -206,6 +204,4 @@ class TFLoader(tf.train.experimental.PythonState, EpochPasses):
         self.load_state_dict(json.loads(string_value))
 
     def __repr__(self) -> str:
-        s = self.spec
-        return (f"TFLoader(source={s.source!r}, batch_size={s.batch_size}, rank={s.rank}, "
-                f"world_size={s.world_size}, epoch={self.epoch}, ragged={self.ragged!r})")
+        return described("TFLoader", self, ragged=repr(self.ragged))

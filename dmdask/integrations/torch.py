@@ -15,7 +15,7 @@ import torch.utils.data
 import dmdask
 from ._device import CudaFeeder, check_device
 from ._fields import converted
-from ._passes import EpochPasses
+from ._passes import EpochPasses, described
 from ._rank import spec_for_rank
 
 __all__ = ["TorchLoader", "to_torch", "distributed_spec"]
@@ -112,7 +112,4 @@ class TorchLoader(EpochPasses):
         return value
 
     def __repr__(self) -> str:
-        s = self.spec
-        return (f"TorchLoader(source={s.source!r}, batch_size={s.batch_size}, rank={s.rank}, "
-                f"world_size={s.world_size}, epoch={self.epoch}, pin_memory={self.pin_memory}, "
-                f"device={self.device})")
+        return described("TorchLoader", self, pin_memory=self.pin_memory, device=self.device)

@@ -6,8 +6,7 @@ Guarantees:
   on (num_samples, block_len, shuffle, seed, epoch, shuffle_window): never on the cluster,
   the cache or the number of ranks. The same arguments give the same order on any machine;
   other epochs or seeds give other orders.
-- The id at any position, and the position of any id, cost O(1) time and memory: nothing
-  is ever materialised over all samples.
+- The id at any position, and the position of any id, cost O(1) time and memory.
 - The ranks' shares (`RankShare`) partition the epoch: every sample goes to exactly one
   rank (with `drop_last=True`, the tail that does not fill a batch on every rank goes to
   none).
@@ -143,12 +142,9 @@ class RankShare:
     """One rank's share of an epoch: positions rank, rank + world_size, rank + 2*world_size, ... cut into batches.
 
     `remaining` (a `dmdask.plan.elastic.Remaining`): deal only the positions earlier
-    generations of ranks left (elastic resume); the same rules apply to its length.
-
-    Interleaving keeps all ranks at the same point of the epoch. With drop_last=True every
-    rank gets (n // (world_size*batch_size)) * batch_size samples in full batches and the
-    tail goes to no one; with drop_last=False the last batch may be short and, over all
-    ranks, every sample is delivered exactly once. Batches are computed on demand.
+    generations of ranks left (elastic resume). With drop_last=True every rank gets
+    (n // (world_size*batch_size)) * batch_size samples in full batches; with
+    drop_last=False the last batch may be short. Batches are computed on demand.
     """
 
     def __init__(self, order: EpochOrder, rank: int, world_size: int, batch_size: int, drop_last: bool,

@@ -2,8 +2,7 @@
 
 The blocks are permuted by a network of their own, the permuted block sequence is cut
 into windows of k blocks, and the samples of each window are permuted among themselves by
-a network tweaked by the window index: a window's positions cover exactly the samples of
-its blocks.
+a network tweaked by the window index.
 """
 from __future__ import annotations
 
