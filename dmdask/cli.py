@@ -144,8 +144,7 @@ def format_table(stats: dict) -> str:
 
 
 def format_tiers(stats: dict) -> list:
-    """One line per worker and tier: its folder and where its size came from (a setting,
-    the job's memory limit, the free space of its temp dir: `dmdask.worker.sizing`)."""
+    """One line per worker and tier: its folder and where its size came from (`dmdask.worker.sizing`)."""
     lines = []
     for worker, s in sorted(stats["workers"].items()):
         for tier in ("ram", "ssd"):
@@ -155,8 +154,7 @@ def format_tiers(stats: dict) -> list:
 
 
 def format_warnings(stats: dict) -> list:
-    """One line per distinct tier warning or error of the workers (a RAM tier larger than
-    /dev/shm, an unusable SSD folder), naming how many workers it concerns."""
+    """One line per distinct tier warning or error of the workers, naming how many workers it concerns."""
     seen = defaultdict(list)
     for worker, s in sorted(stats["workers"].items()):
         for tier in ("ram", "ssd"):

@@ -114,9 +114,8 @@ def run(args) -> dict:
 
 # -- the dataset ---------------------------------------------------------------------------
 def write_digits(root: str) -> tuple:
-    """scikit-learn's digits as PNG files under `root`/train and `root`/test (class
-    folders `class-00` ... `class-09`, a fixed 80/20 split), written once: a later run
-    finds them. Returns the two folders."""
+    """The two folders `root`/train and `root`/test of scikit-learn's digits as PNG files in
+    class folders (a fixed 80/20 split), written once: a later run finds them."""
     train, test = os.path.join(root, "train"), os.path.join(root, "test")
     if os.path.exists(os.path.join(root, "COMPLETE")):
         return train, test

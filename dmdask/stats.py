@@ -30,8 +30,7 @@ def stats(client: Client) -> dict[str, dict]:
 
 
 def hit_shares(stats: dict) -> dict[str, float] | None:
-    """Fractions of the samples served from RAM, SSD and streamed from the store
-    (None before the first sample was served)."""
+    """Fractions of the samples served from RAM, SSD and the store (None before the first)."""
     hits = {"ram": stats["ram"]["hits"], "ssd": stats["ssd"]["hits"], "stream": stats["stream"]["hits"]}
     served = sum(hits.values())
     if not served:

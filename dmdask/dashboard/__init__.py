@@ -24,9 +24,8 @@ _NAV = PAGE.strip("/")
 
 
 def register_page() -> bool:
-    """Put the `/dmdask` page among the dashboard's Bokeh applications (idempotent), for
-    schedulers created afterwards. False when the dashboard is not available (no bokeh
-    or not a version Dask accepts)."""
+    """Put the `/dmdask` page among the dashboard's Bokeh applications for schedulers created
+    afterwards (idempotent); False when the dashboard is not available."""
     try:
         from distributed.dashboard.scheduler import applications
 
@@ -92,9 +91,8 @@ def add_nav_link(scheduler) -> None:
 
 
 class ClosedPageFilter(logging.Filter):
-    """Drops tornado's "Uncaught exception GET /dmdask/ws" error (a 25-line traceback)
-    logged when a browser closed the page while its websocket was being written to;
-    every other record passes."""
+    """Drops tornado's "Uncaught exception GET /dmdask/ws" error logged when a browser closed
+    the page while its websocket was being written to; every other record passes."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not (record.exc_info and record.exc_info[1] is not None):

@@ -1,12 +1,8 @@
 """Ready batch transforms for images: decode, crop, flip and normalise on the workers
-(docs/quickstart.md, "Images", describes each step and option).
+(docs/quickstart.md, "Images", describes each step, the pipeline and its randomness).
 
-A pipeline is a `Spec.transform`: it replaces the file bytes of each sample (field "data")
-by one fixed-size array in field "image"; the other fields pass through. Each sample's
-random draws come from a generator seeded with (seed, epoch, sample id): fresh every
-epoch, yet the same for a sample of a given epoch whatever the number of ranks and
-workers, the batch it lands in, or a resume mid-epoch. A pipeline is picklable and
-holds no state between calls; the workers need Pillow (`pip install "dmdask[images]"`).
+A pipeline's random draws depend on (seed, epoch, sample id) only, not on the ranks, the
+workers, the batch or a resume; it is picklable and holds no state between calls.
 """
 from .transform import LAYOUTS, Pipeline, eval_pipeline, pipeline, train_pipeline
 from .steps import (IMAGENET_MEAN, IMAGENET_STD, CenterCrop, Decode, Flip, Normalize, RandomResizedCrop, Resize,

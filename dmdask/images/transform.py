@@ -89,9 +89,8 @@ pipeline = Pipeline  # the documented name
 
 def train_pipeline(size: Size, mean=IMAGENET_MEAN, std=IMAGENET_STD, scale=(0.08, 1.0), hflip: bool = True,
                    mode: str = "RGB", **kwargs) -> Pipeline:
-    """torchvision's ImageNet training recipe: decode, random_resized_crop(size, scale),
-    flip() (if hflip), normalize(mean, std) (to_float() only with mean=None).
-    kwargs: field, out, layout, seed of `pipeline`."""
+    """torchvision's ImageNet training recipe: decode, random_resized_crop(size, scale), flip()
+    (if hflip), normalize(mean, std) (to_float() only with mean=None); kwargs go to `pipeline`."""
     steps = [decode(mode), random_resized_crop(size, scale=scale)] + ([flip()] if hflip else [])
     return pipeline(*steps, _finish(mean, std), **kwargs)
 

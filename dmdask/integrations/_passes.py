@@ -75,9 +75,8 @@ class EpochPasses:
         return dmdask.batches(self.client, self.spec, epoch=self.epoch, resume=self._start)
 
     def start_pass(self, repeat: bool = False) -> Iterator[dict]:
-        """Start a pass now (closing the previous one): an iterator of the numpy batches
-        of the current epoch. repeat=True goes on with the following epochs without end
-        (where the loader moves on by itself)."""
+        """Start a pass now (closing the previous one) over the numpy batches of the current
+        epoch; repeat=True goes on with the following epochs (where the loader moves on)."""
         with self._lock:
             it = self._fresh if self._fresh is not None else self._make()
             self._fresh = None

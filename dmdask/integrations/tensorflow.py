@@ -139,9 +139,6 @@ class TFLoader(tf.train.experimental.PythonState, EpochPasses):
     ragged: variable-size samples as "ragged" (`tf.RaggedTensor`) or "bytes" (`tf.string`).
     output_signature: by default read from one batch of the current epoch (by `peek`).
         Give it when a transform makes inner shapes vary between batches.
-
-    Positions count batches taken from the dataset (a `.prefetch()` or a parallel `.map()`
-    reads ahead).
     """
 
     def __init__(self, client, spec: dmdask.Spec, *, strategy=None, input_context=None, epoch: int = 0,
@@ -168,7 +165,8 @@ class TFLoader(tf.train.experimental.PythonState, EpochPasses):
         options = tf.data.Options()
         # each rank already reads only its share: tf.distribute must not shard it again
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-        # no tf.data read-ahead of its own, so that positions count the batches taken
+        # no tf.data read-ahead of its own, so that positions count the batches taken (an
+        # explicit .prefetch() or parallel .map() still reads ahead)
         options.experimental_optimization.inject_prefetch = False
         options.experimental_optimization.map_parallelization = False
         return ds.with_options(options)

@@ -109,10 +109,9 @@ class EpochOrder:
         return out.reshape(shape)
 
     def blocks_first_needed(self, limit: int) -> np.ndarray:
-        """Block indices (block k = samples k*block_len .. min(n,(k+1)*block_len)-1) ordered by the first
-        position that touches them, judged from the first `limit` positions only (evaluated in chunks,
-        stopping early once every block was seen); blocks not seen follow in index order. Every block
-        appears exactly once. O(limit + num_blocks)."""
+        """Block indices ordered by the first position that touches them, judged from the first
+        `limit` positions only; blocks not seen follow in index order. Every block appears
+        exactly once. O(limit + num_blocks)."""
         limit = min(check_int("limit", limit, 0), self.num_samples)
         if not self.shuffle:  # position order is block order
             return np.arange(self.num_blocks, dtype=np.int64)
