@@ -7,9 +7,7 @@ import os
 import dask.config
 import yaml
 
-_here = os.path.dirname(__file__)
-
-with open(os.path.join(_here, "dmdask.yaml")) as f:
+with open(os.path.join(os.path.dirname(__file__), "dmdask.yaml")) as f:
     defaults = yaml.safe_load(f)
 
 dask.config.update_defaults(defaults)

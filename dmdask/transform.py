@@ -13,11 +13,9 @@ Transform = Callable[[dict], dict]
 
 
 def per_sample(fn: Callable[[dict], dict]) -> Transform:
-    """Turn a per-sample function (dict of one sample's values -> dict) into a batch transform.
-
-    The result is picklable when `fn` is. Samples are stacked with `numpy.stack` when
-    they share a shape, else kept as an object array.
-    """
+    """Turn a per-sample function (dict of one sample's values -> dict) into a batch transform,
+    picklable when `fn` is. Samples are stacked with `numpy.stack` when they share a shape,
+    else kept as an object array."""
     return _PerSample(fn)
 
 
