@@ -5,9 +5,8 @@ batch), field "label" the int64 class index in sorted subfolder order. Sample id
 over the sorted class folders, then the sorted file names. Blocks are runs of files.
 
 The listing costs one request per class folder (up to `LIST_THREADS` at once), never one
-per file: sizes come from the listing where the protocol gives them (local, s3, gcs);
-where it does not (HTTP), a block's size is learnt when it is first read. The listing is made by the process that
-creates the dataset's blocks, once per cluster, and travels with the block readers.
+per file; it travels with the block readers. Sizes come from the listing where the
+protocol gives them (local, s3, gcs); elsewhere (HTTP) a block's size is learnt when read.
 """
 from __future__ import annotations
 
@@ -18,8 +17,7 @@ import numpy as np
 from dask.base import tokenize
 
 from ..errors import SourceError, SpecError
-from .base import (DatasetInfo, Source, StoreReader, block_key, filesystem, options_json, prepare_filesystem,
-                   protocol_of)
+from .base import DatasetInfo, Source, StoreReader, filesystem, options_json, prepare_filesystem, protocol_of
 from .registry import Format, Place
 
 DEFAULT_FILES_PER_BLOCK = 256
@@ -102,16 +100,12 @@ class FolderBlockReader(StoreReader):
     row_granular = True
 
     def __init__(self, url, protocol, options, files, labels, fields, identity, index, start, stop, nbytes):
-        self.url, self.protocol, self.options = url, protocol, options
+        super().__init__(url, identity, index, start, stop, nbytes)
+        self.protocol, self.options = protocol, options
         self.files, self.labels, self.fields = list(files), np.asarray(labels, dtype=np.int64), fields
-        self.index, self.start, self.stop, self.nbytes = index, start, stop, nbytes
-        self.key = block_key(identity, index)
 
     def prepare(self) -> None:
         prepare_filesystem(self.protocol, self.options)
-
-    def _read(self) -> Dict[str, np.ndarray]:
-        return self._read_rows(np.arange(self.stop - self.start))
 
     def _read_rows(self, rows) -> Dict[str, np.ndarray]:
         """The given rows; the files are fetched concurrently where the protocol allows."""

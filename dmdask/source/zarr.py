@@ -13,7 +13,7 @@ import numpy as np
 from dask.base import tokenize
 
 from ..errors import SourceError, SourceNotFoundError, SpecError
-from .base import DatasetInfo, Source, StoreReader, block_key, options_json
+from .base import DatasetInfo, Source, StoreReader, options_json
 from .registry import Format, Place
 
 
@@ -76,9 +76,7 @@ def open_zarr(place: Place) -> ZarrSource:
     if n == 0:
         raise SourceError(f"dataset {url} has no samples: its arrays {list(fields)} have length 0 "
                           "along the first axis")
-    chunk = 1
-    for name in fields:
-        chunk = math.lcm(chunk, arrays[name].chunks[0])
+    chunk = math.lcm(*(arrays[name].chunks[0] for name in fields))
     block_len = spec.block_size or chunk
     if block_len % chunk:
         raise SpecError("block_size", f"a multiple of the chunk length {chunk} of {url}", spec.block_size)
@@ -95,9 +93,8 @@ class ZarrBlockReader(StoreReader):
     """Reads the chunks of one block, every field."""
 
     def __init__(self, layout: ZarrLayout, index: int, start: int, stop: int, nbytes: int):
-        self.layout, self.index, self.start, self.stop, self.nbytes = layout, index, start, stop, nbytes
-        self.url = layout.url
-        self.key = block_key(layout.identity, index)
+        super().__init__(layout.url, layout.identity, index, start, stop, nbytes)
+        self.layout = layout
 
     def _read(self) -> Dict[str, np.ndarray]:
         return {field: np.asarray(_array(self.layout, path)[self.start:self.stop]) for field, path in self.layout.paths}
