@@ -1,18 +1,10 @@
-"""Parquet sources: one file, a folder of them, or a glob. Samples are rows.
+"""Parquet sources: one file, a folder of them, or a glob; samples are rows (over the
+files in name order), fields the top-level columns (docs/formats/parquet.md).
 
-Files are taken in name order; sample ids run over the files in that order, then over
-each file's rows. The top-level columns are the fields: numbers (integers, floats,
-booleans) give 1-D arrays, fixed-size lists of numbers give arrays of shape (rows, size,
-...), binary columns give an object array of per-sample uint8 arrays, and string
-columns numpy `StringDType` arrays. Null values are refused when a block is read.
-
-Blocks are whole row groups: block k holds samples k*block_len .. and every block
-boundary is a row-group boundary, so a block read fetches exactly the column chunks
-of its row groups (of the spec's `keys` only), by range, once each. The process that
-creates the dataset reads each file's footer once (two small range reads per file);
-every block reader carries a footer cut down to its own row groups, so reading a
-block fetches nothing but its column chunks (`parquet_footer`). pyarrow is imported
-only when a Parquet source is opened or read (the `formats` extra).
+Blocks are whole row groups, so a block read fetches exactly the column chunks of its
+row groups (of the spec's `keys` only), by range, once each: opening reads each file's
+footer once, and every block reader carries the footer cut to its own row groups
+(`parquet_footer`). pyarrow is imported only when a Parquet source is opened or read.
 """
 from __future__ import annotations
 
@@ -38,8 +30,7 @@ READ_BLOCK = 1 << 16  # fsspec block size; reads are uncached ("none"), so each 
 
 def pyarrow():
     """(pyarrow, pyarrow.parquet), or an ImportError that names the extra to install."""
-    pq = import_extra("pyarrow.parquet", "pyarrow>=14", "Parquet")
-    return import_extra("pyarrow", "pyarrow>=14", "Parquet"), pq
+    return import_extra("pyarrow", "pyarrow>=14", "Parquet"), import_extra("pyarrow.parquet", "pyarrow>=14", "Parquet")
 
 
 def is_parquet_name(name: str) -> bool:
@@ -263,9 +254,7 @@ class ParquetBlockReader(StoreReader):
             if table.num_rows != part.rows[1] - part.rows[0]:
                 raise ValueError(f"read {table.num_rows} rows, expected {part.rows[1] - part.rows[0]}")
             return {name: to_numpy(table.column(name), name) for name in self.fields}
-        except Exception as exc:
-            # The file and its rows in the message; the store's error stays the cause,
-            # so a transient one is still retried.
+        except Exception as exc:  # the store's error stays the cause, so a transient one is retried
             raise OSError(f"{part.path} (its rows {part.rows[0]}..{part.rows[1] - 1}): "
                           f"{type(exc).__name__}: {exc}") from exc
 
@@ -283,5 +272,4 @@ def _files(place: Place) -> List[str]:
     return sorted(e["name"] for e in place.listing if e["type"] == "file" and is_parquet_name(e["name"]))
 
 
-FORMAT = Format("parquet", claims=lambda place: place.is_glob or bool(_files(place)),
-                open=open_parquet)
+FORMAT = Format("parquet", claims=lambda place: place.is_glob or bool(_files(place)), open=open_parquet)

@@ -257,5 +257,5 @@ class TarBlockReader(StoreReader):
                        "it was opened (release the dataset after changing it)")
 
 
-FORMAT = Format("webdataset", claims=lambda place: place.shards is not None or bool(tar_files(place.listing)),
-                open=open_webdataset)
+FORMAT = Format("webdataset", open=open_webdataset,
+                claims=lambda place: place.shards is not None or bool(tar_files(place.listing)))
