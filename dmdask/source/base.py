@@ -6,6 +6,7 @@ an epoch; a `BlockReader` is the small picklable object a worker reads one block
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import functools
@@ -111,10 +112,8 @@ def filesystem(protocol: str, options: str):
 def prepare_filesystem(protocol: str, options: str) -> None:
     """`filesystem(protocol, options)` made ahead of the first read; never raises (the
     read reports what is wrong)."""
-    try:
+    with contextlib.suppress(Exception):
         filesystem(protocol, options)
-    except Exception:  # noqa: BLE001
-        pass
 
 
 def import_extra(module: str, requirement: str, reading: str):

@@ -71,20 +71,13 @@ def _list(place: Place):
             f"{url} is neither a Zarr v3 group (no zarr.json), Parquet or HDF5, a folder of WebDataset "
             ".tar shards, nor a folder of class subfolders holding one file per sample"
         )
-    files: List[str] = []
-    labels: List[int] = []
-    sizes: List[Optional[int]] = []
     with ThreadPoolExecutor(min(LIST_THREADS, len(classes)), thread_name_prefix="dmdask-list") as pool:
         listings = list(pool.map(lambda cls: fs.ls(cls, detail=True), classes))  # requests at once, not in turn
-    for label, listing in enumerate(listings):
-        for e in sorted(listing, key=lambda e: e["name"]):
-            if e["type"] == "file":
-                files.append(e["name"])
-                labels.append(label)
-                sizes.append(e.get("size"))
-    if not files:
+    found = [(label, e) for label, listing in enumerate(listings)
+             for e in sorted(listing, key=lambda e: e["name"]) if e["type"] == "file"]
+    if not found:
         raise SourceError(f"dataset {url} has no samples: its class subfolders hold no files")
-    return files, labels, sizes
+    return [e["name"] for _, e in found], [label for label, _ in found], [e.get("size") for _, e in found]
 
 
 def block_nbytes(sizes, fields) -> int:

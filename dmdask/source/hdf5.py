@@ -11,6 +11,7 @@ imported only when an HDF5 source is opened or read (the `formats` extra).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import math
 import threading
@@ -244,10 +245,8 @@ def _close_all() -> None:
     object must not outlive it)."""
     with _files_lock:
         for file, handle in _files.values():
-            try:
+            with contextlib.suppress(Exception):
                 _close(file, handle)
-            except Exception:
-                pass
         _files.clear()
 
 
