@@ -127,8 +127,7 @@ def _describe(node, place: Place, path: str, group: str, entry: dict) -> HDF5Sou
     datasets = {name: obj for name, obj in node.items() if isinstance(obj, h5py().Dataset)}
     where = f"HDF5 file {path}" + (f", group {group!r}" if group else "")
     kinds = {name: field_kind(ds) for name, ds in datasets.items()}
-    names = _field_names(datasets, kinds, spec, where)
-    fields = tuple(sorted(names))
+    fields = tuple(sorted(_field_names(datasets, kinds, spec, where)))
     if any(kinds[f] == "string" for f in fields):
         string_dtype(f"the string datasets of {where}")
     n = int(datasets[fields[0]].shape[0])
