@@ -15,7 +15,8 @@ import json
 import logging
 import threading
 import time
-from typing import Callable, Optional, Protocol, Tuple, runtime_checkable
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import aiohttp  # fsspec's HTTP client: imported with dmdask rather than within a rank's first epoch
 import dask.config
@@ -49,16 +50,16 @@ class DatasetInfo:
     name: str
     identity: str
     url: str
-    fields: Tuple[str, ...]
+    fields: tuple[str, ...]
     num_samples: int
     block_len: int
-    nbytes: Optional[int]
+    nbytes: int | None
 
     @property
     def num_blocks(self) -> int:
         return -(-self.num_samples // self.block_len)
 
-    def block_range(self, k: int) -> Tuple[int, int]:
+    def block_range(self, k: int) -> tuple[int, int]:
         """Samples start..stop-1 of block k."""
         start = k * self.block_len
         return start, min(self.num_samples, start + self.block_len)
@@ -67,7 +68,7 @@ class DatasetInfo:
         """The block index of each sample id."""
         return np.asarray(sample_ids, dtype=np.int64) // self.block_len
 
-    def locate(self, sample_ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    def locate(self, sample_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(block index, row in that block) of each sample id."""
         blocks = self.block_of(sample_ids)
         return blocks, np.asarray(sample_ids, dtype=np.int64) - blocks * self.block_len
@@ -81,7 +82,7 @@ def block_key(identity: str, index: int) -> str:
     return f"{BLOCK_KEY_PREFIX}{identity}-{index}"
 
 
-def parse_block_key(key) -> Optional[Tuple[str, int]]:
+def parse_block_key(key) -> tuple[str, int] | None:
     """(identity, index) of a block key; None for any other key."""
     if not isinstance(key, str) or not key.startswith(BLOCK_KEY_PREFIX):
         return None
@@ -179,13 +180,13 @@ class BlockReader(Protocol):
     index: int
     start: int
     stop: int
-    nbytes: Optional[int]
+    nbytes: int | None
     url: str
     row_granular: bool
 
-    def read(self, on_retry: Optional[Callable] = None) -> dict: ...
+    def read(self, on_retry: Callable | None = None) -> dict: ...
 
-    def read_rows(self, rows, on_retry: Optional[Callable] = None) -> dict: ...
+    def read_rows(self, rows, on_retry: Callable | None = None) -> dict: ...
 
     def prepare(self) -> None: ...
 
@@ -196,14 +197,14 @@ class StoreReader(BlockReader):
 
     row_granular = False
 
-    def __init__(self, url: str, identity: str, index: int, start: int, stop: int, nbytes: Optional[int]):
+    def __init__(self, url: str, identity: str, index: int, start: int, stop: int, nbytes: int | None):
         self.url, self.index, self.start, self.stop, self.nbytes = url, index, start, stop, nbytes
         self.key = block_key(identity, index)
 
-    def read(self, on_retry: Optional[Callable] = None) -> dict:
+    def read(self, on_retry: Callable | None = None) -> dict:
         return self._retrying(self._read, on_retry)
 
-    def read_rows(self, rows, on_retry: Optional[Callable] = None) -> dict:
+    def read_rows(self, rows, on_retry: Callable | None = None) -> dict:
         return self._retrying(lambda: self._read_rows(rows), on_retry)
 
     def prepare(self) -> None:
@@ -218,7 +219,7 @@ class StoreReader(BlockReader):
         """The whole block read, then indexed: for readers whose unit is the block."""
         return {field: values[rows] for field, values in self._read().items()}
 
-    def _retrying(self, read: Callable[[], dict], on_retry: Optional[Callable]) -> dict:
+    def _retrying(self, read: Callable[[], dict], on_retry: Callable | None) -> dict:
         budget = float(dask.config.get("dmdask.store.retry-seconds"))
         started = time.monotonic()
         wait, tries = FIRST_RETRY_WAIT, 1

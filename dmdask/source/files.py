@@ -17,7 +17,6 @@ import contextlib
 import hashlib
 import json
 import os
-from typing import Optional
 
 import fsspec
 import fsspec.asyn
@@ -100,7 +99,7 @@ class FileSource(Source):
     def block_bytes(self) -> int:
         return self.info.block_len * ROW_BYTES
 
-    def reader(self, k: int) -> "FileBlockReader":
+    def reader(self, k: int) -> FileBlockReader:
         start, stop = self.info.block_range(k)
         first, last = start * ROW_BYTES, min(self.size, stop * ROW_BYTES)
         return FileBlockReader(self.info.url, self.protocol, self.options, self.path, first, last,
@@ -114,7 +113,7 @@ class FileBlockReader(StoreReader):
         super().__init__(url, identity, index, start, stop, (last - first) + 8 * (stop - start))
         self.protocol, self.options, self.path, self.first, self.last = protocol, options, path, first, last
         self.version = version  # [[field, value], ...] of the file's info (`dmdask.fs.session.version_of`)
-        self.claim: Optional[str] = None  # the secret its reader handed its bytes over with (`Handovers`)
+        self.claim: str | None = None  # the secret its reader handed its bytes over with (`Handovers`)
 
     def __dask_tokenize__(self):
         # the same block submitted by several processes is the same task

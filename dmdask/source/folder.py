@@ -11,7 +11,6 @@ protocol gives them (local, s3, gcs); elsewhere (HTTP) a block's size is learnt 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, List, Optional
 
 import numpy as np
 from dask.base import tokenize
@@ -33,12 +32,12 @@ def folder_fields(spec) -> tuple:
 
 
 class FolderSource(Source):
-    def __init__(self, info: DatasetInfo, protocol: str, options: str, files: List[str], labels: np.ndarray,
-                 sizes: Optional[np.ndarray]):
+    def __init__(self, info: DatasetInfo, protocol: str, options: str, files: list[str], labels: np.ndarray,
+                 sizes: np.ndarray | None):
         self.info, self.protocol, self.options = info, protocol, options
         self.files, self.labels, self.sizes = files, labels, sizes
 
-    def reader(self, k: int) -> "FolderBlockReader":
+    def reader(self, k: int) -> FolderBlockReader:
         a, b = self.info.block_range(k)
         nbytes = None if self.sizes is None else block_nbytes(self.sizes[a:b], self.info.fields)
         return FolderBlockReader(self.info.url, self.protocol, self.options, self.files[a:b],
@@ -100,7 +99,7 @@ class FolderBlockReader(StoreReader):
     def prepare(self) -> None:
         prepare_filesystem(self.protocol, self.options)
 
-    def _read_rows(self, rows) -> Dict[str, np.ndarray]:
+    def _read_rows(self, rows) -> dict[str, np.ndarray]:
         """The given rows; the files are fetched concurrently where the protocol allows."""
         arrays = {}
         if "data" in self.fields:

@@ -17,7 +17,6 @@ import math
 import threading
 import warnings
 from collections import Counter
-from typing import Dict, Optional, Tuple
 
 import numpy as np
 import zict
@@ -39,7 +38,7 @@ def h5py():
     return import_extra("h5py", "h5py>=3.9", "HDF5")
 
 
-def split_inner(path: str) -> Optional[Tuple[str, str]]:
+def split_inner(path: str) -> tuple[str, str] | None:
     """(file, group) when `path` goes on past a component named like an HDF5 file."""
     parts = path.split("/")
     for i in range(len(parts) - 2, -1, -1):
@@ -58,7 +57,7 @@ class HDF5Layout:
     path: str  # the file, as its filesystem names it
     size: int
     group: str  # "" for the file's root group
-    fields: Tuple[Tuple[str, str], ...]  # (name, kind): "fixed", "string" or "ragged"
+    fields: tuple[tuple[str, str], ...]  # (name, kind): "fixed", "string" or "ragged"
     identity: str
 
 
@@ -75,7 +74,7 @@ def open_file(protocol: str, options: str, path: str, size: int):
         raise
 
 
-def field_kind(ds) -> Optional[str]:
+def field_kind(ds) -> str | None:
     """"fixed", "string" or "ragged" for a dataset with a first axis; None otherwise."""
     module = h5py()
     if not ds.shape:
@@ -89,10 +88,10 @@ def field_kind(ds) -> Optional[str]:
 
 
 class HDF5Source(Source):
-    def __init__(self, info: DatasetInfo, layout: HDF5Layout, row_bytes: Optional[int]):
+    def __init__(self, info: DatasetInfo, layout: HDF5Layout, row_bytes: int | None):
         self.info, self.layout, self.row_bytes = info, layout, row_bytes
 
-    def reader(self, k: int) -> "HDF5BlockReader":
+    def reader(self, k: int) -> HDF5BlockReader:
         start, stop = self.info.block_range(k)
         nbytes = None if self.row_bytes is None else self.row_bytes * (stop - start)
         return HDF5BlockReader(self.layout, k, start, stop, nbytes)
@@ -192,11 +191,11 @@ def _field_names(datasets: dict, kinds: dict, spec, where: str) -> list:
 class HDF5BlockReader(StoreReader):
     """Reads the rows of one block, every field, through the worker's open file."""
 
-    def __init__(self, layout: HDF5Layout, index: int, start: int, stop: int, nbytes: Optional[int]):
+    def __init__(self, layout: HDF5Layout, index: int, start: int, stop: int, nbytes: int | None):
         super().__init__(layout.url, layout.identity, index, start, stop, nbytes)
         self.layout = layout
 
-    def _read(self) -> Dict[str, np.ndarray]:
+    def _read(self) -> dict[str, np.ndarray]:
         try:
             return _read_fields(self.layout, self.start, self.stop)
         except Exception as exc:
@@ -208,7 +207,7 @@ class HDF5BlockReader(StoreReader):
             raise exc.with_traceback(None)  # noqa: B904 - the same exception, its frames dropped
 
 
-def _read_fields(layout: HDF5Layout, start: int, stop: int) -> Dict[str, np.ndarray]:
+def _read_fields(layout: HDF5Layout, start: int, stop: int) -> dict[str, np.ndarray]:
     file = _opened(layout)
     node = file[layout.group] if layout.group else file
     out = {}

@@ -12,7 +12,6 @@ import dataclasses
 import hashlib
 import logging
 import warnings
-from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 from dask.base import tokenize
@@ -38,7 +37,7 @@ def is_parquet_name(name: str) -> bool:
     return base.lower().endswith(SUFFIXES) and not base.startswith(("_", "."))
 
 
-def column_kind(t) -> Optional[str]:
+def column_kind(t) -> str | None:
     """"fixed", "binary" or "string" for an Arrow type dmdask reads as a field; None otherwise."""
     types = pyarrow()[0].types
     if _is_any(t, "is_string", "is_large_string", "is_string_view"):
@@ -91,19 +90,19 @@ class FilePart:
 
     path: str
     size: int
-    rows: Tuple[int, int]  # the block's rows in this file: start, stop
+    rows: tuple[int, int]  # the block's rows in this file: start, stop
     footer: bytes  # the file's footer cut to these row groups
 
 
 class ParquetSource(Source):
-    def __init__(self, info: DatasetInfo, protocol: str, options: str, files: List[str], sizes: List[int],
-                 footers: List[Footer], groups: np.ndarray, row_bytes: Optional[int]):
+    def __init__(self, info: DatasetInfo, protocol: str, options: str, files: list[str], sizes: list[int],
+                 footers: list[Footer], groups: np.ndarray, row_bytes: int | None):
         self.info, self.protocol, self.options = info, protocol, options
         self.files, self.sizes, self.footers = files, sizes, footers
         self.groups = groups  # per non-empty row group: file, index and first row in it, first sample, rows
         self.row_bytes = row_bytes
 
-    def reader(self, k: int) -> "ParquetBlockReader":
+    def reader(self, k: int) -> ParquetBlockReader:
         a, b = self.info.block_range(k)
         first = self.groups["start"]
         mine = self.groups[np.searchsorted(first, a):np.searchsorted(first, b)]
@@ -182,7 +181,7 @@ def _fields(schema, spec, path: str):
     return fields, {f: kinds[f] for f in fields}
 
 
-def _check_and_list(files: List[str], metas: list, fields: Tuple[str, ...]) -> np.ndarray:
+def _check_and_list(files: list[str], metas: list, fields: tuple[str, ...]) -> np.ndarray:
     """Every file has the fields, with the first file's types; its non-empty row groups."""
     first = metas[0].schema.to_arrow_schema()
     rows, start = [], 0
@@ -206,7 +205,7 @@ def _check_and_list(files: List[str], metas: list, fields: Tuple[str, ...]) -> n
     return np.array(rows, dtype=[("file", "i8"), ("index", "i8"), ("row", "i8"), ("start", "i8"), ("rows", "i8")])
 
 
-def _block_len(url: str, groups: np.ndarray, n: int, asked: Optional[int]) -> int:
+def _block_len(url: str, groups: np.ndarray, n: int, asked: int | None) -> int:
     """The smallest number of rows B whose multiples below n all fall on row-group
     boundaries (so every block is whole row groups), or `asked` if it is such a B."""
     bounds = np.append(groups["start"], n)
@@ -232,18 +231,18 @@ def _block_len(url: str, groups: np.ndarray, n: int, asked: Optional[int]) -> in
 class ParquetBlockReader(StoreReader):
     """Reads the column chunks of one block's row groups (of its fields only), by range."""
 
-    def __init__(self, url: str, protocol: str, options: str, fields: Tuple[str, ...], parts: Tuple[FilePart, ...],
-                 identity: str, index: int, start: int, stop: int, nbytes: Optional[int]):
+    def __init__(self, url: str, protocol: str, options: str, fields: tuple[str, ...], parts: tuple[FilePart, ...],
+                 identity: str, index: int, start: int, stop: int, nbytes: int | None):
         super().__init__(url, identity, index, start, stop, nbytes)
         self.protocol, self.options, self.fields, self.parts = protocol, options, fields, parts
 
-    def _read(self) -> Dict[str, np.ndarray]:
+    def _read(self) -> dict[str, np.ndarray]:
         pieces = [self._read_part(part) for part in self.parts]
         if len(pieces) == 1:
             return pieces[0]
         return {name: np.concatenate([piece[name] for piece in pieces]) for name in self.fields}
 
-    def _read_part(self, part: FilePart) -> Dict[str, np.ndarray]:
+    def _read_part(self, part: FilePart) -> dict[str, np.ndarray]:
         pa, pq = pyarrow()
         try:
             meta = pq.read_metadata(pa.BufferReader(framed(part.footer)))
@@ -259,7 +258,7 @@ class ParquetBlockReader(StoreReader):
                           f"{type(exc).__name__}: {exc}") from exc
 
 
-def _files(place: Place) -> List[str]:
+def _files(place: Place) -> list[str]:
     """The Parquet files at `place`: a glob's matches, the file, or a folder's (*.parquet, *.parq, *.pq)."""
     if place.is_glob:
         matches = place.fs.glob(place.path, detail=True)

@@ -3,12 +3,12 @@ groups (`Footer.subset`) so that each block reader carries only its own."""
 from __future__ import annotations
 
 import struct
-from typing import List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 MAGIC = b"PAR1"
 
 
-def read_footers(fs, files: List[str], sizes: List[int]) -> list:
+def read_footers(fs, files: list[str], sizes: list[int]) -> list:
     """Each file's footer bytes (two rounds of concurrent range reads), or a string saying
     why there is none."""
     out: list = [f"the file has {s} bytes, too few for a Parquet file (truncated?)" if s < 12 else None
@@ -41,8 +41,8 @@ class Footer:
     and their number of rows. Raises ValueError if the bytes are not such a struct."""
 
     def __init__(self, data: bytes):
-        self.parts: List[Optional[bytes]] = []  # raw bytes; None where the row groups go, b"" for num_rows
-        self.row_groups: List[bytes] = []
+        self.parts: list[bytes | None] = []  # raw bytes; None where the row groups go, b"" for num_rows
+        self.row_groups: list[bytes] = []
         try:
             end = self._cut(memoryview(data))
         except IndexError:
@@ -102,7 +102,7 @@ def framed(footer: bytes) -> bytes:
     return MAGIC + footer + struct.pack("<I", len(footer)) + MAGIC
 
 
-def _varint(buf, pos: int) -> Tuple[int, int]:
+def _varint(buf, pos: int) -> tuple[int, int]:
     shift = value = 0
     while True:
         byte = buf[pos]
@@ -123,7 +123,7 @@ def _uvarint(value: int) -> bytes:
         out.append(byte | 0x80)
 
 
-def _list_head(buf, pos: int) -> Tuple[int, int, int]:
+def _list_head(buf, pos: int) -> tuple[int, int, int]:
     head = buf[pos]
     size, element, pos = head >> 4, head & 15, pos + 1
     if size == 15:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+from collections.abc import Callable
 from importlib.metadata import entry_points
-from typing import Callable, List, Optional
 
 import fsspec
 
@@ -33,8 +33,8 @@ class Format:
     subclass) if it cannot be used."""
 
     name: str
-    claims: Callable[["Place"], bool]
-    open: Callable[["Place"], Source]
+    claims: Callable[[Place], bool]
+    open: Callable[[Place], Source]
 
 
 class Place:
@@ -90,13 +90,13 @@ class Place:
             raise SourceNotFoundError(f"cannot reach dataset {self.url}: {exc}") from exc
 
 
-@functools.lru_cache(maxsize=None)
-def formats() -> List[Format]:
+@functools.cache
+def formats() -> list[Format]:
     """The formats in the order they are asked: installed packages' first, then dmdask's."""
     found = [ep.load() for ep in sorted(entry_points(group=GROUP), key=lambda ep: ep.name)]
     return found + [importlib.import_module(f"{__package__}.{module}").FORMAT for module in BUILTIN]
 
 
-def find(place: Place) -> Optional[Format]:
+def find(place: Place) -> Format | None:
     """The first format that claims `place`; None if none does."""
     return next((f for f in formats() if f.claims(place)), None)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import posixpath
-from typing import Iterable, List, Optional
+from collections.abc import Iterable
 
 import dask.config
 
@@ -20,7 +20,7 @@ from ..errors import SourceNotAllowedError, SpecError
 LOCAL_PROTOCOLS = ("file://", "local://")
 
 
-def shard_urls(source) -> Optional[List[str]]:
+def shard_urls(source) -> list[str] | None:
     """The shard URLs that `source` (a `Spec.source`) names, or None when it names no
     tar shards: a tuple (a list of shards), a brace pattern, or a URL ending in `.tar`."""
     if isinstance(source, tuple):
@@ -72,7 +72,7 @@ def public(url: str) -> str:
     return "::".join(parts)
 
 
-def allowed_prefixes() -> List[str]:
+def allowed_prefixes() -> list[str]:
     """The configured prefixes, normalised; [] for any source."""
     prefixes = dask.config.get("dmdask.worker.allowed-sources", None) or []
     if isinstance(prefixes, str):
@@ -87,7 +87,7 @@ def is_allowed(url: str, prefixes: Iterable[str]) -> bool:
     return any(normal == p or normal.startswith(p.rstrip("/") + "/") for p in prefixes)
 
 
-def check_source(url: str, prefixes: Optional[List[str]] = None) -> None:
+def check_source(url: str, prefixes: list[str] | None = None) -> None:
     """Nothing when workers may read `url`; `SourceNotAllowedError` naming it and the
     allowed prefixes otherwise. `prefixes`: normalised ones (default: the config's). A
     worker calls it before every store read of a block, so its own config decides."""

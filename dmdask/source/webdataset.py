@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import re
 import tarfile
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, List, Optional, Sequence, Tuple
 
 import fsspec
 import numpy as np
@@ -33,7 +33,7 @@ OPEN_THREADS = 16  # shards indexed at once
 TAR_BLOCK = 512
 META = re.compile(r"__[^/]*__($|/)")  # WebDataset's metadata members, skipped
 
-Sample = Tuple[str, Dict[str, Tuple[int, int]]]  # key, {extension: (offset, size)}
+Sample = tuple[str, dict[str, tuple[int, int]]]  # key, {extension: (offset, size)}
 
 
 def shards_label(source) -> str:
@@ -44,7 +44,7 @@ def shards_label(source) -> str:
     return source[0] if len(source) == 1 else f"{source[0]} and {len(source) - 1} more shards"
 
 
-def shard_paths(urls: List[str], options: dict, spec):
+def shard_paths(urls: list[str], options: dict, spec):
     """(filesystem, paths) of the shard URLs; `SpecError` unless fsspec opens them all
     with one protocol."""
     paths, protocol, fs = [], None, None
@@ -60,12 +60,12 @@ def shard_paths(urls: List[str], options: dict, spec):
     return fs, paths
 
 
-def tar_files(entries: Sequence[dict]) -> List[str]:
+def tar_files(entries: Sequence[dict]) -> list[str]:
     """The `.tar` files of a folder listing (`fs.ls(path, detail=True)`), sorted by name."""
     return sorted(e["name"] for e in entries if e["type"] == "file" and e["name"].endswith(".tar"))
 
 
-def split_name(name: str) -> Optional[Tuple[str, str]]:
+def split_name(name: str) -> tuple[str, str] | None:
     """(key, extension) of a member name by WebDataset's convention; None for a name
     with no extension, or before the first dot, or a metadata member."""
     if META.match(name):
@@ -77,7 +77,7 @@ def split_name(name: str) -> Optional[Tuple[str, str]]:
     return folder + stem, ext.lower()
 
 
-def index_shard(fs, path: str, url: str) -> Tuple[int, List[Sample]]:
+def index_shard(fs, path: str, url: str) -> tuple[int, list[Sample]]:
     """(size, samples) of one shard, from its tar headers. `SourceNotFoundError` if it
     cannot be reached, `SourceError` if it is not a tar file, is truncated (a member
     runs past its end, or it ends inside a header), or a sample has an extension twice."""
@@ -92,7 +92,7 @@ def index_shard(fs, path: str, url: str) -> Tuple[int, List[Sample]]:
         raise SourceNotFoundError(f"cannot reach WebDataset shard {url}: {type(cause).__name__}: {cause}") from exc
     if size is None:
         raise SourceError(f"the store gives no size for WebDataset shard {url}: it must answer with Content-Length")
-    samples: List[Sample] = []
+    samples: list[Sample] = []
     end = 0  # where the header after the last member read starts
     try:
         with fs.open(path, "rb", block_size=TAR_BLOCK, cache_type="readahead", size=size) as f:
@@ -131,13 +131,13 @@ def index_shard(fs, path: str, url: str) -> Tuple[int, List[Sample]]:
 
 
 class WebDatasetSource(Source):
-    def __init__(self, info: DatasetInfo, protocol: str, options: str, urls: List[str], paths: List[str],
-                 exts: Tuple[str, ...], shard: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, keys: np.ndarray):
+    def __init__(self, info: DatasetInfo, protocol: str, options: str, urls: list[str], paths: list[str],
+                 exts: tuple[str, ...], shard: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, keys: np.ndarray):
         self.info, self.protocol, self.options = info, protocol, options
         self.urls, self.paths, self.exts = urls, paths, exts
         self.shard, self.offsets, self.sizes, self.keys = shard, offsets, sizes, keys
 
-    def reader(self, k: int) -> "TarBlockReader":
+    def reader(self, k: int) -> TarBlockReader:
         a, b = self.info.block_range(k)
         used, local = np.unique(self.shard[a:b], return_inverse=True)
         return TarBlockReader(
@@ -223,7 +223,7 @@ class TarBlockReader(StoreReader):
     def prepare(self) -> None:
         prepare_filesystem(self.protocol, self.options)
 
-    def _read_rows(self, rows) -> Dict[str, np.ndarray]:
+    def _read_rows(self, rows) -> dict[str, np.ndarray]:
         """The given rows: one range request per non-empty member, fetched concurrently
         where the protocol allows. An error names the shard, sample and member."""
         rows = np.asarray(rows, dtype=np.int64)

@@ -7,7 +7,6 @@ import functools
 import json
 import math
 import warnings
-from typing import Dict, Tuple
 
 import numpy as np
 from dask.base import tokenize
@@ -32,7 +31,7 @@ class ZarrLayout:
 
     url: str
     options: str  # storage options as JSON
-    paths: Tuple[Tuple[str, str], ...]  # (field, path in the group; "" for a lone array)
+    paths: tuple[tuple[str, str], ...]  # (field, path in the group; "" for a lone array)
     identity: str
 
 
@@ -40,7 +39,7 @@ class ZarrSource(Source):
     def __init__(self, info: DatasetInfo, layout: ZarrLayout, row_bytes: int):
         self.info, self.layout, self.row_bytes = info, layout, row_bytes
 
-    def reader(self, k: int) -> "ZarrBlockReader":
+    def reader(self, k: int) -> ZarrBlockReader:
         start, stop = self.info.block_range(k)
         return ZarrBlockReader(self.layout, k, start, stop, self.row_bytes * (stop - start))
 
@@ -96,7 +95,7 @@ class ZarrBlockReader(StoreReader):
         super().__init__(layout.url, layout.identity, index, start, stop, nbytes)
         self.layout = layout
 
-    def _read(self) -> Dict[str, np.ndarray]:
+    def _read(self) -> dict[str, np.ndarray]:
         return {field: np.asarray(_array(self.layout, path)[self.start:self.stop]) for field, path in self.layout.paths}
 
 
