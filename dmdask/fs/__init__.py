@@ -40,6 +40,7 @@ import fsspec
 from dask.utils import parse_bytes
 from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 
+from ..internals import strip_protocol
 from ..source.base import options_json, protocol_of
 from ..source.files import FileSource
 from . import globbing, probe
@@ -111,7 +112,7 @@ class DmdaskFileSystem(_Base):
 
     def target_path(self, path: str) -> str:
         """`path` as the target names it."""
-        return self.fs._strip_protocol(type(self)._strip_protocol(path))
+        return strip_protocol(self.fs, self._strip_protocol(path))
 
     def unstrip_protocol(self, name: str) -> str:
         return f"{PROTOCOL}::{self.fs.unstrip_protocol(name)}"

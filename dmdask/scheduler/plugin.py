@@ -92,6 +92,7 @@ class DatasetsPlugin(SchedulerPlugin):
         self.by_identity: Dict[str, DatasetState] = {}
         self.files = FileMetadata()
         self.reads = BlockReads(self)
+        self.streamed: set = set()  # keys of blocks held as `Streamed` markers (`placement.STREAMED_TOPIC`)
         self._next_lazy = 0  # where the next lazy dataset's plan starts (round-robin)
 
     async def start(self, scheduler) -> None:
@@ -102,7 +103,7 @@ class DatasetsPlugin(SchedulerPlugin):
         installed = scheduler.extensions.get("dmdask")
         if isinstance(installed, DatasetsPlugin):
             self.datasets, self.by_identity, self.files = installed.datasets, installed.by_identity, installed.files
-            self.reads = installed.reads
+            self.reads, self.streamed = installed.reads, installed.streamed
         self.scheduler = scheduler
         reads = self.reads
         scheduler.handlers.update(serve({
@@ -232,6 +233,14 @@ class DatasetsPlugin(SchedulerPlugin):
                 ds.erred.discard(parsed[1])
         if finish in ("memory", "erred", "forgotten", "released"):
             self.reads.wake(key, finish)
+        if finish in ("erred", "forgotten", "released"):
+            self.streamed.discard(key)
+
+    def log_event(self, topic: str, msg) -> None:
+        """A worker holds block `msg` as a `Streamed` marker (kept while its task is alive)."""
+        ts = self.scheduler.tasks.get(msg) if topic == placement.STREAMED_TOPIC else None
+        if ts is not None and ts.state in ("processing", "memory"):
+            self.streamed.add(msg)
 
     def _lost(self, ds: DatasetState) -> bool:
         """Whether the scheduler forgot any block of a ready dataset."""
@@ -260,7 +269,7 @@ class DatasetsPlugin(SchedulerPlugin):
         live = scheduler.workers
         stimulus_id = f"dmdask-add-worker-{time.time()}"
         placement.replan(scheduler, self.datasets.values(), lambda address: address not in live, stimulus_id)
-        placement.win_back(scheduler, self.datasets.values(), worker, stimulus_id)
+        placement.win_back(scheduler, self.datasets.values(), self.streamed, worker, stimulus_id)
 
     # -- release and the registry --------------------------------------------------------
     def release(self, name: str) -> bool:

@@ -84,7 +84,7 @@ class Worker(distributed.Worker):
         store.check_shared_memory()  # a RAM tier larger than /dev/shm: a warning and stats()["ram"]["warning"]
         self.stream_buffer = capacity(config("stream-buffer", stream_buffer), "stream_buffer")
         # the tiers until the worker plugin's cache adds its counts: the scheduler reads a
-        # joining worker's room from this metric (`DatasetsPlugin._win_back`)
+        # joining worker's room from this metric (`dmdask.scheduler.placement.win_back`)
         self.metrics["dmdask"] = lambda worker: {**store.stats(), **NO_COUNTS}
 
     async def start_unsafe(self):
