@@ -10,10 +10,8 @@ the cluster's tiered cache.
 
 `DmdaskFileSystem` is a read-only filesystem chained over any other (its target). A
 file read through it is a dataset of the cluster's registry (`dmdask.source.files`):
-byte blocks of `dmdask.fs.block-size` (default 4 MiB; a smaller file is one block),
-each loaded by its planned worker the first time any process reads a byte of it, held
-once in the cluster with MinIO placement (RAM in shared memory, SSD, or streamed), and
-read by training processes from same-host files directly or from their holder.
+byte blocks of `dmdask.fs.block-size`, each loaded by its planned worker when any
+process first reads a byte of it, held once in the cluster like any block.
 
 Guarantees:
 - a block leaves the store once while the cluster holds it; blocks that fit nowhere
@@ -66,13 +64,9 @@ def close() -> None:
 
 class DmdaskFileSystem(_Base):
     """A read-only filesystem over `target_protocol` (or `fs`) whose reads go through
-    the dmdask cluster (see the module docstring).
-
-    scheduler: the cluster's scheduler address (default: `dmdask.fs.scheduler`, else
-    the default client's). block_size: bytes per cached block of large files (default
-    `dmdask.fs.block-size`). `target_options` travel to the workers that read the
-    store: they must be plain values (JSON).
-    """
+    the dmdask cluster at `scheduler` (see the module docstring). block_size: bytes per
+    block (default `dmdask.fs.block-size`). `target_options` travel to the workers: plain
+    values (JSON) only."""
 
     protocol = PROTOCOL
     root_marker = ""

@@ -33,11 +33,8 @@ logger = logging.getLogger(__name__)
 
 HANDOVER_EXIT_SECONDS = 10.0  # the most a process's exit waits for its hand-overs to reach the workers
 # Blocks read from the store within HANDOVER_DELAY are handed over together (one graph of
-# loads, one locate), and those read with their infos within OPEN_DELAY are opened
-# together (one request), up to HANDOVER_BYTES queued: on 2 cores, batches of 5 ms / 50 ms
-# made a DataLoader's first epoch 1.4-1.8x the direct read, of 0.05 s / 0.3 s 1.1-1.2x,
-# of 0.2 s / 1 s 1.0-1.1x (the scheduler's and workers' work per batch shares the CPUs
-# with the readers). Longer delays keep more blocks in the process (`handing`) longer.
+# loads), those read with their infos within OPEN_DELAY opened together (one request), up
+# to HANDOVER_BYTES queued (shorter delays made a DataLoader's first epoch up to 1.8x slower).
 HANDOVER_DELAY = 0.25
 OPEN_DELAY = 0.05
 HANDOVER_BYTES = 64 << 20

@@ -18,6 +18,7 @@ from typing import Dict, Tuple
 import distributed
 import numpy as np
 
+from ..arrivals import Arrivals
 from ..protocol.worker import Moved
 from .handover import Handovers
 from .filling import FillingBlock
@@ -66,7 +67,7 @@ class BlockCache:
         self.peer_bytes_out = 0
         self.peer_bytes_in = 0
         self.handovers = Handovers()
-        self._arrivals: Dict[str, list] = {}  # key -> futures of requests waiting for its load task
+        self.arrivals = Arrivals()  # requests waiting for load tasks of this worker
         store.on_block = self._arrived
         self._rereads: Dict[str, asyncio.Future] = {}  # key -> (block, value) being read again (`_reread`)
 
@@ -161,14 +162,9 @@ class BlockCache:
         return asyncio.wrap_future(self.reads.submit_at(priority, fn, *args))
 
     def _arrived(self, key: str) -> None:
-        """A block was stored (from any thread): wake the requests waiting for it."""
-        if key in self._arrivals:
-            self.worker.loop.add_callback(self._wake, key)  # thread-safe
-
-    def _wake(self, key: str) -> None:
-        for fut in self._arrivals.pop(key, ()):
-            if not fut.done():
-                fut.set_result(None)
+        """A block was stored (from any thread): wake the requests waiting for it, on the
+        loop, so also a request that found it missing just before it was stored."""
+        self.worker.loop.add_callback(self.arrivals.wake, key)  # thread-safe
 
     async def _wait_for_loads(self, keys, seconds: float) -> None:
         """Wait up to `seconds` for those of `keys` whose load task this worker has (the
@@ -176,25 +172,8 @@ class BlockCache:
         a round trip through the scheduler once the block is in."""
         tasks = self.worker.state.tasks
         coming = [k for k in keys if k in tasks and tasks[k].state in LOADING_STATES]
-        if not coming:
-            return
-        waiters = []
-        for key in coming:
-            fut = asyncio.get_running_loop().create_future()
-            self._arrivals.setdefault(key, []).append(fut)
-            waiters.append(fut)
-        done = [k for k in coming if k in self.store]  # stored between the check and now
-        for key in done:
-            self._wake(key)
-        await asyncio.wait(waiters, timeout=seconds)
-        for key, fut in zip(coming, waiters):
-            if not fut.done():
-                fut.cancel()
-                left = [f for f in self._arrivals.get(key, ()) if f is not fut]
-                if left:
-                    self._arrivals[key] = left
-                else:
-                    self._arrivals.pop(key, None)
+        if coming:
+            await self.arrivals.wait(coming, seconds)
 
     def _reread(self, key: str, broken: FileBlock, exc: OSError) -> None:
         """Drop a block whose files cannot be read (counted in its tier's `read_errors`,

@@ -6,8 +6,7 @@
 - `ArenaBlock`: a RAM block in a slot of its dataset's arena (shared memory);
 - `Streamed`: a marker for a block that fits no tier (read from the store when asked).
 Their files' formats are `dmdask.shm`'s (training processes read them too). A holding
-serves rows through its worker's `BlockCache` (`serve`: its read threads at a priority,
-its store reads, its stream buffer), which counts what each serve did."""
+serves rows through its worker's `BlockCache`, which counts what each serve did."""
 from __future__ import annotations
 
 import shutil
@@ -37,16 +36,7 @@ def payload_bytes(arrays: Arrays) -> int:
 
 def concat(arrays):
     """One array of the rows of `arrays` (object arrays of per-sample arrays too)."""
-    if len(arrays) == 1:
-        return arrays[0]
-    if arrays and arrays[0].dtype == object:
-        out = np.empty(sum(len(a) for a in arrays), dtype=object)
-        i = 0
-        for a in arrays:
-            out[i:i + len(a)] = a
-            i += len(a)
-        return out
-    return np.concatenate(arrays)
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 
 class Holding:
@@ -81,10 +71,8 @@ class Holding:
 
 
 class Block(Holding):
-    """Samples `start..stop-1` of a dataset as one array per field (first axis: samples).
-
-    Variable-size fields are object arrays of per-sample `uint8` arrays.
-    """
+    """Samples `start..stop-1` of a dataset as one array per field (first axis: samples);
+    variable-size fields are object arrays of per-sample `uint8` arrays."""
 
     __slots__ = ("arrays", "start", "stop", "nbytes")
 
@@ -106,13 +94,9 @@ class Block(Holding):
 
 
 class Streamed(Holding):
-    """Stands in the worker's data for a block that did not fit any tier.
-
-    Holding the reader (not the bytes), it lets the worker stream the block from the
-    shared store when a rank asks for its rows: just the rows asked for when the store
-    holds one file per sample; otherwise the whole block through the `StreamBuffer`, read
-    once while the ranks take their rows of it.
-    """
+    """Stands in the worker's data for a block that fits no tier: its reader, to stream
+    the rows asked for from the store (one file per sample), else the whole block
+    through the `StreamBuffer`, read once while the ranks take their rows of it."""
 
     __slots__ = ("reader",)
     tier = None

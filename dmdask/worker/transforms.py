@@ -42,14 +42,6 @@ def transform_in_order(transform, batches: list, context: Optional[TransformCont
     return done, None
 
 
-def transform_one(blob: bytes, batch: dict, context: Optional[TransformContext] = None) -> tuple:
-    """(the transformed batch, None) or (None, its TransformError)."""
-    try:
-        return _apply(loads_transform(blob), batch, context), None
-    except TransformError as exc:
-        return None, exc
-
-
 def describe_samples(batch: dict) -> str:
     index = batch["index"]
     return f"{index[:4].tolist()}{'...' if len(index) > 4 else ''} ({len(index)} samples)"
@@ -108,10 +100,10 @@ def main() -> None:
     blob, batches, context = pickle.load(sys.stdin.buffer)
     out = sys.stdout.buffer
     sys.stdout = sys.stderr  # the transform's prints must not corrupt the results
+    transform = loads_transform(blob)
     for batch in batches:
-        result = transform_one(blob, batch, context)
-        pickle.dump(result, out, protocol=pickle.HIGHEST_PROTOCOL)
+        done, error = transform_in_order(transform, [batch], context)
+        pickle.dump((done[0] if done else None, error), out, protocol=pickle.HIGHEST_PROTOCOL)
         out.flush()
-        if result[1] is not None:
+        if error is not None:
             return
-
