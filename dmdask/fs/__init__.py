@@ -43,7 +43,7 @@ from ..source.base import options_json, protocol_of
 from ..source.files import FileSource
 from . import globbing, probe
 from .metadata import version_of
-from .session import NoClusterError, close_sessions, get_session
+from .session import NoClusterError, close, get_session
 
 try:  # fsspec >= 2025.x: the marker that makes `url_to_fs` hand the inner path over
     from fsspec.implementations.chained import ChainedFileSystem as _Base
@@ -54,12 +54,6 @@ PROTOCOL = "dmdask"
 CACHED_BLOCKS = 2  # blocks an open file keeps (so small reads in one block cost one fetch)
 
 __all__ = ["DmdaskFile", "DmdaskFileSystem", "NoClusterError", "close", "gopen", "PROTOCOL"]
-
-
-def close() -> None:
-    """Close this process's connections to clusters (transparent mode makes new ones
-    when it next reads). Call it when a cluster it read through is shut down."""
-    close_sessions()
 
 
 class DmdaskFileSystem(_Base):

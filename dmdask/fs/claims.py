@@ -2,14 +2,12 @@
 read from the store by the claimant and handed over to their planned workers.
 
 Guarantees: a block is read from the store once while the cluster holds it, by the first
-process that wants it: it claims it (`dmdask_open_blocks`; for a file new to the run, its
-info with `dmdask_fs_claim` and its first block from the same ranged GET, `dmdask.fs.probe`,
-the block then claimed in the background before the run learns the info), reads it (several
-blocks concurrently on an async store) and returns at once; in the background it hands the
-bytes to the block's planned worker (`dmdask_hand_over`) and submits its load, which takes
-those bytes in place of a store read. Processes that want it meanwhile wait for that worker;
-should the hand-over fail, the worker reads the block itself. A process's exit waits at most
-`HANDOVER_EXIT_SECONDS` for its hand-overs.
+process that wants it: it claims it (`OpenBlocks`; for a file new to the run, also its info,
+`FsClaim`, from the same ranged GET: `dmdask.fs.probe`), reads it and returns at once; in
+the background it hands the bytes to the block's planned worker and submits its load,
+which takes them in place of a store read. Processes that want it meanwhile wait for that
+worker; should the hand-over fail, the worker reads the block itself. A process's exit
+waits at most `HANDOVER_EXIT_SECONDS` for its hand-overs.
 """
 from __future__ import annotations
 

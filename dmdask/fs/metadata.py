@@ -1,11 +1,9 @@
 """Transparent mode's file metadata in one process: the listings and infos of the store,
 shared with the other processes of the run through the scheduler (`dmdask.scheduler.files`).
 
-Guarantees: a listing or an info is asked of the store once per run (`DMDASK_FS_RUN`,
-inherited by child processes), within a process once; what a process reads from the store
-is told to the scheduler in the background, a batch at a time (a process that exits
-first costs the next one a store request, nothing else). A file new to the run is read by
-one process: `claim_info` waits while another process of the run reads its info.
+Guarantees: a listing or an info is asked of the store once per run (`dmdask.fs.run`);
+what a process reads from the store is told to the scheduler in the background, a batch
+at a time. `claim_info` waits while another process of the run reads a file's info.
 """
 from __future__ import annotations
 

@@ -2,15 +2,13 @@
 and the parts that share it: file metadata (`dmdask.fs.metadata`), first reads and their
 hand-over (`dmdask.fs.claims`), reads of byte ranges from block holders (`dmdask.fs.blocks`).
 
-Guarantees: fork- and spawn-safe: a process never uses a connection made by another one. A
-forked child (a `DataLoader` worker) keeps what its parent knew (the infos and listings
-of its run, the block holders) and makes its own `distributed.Client` when it first reads;
-a spawned one with no default client of its own finds the scheduler through the
-environment (`DMDASK_FS_SCHEDULER`, set when the parent looked up its default client's
-scheduler). A scheduler request waits at most `dmdask.client.recovery-seconds`, then
-`SchedulerLostError`; while the cluster has no workers, a request that needs them waits
-that long for one (said once in a warning per process), then `NoWorkersError`. A process's
-exit hands over its first reads, shares its metadata and reports its hits, each bounded.
+Guarantees: a process never uses a connection made by another one. A forked child (a
+`DataLoader` worker) keeps what its parent knew and makes its own `distributed.Client`;
+a spawned one finds the scheduler through `DMDASK_FS_SCHEDULER`. A scheduler request
+waits at most `dmdask.client.recovery-seconds`, then `SchedulerLostError`; one that needs
+workers waits that long for one (a warning once per process), then `NoWorkersError`. A
+process's exit hands over its first reads, shares its metadata and reports its hits,
+each bounded.
 """
 from __future__ import annotations
 
@@ -201,10 +199,10 @@ def get_session(address: Optional[str] = None) -> Session:
         return found
 
 
-def close_sessions() -> None:
-    """Close this process's connections (the next read makes new ones): for a process
-    whose cluster went away, so that its client stops trying to reconnect in the
-    background (a process that forks meanwhile may inherit a held lock)."""
+def close() -> None:
+    """Close this process's connections to clusters (`dmdask.fs.close`; the next read
+    makes new ones). Call it when a cluster it read through is shut down, so that its
+    client stops trying to reconnect in the background."""
     with _lock:
         sessions = list(_sessions.values())
         _sessions.clear()

@@ -1,10 +1,9 @@
 """`BlockReads`, part of the `DatasetsPlugin`: where blocks are (`Locate`), and who reads
 the lazy blocks nobody holds (`OpenBlocks`; transparent mode's `FsClaim`, `FsOpenBlocks`).
 
-Guarantees: a lazy block nobody holds is read from the store by one reader at a time:
-the first reader to ask claims it, reads it itself and hands the bytes to the planned
-worker with the block's load task; the others wait for that task. A claim ends when the
-task arrives or its reader's client leaves (then the next reader to ask loads the block).
+Guarantees: a lazy block nobody holds is read from the store by one reader at a time,
+the first to ask (its claim), the others waiting for its load task. A claim ends when the
+task arrives or its reader's client leaves.
 """
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
 """dmdask's worker side as a Dask worker plugin, which the scheduler plugin installs on
 every worker (as `distributed.shuffle` does): on a `dmdask.Worker` it starts the
-`BlockCache` over the worker's tiers and registers the handlers of
-`dmdask.protocol.worker`: `dmdask_rows` (rows of held blocks, for this worker or a peer),
-`dmdask_batch` (a rank's group on its own node: rows from their holders, in batch order,
-transformed, returned in shared memory to the same host or over TCP), `dmdask_describe`
-and `dmdask_count_hits` (trainers on this host that map held blocks' files themselves),
-`dmdask_hand_over` (transparent mode: bytes a reader read, for the load tasks, `handover`).
-Handlers use `cache`, `address` and `peers` (a `WorkerAPI`): testable without a cluster.
+`BlockCache` and registers the handlers of `dmdask.protocol.worker` (rows, a rank's
+batches, descriptions and hits of same-host files, hand-overs). Handlers use `cache`,
+`address` and `peers` (a `WorkerAPI`): testable without a cluster.
 """
 from __future__ import annotations
 

@@ -97,11 +97,9 @@ class TieredStore(TierSpace, MutableMapping):
             self._roots["ssd"] = self._roots["ssd"] or root
 
     def open_ssd(self) -> Optional[str]:
-        """Make the SSD tier's folder now when the tier has capacity, so that an unusable
-        `ssd_dir` (a file, read-only, under a file) shows at start. Such a tier takes no
-        blocks (they go on to being streamed) and the worker runs on: the reason is
-        logged as a warning and kept in `stats()["ssd"]["error"]`, which it returns (None
-        when the tier is usable or has no capacity)."""
+        """Make the SSD tier's folder now, so that an unusable `ssd_dir` shows at start:
+        such a tier takes no blocks and the worker runs on; the reason is logged as a
+        warning, kept in `stats()["ssd"]["error"]` and returned (None: usable or no tier)."""
         if self.ssd.capacity > 0:
             try:
                 self.folder("ssd")
@@ -110,11 +108,9 @@ class TieredStore(TierSpace, MutableMapping):
         return self.ssd.error
 
     def check_shared_memory(self) -> Optional[str]:
-        """Warn (once, at worker start) when the RAM tier's capacity exceeds the free room
-        of its shared-memory file system: blocks beyond that room are streamed from the
-        shared store instead. The warning, naming both sizes, is kept in
-        `stats()["ram"]["warning"]` (shown by `dmdask status` and the dashboard) and
-        returned; None when the tier fits."""
+        """Warn (at worker start) when the RAM tier's capacity exceeds the free room of its
+        shared-memory file system (blocks beyond it are streamed); the warning is kept in
+        `stats()["ram"]["warning"]` and returned; None when the tier fits."""
         root = self._roots["ram"]
         if not root or self.ram.capacity <= 0:
             return None

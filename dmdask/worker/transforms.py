@@ -2,21 +2,15 @@
 
 - `transform_in_order`: the batches of a group in order, stopping at the first that
   fails, so the batches before a failure are still delivered.
-- `transform_isolated`: the same in a child process of its own, for a group whose
-  previous try lost a worker (the transform may have killed it: `os._exit`, a crash,
-  the OOM killer). The child sends back each result as it is done; if it dies, the
-  batches done before are kept and the batch it died on gets a `TransformError`
-  naming its samples; the worker lives on. The child inherits the worker's
-  `sys.path`, so it unpickles whatever the worker can; nothing is left behind when it
-  exits or dies. (Dask workers are daemonic processes, which multiprocessing does not
-  let have children: the child is a plain subprocess, `main()` in a new interpreter,
-  fed through its pipes.)
+- `transform_isolated`: the same in a child process, for a group whose previous try
+  lost a worker (the transform may have killed it). If the child dies, the batches done
+  before are kept and the batch it died on gets a `TransformError`; the worker lives on.
+  The child is a plain subprocess (`main()`, the worker's `sys.path`: Dask workers are
+  daemonic, and multiprocessing lets those have no children); nothing is left behind.
 
-The batches' `TransformContext` (epoch and seed, sent with the request) is set around
-each call, so the transform reads it with `dmdask.transform_context()`.
-
-Every failure of the transform (any BaseException, SystemExit included) is a
-`TransformError`, never an OSError a client would take for a lost worker.
+The batches' `TransformContext` is set around each call (`dmdask.transform_context()`).
+Every failure of the transform (any BaseException) is a `TransformError`, never an
+OSError a client would take for a lost worker.
 """
 from __future__ import annotations
 
