@@ -14,17 +14,15 @@ byte blocks of `dmdask.fs.block-size`, each loaded by its planned worker when an
 process first reads a byte of it, held once in the cluster like any block.
 
 Guarantees:
-- a block leaves the store once while the cluster holds it; blocks that fit nowhere
-  are read once per request that needs them (each byte once per epoch for loaders that
-  read each file once an epoch), so E epochs cost E*D - C*(E-1) bytes at most, C the
-  part the cache holds;
+- a block leaves the store once while the cluster holds it; blocks that fit nowhere are
+  read once per request that needs them, so E epochs cost E*D - C*(E-1) bytes at most,
+  C the part the cache holds;
 - a file is identified by URL, storage options, size and version (modification time,
-  ETag) as the store reports them once per run: a file rewritten between runs is read
-  afresh, never served stale, when its size or version changed;
-- listings and infos are asked of the store once per run (`dmdask.scheduler.files`),
-  and of the scheduler once per process and folder;
-- works from threads, from `DataLoader` worker processes (fork, forkserver, spawn) and
-  from several jobs at once (`dmdask.fs.session`).
+  ETag) as the store reports them once per run: a rewritten file is never served stale;
+- listings and infos are asked of the store once per run, and of the scheduler once per
+  process and folder;
+- works from threads, `DataLoader` worker processes (fork, forkserver, spawn) and
+  several jobs at once (`dmdask.fs.session`).
 
 The cluster: storage option `scheduler=ADDRESS`, else the dask config
 `dmdask.fs.scheduler`, else the current default `distributed.Client`'s scheduler.
@@ -117,22 +115,20 @@ class DmdaskFileSystem(_Base):
         return dict(self._session().metadata.info(self.target_id, self.fs, self.target_path(path)))
 
     def open_info(self, path) -> dict:
-        """`info` of a file about to be read from its start: where the store's infos each
-        cost a request (HTTP), read with the ranged GET of its first block, whose bytes
-        the read that follows takes (no HEAD; `dmdask.fs.probe`)."""
+        """`info` of a file about to be read from its start: on HTTP from the ranged GET of
+        its first block, whose bytes the read that follows takes (`dmdask.fs.probe`)."""
         return self._file(path, 0)[0]
 
     def glob(self, path, maxdepth=None, **kwargs):
-        """As the target's `glob` answers (HTTP's keeps sub-folders, which the generic
-        glob drops: `dmdask.fs.globbing`), over this run's listings."""
+        """As the target's `glob` answers (`dmdask.fs.globbing`), over this run's listings."""
         return globbing.glob(self, path, maxdepth=maxdepth, url_rules=probe.applies(self.fs), **kwargs)
 
     def isdir(self, path) -> bool:
         return self.fs.isdir(self.target_path(path))
 
     def invalidate_cache(self, path=None):
-        """Forget every listing and info this process knows: the next ones are read from
-        the store again (a new run, also for processes started from now on)."""
+        """Forget every listing and info this process knows: a new run, which reads them
+        from the store again."""
         self._session().forget()
         super().invalidate_cache(path)
 

@@ -140,10 +140,8 @@ class _InFiles(Holding):
     def load(self) -> Block:
         return Block(self.take(np.arange(len(self))), self.start, self.stop)
 
-    def __reduce__(self):
-        # Leaving this worker (a graceful retire, a gather): travel as the data itself.
-        block = self.load()
-        return (Block, (block.arrays, block.start, block.stop))
+    def __reduce__(self):  # leaving this worker (a graceful retire, a gather): travel as the data itself
+        return self.load().__reduce__()
 
     def __sizeof__(self) -> int:
         return 256

@@ -158,12 +158,6 @@ class TieredStore(TierSpace, MutableMapping):
         with self._lock:
             return self._roots[tier]
 
-    def tier_dir(self, tier: str) -> Optional[str]:
-        """Where a tier's blocks are: this worker's folder once made, else its parent
-        folder; None for a RAM tier in the worker's own memory."""
-        with self._lock:
-            return self._folders.get(tier) or self._roots[tier]
-
     def shared_folder(self) -> Optional[str]:
         """This worker's shared-memory folder (made on first use); None when it keeps RAM
         blocks in its own memory."""
@@ -243,7 +237,10 @@ class TieredStore(TierSpace, MutableMapping):
         self.remove_stale()
 
     def stats(self) -> dict:
-        dirs = {tier: self.tier_dir(tier) for tier in ("ram", "ssd")}
+        """Each tier's `TierStats` and `dir` (where its blocks are: this worker's folder once
+        made, else its parent; None: RAM in the worker's memory), and the streamed blocks."""
         with self._lock:
-            return {"ram": dict(self.ram.as_dict(), dir=dirs["ram"]), "ssd": dict(self.ssd.as_dict(), dir=dirs["ssd"]),
-                    "streamed_blocks": sum(v.tier is None for v in self._blocks.values())}
+            stats = {tier: dict(getattr(self, tier).as_dict(), dir=self._folders.get(tier) or self._roots[tier])
+                     for tier in ("ram", "ssd")}
+            stats["streamed_blocks"] = sum(v.tier is None for v in self._blocks.values())
+        return stats
