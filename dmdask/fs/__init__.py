@@ -213,15 +213,10 @@ class DmdaskFileSystem(_Base):
         contents = self.cat_ranges(paths, None, None, on_error="raise" if on_error == "raise" else "return")
         return {p: c for p, c in zip(paths, contents) if not (on_error == "omit" and isinstance(c, Exception))}
 
-    # read-only
-    def _rm(self, path):
+    def _read_only(self, *args, **kwargs):
         raise PermissionError(f"{PROTOCOL}:: is read-only")
 
-    def mkdir(self, path, create_parents=True, **kwargs):
-        raise PermissionError(f"{PROTOCOL}:: is read-only")
-
-    def cp_file(self, path1, path2, **kwargs):
-        raise PermissionError(f"{PROTOCOL}:: is read-only")
+    _rm = mkdir = cp_file = _read_only
 
 
 class DmdaskFile(AbstractBufferedFile):

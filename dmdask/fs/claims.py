@@ -92,11 +92,10 @@ class Claims:
 
     def first_reads(self, fs, wanted: Dict[str, tuple]) -> Dict[str, dict]:
         """Blocks of `wanted` (key -> (source, index)) this process has no holder for:
-        one `open_blocks` request registers their files, claims the blocks nobody holds
-        or reads, and names the holders of the others. The claimed ones are read from the
-        store here (and handed over); their rows are returned (key -> arrays), with those
-        of blocks this process read lately and is handing over (`first_info` among them).
-        The rest are left to `Blocks.gather` (held, loading, or read by another process)."""
+        one `OpenBlocks` request registers their files, claims the blocks nobody holds or
+        reads, and names the holders of the others. The claimed ones are read here (and
+        handed over); their rows are returned (key -> arrays), with those this process is
+        handing over. The rest are left to `Blocks` (held, loading, or read elsewhere)."""
         session, blocks = self.session, self.session.blocks
         with self._lock:
             have = {key: self.handing[key] for key in wanted if key in self.handing}

@@ -76,8 +76,7 @@ class Metadata:
         self.files.setdefault(f"{fsid}|{folder_of(path)}", set()).add(path)
 
     def tell(self, fsid: str, puts: List[FileEntry]) -> None:
-        """Share infos read from the store with the run, in the background and a batch at
-        a time (a process that exits first only costs the next one a store request)."""
+        """Share infos read from the store with the run, in the background, a batch at a time."""
         client = self.session.client
         with self._lock:
             first = not self.to_tell
@@ -139,8 +138,7 @@ class Metadata:
 
     def learn_infos(self, fs, paths: List[str]) -> None:
         """Read the infos of `paths` this run does not know yet, concurrently on an async
-        store (one HEAD each, at once), ahead of reading many files (`fs`: a
-        `DmdaskFileSystem`). A path whose info cannot be read is left to `info`."""
+        store, ahead of reading many files. A path whose info cannot be read is left to `info`."""
         fsid = fs.target_id
         for folder in {folder_of(p) for p in paths}:
             if f"{fsid}|{folder}" not in self.asked_infos:

@@ -90,9 +90,8 @@ class Session:
         return self.connected
 
     def at_exit(self) -> None:
-        """Hand over the blocks read here, share the infos read here with the run (so the
-        run's next processes ask the store for none of them) and report the last hits;
-        each bounded in time."""
+        """Hand over the blocks read here, share the infos read here with the run and
+        report the last hits; each bounded in time."""
         client, claims = self.connected, self.claims
         if client is not None and (claims.to_hand or claims.to_open):
             client.loop.add_callback(claims.hand_over)
@@ -119,8 +118,7 @@ class Session:
 
     def sync(self, op: str, call: Callable):
         """`call()`'s result (a coroutine function of the scheduler request `op`), waiting at
-        most `dmdask.client.recovery-seconds`; `SchedulerLostError` when the scheduler does not
-        answer by then or is gone."""
+        most `dmdask.client.recovery-seconds`, then `SchedulerLostError`."""
         client = self.client
         limit = self.recovery_seconds()
 
@@ -144,9 +142,8 @@ class Session:
         return self.sync(request.op, lambda: SchedulerAPI(self.client).send(request))
 
     def call_with_workers(self, request: Request):
-        """The scheduler plugin's reply to `request`; while it answers `NoWorkers`,
-        waits for one to join (said once in a warning per process), as `dmdask.batches`
-        does; `NoWorkersError` after `dmdask.client.recovery-seconds` without any."""
+        """The scheduler plugin's reply to `request`; while it answers `NoWorkers`, waits
+        for one to join (see the module docstring)."""
         limit = self.recovery_seconds()
         for _ in Tries(limit, pause=0.5):
             reply = self.call(request)
@@ -211,9 +208,8 @@ def close() -> None:
 
 
 def default_address() -> str:
-    """`dmdask.fs.scheduler` from dask config, else the default client's scheduler (then
-    also put into the environment, so spawned processes find it), else the scheduler the
-    parent process read through."""
+    """`dmdask.fs.scheduler` from dask config, else the default client's scheduler (also
+    put into the environment for spawned processes), else the parent process's."""
     configured = dask.config.get("dmdask.fs.scheduler", None)
     if configured:
         return str(configured)

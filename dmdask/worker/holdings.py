@@ -42,12 +42,11 @@ def concat(arrays):
 class Holding:
     """What a worker holds under a block's key, samples `start..stop-1` of a dataset.
 
-    `tier`: the tier it is charged to ("ram", "ssd"; None: in none, streamed); `nbytes`;
-    `describe()`: how a process on this host maps its rows, None when it cannot;
-    `serve(rows, cache, priority)`: (the rows, how many were read from the store for
-    them), reads done in `cache`'s read threads at `priority`; `take(rows)`: the rows of
-    a holding that holds them all; `release()`: when it leaves the tier; `rereadable`:
-    whether unreadable files are read again from the store (`BlockCache._reread`)."""
+    `tier`: the tier it is charged to (None: streamed); `describe()`: how a process on
+    this host maps its rows (None: it cannot); `serve(rows, cache, priority)`: (the rows,
+    how many were read from the store); `take(rows)`: rows of a holding that holds them
+    all; `release()`: when it leaves the tier; `rereadable`: whether unreadable files
+    are read again from the store (`BlockCache._reread`)."""
 
     __slots__ = ()
     tier: Optional[str] = "ram"
@@ -149,10 +148,9 @@ class _InFiles(Holding):
 
 class FileBlock(_InFiles):
     """A block kept in files (`dmdask.shm.fileblocks`; shared memory for the RAM tier, the
-    node's disk for the SSD): a take reads only the wanted rows, and a training process on
-    the same host maps the files itself (`describe`). `reader`: the block's `BlockReader`
-    when it was read from the store here (None when it came from another worker), so a
-    block whose files can no longer be read can be read again from the store."""
+    node's disk for the SSD), which a training process on the same host maps itself.
+    `reader`: the block's `BlockReader` when it was read here (None: from another
+    worker), to read it again should its files fail."""
 
     __slots__ = ("path", "start", "stop", "nbytes", "layout", "tier", "reader")
 
