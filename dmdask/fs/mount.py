@@ -64,11 +64,8 @@ def _fuse():
 
 
 def _seconds(entry: dict) -> float:
-    for key in TIME_KEYS:
-        value = entry.get(key)
-        if isinstance(value, (int, float)):
-            return float(value)
-    return 0.0
+    """The entry's first time that is a number (0.0: none)."""
+    return next((float(entry[key]) for key in TIME_KEYS if isinstance(entry.get(key), (int, float))), 0.0)
 
 
 def _kernel_opens_files() -> bool:

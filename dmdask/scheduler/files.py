@@ -99,7 +99,4 @@ class FileMetadata:
         return reply
 
     def _folder(self, folder: str) -> _Folder:
-        entry = self.folders.get(folder)
-        if entry is None:
-            entry = self.folders[folder] = _Folder()
-        return entry
+        return self.folders.setdefault(folder, _Folder())

@@ -61,8 +61,7 @@ def transform_isolated(blob: bytes, batches: List[dict],
     the child, and that batch's `TransformError`."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     child = subprocess.Popen([sys.executable, "-c", "from dmdask.worker.transforms import main; main()"],
-                             stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, env=env)
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
     done: list = []
     try:
         try:
