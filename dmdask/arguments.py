@@ -7,7 +7,7 @@ argument and what it takes (the caller's RPC re-raises it). The checks copy noth
 from __future__ import annotations
 
 import numbers
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -21,7 +21,7 @@ def refuse(handler: str, name: str, expected: str, value) -> HandlerArgumentErro
     return HandlerArgumentError(f"{handler}: {name}={shown} is refused: expected {expected}")
 
 
-def text(handler: str, name: str, value, optional: bool = False) -> Optional[str]:
+def text(handler: str, name: str, value, optional: bool = False) -> str | None:
     """A non-empty string (or None when `optional`)."""
     if value is None and optional:
         return None
@@ -48,7 +48,7 @@ def tuples(handler: str, name: str, value, width: int, leading_texts: int = 0) -
     return list(value)
 
 
-def count(handler: str, name: str, value, low: int = 0, high: Optional[int] = None) -> int:
+def count(handler: str, name: str, value, low: int = 0, high: int | None = None) -> int:
     """An integer in low..high (bools refused)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value < low \
             or (high is not None and value > high):
@@ -68,7 +68,7 @@ def flag(handler: str, name: str, value) -> bool:
     return bool(value)
 
 
-def mapping(handler: str, name: str, value, known: Optional[Iterable[str]] = None,
+def mapping(handler: str, name: str, value, known: Iterable[str] | None = None,
             required: Iterable[str] = ()) -> dict:
     """A dict with string keys; with `known`, no other keys, and every `required` one."""
     if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
@@ -105,7 +105,7 @@ def dataset_info(handler: str, info) -> DatasetInfo:
     return info
 
 
-def block_order(handler: str, order, num_blocks: int) -> Optional[list]:
+def block_order(handler: str, order, num_blocks: int) -> list | None:
     """None, or every block index 0..num_blocks-1 once (the order they are first needed)."""
     if order is None:
         return None

@@ -4,7 +4,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Any, Mapping, Optional, Sequence, Union
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -52,19 +53,19 @@ class Spec:
     storage_options: fsspec options.
     """
 
-    source: Union[str, Sequence[str], "Mix"]
+    source: str | Sequence[str] | Mix
     batch_size: int
     shuffle: bool = True
     seed: int = 0
     rank: int = 0
     world_size: int = 1
     drop_last: bool = False
-    shuffle_window: Optional[int] = None
-    keys: Optional[Sequence[str]] = None
-    transform: Optional[Transform] = None
+    shuffle_window: int | None = None
+    keys: Sequence[str] | None = None
+    transform: Transform | None = None
     prefetch: int = 8
-    block_size: Optional[int] = None
-    storage_options: Optional[Mapping[str, Any]] = None
+    block_size: int | None = None
+    storage_options: Mapping[str, Any] | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "source", as_source(self.source))
@@ -162,8 +163,8 @@ class Mix:
     """
 
     sources: Sequence[Any]
-    weights: Optional[Sequence[float]] = None
-    epoch_size: Optional[int] = None
+    weights: Sequence[float] | None = None
+    epoch_size: int | None = None
 
     def __post_init__(self):
         allowed = ("a non-empty list of sources: paths or URLs, lists of shard URLs, or Specs (of one source "
@@ -220,7 +221,7 @@ def _as_weights(weights, count: int) -> tuple:
     return tuple(out)
 
 
-def as_int(name: str, value, low: int, high: Optional[int] = None, hint: str = "") -> int:
+def as_int(name: str, value, low: int, high: int | None = None, hint: str = "") -> int:
     """`value` as an `int` when it is a Python or numpy integer in low..high; otherwise
     `SpecError` naming `name` (bools and floats are refused, even integral ones)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < low \

@@ -5,7 +5,7 @@ import contextlib
 import contextvars
 import dataclasses
 import pickle
-from typing import Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -51,7 +51,7 @@ class TransformContext:
 _context: contextvars.ContextVar = contextvars.ContextVar("dmdask_transform_context", default=None)
 
 
-def transform_context() -> Optional[TransformContext]:
+def transform_context() -> TransformContext | None:
     """The `TransformContext` of the batch being transformed, inside a `Spec.transform`
     that dmdask runs (on a worker, or in the child process of an isolated retry);
     None anywhere else. Example: docs/quickstart.md, "A transform knows its epoch"."""
@@ -59,7 +59,7 @@ def transform_context() -> Optional[TransformContext]:
 
 
 @contextlib.contextmanager
-def using_context(context: Optional[TransformContext]) -> Iterator[None]:
+def using_context(context: TransformContext | None) -> Iterator[None]:
     """Run the enclosed code with `transform_context()` returning `context`."""
     token = _context.set(context)
     try:
@@ -68,11 +68,11 @@ def using_context(context: Optional[TransformContext]) -> Iterator[None]:
         _context.reset(token)
 
 
-def dumps_transform(fn) -> Optional[bytes]:
+def dumps_transform(fn) -> bytes | None:
     import cloudpickle
 
     return None if fn is None else cloudpickle.dumps(fn)
 
 
-def loads_transform(blob: Optional[bytes]):
+def loads_transform(blob: bytes | None):
     return None if blob is None else pickle.loads(blob)

@@ -9,7 +9,8 @@ reuses their memory early.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable, Dict, Iterable, Iterator, TypeVar
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -55,10 +56,10 @@ class CudaFeeder:
         self.depth = int(depth)
         self.stream = torch.cuda.Stream(device=device)
 
-    def __call__(self, batches: Iterable[Dict[str, Any]]) -> Iterator[Dict[str, Any]]:
+    def __call__(self, batches: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         return prefetched(batches, self._start, self._finish, self.depth)
 
-    def _start(self, batch: Dict[str, Any]):
+    def _start(self, batch: dict[str, Any]):
         torch = self.torch
         with torch.cuda.stream(self.stream):
             out = {name: [self._copy(v) for v in value] if isinstance(value, list) else self._copy(value)

@@ -1,15 +1,16 @@
 """The walk over a batch's fields that the PyTorch, JAX and MXNet adapters share (imports no framework)."""
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 __all__ = ["converted"]
 
 
-def converted(batch: Dict[str, Any], array: Callable, sample: Optional[Callable] = None,
-              index: bool = True) -> Dict[str, Any]:
+def converted(batch: dict[str, Any], array: Callable, sample: Callable | None = None,
+              index: bool = True) -> dict[str, Any]:
     """`batch` (a dict of numpy arrays) with each field converted:
 
     - "index" as int64 sample ids, converted by `array` (left numpy with index=False);
@@ -19,7 +20,7 @@ def converted(batch: Dict[str, Any], array: Callable, sample: Optional[Callable]
     - strings, structured arrays and non-arrays as they are.
     """
     sample = sample if sample is not None else array
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     for name, value in batch.items():
         if name == "index":
             ids = np.asarray(value).astype(np.int64, copy=False)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import threading
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import dmdask
 from dmdask.plan.order import check_int
@@ -48,9 +48,9 @@ class EpochPasses:
         self.epoch = check_int("epoch", epoch, 0)
         self._moves_on = moves_on  # the epoch-advance policy (see the class)
         self._lock = threading.RLock()
-        self._start: Optional[dict] = None  # inner state the next pass starts from
-        self._fresh: Optional[dmdask.BatchIterator] = None  # built (by len/load) but not started
-        self._current: Optional[dmdask.BatchIterator] = None  # the latest pass of this epoch
+        self._start: dict | None = None  # inner state the next pass starts from
+        self._fresh: dmdask.BatchIterator | None = None  # built (by len/load) but not started
+        self._current: dmdask.BatchIterator | None = None  # the latest pass of this epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Iterate `epoch` on the next pass. The epoch the loader is already at changes

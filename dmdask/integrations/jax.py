@@ -3,7 +3,7 @@ sharded (docs/frameworks.md). This module imports JAX and no other framework.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Union
+from typing import Any
 
 import jax
 import numpy as np
@@ -31,7 +31,7 @@ def local_batch_sharding(axis: str = "batch") -> NamedSharding:
     return NamedSharding(Mesh(np.array(jax.local_devices()), (axis,)), PartitionSpec(axis))
 
 
-def _put(arr: np.ndarray, sharding: Optional[Sharding], device):
+def _put(arr: np.ndarray, sharding: Sharding | None, device):
     if not arr.dtype.isnative:
         arr = arr.astype(arr.dtype.newbyteorder("="))
     try:
@@ -42,7 +42,7 @@ def _put(arr: np.ndarray, sharding: Optional[Sharding], device):
         return arr
 
 
-def to_jax(batch: Dict[str, Any], sharding: Optional[Sharding] = None, device=None) -> Dict[str, Any]:
+def to_jax(batch: dict[str, Any], sharding: Sharding | None = None, device=None) -> dict[str, Any]:
     """One dmdask batch converted by `_fields.converted` to `jax.Array`s placed with
     `sharding` (across processes assembled by `jax.make_array_from_process_local_data`) or
     on `device`; variable-size samples on `device`, never sharded. "index" stays numpy
@@ -66,7 +66,7 @@ class JaxLoader(EpochPasses):
     Not thread-safe.
     """
 
-    def __init__(self, client, spec: dmdask.Spec, *, sharding: Union[None, str, Sharding] = None,
+    def __init__(self, client, spec: dmdask.Spec, *, sharding: None | str | Sharding = None,
                  device=None, epoch: int = 0):
         if not isinstance(spec, dmdask.Spec):
             raise TypeError(f"spec must be a dmdask.Spec, got {type(spec).__name__}")

@@ -7,7 +7,8 @@ MXNet 1.9.1 uses `np.bool`, which numpy 1.24 removed: this module sets `numpy.bo
 from __future__ import annotations
 
 import warnings
-from typing import Any, Dict, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -50,7 +51,7 @@ def _ndarray(arr: np.ndarray, ctx):
     return mx.nd.array(np.ascontiguousarray(arr, dtype=dtype), ctx=ctx, dtype=dtype)
 
 
-def to_mxnet(batch: Dict[str, Any], ctx=None) -> Dict[str, Any]:
+def to_mxnet(batch: dict[str, Any], ctx=None) -> dict[str, Any]:
     """One dmdask batch converted by `_fields.converted` to NDArrays on `ctx` (default
     `mx.cpu()`), copying; dtypes widened by `_mx_dtype`, those NDArray lacks stay numpy."""
     ctx = ctx if ctx is not None else mx.cpu()

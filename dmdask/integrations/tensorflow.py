@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, Optional
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -101,7 +101,7 @@ def _field(name: str, value, ragged: str):
     return _ragged(items)
 
 
-def to_tensorflow(batch: Dict[str, Any], ragged: str = "ragged") -> Dict[str, Any]:
+def to_tensorflow(batch: dict[str, Any], ragged: str = "ragged") -> dict[str, Any]:
     """One dmdask batch as a dict of TensorFlow values (copies): numeric arrays as `tf.Tensor`;
     variable-size numeric samples as a `tf.RaggedTensor` (every inner dimension ragged) or,
     with ragged="bytes", a `tf.string` of each sample's bytes; str/bytes as `tf.string`;
@@ -119,7 +119,7 @@ def _unbatched(spec):
     return tf.TensorSpec(shape=[None] + spec.shape.as_list()[1:], dtype=spec.dtype)
 
 
-def signature_of(batch: Dict[str, Any]) -> Dict[str, Any]:
+def signature_of(batch: dict[str, Any]) -> dict[str, Any]:
     """The `output_signature` of batches like `batch` (converted or numpy): the batch
     dimension unknown (the last batch may be short), the other dimensions as in `batch`."""
     converted = {k: v if isinstance(v, (tf.Tensor, tf.RaggedTensor)) else _field(k, v, "ragged")
@@ -142,7 +142,7 @@ class TFLoader(tf.train.experimental.PythonState, EpochPasses):
     """
 
     def __init__(self, client, spec: dmdask.Spec, *, strategy=None, input_context=None, epoch: int = 0,
-                 ragged: str = "ragged", output_signature: Optional[Dict[str, Any]] = None):
+                 ragged: str = "ragged", output_signature: dict[str, Any] | None = None):
         if not isinstance(spec, dmdask.Spec):
             raise TypeError(f"spec must be a dmdask.Spec, got {type(spec).__name__}")
         if ragged not in _RAGGED_MODES:
@@ -152,7 +152,7 @@ class TFLoader(tf.train.experimental.PythonState, EpochPasses):
         self._signature = dict(output_signature) if output_signature is not None else None
 
     @property
-    def output_signature(self) -> Dict[str, Any]:
+    def output_signature(self) -> dict[str, Any]:
         """dict of `tf.TensorSpec`/`tf.RaggedTensorSpec`, batch dimension None."""
         if self._signature is None:
             self._signature = signature_of(to_tensorflow(self.peek(), self.ragged))

@@ -5,7 +5,7 @@ worker (each would replay the whole epoch) it raises RuntimeError.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Union
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,7 +48,7 @@ def _tensor(arr: np.ndarray):
         return arr
 
 
-def to_torch(batch: Dict[str, Any]) -> Dict[str, Any]:
+def to_torch(batch: dict[str, Any]) -> dict[str, Any]:
     """One dmdask batch converted by `_fields.converted` to torch tensors that share the numpy
     memory (see `_tensor`); "index" an int64 tensor; what torch cannot represent unchanged."""
     return converted(batch, _tensor)
@@ -72,7 +72,7 @@ class TorchLoader(EpochPasses):
     """
 
     def __init__(self, client, spec: dmdask.Spec, *, pin_memory: bool = False,
-                 device: Union[str, torch.device, None] = None, device_prefetch: int = 2, epoch: int = 0):
+                 device: str | torch.device | None = None, device_prefetch: int = 2, epoch: int = 0):
         if not isinstance(spec, dmdask.Spec):
             raise TypeError(f"spec must be a dmdask.Spec, got {type(spec).__name__}")
         if int(device_prefetch) < 0:
@@ -96,7 +96,7 @@ class TorchLoader(EpochPasses):
             return self._feeder(to_torch(batch) for batch in batches)
         return (self._place(to_torch(batch)) for batch in batches)
 
-    def _place(self, batch: Dict[str, Any]) -> Dict[str, Any]:
+    def _place(self, batch: dict[str, Any]) -> dict[str, Any]:
         if not (self.pin_memory or self.device is not None):
             return batch
         return {name: [self._move(v) for v in value] if isinstance(value, list) else self._move(value)

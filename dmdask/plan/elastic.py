@@ -11,7 +11,7 @@ stopped within a few batches of each other cost a few batches of int64, whatever
 """
 from __future__ import annotations
 
-from typing import List, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -55,7 +55,7 @@ class Remaining:
         return Remaining(self.n, head, min(tail_start, self.n))
 
 
-def remaining(n: int, history: List[dict]) -> Remaining:
+def remaining(n: int, history: list[dict]) -> Remaining:
     """The sequence the current generation deals: the epoch's positions minus those the
     generations in `history` handed out ({"world_size", "consumed"} each, in order)."""
     seq = Remaining(n)

@@ -6,7 +6,7 @@ stay inside range(size). The same keys give the same permutation on any machine
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.random  # noqa: F401 - now, not lazily at the first epoch's order
@@ -46,11 +46,11 @@ class Feistel:
         self._mask = np.uint64((1 << half_bits) - 1)
         self._keys = round_keys
 
-    def forward(self, values: np.ndarray, tweak: Optional[np.ndarray] = None) -> np.ndarray:
+    def forward(self, values: np.ndarray, tweak: np.ndarray | None = None) -> np.ndarray:
         """The images of `values` (a uint64 array within range(size)), as a new array."""
         return self._cycle_walk(self.encrypt, values, tweak)
 
-    def backward(self, values: np.ndarray, tweak: Optional[np.ndarray] = None) -> np.ndarray:
+    def backward(self, values: np.ndarray, tweak: np.ndarray | None = None) -> np.ndarray:
         """The preimages of `values`: backward(forward(v, t), t) == v."""
         return self._cycle_walk(self._decrypt, values, tweak)
 
@@ -70,7 +70,7 @@ class Feistel:
             outside = outside[out[outside] >= self.size]
         return out
 
-    def encrypt(self, values: np.ndarray, tweak: Optional[np.ndarray]) -> np.ndarray:
+    def encrypt(self, values: np.ndarray, tweak: np.ndarray | None) -> np.ndarray:
         """One pass through the network, without cycle-walking: a permutation of the
         power of 4 that holds range(size), for callers that walk to a bound of their own."""
         left, right = values >> self._shift, values & self._mask

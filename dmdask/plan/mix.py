@@ -21,7 +21,7 @@ Guarantees:
 from __future__ import annotations
 
 from fractions import Fraction
-from typing import Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -35,7 +35,7 @@ _ORDERS_KEPT = 1024  # (source, pass) orders kept between calls (a few hundred b
 _PIECE = 1 << 20  # sources x positions evaluated at a time
 
 
-def apportion(total: int, weights: Sequence) -> List[int]:
+def apportion(total: int, weights: Sequence) -> list[int]:
     """`total` split in proportion to `weights` (non-negative numbers, positive sum):
     each gets the integer part of its exact quota, and the units left go to the largest
     remainders (ties: the first). Exact (rational arithmetic), so the same everywhere; a
@@ -59,7 +59,7 @@ class MixOrder:
     N = sum(counts), each source's draws this epoch."""
 
     def __init__(self, sizes: Sequence[int], counts: Sequence[int], block_lens: Sequence[int], *, shuffle: bool,
-                 seed: int, epoch: int, shuffle_window: Optional[int] = None):
+                 seed: int, epoch: int, shuffle_window: int | None = None):
         self.sizes = [check_int("size", n, 1) for n in sizes]
         self.counts = [check_int("count", c, 0) for c in counts]
         self.block_lens = [check_int("block_len", b, 1) for b in block_lens]
@@ -90,14 +90,14 @@ class MixOrder:
         self._tweak_salt = keys[ROUNDS]
         # where this epoch's draws start in each source's passes: (pass, draw in it)
         self._start = [divmod(self.epoch * c, size) for c, size in zip(self.counts, self.sizes)]
-        self._orders: Dict[Tuple[int, int], EpochOrder] = {}
+        self._orders: dict[tuple[int, int], EpochOrder] = {}
 
     # -- positions -> draws ---------------------------------------------------------------
     def draws_before(self, rounds: np.ndarray) -> np.ndarray:
         """(S, len(rounds)) int64: each source's draws in the rounds before these."""
         return rounds * self._whole + (rounds * self._part + self._phase) // self.num_rounds
 
-    def draws(self, positions) -> Tuple[np.ndarray, np.ndarray]:
+    def draws(self, positions) -> tuple[np.ndarray, np.ndarray]:
         """(source, k) of each position: the k-th draw of that source in this epoch."""
         flat, shape = check_positions(positions, self.num_samples)
         sources = np.empty(len(flat), dtype=np.int64)
@@ -177,7 +177,7 @@ class MixOrder:
                 shuffle_window=self.shuffle_window, stream=(_MIX_SALT, source))
         return found
 
-    def split(self, ids) -> Tuple[np.ndarray, np.ndarray]:
+    def split(self, ids) -> tuple[np.ndarray, np.ndarray]:
         """(source, sample id in it) of global ids."""
         ids = np.asarray(ids, dtype=np.int64)
         sources = np.searchsorted(self.offsets, ids, side="right") - 1

@@ -14,7 +14,7 @@ Guarantees:
 from __future__ import annotations
 
 import operator
-from typing import List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.ma  # noqa: F401 - now, not lazily at the first np.unique (a rank's first batch)
@@ -34,7 +34,7 @@ def check_int(name: str, value, low: int) -> int:
     return int(value)
 
 
-def check_positions(values, num_samples: int, what: str = "position") -> Tuple[np.ndarray, tuple]:
+def check_positions(values, num_samples: int, what: str = "position") -> tuple[np.ndarray, tuple]:
     """(`values` as a flat int64 array, their shape); ValueError unless integers,
     IndexError if one is outside 0..num_samples-1."""
     array = np.asarray(values)
@@ -63,7 +63,7 @@ class EpochOrder:
     """
 
     def __init__(self, num_samples: int, block_len: int, *, shuffle: bool, seed: int, epoch: int,
-                 shuffle_window: Optional[int] = None, stream: Sequence[int] = ()):
+                 shuffle_window: int | None = None, stream: Sequence[int] = ()):
         self.num_samples = check_int("num_samples", num_samples, 0)
         if self.num_samples >= 2**62:  # positions and ids are int64, with room for arithmetic
             raise ValueError(f"num_samples must be below 2**62, got {num_samples!r}")
@@ -76,8 +76,8 @@ class EpochOrder:
         self.shuffle_window = shuffle_window
         self.stream = tuple(check_int("stream", v, 0) for v in stream)
         self.num_blocks = -(-self.num_samples // self.block_len)
-        self._whole: Optional[Feistel] = None
-        self._windows: Optional[Windows] = None
+        self._whole: Feistel | None = None
+        self._windows: Windows | None = None
         if self.shuffle and shuffle_window is None:
             self._whole = Feistel(self.num_samples, round_keys(self.seed, self.epoch, _ORDER_SALT, ROUNDS,
                                                                  self.stream))
@@ -116,7 +116,7 @@ class EpochOrder:
         if not self.shuffle:  # position order is block order
             return np.arange(self.num_blocks, dtype=np.int64)
         seen = np.zeros(self.num_blocks, dtype=bool)
-        found: List[np.ndarray] = []
+        found: list[np.ndarray] = []
         num_seen = 0
         for start in range(0, limit, _CHUNK):
             if num_seen == self.num_blocks:
@@ -175,7 +175,7 @@ class RankShare:
             raise IndexError(f"batch {i!r} is outside 0..{self._num_batches - 1}")
         return self.batches(i, i + 1)[0]
 
-    def batches(self, start: int, stop: int) -> List[np.ndarray]:
+    def batches(self, start: int, stop: int) -> list[np.ndarray]:
         """Batches start..stop-1 (0 <= start <= stop <= len(self)), computed together; IndexError otherwise."""
         start, stop = operator.index(start), operator.index(stop)
         if not 0 <= start <= stop <= self._num_batches:

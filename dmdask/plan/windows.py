@@ -6,7 +6,7 @@ a network tweaked by the window index.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
