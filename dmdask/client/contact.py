@@ -22,12 +22,22 @@ from distributed.comm.core import CommClosedError
 
 from ..errors import SchedulerLostError, no_workers, waiting_for_workers
 from ..recovery import Tries
-from .gather import connect_ahead
+from .gather import CONNECT_SECONDS
 from .locate import my_host
 
 logger = logging.getLogger(__name__)
 _reached: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # client -> scheduler its workers were reached on
 CONNECT_AHEAD = 32  # workers a new iterator connects to while its dataset opens
+
+
+async def connect_ahead(client, address: str) -> None:
+    """A connection to the worker at `address` made now and kept in the client's pool for
+    the next call; never raises (that call meets the error)."""
+    try:
+        comm = await client.rpc.connect(address, timeout=CONNECT_SECONDS)
+    except Exception:  # noqa: BLE001 - best effort
+        return
+    client.rpc.reuse(address, comm)
 
 
 class Contact:
@@ -98,6 +108,15 @@ class Contact:
                 self._said_waiting = True
                 logger.warning(waiting_for_workers(limit))
         raise no_workers(limit)
+
+    async def wait_if_no_workers(self) -> bool:
+        """When the cluster has no workers now: the local worker forgotten and new workers
+        waited for as by `workers()`; True if it waited."""
+        if await self.workers(wait=False):
+            return False
+        self.forget_worker()
+        await self.workers()
+        return True
 
     async def local_worker(self) -> str:
         """A worker on this rank's own node: rank r takes local worker r mod n."""

@@ -1,9 +1,7 @@
 """A training process assembles its batches itself: rows of blocks held in files on its
 own host (shared memory for the RAM tier, the SSD) are taken by indexing the mapped
-files, with no request, pickle or worker event loop; only rows held on other hosts, or
-in no file (blocks filling or streamed), are asked for, one request per holder per
-group of batches. (Warm groups whose blocks all sit in arenas on this host take the
-shortest path, `dmdask.client.arenas`.)
+files, with no request; only rows held on other hosts, or in no file (blocks filling or
+streamed), are asked for, one request per holder per group of batches.
 
 Guarantees: every row comes from the block that holds it, placed at its position in
 the group; a block released (or whose worker went away) while mapped raises `Moved`,
@@ -151,31 +149,27 @@ class Gatherer:
         holder -> where those rows go (in the same order); `priority`: the position of the
         group's first batch in its epoch (holders serve lower ones first); `loading`: keys
         whose holder is still loading them (in no file yet: asked for rows, not described)."""
-        local = [h for h in plan if get_address_host(h) == self.my_host]
+        local = self._local_holders(plan)
         await asyncio.gather(*(self._describe(h, [k for k in plan[h] if k not in loading]) for h in local))
         from_files: List[FromFile] = []
         from_arenas: Dict[tuple, FromFile] = {}  # (holder, arena) -> its rows, one take per arena, not per block
         remote: Dict[str, Tuple[Dict[str, np.ndarray], List[np.ndarray]]] = {}
-        for holder, wanted in plan.items():
-            offset = 0
-            for key, rows in wanted.items():
-                where = positions[holder][offset:offset + len(rows)]
-                offset += len(rows)
-                description = _mapped.described.get((holder, key)) if holder in local else None
-                if description is not None and "arena" in description:
-                    taken = from_arenas.setdefault((holder, description["arena"][ID_FIELD][0]), FromFile(
-                        {"arena": description["arena"], "tier": "ram"}, [], [], holder, [], []))
-                    taken.rows.append(description["first_row"] + rows)
-                    taken.ids.append(description["start"] + rows)
-                    taken.where.append(where)
-                    taken.keys.append(key)
-                    self._remember(holder, key, description)
-                elif description is not None:
-                    from_files.append(FromFile(description, rows, where, holder, [key], None))
-                else:
-                    asked, places = remote.setdefault(holder, ({}, []))
-                    asked[key] = rows
-                    places.append(where)
+        for holder, key, rows, where in _blocks(plan, positions):
+            description = _mapped.described.get((holder, key)) if holder in local else None
+            if description is not None and "arena" in description:
+                taken = from_arenas.setdefault((holder, description["arena"][ID_FIELD][0]), FromFile(
+                    {"arena": description["arena"], "tier": "ram"}, [], [], holder, [], []))
+                taken.rows.append(description["first_row"] + rows)
+                taken.ids.append(description["start"] + rows)
+                taken.where.append(where)
+                taken.keys.append(key)
+                self._remember(holder, key, description)
+            elif description is not None:
+                from_files.append(FromFile(description, rows, where, holder, [key], None))
+            else:
+                asked, places = remote.setdefault(holder, ({}, []))
+                asked[key] = rows
+                places.append(where)
         replies = await asyncio.gather(*(self._rows(h, asked, priority) for h, (asked, _) in remote.items()))
         parts = [(np.concatenate(places), rows) for (_, places), (rows, _) in zip(remote.values(), replies)]
         loop = asyncio.get_running_loop()
@@ -189,19 +183,18 @@ class Gatherer:
         """`gather` in the caller's thread, with no request, when every block of `plan` is
         held in files on this host that this process has described already; None
         otherwise (then `gather`). Raises `Moved` like `gather`."""
+        if len(self._local_holders(plan)) < len(plan):
+            return None
         from_files = []
-        for holder, wanted in plan.items():
-            if get_address_host(holder) != self.my_host:
+        for holder, key, rows, where in _blocks(plan, positions):
+            description = _mapped.described.get((holder, key))
+            if description is None or "path" not in description:
                 return None
-            offset = 0
-            for key, rows in wanted.items():
-                description = _mapped.described.get((holder, key))
-                if description is None or "path" not in description:
-                    return None
-                from_files.append(FromFile(description, rows, positions[holder][offset:offset + len(rows)], holder,
-                                           [key], None))
-                offset += len(rows)
+            from_files.append(FromFile(description, rows, where, holder, [key], None))
         return self._assemble(from_files, [], n)
+
+    def _local_holders(self, holders) -> List[str]:
+        return [h for h in holders if get_address_host(h) == self.my_host]
 
     async def learn(self, holders: Dict[str, str]) -> None:
         """Learn the layout of these blocks (key -> holder) where they are held in files on
@@ -220,7 +213,7 @@ class Gatherer:
     async def describe(self, keys: Dict[str, List[str]]) -> None:
         """Learn how blocks held on this host are laid out in files (holder -> keys), ahead
         of `gather` or `take_local`; blocks held elsewhere are left out."""
-        await asyncio.gather(*(self._describe(h, k) for h, k in keys.items() if get_address_host(h) == self.my_host))
+        await asyncio.gather(*(self._describe(h, keys[h]) for h in self._local_holders(keys)))
 
     async def _describe(self, holder: str, keys: List[str]) -> None:
         unknown = [k for k in keys if (holder, k) not in _mapped.described]
@@ -287,16 +280,6 @@ class Gatherer:
         await asyncio.gather(*(report(holder, tiers) for holder, tiers in hits.items()))
 
 
-async def connect_ahead(client, address: str) -> None:
-    """A connection to the worker at `address` made now and kept in the client's pool for
-    the next call; never raises (that call meets the error)."""
-    try:
-        comm = await client.rpc.connect(address, timeout=CONNECT_SECONDS)
-    except Exception:  # noqa: BLE001 - best effort
-        return
-    client.rpc.reuse(address, comm)
-
-
 def plan_rows(blocks: np.ndarray, offsets: np.ndarray, keys: Dict[int, str], holders: Dict[str, str]):
     """What `Gatherer.gather` takes: holder -> block key -> rows to take (`offsets` in
     their blocks), and holder -> the positions in the group where those rows go (in the
@@ -312,6 +295,15 @@ def plan_rows(blocks: np.ndarray, offsets: np.ndarray, keys: Dict[int, str], hol
         plan.setdefault(holder, {})[key] = offsets[members]
         positions.setdefault(holder, []).append(members)
     return plan, {h: np.concatenate(p) for h, p in positions.items()}
+
+
+def _blocks(plan: Dict[str, Dict[str, np.ndarray]], positions: Dict[str, np.ndarray]):
+    """(holder, key, rows, their positions in the group) of each block of a plan."""
+    for holder, wanted in plan.items():
+        offset = 0
+        for key, rows in wanted.items():
+            yield holder, key, rows, positions[holder][offset:offset + len(rows)]
+            offset += len(rows)
 
 
 def _counters():

@@ -9,7 +9,7 @@ own ids (`batch_fields`).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from dask.base import tokenize
@@ -22,6 +22,7 @@ from .arenas import LocalArenas, split_batches
 from ..shm.memory import empty_batch
 
 SOURCE_FIELD = "source"  # the batch field that holds each row's source index
+_matching: set = set()  # (identity, fields) of mixtures whose sources' rows were found to match
 
 
 class MixedInfo:
@@ -97,10 +98,13 @@ def _common_fields(sources: Sequence[DatasetInfo]) -> Tuple[str, ...]:
     return tuple(first)
 
 
-def check_fields_match(mix: MixedInfo, rows: List[Dict[str, np.ndarray]]) -> None:
-    """`SpecError` unless one row of each drawn source (`rows`, None for a source not
-    drawn) has the same dtype and sample shape in every field: a batch mixes their rows."""
-    drawn = [(mix.sources[i], r) for i, r in enumerate(rows) if r is not None]
+def check_fields_match(mix: MixedInfo, first_rows: Callable[[], List[Optional[Dict[str, np.ndarray]]]]) -> None:
+    """`SpecError` unless the first row of each source drawn (`first_rows()`, None for a
+    source not drawn) has the same dtype and sample shape in every field: a batch mixes
+    their rows. Checked once per process and mixture."""
+    if (mix.identity, mix.fields) in _matching:
+        return
+    drawn = [(mix.sources[i], r) for i, r in enumerate(first_rows()) if r is not None]
     first_info, first = drawn[0]
     for info, row in drawn[1:]:
         for name in mix.fields:
@@ -110,6 +114,7 @@ def check_fields_match(mix: MixedInfo, rows: List[Dict[str, np.ndarray]]) -> Non
                                 f"shape {a.shape[1:]} in {first_info.url} but {b.dtype} of sample shape "
                                 f"{b.shape[1:]} in {info.url} (cast or reshape it in a source of its own, or "
                                 "leave it out with keys=[...])", mix.mix)
+    _matching.add((mix.identity, mix.fields))
 
 
 def take_mixed(mix: MixedInfo, arenas: List[LocalArenas], group: List[np.ndarray], count) -> List[dict]:
