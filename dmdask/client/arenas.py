@@ -1,6 +1,7 @@
 """The warm path: a training process takes the rows of blocks held in arenas on its own
 host (`dmdask.shm.arena`) with no request at all, one `np.take` per field over a
-`Window` that maps every arena of the host side by side, straight into pooled memory.
+`Window` that maps every arena of the host side by side, into pooled memory
+(`dmdask.shm.memory`).
 
 Guarantees: every row comes from the block that holds it, in the epoch's order; a block
 released, moved or whose slot was reused while mapped raises `Moved` (the row labels are
@@ -22,16 +23,10 @@ from ..shm.window import MAX_ARENAS, Window
 
 
 class LocalArenas:
-    """Per process and dataset: the blocks held in arenas on this host, and their rows.
-
-    Filled as the slow path learns where blocks are (`Gatherer.gather`), shared by every
-    iterator of the dataset in the process, so a warm epoch takes its rows with no
-    request at all: every arena of a field is mapped into one `Window`, so a group of
-    batches is one `np.take` per field, in the epoch's order, straight into pooled
-    memory (`dmdask.shm.memory`). Knowledge may go stale (a block released, moved, its
-    slot reused): every take checks the arenas' row labels and raises `Moved` instead of
-    returning rows of another block. Thread-safe.
-    """
+    """Per process and dataset (`of`): the blocks held in arenas on this host, learnt as
+    the slow path finds them (`Gatherer.gather`) and shared by every iterator of the
+    dataset in the process; a group's rows, straight into pooled memory (`take`).
+    Thread-safe."""
 
     _of: Dict[str, "LocalArenas"] = {}
     _registry = threading.Lock()

@@ -1,12 +1,11 @@
 """A rank's contact with its cluster: whether the scheduler answers, which workers there
 are, and the worker on the rank's own node that serves it.
 
-Guarantees: a scheduler that does not answer (the client reconnecting, a connection
-refused or reset) is asked again until `dmdask.client.scheduler-seconds` have passed,
-then `SchedulerLostError`: it is never taken for a cluster without workers. A cluster
-without workers is waited for up to `dmdask.client.recovery-seconds`, said once per
-outage, then `NoWorkersError`. Rank r is served by local worker r mod n, chosen once
-(and again after `forget_worker`).
+Guarantees: a scheduler that does not answer is asked again until
+`dmdask.client.scheduler-seconds` have passed, then `SchedulerLostError`: it is never taken
+for a cluster without workers. A cluster without workers is waited for up to
+`dmdask.client.recovery-seconds`, said once per outage, then `NoWorkersError`. Rank r is
+served by local worker r mod n, chosen once (and again after `forget_worker`).
 """
 from __future__ import annotations
 
@@ -55,9 +54,9 @@ class Contact:
             asyncio.run_coroutine_threadsafe(self.reach_workers(), loop)
 
     async def reach_workers(self) -> None:
-        """While the dataset opens: this rank's local worker chosen and a connection made
-        to the workers its first batches will ask (those on this host first), so the first
-        request pays for neither. Best effort: a failure here surfaces on that request."""
+        """While the dataset opens: this rank's local worker chosen and connections made to
+        the workers (those on this host first), so the first request pays for neither.
+        Best effort: a failure here surfaces on that request."""
         workers = await self.workers(wait=False)
         if workers:
             self._choose_local_worker(workers)
@@ -82,7 +81,7 @@ class Contact:
             "dmdask.client.scheduler-seconds): resume from the last state_dict() once a scheduler runs again")
 
     async def identity(self) -> dict:
-        """The scheduler's identity, asked again while it does not answer (see above)."""
+        """The scheduler's identity, asked again while it does not answer."""
         limit = float(dask.config.get("dmdask.client.scheduler-seconds"))
         tries = Tries(limit, pause=0.2)
         async for _ in tries:

@@ -34,29 +34,23 @@ MAPPED_BLOCKS = 4096  # blocks kept mapped per process (each costs a mapping per
 
 
 class ForkSafeExecutor(concurrent.futures.Executor):
-    """A thread pool, started at the first submit, that a forked child starts anew (a
-    forked process has none of its parent's threads: work queued on the parent's pool
-    would wait forever, and a lock a parent thread held would never be released)."""
+    """A thread pool (its threads started at the first submit) that a forked child starts
+    anew: a forked process has none of its parent's threads, so work queued on the
+    parent's pool would wait forever."""
 
     def __init__(self, threads: int, name: str):
         self.threads, self.name = threads, name
-        self._forget()
-        os.register_at_fork(after_in_child=self._forget)
+        self._start()
+        os.register_at_fork(after_in_child=self._start)
 
-    def _forget(self) -> None:
-        self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
-        self._lock = threading.Lock()
+    def _start(self) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix=self.name)
 
     def submit(self, fn, /, *args, **kwargs):
-        if self._pool is None:
-            with self._lock:
-                if self._pool is None:
-                    self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix=self.name)
         return self._pool.submit(fn, *args, **kwargs)
 
     def shutdown(self, wait=True, *, cancel_futures=False):
-        if self._pool is not None:
-            self._pool.shutdown(wait, cancel_futures=cancel_futures)
+        self._pool.shutdown(wait, cancel_futures=cancel_futures)
 
 
 _pool = ForkSafeExecutor(2, "dmdask-gather")
@@ -70,8 +64,14 @@ class _Mapped:
     """Per process: descriptions of blocks held in files on this host and their mappings."""
 
     def __init__(self):
-        self.lock = threading.Lock()
         self.described: Dict[Tuple[str, str], Optional[dict]] = {}  # (holder, key) -> description or None
+        self._start()
+        os.register_at_fork(after_in_child=self._start)
+
+    def _start(self) -> None:
+        """Also in a forked child: the locks a parent thread may have held at the fork made
+        anew (the LRU's own lock with it: the child maps its blocks again as it uses them)."""
+        self.lock = threading.Lock()
         self.maps = zict.LRU(MAPPED_BLOCKS, {})  # path -> map_arrays(...), least recently used dropped
 
     def arrays(self, description: dict) -> dict:
@@ -95,15 +95,6 @@ class _Mapped:
 _mapped = _Mapped()
 
 
-def _after_fork() -> None:
-    """In a forked child: locks a parent thread may have held at the fork made anew (the
-    LRU's own lock with it: the child maps its blocks again as it uses them)."""
-    _mapped.lock, _mapped.maps = threading.Lock(), zict.LRU(MAPPED_BLOCKS, {})
-
-
-os.register_at_fork(after_in_child=_after_fork)
-
-
 class FromFile(NamedTuple):
     """Rows a process takes from files on its host: of one block's files, or of several
     blocks in one arena (their rows, positions and ids concatenated)."""
@@ -117,8 +108,8 @@ class FromFile(NamedTuple):
 
 
 class Gatherer:
-    """Assembles groups of batches for one iterator; counts the rows it took from
-    workers' files itself and reports them to those workers (`flush_hits`)."""
+    """Assembles groups of batches for one iterator; counts the rows it took from workers'
+    files and reports them to those workers (`flush_hits`)."""
 
     def __init__(self, client, my_host: Optional[str], arenas: Dict[str, LocalArenas]):
         self.client = client
@@ -204,11 +195,10 @@ class Gatherer:
         for key, holder in holders.items():
             by_holder[holder].append(key)
         await self.describe(by_holder)
-        for holder, keys in by_holder.items():
-            for key in keys:
-                description = _mapped.described.get((holder, key))
-                if description is not None and "arena" in description:
-                    self._remember(holder, key, description)
+        for key, holder in holders.items():
+            description = _mapped.described.get((holder, key))
+            if description is not None and "arena" in description:
+                self._remember(holder, key, description)
 
     async def describe(self, keys: Dict[str, List[str]]) -> None:
         """Learn how blocks held on this host are laid out in files (holder -> keys), ahead
@@ -226,8 +216,8 @@ class Gatherer:
                         _mapped.described[(holder, key)] = found if readable(found) else None
 
     async def _rows(self, holder: str, wanted: Dict[str, np.ndarray], priority: Optional[int]):
-        """(rows from `holder`, how many it read from the store for them). The holder
-        waits a moment for blocks it is still loading (`locate(planned=True)`)."""
+        """(rows from `holder`, how many it read from the store for them); it waits a
+        moment for blocks it is still loading (`locate(planned=True)`)."""
         reply = await self.workers.call(holder, RowsRequest(wanted, priority, LOAD_WAIT))
         return reply.arrays, reply.from_store
 

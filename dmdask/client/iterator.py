@@ -66,9 +66,7 @@ class BatchIterator:
     def __init__(self, client: Client, spec: Spec, epoch: int = 0, resume: Optional[dict] = None,
                  progress=None):
         epoch = as_int("epoch", epoch, low=0)
-        self.client = client
-        self.spec = spec
-        self.epoch = epoch
+        self.client, self.spec, self.epoch = client, spec, epoch
         self._mixed: Optional[MixedInfo] = None  # the sources of a mixture, as one dataset of global ids
         self._loop = client.loop.asyncio_loop
         contact = Contact(client, spec.rank)
@@ -123,7 +121,6 @@ class BatchIterator:
             self.group = int(max(1, min(self.group, REQUEST_BYTES // max(1, batch_bytes))))
         self._progress = _make_progress(self, progress)  # None unless a bar is shown
 
-    # -- the iterator ------------------------------------------------------------------
     @property
     def position(self) -> int:
         """Batches handed out so far in this epoch."""
@@ -171,13 +168,10 @@ class BatchIterator:
         return batch
 
     def _fill(self) -> None:
-        """Keep up to `spec.prefetch` batches requested or ready, all requested at once,
-        earliest first: workers serve each request at the priority of its first batch's
-        position, so batch k's reads go before batch k+1's, across every rank they serve,
-        and the store is busy from the first batch to the last. While cold (the last batch
-        fetched needed rows read from the store), each batch is a request of its own and
-        is handed out as soon as its own rows are in; warm, `self.group` batches share a
-        request (one request amortises its fixed cost)."""
+        """Keep up to `spec.prefetch` batches requested or ready, earliest first (workers
+        serve a request at the priority of its first batch's position). While cold (the
+        last group fetched needed reads from the store) each batch is a request of its
+        own, handed out as soon as its rows are in; warm, `self.group` batches share one."""
         while self._next_request < len(self._batches):
             group = 1 if self._fetcher.cold else self.group
             pending = self._next_request - self._position
@@ -238,8 +232,8 @@ class BatchIterator:
         self._next_request = len(self._batches)
 
     def _end_progress(self) -> None:
-        """At the end of the epoch or on close: the bar closes, and the workers learn how
-        many rows this process took from their files (their hit counters)."""
+        """At the end of the epoch or on close: the bar closes, and the workers hear of the
+        rows this process took from their files (their hit counters)."""
         if self._progress is not None:
             self._progress.close()
             self._progress = None
@@ -250,7 +244,6 @@ class BatchIterator:
             except Exception:  # noqa: BLE001 - counters only; never fails an epoch
                 pass
 
-    # -- resume ------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """The whole position, plain values (JSON, pickle): pass it as `resume=` to continue
         after the last batch handed out; or, with another world size, pass every rank's."""

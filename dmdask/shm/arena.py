@@ -1,16 +1,15 @@
 """RAM-tier blocks of fixed-size fields packed into one shared-memory file per dataset and
 field (an arena), so a training process on the same host takes the rows of many blocks
-with one indexing operation per field instead of one per block.
+with one indexing operation per field.
 
-Block k of a dataset with blocks of L samples occupies a slot of L rows; slots of
-released blocks are reused. A block is written once (when it is loaded) and never
-changed while held, so readers need no lock: they map the file and index rows
-slot * L + offset. Beside the fields, a file of int64 row labels (`ID_FIELD`) says which
-sample each row holds (-1: none); a writer clears a slot's labels before it writes the
-slot's rows and labels them after, so a reader that checks the labels after taking the
-rows never returns rows of a released or reused slot (`NotHeld`), however stale its idea of
-where a block lives. The files only grow while the worker lives; they are removed with
-the worker's shared-memory folder. A `block` here: the worker's `Block` (`arrays`, `start`).
+A block of a dataset with blocks of L samples occupies a slot of L rows (slots of
+released blocks are reused), written once and never changed while held: readers map the
+file and index rows slot * L + offset, with no lock. A file of int64 row labels
+(`ID_FIELD`) says which sample each row holds (-1: none); a writer clears a slot's labels
+before writing its rows and labels them after, so a reader that checks the labels after
+taking the rows never returns rows of a released or reused slot (`NotHeld`). The files
+only grow, and go with the worker's shared-memory folder. A `block` here: the worker's
+`Block` (`arrays`, `start`).
 """
 from __future__ import annotations
 
@@ -160,8 +159,7 @@ class ArenaMaps:
             self._maps.pop(path, None)
 
     def remake_lock(self) -> None:
-        """In a forked child: a parent thread may have held the lock at the fork (the
-        mappings themselves are inherited and stay valid)."""
+        """In a forked child (a parent thread may have held the lock; the mappings stay valid)."""
         self._lock = threading.Lock()
 
 

@@ -1,9 +1,8 @@
 """The file-block format: a block as one raw file per field in a folder of its own, written
 once by its worker (`write`), mapped read-only by processes of its host that may read it
 (`readable`, `map_arrays`, `take_rows`). Variable-size fields (object arrays of uint8
-arrays, numpy strings) are values plus offsets. The layout keeps every dtype and shape,
-so reads parse no file header (`np.load`'s `ast.literal_eval` is not thread-safe on
-CPython 3.11: python/cpython#106905)."""
+arrays, numpy strings) are values plus offsets. The layout keeps every dtype and shape, so
+reads parse no file header (`np.load`'s is not thread-safe on CPython 3.11, #106905)."""
 from __future__ import annotations
 
 import errno
@@ -117,6 +116,7 @@ def assemble(parts, n: int) -> Arrays:
                 out[name] = np.empty((n,) + values.shape[1:], dtype=values.dtype)
             out[name][where] = values
     return out
+
 
 def _map(path: str, dtype: str, shape: tuple) -> np.ndarray:
     """A read-only array over the file's pages (a plain ndarray: indexing it costs what

@@ -1,19 +1,16 @@
 """Transformed batches handed to a training process on the same host through shared memory.
 
 A worker that ran `Spec.transform` writes the group's batches into one file of its
-shared-memory folder (`write_batches`) and replies with a small description; the
-training process maps the file copy-on-write and unlinks it at once (`map_batches`),
-so the batches' arrays are views of pages the worker wrote: no pickle, no socket, no
-copy on the trainer's side, and the memory goes back to the system when the last
-array of the group dies.
-
-Lifetimes: a file lives from the write until the trainer maps it (milliseconds); a
-trainer that dies in between leaves it behind, so the worker removes result files
-older than `STALE_SECONDS` as it writes new ones, and its whole folder when it closes
-or when the next worker of the node starts (`dmdask.worker.folders`).
+shared-memory folder (`write_batches`) and replies with its description; the training
+process maps the file copy-on-write and unlinks it at once (`map_batches`): no pickle,
+no socket, no copy on its side; the memory goes back when the group's last array dies.
+A file a trainer died before mapping is removed once older than `STALE_SECONDS` (as the
+worker writes new ones), or with the worker's folder (`dmdask.worker.folders`).
 """
 from __future__ import annotations
 
+import contextlib
+import math
 import mmap
 import os
 import tempfile
@@ -71,21 +68,11 @@ def map_batches(description: dict) -> List[dict]:
         with open(path, "rb") as f:
             pages = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     finally:
-        _unlink(path)
-    return [{name: np.frombuffer(pages, dtype=dtype, count=_count(shape), offset=at).reshape(shape)
+        with contextlib.suppress(OSError):  # another user's worker folder: the worker removes it when stale
+            os.unlink(path)
+    return [{name: np.frombuffer(pages, dtype=dtype, count=math.prod(shape), offset=at).reshape(shape)
              for name, dtype, shape, at in fields}
             for fields in description["layout"]]
-
-
-def _count(shape) -> int:
-    return int(np.prod(shape, dtype=np.int64))
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:  # another user's worker folder: the worker removes it when stale
-        pass
 
 
 _last_sweep: dict = {}
@@ -99,8 +86,6 @@ def _remove_stale(folder: str, now: Optional[float] = None) -> None:
     _last_sweep[folder] = now
     for entry in os.scandir(folder):
         if entry.name.startswith("result-"):
-            try:
+            with contextlib.suppress(OSError):
                 if now - entry.stat().st_mtime > STALE_SECONDS:
                     os.unlink(entry.path)
-            except OSError:
-                pass

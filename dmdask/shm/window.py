@@ -1,15 +1,12 @@
-"""One field's arenas on this host, mapped side by side into one range of address space.
+"""One field's arenas on this host (one per worker, `dmdask.shm.arena`), mapped side by
+side at fixed strides into one reserved range of address space, so a single `np.take`
+reads a group's rows from all of them, in the epoch's order, with one copy: row r of
+arena a is row a * stride + r of the window.
 
-Each worker of a node keeps its RAM blocks of a dataset in an arena file of its own
-(`dmdask.shm.arena`). A training process maps every such file of a field next to the
-others, at fixed strides inside one reservation, so a single `np.take` reads a group's
-rows from all of them, in the epoch's order, with one copy: row r of arena a is row
-a * stride + r of the window.
-
-Guarantees: a mapping only grows while the window lives, so a row index that was valid
-once stays readable; rows never mapped are never read (callers index only rows of
-blocks they know, `LocalArenas`). Linux and macOS (mmap with MAP_FIXED into a reserved
-range); `Window.open` returns None where the range cannot be reserved.
+Guarantees: a mapping only grows while the window lives, so a row index valid once stays
+readable; rows never mapped are never read (callers index only rows of blocks they know,
+`LocalArenas`). Linux and macOS (mmap with MAP_FIXED); `Window.open` returns None where
+the range cannot be reserved.
 """
 from __future__ import annotations
 
