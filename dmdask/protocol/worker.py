@@ -41,7 +41,6 @@ class Message:
 class RowsRequest(Message):
     """`dmdask_rows`: block key -> rows (offsets). `priority`: the position of the batch
     waiting for them (lower first; None: last); `wait`: seconds to wait for blocks loading."""
-
     rows: Dict[str, np.ndarray]
     priority: Optional[float] = None
     wait: float = 0.0
@@ -57,7 +56,6 @@ class RowsRequest(Message):
 @dataclass
 class Rows(Message):
     """One array per field, in request order; `from_store`: rows read from the store for it."""
-
     arrays: Dict[str, np.ndarray]
     from_store: int = 0
     PAYLOAD: ClassVar[tuple] = ("arrays",)
@@ -75,7 +73,6 @@ class BatchRequest(Message):
     `extra`: fields given whole (a mixture's "source"); `context`: a `TransformContext`;
     `isolate`: the transform in a process of its own; `same_host`: batches may come back
     in shared memory; `priority`, `wait` as in `RowsRequest`."""
-
     requests: Dict[str, Dict[str, np.ndarray]]
     positions: Dict[str, np.ndarray]
     index: np.ndarray
@@ -121,7 +118,6 @@ class BatchRequest(Message):
 class Batches(Message):
     """The batches, as arrays or written to shared memory on the caller's host (`shared`,
     for `map_batches`); `error`: the first failed transform's `TransformError`."""
-
     batches: Optional[list] = None
     shared: Optional[dict] = None
     error: Optional[BaseException] = None
@@ -132,7 +128,6 @@ class Batches(Message):
 @dataclass
 class DescribeRequest(Message):
     """`dmdask_describe`: how to map these blocks' files."""
-
     keys: List[str]
 
     def check(self, handler: str) -> None:
@@ -142,14 +137,12 @@ class DescribeRequest(Message):
 @dataclass
 class Descriptions(Message):
     """Key -> how to map its files (`Holding.describe`; None: in no file); keys not held are left out."""
-
     blocks: Dict[str, Optional[dict]]
 
 
 @dataclass
 class HitsReport(Message):
     """`dmdask_count_hits`: tier -> [samples, bytes] taken from the worker's files by others."""
-
     hits: Dict[str, List[int]]
 
     def check(self, handler: str) -> None:
@@ -164,7 +157,6 @@ class HitsReport(Message):
 @dataclass
 class HandOver(Message):
     """`dmdask_hand_over`: bytes of blocks a reader read, for their load tasks of `claim`."""
-
     blocks: Dict[str, bytes]
     claim: str
     PAYLOAD: ClassVar[tuple] = ("blocks",)
@@ -195,28 +187,25 @@ def to_wire(message: Message) -> dict:
     return wire
 
 
-def received(handler: str, kind: type, wire: dict) -> Message:
-    """The `kind` request that `handler` received as keyword arguments, checked."""
-    name = wire.pop("message", None)
-    if name != kind.__name__:
-        raise check.refuse(handler, "message", f"a {kind.__name__} (send it with WorkerAPI)", name)
-    try:
-        request = kind(**wire)
-    except TypeError:
-        fields = [f.name for f in dataclasses.fields(kind)]
-        raise check.refuse(handler, "arguments", f"the fields {fields} of {kind.__name__}", sorted(wire)) from None
-    request.check(handler)
-    return request
-
-
 def handler(kind: type, method):
-    """`method` (a `kind` request -> a reply or None) as the Dask handler of its op."""
-    async def handle(**wire):
-        reply = method(received(OPS[kind], kind, wire))
+    """`method` (a `kind` request -> a reply or None) as the Dask handler of its op: the
+    request rebuilt from the keyword arguments received, and checked, once."""
+    op = OPS[kind]
+
+    async def handle(message=None, **wire):
+        if message != kind.__name__:
+            raise check.refuse(op, "message", f"a {kind.__name__} (send it with WorkerAPI)", message)
+        try:
+            request = kind(**wire)
+        except TypeError:
+            fields = [f.name for f in dataclasses.fields(kind)]
+            raise check.refuse(op, "arguments", f"the fields {fields} of {kind.__name__}", sorted(wire)) from None
+        request.check(op)
+        reply = method(request)
         reply = (await reply) if inspect.isawaitable(reply) else reply
         return None if reply is None else to_wire(reply)
 
-    handle.__name__ = OPS[kind]
+    handle.__name__ = op
     return handle
 
 

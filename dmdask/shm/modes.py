@@ -27,10 +27,6 @@ def group_id(value=None) -> Optional[int]:
         raise SpecError("dmdask.worker.group", "a group of this node (a name or id), or null", value) from None
 
 
-def folder_mode(gid: Optional[int]) -> int:
-    return 0o700 if gid is None else 0o2750
-
-
 def file_mode(gid: Optional[int]) -> int:
     return 0o600 if gid is None else 0o640
 
@@ -39,7 +35,7 @@ def protect_folder(path: str, gid: Optional[int]) -> None:
     """Give a folder made by this worker its mode (and group)."""
     if gid is not None:
         os.chown(path, -1, gid)
-    os.chmod(path, folder_mode(gid))
+    os.chmod(path, 0o700 if gid is None else 0o2750)
 
 
 def group_of(folder: str) -> Optional[int]:
