@@ -27,22 +27,20 @@ from .arenas import split_batches
 from .contact import Contact
 from .gather import LOAD_WAIT, Gatherer, Moved, plan_rows
 from .locate import my_host
+from .mixture import MixedInfo
 
 logger = logging.getLogger(__name__)
 HITS_SECONDS = 1.0  # how often workers hear of the rows taken from their files (progress bar, dashboard)
-
-
-def recovery_seconds() -> float:
-    return float(dask.config.get("dmdask.client.recovery-seconds"))
 
 
 class GroupFetcher:
     """Fetches groups of an iterator's batches (`share`); coroutines of the client's loop.
     `cold`: whether the last group fetched needed rows read from the store."""
 
-    def __init__(self, client, spec, epoch: int, info, mixed, share: RankShare, contact: Contact,
-                 gatherer: Gatherer, transform: Optional[bytes]):
-        self.client, self.spec, self.epoch, self.info, self.mixed = client, spec, epoch, info, mixed
+    def __init__(self, client, spec, epoch: int, info, share: RankShare, contact: Contact, gatherer: Gatherer,
+                 transform: Optional[bytes]):
+        self.client, self.spec, self.epoch, self.info = client, spec, epoch, info
+        self.mixed = info if isinstance(info, MixedInfo) else None  # a mixture's sources, as one dataset
         self.share, self.contact, self.gatherer, self.transform = share, contact, gatherer, transform
         self.holders: Dict[str, str] = {}  # block key -> a worker holding it
         self.cold = True
@@ -69,7 +67,7 @@ class GroupFetcher:
         blocks, offsets = self.info.locate(ids)
         keys = {int(k): self.info.block_key(int(k)) for k in np.unique(blocks)}
         last_error: Optional[BaseException] = None
-        recovery = recovery_seconds()
+        recovery = float(dask.config.get("dmdask.client.recovery-seconds"))
         isolate = False  # set once a worker was lost while this group's transform ran
         tries = Tries(recovery, pause=lambda attempt: min(1.0, 0.05 * attempt))
         async for _ in tries:
@@ -151,7 +149,7 @@ class GroupFetcher:
     async def first_rows(self) -> list:
         """The first row of every source of the mixture drawn in an epoch (None for the others)."""
         out: list = []
-        recovery = recovery_seconds()
+        recovery = float(dask.config.get("dmdask.client.recovery-seconds"))
         for info, count in zip(self.mixed.sources, self.mixed.counts):
             if not count:
                 out.append(None)

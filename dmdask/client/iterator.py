@@ -10,6 +10,7 @@ fetched (`dmdask.client.fetch`). Up to `spec.prefetch` batches are in flight at 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from typing import Deque, Dict, List, Optional
@@ -103,7 +104,7 @@ class BatchIterator:
             local.forget_if_gone()
         self._gatherer = Gatherer(client, my_host(client), {d.identity: a for d, a in zip(datasets, self._locals)})
         self._transform = dumps_transform(spec.transform)
-        self._fetcher = GroupFetcher(client, spec, epoch, info, self._mixed, self._batches, contact, self._gatherer,
+        self._fetcher = GroupFetcher(client, spec, epoch, info, self._batches, contact, self._gatherer,
                                      self._transform)
         if self._transform is None and any(o.loaded for o in opened) and not self._all_known():
             keys = [d.block_key(k) for d in datasets if d.num_blocks <= LEARN_BLOCKS for k in range(d.num_blocks)]
@@ -239,10 +240,8 @@ class BatchIterator:
             self._progress = None
         if self._gatherer.has_hits():
             report = asyncio.run_coroutine_threadsafe(self._gatherer.flush_hits(), self._loop)
-            try:
+            with contextlib.suppress(Exception):  # counters only; never fails an epoch
                 report.result(timeout=10)
-            except Exception:  # noqa: BLE001 - counters only; never fails an epoch
-                pass
 
     def state_dict(self) -> dict:
         """The whole position, plain values (JSON, pickle): pass it as `resume=` to continue
