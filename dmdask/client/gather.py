@@ -145,22 +145,26 @@ class Gatherer:
         from_files: List[FromFile] = []
         from_arenas: Dict[tuple, FromFile] = {}  # (holder, arena) -> its rows, one take per arena, not per block
         remote: Dict[str, Tuple[Dict[str, np.ndarray], List[np.ndarray]]] = {}
-        for holder, key, rows, where in _blocks(plan, positions):
-            description = _mapped.described.get((holder, key)) if holder in local else None
-            if description is not None and "arena" in description:
-                taken = from_arenas.setdefault((holder, description["arena"][ID_FIELD][0]), FromFile(
-                    {"arena": description["arena"], "tier": "ram"}, [], [], holder, [], []))
-                taken.rows.append(description["first_row"] + rows)
-                taken.ids.append(description["start"] + rows)
-                taken.where.append(where)
-                taken.keys.append(key)
-                self._remember(holder, key, description)
-            elif description is not None:
-                from_files.append(FromFile(description, rows, where, holder, [key], None))
-            else:
-                asked, places = remote.setdefault(holder, ({}, []))
-                asked[key] = rows
-                places.append(where)
+        for holder, wanted in plan.items():
+            offset = 0
+            for key, rows in wanted.items():
+                where = positions[holder][offset:offset + len(rows)]
+                offset += len(rows)
+                description = _mapped.described.get((holder, key)) if holder in local else None
+                if description is not None and "arena" in description:
+                    taken = from_arenas.setdefault((holder, description["arena"][ID_FIELD][0]), FromFile(
+                        {"arena": description["arena"], "tier": "ram"}, [], [], holder, [], []))
+                    taken.rows.append(description["first_row"] + rows)
+                    taken.ids.append(description["start"] + rows)
+                    taken.where.append(where)
+                    taken.keys.append(key)
+                    self._remember(holder, key, description)
+                elif description is not None:
+                    from_files.append(FromFile(description, rows, where, holder, [key], None))
+                else:
+                    asked, places = remote.setdefault(holder, ({}, []))
+                    asked[key] = rows
+                    places.append(where)
         replies = await asyncio.gather(*(self._rows(h, asked, priority) for h, (asked, _) in remote.items()))
         parts = [(np.concatenate(places), rows) for (_, places), (rows, _) in zip(remote.values(), replies)]
         loop = asyncio.get_running_loop()
@@ -174,14 +178,18 @@ class Gatherer:
         """`gather` in the caller's thread, with no request, when every block of `plan` is
         held in files on this host that this process has described already; None
         otherwise (then `gather`). Raises `Moved` like `gather`."""
-        if len(self._local_holders(plan)) < len(plan):
-            return None
         from_files = []
-        for holder, key, rows, where in _blocks(plan, positions):
-            description = _mapped.described.get((holder, key))
-            if description is None or "path" not in description:
+        for holder, wanted in plan.items():
+            if get_address_host(holder) != self.my_host:
                 return None
-            from_files.append(FromFile(description, rows, where, holder, [key], None))
+            offset = 0
+            for key, rows in wanted.items():
+                description = _mapped.described.get((holder, key))
+                if description is None or "path" not in description:
+                    return None
+                from_files.append(FromFile(description, rows, positions[holder][offset:offset + len(rows)], holder,
+                                           [key], None))
+                offset += len(rows)
         return self._assemble(from_files, [], n)
 
     def _local_holders(self, holders) -> List[str]:
@@ -285,15 +293,6 @@ def plan_rows(blocks: np.ndarray, offsets: np.ndarray, keys: Dict[int, str], hol
         plan.setdefault(holder, {})[key] = offsets[members]
         positions.setdefault(holder, []).append(members)
     return plan, {h: np.concatenate(p) for h, p in positions.items()}
-
-
-def _blocks(plan: Dict[str, Dict[str, np.ndarray]], positions: Dict[str, np.ndarray]):
-    """(holder, key, rows, their positions in the group) of each block of a plan."""
-    for holder, wanted in plan.items():
-        offset = 0
-        for key, rows in wanted.items():
-            yield holder, key, rows, positions[holder][offset:offset + len(rows)]
-            offset += len(rows)
 
 
 def _counters():
