@@ -10,6 +10,7 @@ served by local worker r mod n, chosen once (and again after `forget_worker`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import warnings
 import weakref
@@ -86,10 +87,8 @@ class Contact:
         tries = Tries(limit, pause=0.2)
         async for _ in tries:
             await self.check_scheduler()
-            try:
+            with contextlib.suppress(OSError, CommClosedError):  # TimeoutError is an OSError
                 return await asyncio.wait_for(self.client.scheduler.identity(), max(0.5, tries.deadline.left()))
-            except (OSError, CommClosedError):  # TimeoutError is an OSError
-                pass
         raise self._scheduler_lost("no answer", limit)
 
     async def workers(self, wait: bool = True) -> List[str]:

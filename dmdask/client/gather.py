@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import threading
 import time
@@ -269,11 +270,9 @@ class Gatherer:
             hits, self.hits = self.hits, _counters()
 
         async def report(holder, tiers):
-            try:  # a worker that left has nothing to count: never wait long for it
+            with contextlib.suppress(Exception):  # counters only; never wait long for a worker that left
                 await asyncio.wait_for(self.workers.count_hits(holder, {t: list(c) for t, c in tiers.items()}),
                                        HITS_TIMEOUT)
-            except Exception:  # noqa: BLE001 - counters only
-                pass
 
         await asyncio.gather(*(report(holder, tiers) for holder, tiers in hits.items()))
 

@@ -13,6 +13,7 @@ only grow, and go with the worker's shared-memory folder. A `block` here: the wo
 """
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import threading
@@ -76,10 +77,8 @@ class Arena:
 
     def free(self, slot: int) -> None:
         """Give the slot back; its rows read as held by no sample from now on."""
-        try:
+        with contextlib.suppress(OSError):  # shared memory gone: nothing left to read anyway
             self._label(slot, None)
-        except OSError:  # shared memory gone: nothing left to read anyway
-            pass
         with self._lock:
             self._free.append(slot)
 
@@ -142,10 +141,8 @@ class ArenaMaps:
 
     def take_rows(self, fields: dict, rows: np.ndarray, ids: np.ndarray) -> Arrays:
         """Arena rows `rows` (int64), which must hold samples `ids`: the fields' values.
-        NotHeld when a row holds another sample (its block was released or its slot
-        reused), FileNotFoundError when the worker is gone. The labels are read after the
-        rows: a writer clears a slot's labels before touching its rows, so a match proves
-        the copy right."""
+        NotHeld when a row holds another sample (the labels are read after the rows),
+        FileNotFoundError when the worker is gone."""
         needed = int(rows.max()) + 1 if len(rows) else 0
         taken = {name: self.rows(path, dtype, shape, needed)[rows]
                  for name, (path, dtype, shape) in fields.items() if name != ID_FIELD}
