@@ -43,8 +43,8 @@ def tuples(handler: str, name: str, value, width: int, leading_texts: int = 0) -
     """A list (or tuple) of lists (or tuples) of `width` items each, the first
     `leading_texts` of them non-empty strings."""
     if not isinstance(value, (list, tuple)) or not all(
-            isinstance(v, (list, tuple)) and len(v) == width and all(isinstance(t, str) and t for t in v[:leading_texts])
-            for v in value):
+            isinstance(v, (list, tuple)) and len(v) == width
+            and all(isinstance(t, str) and t for t in v[:leading_texts]) for v in value):
         raise refuse(handler, name, f"a list of lists of {width} items"
                      + (f", the first {leading_texts} non-empty strings" if leading_texts else ""), value)
     return list(value)

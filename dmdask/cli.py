@@ -41,6 +41,12 @@ def scheduler_address(given=None) -> str:
     return f"tcp://{unparse_host_port(host, port)}"
 
 
+def _fail(command: str, message, code: int = 1) -> int:
+    """Say why `dmdask COMMAND` failed (one line on stderr); its exit status."""
+    print(f"dmdask {command}: {message}", file=sys.stderr)
+    return code
+
+
 def status(args) -> int:
     """Print the per-worker tier table of a running cluster."""
     import distributed
@@ -50,8 +56,7 @@ def status(args) -> int:
     try:
         address = scheduler_address(args.address or args.scheduler)
     except UsageError as exc:
-        print(f"dmdask status: {exc}", file=sys.stderr)
-        return 2
+        return _fail("status", exc, 2)
     security = None
     if args.tls_ca_file or args.tls_cert:
         security = distributed.Security(tls_ca_file=args.tls_ca_file, tls_client_cert=args.tls_cert,
@@ -61,16 +66,11 @@ def status(args) -> int:
             stats = dmdask.stats(client)
             dashboard = client.dashboard_link
     except (OSError, TimeoutError, ValueError) as exc:
-        print(f"dmdask status: cannot reach the scheduler at {address}: {type(exc).__name__}: {exc}",
-              file=sys.stderr)
-        return 1
+        return _fail("status", f"cannot reach the scheduler at {address}: {type(exc).__name__}: {exc}")
     except TypeError as exc:  # distributed's way of saying tls:// lacks its certificates
-        print(f"dmdask status: cannot connect to {address}: {exc}; pass --tls-ca-file, --tls-cert and --tls-key",
-              file=sys.stderr)
-        return 1
+        return _fail("status", f"cannot connect to {address}: {exc}; pass --tls-ca-file, --tls-cert and --tls-key")
     except dmdask.NotADmdaskWorker as exc:
-        print(f"dmdask status: {exc}", file=sys.stderr)
-        return 1
+        return _fail("status", exc)
     print(format_table(stats))
     for line in format_warnings(stats):
         print(line)
@@ -79,8 +79,13 @@ def status(args) -> int:
     print()
     print("\n".join(format_tiers(stats)))
     if dashboard:
-        print(f"\ndashboard page: {dashboard.rsplit('/', 1)[0]}/dmdask (with `dask scheduler --preload dmdask.dashboard`)")
+        print(f"\ndashboard page: {tiers_page(dashboard)} (with `dask scheduler --preload dmdask.dashboard`)")
     return 0
+
+
+def tiers_page(dashboard_link: str) -> str:
+    """The dmdask page next to the dashboard's status page."""
+    return dashboard_link.rsplit("/", 1)[0] + "/dmdask"
 
 
 def mount(args) -> int:
@@ -90,13 +95,11 @@ def mount(args) -> int:
     try:
         scheduler = scheduler_address(args.scheduler)
     except UsageError as exc:
-        print(f"dmdask mount: {exc}", file=sys.stderr)
-        return 2
+        return _fail("mount", exc, 2)
     try:
         serve(args.url, args.mountpoint, scheduler=scheduler, block_size=args.block_size, debug=args.debug)
     except (RuntimeError, OSError) as exc:
-        print(f"dmdask mount: {exc}", file=sys.stderr)
-        return 1
+        return _fail("mount", exc)
     return 0
 
 
@@ -206,11 +209,11 @@ def _parser():
     """`dmdask` and its commands, each a subparser whose `run` takes the parsed options."""
     import argparse
 
-    from . import demo
+    from . import __version__, demo
 
     parser = argparse.ArgumentParser(prog="dmdask", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--version", action="version", version=f"dmdask {_version()}")
+    parser.add_argument("--version", action="version", version=f"dmdask {__version__}")
     commands = parser.add_subparsers(metavar="COMMAND", help="demo, status or mount")
     demo.add_arguments(commands.add_parser("demo", description=demo.DESCRIPTION, epilog=demo.EPILOG)
                        ).set_defaults(run=demo.command)
@@ -235,15 +238,8 @@ def _parser():
     return parser
 
 
-def _version() -> str:
-    from . import __version__
-
-    return __version__
-
-
 def main(argv=None) -> int:
     """Run a command; its exit status (2 for a command line argparse rejects, or none)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     try:
         args = parser.parse_args(argv)

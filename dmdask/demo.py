@@ -15,11 +15,14 @@ import argparse
 import io
 import os
 import shutil
+import signal
 import time
 
 import distributed
 import numpy as np
-from dask.utils import format_bytes
+from dask.utils import format_bytes, parse_bytes
+
+from .cli import tiers_page
 
 TEST_FRACTION = 0.2
 MEAN, STD = 0.3, 0.4  # of the digits' pixels in [0, 1]: normalize() centres them
@@ -48,11 +51,6 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="a progress bar per epoch with the hit rate (default: in a terminal)")
     return p
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="dmdask demo", description=DESCRIPTION, epilog=EPILOG)
-    return command(add_arguments(parser).parse_args(argv))
 
 
 def command(args) -> int:
@@ -258,17 +256,17 @@ block also counts 8 bytes a sample of file pointers, hence a little over 1.00x),
 sample by sample as the ranks first ask for them (counted as "streamed" in epoch 0, "from RAM"
 afterwards). From epoch 1 on, only the samples the cache has no room for are streamed: the
 store reads of an epoch are those samples, whatever the RAM and SSD counts.""")
-    print(f"\nshared store over epochs 0-{epochs - 1}: {format_bytes(total)} = {total / dataset_bytes:.2f}x the dataset "
-          f"(a loader without a cache reads {epochs}x)")
+    print(f"\nshared store over epochs 0-{epochs - 1}: {format_bytes(total)} = {total / dataset_bytes:.2f}x "
+          f"the dataset (a loader without a cache reads {epochs}x)")
     if epochs > 1:
         later = np.mean([r["seconds"] for r in rows[1:]])
-        print(f"epoch 0 (cold cache): {rows[0]['seconds']:.2f} s; epochs 1-{epochs - 1}: {later:.2f} s on average")
+        print(f"epoch 0 (cold cache): {rows[0]['seconds']:.2f} s; "
+              f"epochs 1-{epochs - 1}: {later:.2f} s on average")
 
 
 def serve(client) -> None:
     print(f"\nserving the cluster until Ctrl-C; dashboard: {tiers_page(client.dashboard_link)}, "
           f"scheduler: {client.scheduler.address} (try `dmdask status {client.scheduler.address}`)")
-    import signal
 
     def stop(signum, frame):
         raise KeyboardInterrupt
@@ -285,14 +283,7 @@ def serve(client) -> None:
             signal.signal(sig, handler)
 
 
-def tiers_page(dashboard_link: str) -> str:
-    """The dmdask page next to the dashboard's status page."""
-    return dashboard_link.rsplit("/", 1)[0] + "/dmdask"
-
-
 def _bytes(size: str) -> int:
-    from dask.utils import parse_bytes
-
     return int(parse_bytes(size)) if str(size).strip() not in ("0", "") else 0
 
 
@@ -300,7 +291,3 @@ def _shown(path: str) -> str:
     """`path` relative to the current folder when it is below it."""
     relative = os.path.relpath(path)
     return path if relative.startswith("..") else relative
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,20 +1,21 @@
-"""`Spec`: the frozen, validated description of what one rank reads."""
+"""`Spec` and `Mix`: the frozen, validated description of what one rank reads."""
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import math
 import os
-import pickle
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
 from .errors import SpecError
 from .source.urls import resolve_local
+from .transform import (Transform, TransformContext, dumps_transform, loads_transform, per_sample,
+                        transform_context, using_context)
 
-Transform = Callable[[dict], dict]
+# the transform's names (dmdask.transform) are imported from here too
+__all__ = ["Mix", "Spec", "Transform", "TransformContext", "as_int", "as_source", "dumps_transform",
+           "loads_transform", "per_sample", "transform_context", "using_context"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,9 +99,7 @@ class Spec:
             if not callable(self.transform):
                 raise SpecError("transform", "a callable dict -> dict", self.transform)
             try:
-                import cloudpickle
-
-                cloudpickle.dumps(self.transform)
+                dumps_transform(self.transform)
             except Exception as exc:
                 raise SpecError("transform", f"a picklable callable ({exc})", self.transform) from None
         if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
@@ -254,86 +253,7 @@ def _as_weights(weights, count: int) -> tuple:
 def as_int(name: str, value, low: int, high: Optional[int] = None, hint: str = "") -> int:
     """`value` as an `int` when it is a Python or numpy integer in low..high; otherwise
     `SpecError` naming `name` (bools and floats are refused, even integral ones)."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise SpecError(name, hint or f"an integer >= {low}", value)
-    if value < low or (high is not None and value > high):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < low \
+            or (high is not None and value > high):
         raise SpecError(name, hint or f"an integer >= {low}", value)
     return int(value)
-
-
-def per_sample(fn: Callable[[dict], dict]) -> Transform:
-    """Turn a per-sample function (dict of one sample's values -> dict) into a batch transform.
-
-    The result is picklable when `fn` is. Samples are stacked with `numpy.stack` when
-    they share a shape, else kept as an object array.
-    """
-    return _PerSample(fn)
-
-
-class _PerSample:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def __call__(self, batch: dict) -> dict:
-        n = len(batch["index"])
-        rows = [self.fn({k: v[i] for k, v in batch.items()}) for i in range(n)]
-        out = {}
-        for name in rows[0] if rows else batch:
-            values = [r[name] for r in rows]
-            try:
-                out[name] = np.stack(values) if values else batch[name][:0]
-            except ValueError:
-                arr = np.empty(len(values), dtype=object)
-                arr[:] = values
-                out[name] = arr
-        out.setdefault("index", batch["index"])
-        return out
-
-    def __reduce__(self):
-        return (_PerSample, (self.fn,))
-
-
-@dataclasses.dataclass(frozen=True)
-class TransformContext:
-    """What a running `Spec.transform` may know besides its batch: the `epoch` the batch
-    belongs to and the spec's `seed` (`dmdask.transform_context()`)."""
-
-    epoch: int
-    seed: int
-
-
-_context: contextvars.ContextVar = contextvars.ContextVar("dmdask_transform_context", default=None)
-
-
-def transform_context() -> Optional[TransformContext]:
-    """The `TransformContext` of the batch being transformed, inside a `Spec.transform`
-    that dmdask runs (on a worker, or in the child process of an isolated retry);
-    None anywhere else. A transform draws its randomness from it so that, say, a
-    random crop is fresh every epoch yet the same when an epoch is resumed::
-
-        def jitter(batch):
-            ctx = dmdask.transform_context()
-            rng = np.random.default_rng([ctx.seed, ctx.epoch, int(batch["index"][0])])
-            ...
-    """
-    return _context.get()
-
-
-@contextlib.contextmanager
-def using_context(context: Optional[TransformContext]) -> Iterator[None]:
-    """Run the enclosed code with `transform_context()` returning `context`."""
-    token = _context.set(context)
-    try:
-        yield
-    finally:
-        _context.reset(token)
-
-
-def dumps_transform(fn) -> Optional[bytes]:
-    import cloudpickle
-
-    return None if fn is None else cloudpickle.dumps(fn)
-
-
-def loads_transform(blob: Optional[bytes]):
-    return None if blob is None else pickle.loads(blob)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict
 
 from distributed import Client
 
@@ -14,17 +13,10 @@ def _worker_stats(dask_worker) -> dict:
     return None if metric is None else metric(dask_worker)
 
 
-def stats(client: Client) -> Dict[str, dict]:
-    """Per-worker counters and their sum under "total".
-
-    "datasets": the cluster's registry, one summary per dataset (name, url, samples,
-    blocks, nbytes, loaded, erred). Each worker: {"ram"|"ssd": {capacity, bytes, blocks, hits, hit_bytes, full,
-    error (why the tier's folder is unusable, None when fine), dir (the tier's folder; None: RAM in the
-    worker's memory), source (where its capacity came from: a setting or the job's limits)},
-    "stream": {hits, ...}, "shared_store": {requests, bytes, retries}, "peer": {bytes_out, bytes_in},
-    "streamed_blocks"}. Hits count samples served from that tier; "stream" hits are
-    samples of blocks beyond the cache, read from the shared store.
-    """
+def stats(client: Client) -> dict[str, dict]:
+    """{"workers": {address: counters}, "total": their sum, "datasets": the registry}: each
+    counter is described in docs/architecture.md, section 9 ("Accounting"). Raises
+    NotADmdaskWorker when a worker has no dmdask tiers."""
     from .client.datasets import ensure_plugin
     from .protocol.scheduler import Datasets, SchedulerAPI
 
@@ -35,6 +27,16 @@ def stats(client: Client) -> Dict[str, dict]:
         raise NotADmdaskWorker(f"workers {missing} have no dmdask tiers; start them with --worker-class dmdask.Worker")
     registry = [dataclasses.asdict(d) for d in client.sync(SchedulerAPI(client).send, Datasets())]
     return {"workers": per_worker, "total": total(per_worker.values()), "datasets": registry}
+
+
+def hit_shares(stats: dict) -> dict[str, float] | None:
+    """Fractions of the samples served from RAM, SSD and streamed from the store
+    (None before the first sample was served)."""
+    hits = {"ram": stats["ram"]["hits"], "ssd": stats["ssd"]["hits"], "stream": stats["stream"]["hits"]}
+    served = sum(hits.values())
+    if not served:
+        return None
+    return {tier: n / served for tier, n in hits.items()}
 
 
 def total(items) -> dict:

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import dmdask
-from dmdask.dashboard.page import fmt_bytes
+from dmdask.dashboard.markup import fmt_bytes
 from dmdask.source import open_source
 from dmdask.testing.datasets import write_zarr, zarr_sample
 

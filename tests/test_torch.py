@@ -77,7 +77,7 @@ def test_integrations_package_imports_no_framework():
 def test_imports_only_torch():
     frameworks = {"torch", "tensorflow", "mxnet", "jax", "jaxlib"}
     assert frameworks & imported_modules("dmdask/integrations/torch.py") == {"torch"}
-    for shared in ("_passes.py", "_rank.py"):  # what the four adapters share imports none
+    for shared in ("_passes.py", "_rank.py", "_fields.py"):  # what the adapters share imports none
         assert not frameworks & imported_modules(f"dmdask/integrations/{shared}")
 
 

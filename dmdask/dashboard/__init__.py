@@ -1,24 +1,15 @@
-"""dmdask on the Dask dashboard: a scheduler preload.
+"""dmdask on the Dask dashboard: a scheduler preload (docs/dashboard.md).
 
     dask scheduler --preload dmdask.dashboard      # dmdask.LocalCluster does it for you
 
-adds to the scheduler's HTTP server (the dashboard address, default :8787):
+serves `/dmdask` (a live Bokeh page of the workers' tiers, hit rates, peer and
+shared-store traffic), `/dmdask/tiers.json` (the same numbers; `?history=1` adds the
+line plot's points) and `dmdask_*` metrics on `/metrics`, all read on the scheduler
+from the workers' heartbeat metrics, so watching costs the workers nothing.
 
-- `/dmdask`: a live Bokeh page of every worker's RAM and SSD tiers, hit rates, peer
-  and shared-store traffic (also linked from the dashboard's navigation bar);
-- `/dmdask/tiers.json`: the same numbers as JSON (`?history=1` adds the line plot's
-  points); "workers" and "total" have the shape of `dmdask.stats(client)`;
-- `dmdask_*` metrics on `/metrics`, with `worker` and `tier` labels.
-
-Everything is read on the scheduler from the workers' heartbeat metrics
-(`WorkerState.metrics["dmdask"]`), so watching costs the workers nothing.
-
-How it hooks in (distributed >= 2025): importing this module, which the scheduler does
-for a preload before it builds its HTTP server, adds the page to
-`distributed.dashboard.scheduler.applications`; `dask_setup(scheduler)`, run once the
-scheduler started, adds the JSON route, the navigation link, the history sampler and
-the Prometheus collector. The page needs bokeh (the `dashboard` extra); the JSON route
-and the metrics work without it.
+Importing this module (a preload is imported before the scheduler builds its HTTP
+server) registers the page, which needs bokeh; `dask_setup` adds the JSON route, the
+navigation link, the history sampler and the Prometheus collector.
 """
 from __future__ import annotations
 
@@ -26,6 +17,9 @@ import json
 import logging
 import weakref
 
+from distributed.http.utils import RequestHandler
+
+from . import prometheus
 from .figures import Monitor, monitor, snapshot  # noqa: F401  (public helpers)
 
 logger = logging.getLogger(__name__)
@@ -36,11 +30,9 @@ _NAV = PAGE.strip("/")
 
 
 def register_page() -> bool:
-    """Put the `/dmdask` page among the dashboard's Bokeh applications (idempotent).
-
-    Takes effect for schedulers created afterwards. False when the dashboard is not
-    available (bokeh missing or not a version Dask accepts).
-    """
+    """Put the `/dmdask` page among the dashboard's Bokeh applications (idempotent), for
+    schedulers created afterwards. False when the dashboard is not available (no bokeh
+    or not a version Dask accepts)."""
     try:
         from distributed.dashboard.scheduler import applications
 
@@ -55,22 +47,17 @@ def register_page() -> bool:
 register_page()  # at import: a preload is imported before the scheduler builds its dashboard
 
 
-def _tiers_handler():
-    from distributed.http.utils import RequestHandler
+class TiersHandler(RequestHandler):
+    """GET /dmdask/tiers.json: `figures.snapshot` of the scheduler (and the history)."""
 
-    class TiersHandler(RequestHandler):
-        """GET /dmdask/tiers.json: `figures.snapshot` of the scheduler (and the history)."""
-
-        def get(self):
-            mon = monitor(self.server)
-            out = dict(mon.snapshot())
-            if self.get_argument("history", "0") not in ("", "0", "false"):
-                out["history"] = list(mon.history)
-            self.set_header("Content-Type", "application/json")
-            self.set_header("Cache-Control", "no-store")
-            self.write(json.dumps(out))
-
-    return TiersHandler
+    def get(self):
+        mon = monitor(self.server)
+        out = dict(mon.snapshot())
+        if self.get_argument("history", "0") not in ("", "0", "false"):
+            out["history"] = list(mon.history)
+        self.set_header("Content-Type", "application/json")
+        self.set_header("Cache-Control", "no-store")
+        self.write(json.dumps(out))
 
 
 def _dashboard_prefix(scheduler) -> str:
@@ -82,7 +69,7 @@ def _dashboard_prefix(scheduler) -> str:
     return ""
 
 
-_routed: "weakref.WeakSet" = weakref.WeakSet()  # schedulers already serving the route
+_routed: weakref.WeakSet = weakref.WeakSet()  # schedulers already serving the route
 
 
 def add_routes(scheduler) -> None:
@@ -91,7 +78,7 @@ def add_routes(scheduler) -> None:
     if application is None or scheduler in _routed:
         return
     route = _dashboard_prefix(scheduler) + JSON_ROUTE
-    application.add_handlers(r".*", [(route, _tiers_handler(), {"dask_server": scheduler})])
+    application.add_handlers(r".*", [(route, TiersHandler, {"dask_server": scheduler})])
     _routed.add(scheduler)
 
 
@@ -136,8 +123,6 @@ def quiet_closed_pages() -> None:
 
 def dask_setup(scheduler) -> None:
     """Preload entry point, run when the scheduler has started."""
-    from . import prometheus
-
     if not hasattr(scheduler, "workers"):  # a worker or a client given this preload
         logger.warning("dmdask.dashboard is a scheduler preload; ignored on %s", type(scheduler).__name__)
         return
@@ -152,8 +137,6 @@ def dask_setup(scheduler) -> None:
 
 
 def dask_teardown(scheduler) -> None:
-    from . import prometheus
-
     if not hasattr(scheduler, "workers"):
         return
     prometheus.unregister(scheduler)

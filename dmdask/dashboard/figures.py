@@ -1,25 +1,20 @@
-"""The numbers behind the dmdask dashboard, read on the scheduler.
+"""The numbers behind the dmdask dashboard, read on the scheduler without asking any worker.
 
-Everything comes from what the scheduler already has, without asking any worker:
-
-- per worker: `WorkerState.metrics["dmdask"]`, the worker's `BlockCache.stats()`
-  sent with every heartbeat (so it lags the worker by up to one heartbeat, 0.5 s on
-  small clusters); workers without dmdask tiers have no such entry;
-- per dataset: the registry of dmdask's scheduler plugin (`dmdask.scheduler`), which
-  knows each dataset's samples, blocks, decoded size and blocks loaded.
+- per worker: `WorkerState.metrics["dmdask"]`, the worker's `BlockCache.stats()` sent
+  with every heartbeat (so up to one heartbeat old); workers without dmdask tiers have none;
+- per dataset: the registry of dmdask's scheduler plugin (`dmdask.scheduler`).
 
 `snapshot(scheduler)` is the one dict that the page, `/dmdask/tiers.json` and the
-Prometheus collector all show. Its "workers" and "total" have exactly the shape of
-`dmdask.stats(client)`.
+Prometheus collector all show; its "workers" and "total" have the shape of `dmdask.stats(client)`.
 """
 from __future__ import annotations
 
 import time
 import weakref
 from collections import deque
-from typing import Dict, Optional
 
-from ..stats import total as _sum_stats
+from ..stats import hit_shares
+from ..stats import total as sum_stats
 
 HISTORY_SECONDS = 3600  # what the line plot can show
 SAMPLE_INTERVAL = 1.0  # seconds between two history points
@@ -32,16 +27,6 @@ def empty_stats() -> dict:
     return {"ram": dict(tier), "ssd": dict(tier), "streamed_blocks": 0,
             "stream": {"hits": 0, "buffer_bytes": 0, "buffer_capacity": 0},
             "shared_store": {"requests": 0, "bytes": 0, "retries": 0}, "peer": {"bytes_out": 0, "bytes_in": 0}}
-
-
-def hit_shares(stats: dict) -> Optional[Dict[str, float]]:
-    """Fractions of the samples served from RAM, SSD and streamed from the store
-    (None before the first sample was served)."""
-    hits = {"ram": stats["ram"]["hits"], "ssd": stats["ssd"]["hits"], "stream": stats["stream"]["hits"]}
-    served = sum(hits.values())
-    if not served:
-        return None
-    return {tier: n / served for tier, n in hits.items()}
 
 
 def worker_metrics(scheduler):
@@ -58,10 +43,9 @@ def worker_metrics(scheduler):
     return dict(sorted(workers.items())), names, sorted(others)
 
 
-def datasets(scheduler) -> Dict[str, dict]:
-    """The datasets in dmdask's registry (the scheduler plugin): the source URL (without
-    credentials), blocks, blocks loaded (cached in a tier or streamed), samples and
-    decoded bytes (None when unknown)."""
+def datasets(scheduler) -> dict[str, dict]:
+    """The datasets in dmdask's registry: the source URL (without credentials), blocks,
+    blocks loaded (cached in a tier or streamed), samples and decoded bytes (None when unknown)."""
     from ..source.urls import public
 
     plugin = scheduler.extensions.get("dmdask")
@@ -72,7 +56,7 @@ def datasets(scheduler) -> Dict[str, dict]:
     return dict(sorted(out.items()))
 
 
-def cluster_summary(total: dict, sets: Dict[str, dict]) -> dict:
+def cluster_summary(total: dict, sets: dict[str, dict], workers: int | None = None) -> dict:
     """Whole-cluster figures: how much of the registered datasets the tiers hold and
     what was read from the shared store so far."""
     cached_bytes = total["ram"]["bytes"] + total["ssd"]["bytes"]
@@ -81,7 +65,7 @@ def cluster_summary(total: dict, sets: Dict[str, dict]) -> dict:
     sizes = [d["bytes"] for d in sets.values()]
     dataset_bytes = sum(sizes) if sets and None not in sizes else None
     return {
-        "workers": None,  # filled in by snapshot()
+        "workers": workers,
         "datasets": len(sets),
         "dataset_blocks": dataset_blocks,
         "dataset_bytes": dataset_bytes,
@@ -104,10 +88,15 @@ def cluster_summary(total: dict, sets: Dict[str, dict]) -> dict:
 def snapshot(scheduler) -> dict:
     """Everything the page, the JSON route and Prometheus show, as plain JSON types."""
     workers, names, others = worker_metrics(scheduler)
-    total = _sum_stats(workers.values()) if workers else empty_stats()
-    sets = datasets(scheduler)
-    cluster = cluster_summary(total, sets)
-    cluster["workers"] = len(workers)
+    return _snapshot(workers, names, others, datasets(scheduler))
+
+
+def snapshot_of_nothing() -> dict:
+    return _snapshot({}, {}, [], {})
+
+
+def _snapshot(workers: dict, names: dict, others: list, sets: dict) -> dict:
+    total = sum_stats(workers.values()) if workers else empty_stats()
     return {
         "time": time.time(),
         "workers": workers,
@@ -116,7 +105,7 @@ def snapshot(scheduler) -> dict:
         "hit_shares": {address: hit_shares(s) for address, s in workers.items()},
         "other_workers": others,
         "datasets": sets,
-        "cluster": cluster,
+        "cluster": cluster_summary(total, sets, workers=len(workers)),
     }
 
 
@@ -127,7 +116,7 @@ class Monitor:
     def __init__(self, scheduler):
         self._scheduler = weakref.ref(scheduler)
         self.history: deque = deque(maxlen=int(HISTORY_SECONDS / SAMPLE_INTERVAL))
-        self._latest: Optional[dict] = None
+        self._latest: dict | None = None
         self._callback = None
 
     @property
@@ -159,8 +148,8 @@ class Monitor:
             "ram_hits": total["ram"]["hits"],
             "ssd_hits": total["ssd"]["hits"],
             "stream_hits": total["stream"]["hits"],
-            "peer_bytes": total["peer"]["bytes_in"],  # received by workers from other workers
-        "peer_bytes_out": total["peer"]["bytes_out"],  # sent by workers: to other workers and to ranks
+            "peer_bytes": cluster["peer_bytes"],
+            "peer_bytes_out": cluster["peer_bytes_out"],
         })
 
     def start(self) -> None:
@@ -181,19 +170,11 @@ class Monitor:
             self._callback = None
 
 
-def snapshot_of_nothing() -> dict:
-    total = empty_stats()
-    cluster = cluster_summary(total, {})
-    cluster["workers"] = 0
-    return {"time": time.time(), "workers": {}, "total": total, "names": {}, "hit_shares": {},
-            "other_workers": [], "datasets": {}, "cluster": cluster}
-
-
-_monitors: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_monitors: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def monitor(scheduler) -> Monitor:
-    """The scheduler's `Monitor`, created (and started) on first use."""
+    """The scheduler's `Monitor`, created on first use."""
     found = _monitors.get(scheduler)
     if found is None:
         found = _monitors[scheduler] = Monitor(scheduler)

@@ -1,28 +1,24 @@
 """The `/dmdask` Bokeh page: per-worker tiers, hit rates, peer and shared-store traffic.
 
-Built by `tiers_doc`, the function that the preload puts into Dask's dashboard
-applications. It redraws once a second from `figures.Monitor.snapshot()` (the
-scheduler's copy of the workers' heartbeat metrics); nothing here talks to a worker.
+`tiers_doc` is what the preload puts into Dask's dashboard applications. The page
+redraws once a second from `figures.Monitor.snapshot()`; nothing here talks to a worker.
 """
 from __future__ import annotations
 
-import html
 import math
-from typing import Dict, List, Optional
-
 from bokeh.layouts import column, row
 from bokeh.models import (BasicTicker, ColumnDataSource, CustomJSTickFormatter, DataRange1d, Div,
                           FactorRange, HoverTool, Legend, LinearAxis, NumeralTickFormatter, Range1d)
 from bokeh.plotting import figure
 from bokeh.transform import dodge
-from dask.utils import format_bytes
 from distributed.dashboard.components import add_periodic_callback
 from distributed.dashboard.components.scheduler import BOKEH_THEME, env
 from distributed.utils import log_errors
 
-from .figures import Monitor, hit_shares, monitor
+from ..stats import hit_shares
+from .figures import Monitor, monitor
+from .markup import RAM, SSD, STREAM, datasets_html, fmt_bytes, fmt_pct, short, summary_html, workers_html
 
-RAM, SSD, STREAM = "#3b7dd8", "#f0a23b", "#d9534f"
 CAPACITY = "#e4e7eb"
 PEER_IN, PEER_OUT = "#4cae6e", "#8e6cc1"
 TEXT = "#333"
@@ -38,31 +34,15 @@ return (tick < 0 ? "-" : "") + s.replace(/\\.0$/, "") + " " + units[i];
 """
 
 
-def fmt_bytes(n: Optional[float]) -> str:
-    return "?" if n is None else format_bytes(n)
-
-
-def fmt_pct(x: Optional[float]) -> str:
-    return "–" if x is None else f"{100 * x:.0f}%" if x in (0, 1) or x >= 0.1 else f"{100 * x:.1f}%"
-
-
-def fmt_int(n: Optional[int]) -> str:
-    return "?" if n is None else f"{n:,}"
-
-
-def short(address: str) -> str:
-    return address.split("://", 1)[-1]
-
-
 def _bytes_axis(axis) -> None:
     axis.formatter = CustomJSTickFormatter(code=BYTES_JS)
     axis.ticker = BasicTicker(**TICKS_1024, desired_num_ticks=5)
 
 
-def _legend_above(fig, items) -> None:
+def _legend_above(fig, items, glyph_width: int = 12, glyph_height: int = 12) -> None:
     """A horizontal legend between the title and the plot (never over the bars)."""
     legend = Legend(items=items, orientation="horizontal", location="top_left", label_text_font_size="11px",
-                    glyph_width=12, glyph_height=12, padding=0, margin=0, spacing=14,
+                    glyph_width=glyph_width, glyph_height=glyph_height, padding=0, margin=0, spacing=14,
                     border_line_alpha=0, background_fill_alpha=0)
     fig.add_layout(legend, "above")
 
@@ -73,6 +53,14 @@ def _figure(title: str, **kwargs):
     fig.title.text_font_size = "13px"
     fig.title.text_color = TEXT
     fig.outline_line_color = None
+    return fig
+
+
+def _bar_figure(title: str, x_end: float = 1):
+    """Horizontal bars, one row per worker."""
+    fig = _figure(title, y_range=FactorRange(), x_range=Range1d(0, x_end), height=160)
+    fig.ygrid.visible = False
+    fig.xgrid.grid_line_alpha = 0.4
     return fig
 
 
@@ -87,25 +75,22 @@ class TiersPage:
 
     def __init__(self, mon: Monitor):
         self.monitor = mon
-        self.workers: List[str] = []
+        self.workers: list[str] = []
         self._last_time = 0.0
         self._labels: list = []  # text renderers next to the bars, hidden when rows get thin
         self.summary, self.table, self.datasets = _div(), _div(), _div()
-
-        self.occupancy = {tier: ColumnDataSource(self._empty_occupancy()) for tier in ("ram", "ssd")}
+        self.occupancy = {tier: ColumnDataSource({k: [] for k in (
+            "worker", "bytes", "capacity", "label", "blocks", "bytes_text", "capacity_text", "dir", "source")})
+            for tier in ("ram", "ssd")}
         self.ram_fig = self._occupancy_figure("ram", "RAM tier: bytes held / capacity, per worker", RAM)
         self.ssd_fig = self._occupancy_figure("ssd", "SSD tier: bytes held / capacity, per worker", SSD)
-
         self.hits = ColumnDataSource({k: [] for k in (
             "worker", "ram", "ssd", "stream", "ram_n", "ssd_n", "stream_n", "label")})
         self.hits_fig = self._hits_figure()
-
         self.peer = ColumnDataSource({"worker": [], "bytes_in": [], "bytes_out": [], "in_text": [], "out_text": []})
         self.peer_fig = self._peer_figure()
-
         self.history = ColumnDataSource({"time": [], "bytes": [], "requests": [], "dataset": []})
         self.store_fig = self._store_figure()
-
         self.root = column(
             self.summary,
             row(self.ram_fig, self.ssd_fig, sizing_mode="stretch_width"),
@@ -117,22 +102,18 @@ class TiersPage:
         )
 
     # -- figures ------------------------------------------------------------------------
-    @staticmethod
-    def _empty_occupancy() -> dict:
-        return {k: [] for k in ("worker", "bytes", "capacity", "label", "blocks", "bytes_text", "capacity_text",
-                                "dir", "source")}
+    def _label(self, fig, x, y, text: str, source, x_offset: int = 6, size: str = "11px") -> None:
+        """Text right of the bars (hidden with the other labels when rows get thin)."""
+        self._labels.append(fig.text(x=x, y=y, text=text, source=source, x_offset=x_offset, text_align="left",
+                                     text_baseline="middle", text_font_size=size, text_color=TEXT))
 
     def _occupancy_figure(self, tier: str, title: str, color: str):
         source = self.occupancy[tier]
-        fig = _figure(title, y_range=FactorRange(), x_range=Range1d(0, 1), height=160)
+        fig = _bar_figure(title)
         fig.hbar(y="worker", left=0, right="capacity", height=0.72, color=CAPACITY, source=source)
         bars = fig.hbar(y="worker", left=0, right="bytes", height=0.72, color=color, source=source)
-        self._labels.append(fig.text(x="capacity", y="worker", text="label", source=source, x_offset=6,
-                                     text_align="left", text_baseline="middle", text_font_size="11px",
-                                     text_color=TEXT))
+        self._label(fig, "capacity", "worker", "label", source)
         _bytes_axis(fig.xaxis[0])
-        fig.ygrid.visible = False
-        fig.xgrid.grid_line_alpha = 0.4
         fig.yaxis.major_label_text_font_size = "11px"
         fig.add_tools(HoverTool(renderers=[bars], point_policy="follow_mouse", tooltips=[
             ("worker", "@worker"), ("held", "@bytes_text"), ("capacity", "@capacity_text"), ("blocks", "@blocks"),
@@ -140,65 +121,52 @@ class TiersPage:
         return fig
 
     def _hits_figure(self):
-        fig = _figure("Samples served per worker, by tier (share)", y_range=FactorRange(),
-                      x_range=Range1d(0, 1.45), height=160)
+        fig = _bar_figure("Samples served per worker, by tier (share)", x_end=1.45)
         renderers = fig.hbar_stack(["ram", "ssd", "stream"], y="worker", height=0.72, source=self.hits,
                                    color=[RAM, SSD, STREAM])
         _legend_above(fig, [("RAM", [renderers[0]]), ("SSD", [renderers[1]]),
                             ("streamed from the shared store", [renderers[2]])])
-        self._labels.append(fig.text(x=1.0, y="worker", text="label", source=self.hits, x_offset=6,
-                                     text_align="left", text_baseline="middle", text_font_size="11px",
-                                     text_color=TEXT))
+        self._label(fig, 1.0, "worker", "label", self.hits)
         fig.xaxis[0].formatter = NumeralTickFormatter(format="0%")
         fig.xaxis[0].ticker = BasicTicker(desired_num_ticks=5)
-        fig.ygrid.visible = False
-        fig.xgrid.grid_line_alpha = 0.4
         fig.add_tools(HoverTool(renderers=renderers, point_policy="follow_mouse", tooltips=[
             ("worker", "@worker"), ("RAM", "@ram_n samples"), ("SSD", "@ssd_n samples"),
             ("streamed", "@stream_n samples")]))
         return fig
 
     def _peer_figure(self):
-        fig = _figure("Peer transfer per worker: rows sent to and received from other workers",
-                      y_range=FactorRange(), x_range=Range1d(0, 1), height=160)
-        out_bars = fig.hbar(y=dodge("worker", 0.18, range=fig.y_range), left=0, right="bytes_out", height=0.34,
-                            color=PEER_OUT, source=self.peer)
-        in_bars = fig.hbar(y=dodge("worker", -0.18, range=fig.y_range), left=0, right="bytes_in", height=0.34,
-                           color=PEER_IN, source=self.peer)
-        for x, offset, text in (("bytes_out", 0.18, "out_text"), ("bytes_in", -0.18, "in_text")):
-            self._labels.append(fig.text(x=x, y=dodge("worker", offset, range=fig.y_range), text=text,
-                                         source=self.peer, x_offset=5, text_align="left", text_baseline="middle",
-                                         text_font_size="10px", text_color=TEXT))
-        _legend_above(fig, [("sent to peers", [out_bars]), ("received from peers", [in_bars])])
+        fig = _bar_figure("Peer transfer per worker: rows sent to and received from other workers")
+        bars = {}
+        for x, offset, color, text in (("bytes_out", 0.18, PEER_OUT, "out_text"),
+                                       ("bytes_in", -0.18, PEER_IN, "in_text")):
+            y = dodge("worker", offset, range=fig.y_range)
+            bars[x] = fig.hbar(y=y, left=0, right=x, height=0.34, color=color, source=self.peer)
+            self._label(fig, x, y, text, self.peer, x_offset=5, size="10px")
+        _legend_above(fig, [("sent to peers", [bars["bytes_out"]]), ("received from peers", [bars["bytes_in"]])])
         _bytes_axis(fig.xaxis[0])
-        fig.ygrid.visible = False
-        fig.xgrid.grid_line_alpha = 0.4
-        fig.add_tools(HoverTool(renderers=[out_bars, in_bars], point_policy="follow_mouse", tooltips=[
+        fig.add_tools(HoverTool(renderers=list(bars.values()), point_policy="follow_mouse", tooltips=[
             ("worker", "@worker"), ("sent", "@out_text"), ("received", "@in_text")]))
         return fig
 
     def _store_figure(self):
         fig = _figure("Shared store: bytes and requests read so far (all workers)", x_axis_type="datetime",
                       height=230)
-        bytes_line = fig.line("time", "bytes", source=self.history, color=STREAM, line_width=3,
-                              legend_label="bytes read")
+        bytes_line = fig.line("time", "bytes", source=self.history, color=STREAM, line_width=3)
         dataset_line = fig.line("time", "dataset", source=self.history, color="#888", line_width=1.5,
-                                line_dash="dashed", legend_label="size of the registered datasets (decoded)")
+                                line_dash="dashed")
         fig.y_range = DataRange1d(start=0, renderers=[bytes_line, dataset_line], range_padding=0.08)
         fig.extra_y_ranges = {"requests": DataRange1d(start=0, range_padding=0.08)}
         requests_line = fig.line("time", "requests", source=self.history, color="#222", line_width=1.5,
-                                 line_dash="dotted", y_range_name="requests", legend_label="requests (right axis)")
+                                 line_dash="dotted", y_range_name="requests")
         fig.extra_y_ranges["requests"].renderers = [requests_line]
         fig.add_layout(LinearAxis(y_range_name="requests", axis_label="requests"), "right")
         _bytes_axis(fig.yaxis[0])
         fig.yaxis[0].axis_label = "bytes"
         fig.xgrid.grid_line_alpha = 0.4
         fig.ygrid.grid_line_alpha = 0.4
-        legend = fig.legend[0]
-        fig.center.remove(legend)
-        legend.update(orientation="horizontal", location="top_left", label_text_font_size="11px", padding=0,
-                      margin=0, spacing=14, border_line_alpha=0, background_fill_alpha=0, glyph_width=18)
-        fig.add_layout(legend, "above")
+        _legend_above(fig, [("bytes read", [bytes_line]),
+                            ("size of the registered datasets (decoded)", [dataset_line]),
+                            ("requests (right axis)", [requests_line])], glyph_width=18, glyph_height=20)
         fig.add_tools(HoverTool(renderers=[bytes_line, requests_line], mode="vline", tooltips=[
             ("time", "@time{%H:%M:%S}"), ("bytes", "@bytes{0.0 b}"), ("requests", "@requests")],
             formatters={"@time": "datetime"}))
@@ -226,14 +194,10 @@ class TiersPage:
         self._update_hits(labels, stats)
         self._update_peer(labels, stats)
         self._update_history()
-        self._set(self.summary, summary_html(snap))
-        self._set(self.table, workers_html(snap))
-        self._set(self.datasets, datasets_html(snap))
-
-    @staticmethod
-    def _set(div: Div, text: str) -> None:
-        if div.text != text:
-            div.text = text
+        for div, text in ((self.summary, summary_html(snap)), (self.table, workers_html(snap)),
+                          (self.datasets, datasets_html(snap))):
+            if div.text != text:
+                div.text = text
 
     def _update_occupancy(self, tier, fig, labels, stats) -> None:
         caps = [s[tier]["capacity"] for s in stats]
@@ -254,22 +218,19 @@ class TiersPage:
             "dir": [str(s[tier].get("dir") or "-") for s in stats],
             "source": [str(s[tier].get("source") or "-") for s in stats],
         }
-        end = max(caps + used + [1])
-        fig.x_range.end = end * 1.75  # room for the labels right of the bars
         fig.x_range.start = 0
+        fig.x_range.end = max(caps + used + [1]) * 1.75  # room for the labels right of the bars
 
     def _update_hits(self, labels, stats) -> None:
-        data: Dict[str, list] = {k: [] for k in self.hits.data}
+        data: dict[str, list] = {k: [] for k in self.hits.data}
         for label, s in zip(labels, stats):
             shares = hit_shares(s) or {"ram": 0.0, "ssd": 0.0, "stream": 0.0}
             data["worker"].append(label)
             for tier in ("ram", "ssd", "stream"):
                 data[tier].append(shares[tier])
-            data["ram_n"].append(f"{s['ram']['hits']:,}")
-            data["ssd_n"].append(f"{s['ssd']['hits']:,}")
-            data["stream_n"].append(f"{s['stream']['hits']:,}")
+                data[f"{tier}_n"].append(f"{s[tier]['hits']:,}")
             served = s["ram"]["hits"] + s["ssd"]["hits"] + s["stream"]["hits"]
-            data["label"].append(f"{served:,} samples · {fmt_pct(1 - shares['stream']) if served else '–'} cached"
+            data["label"].append(f"{served:,} samples · {fmt_pct(1 - shares['stream'])} cached"
                                  if served else "nothing served yet")
         self.hits.data = data
 
@@ -278,8 +239,8 @@ class TiersPage:
         b_out = [s["peer"]["bytes_out"] for s in stats]
         self.peer.data = {"worker": labels, "bytes_in": b_in, "bytes_out": b_out,
                           "in_text": [fmt_bytes(b) for b in b_in], "out_text": [fmt_bytes(b) for b in b_out]}
-        self.peer_fig.x_range.end = max(b_in + b_out + [1]) * 1.35
         self.peer_fig.x_range.start = 0
+        self.peer_fig.x_range.end = max(b_in + b_out + [1]) * 1.35
 
     def _update_history(self) -> None:
         points = [p for p in list(self.monitor.history) if p["time"] > self._last_time]
@@ -292,131 +253,6 @@ class TiersPage:
             "requests": [p["shared_store_requests"] for p in points],
             "dataset": [p["dataset_bytes"] if p["dataset_bytes"] is not None else math.nan for p in points],
         }, rollover=self.monitor.history.maxlen)
-
-
-# -- HTML parts (Divs: readable text, and what the browser test reads) -----------------
-CARD = ("flex:0 0 auto;min-width:150px;padding:8px 14px;"
-        "border:1px solid #dde1e6;border-radius:6px;background:#fff;font-family:Helvetica,Arial,sans-serif")
-CARD_TITLE = "font-size:11px;color:#666;text-transform:uppercase;letter-spacing:0.04em"
-CARD_VALUE = "font-size:22px;font-weight:bold;color:#222;margin:2px 0"
-CARD_NOTE = "font-size:12px;color:#444"
-TABLE = "border-collapse:collapse;font-family:Helvetica,Arial,sans-serif;font-size:12px;margin:6px 0 14px 0"
-TH = "text-align:right;padding:3px 6px;border-bottom:2px solid #ccc;color:#444;white-space:nowrap;"
-TD = "text-align:right;padding:3px 6px;border-bottom:1px solid #eee;white-space:nowrap;"
-TH_GROUP = "text-align:center;padding:2px 9px 0 9px;color:#666;font-weight:normal;font-size:11px;white-space:nowrap;"
-URL_TD = "white-space:normal;word-break:break-all;max-width:520px;"  # long URLs wrap instead of widening the table
-SECTION = "font-family:Helvetica,Arial,sans-serif;font-size:13px;font-weight:bold;color:#333;margin-top:8px"
-
-
-def _card(title: str, value: str, note: str = "") -> str:
-    return (f'<div style="{CARD}"><div style="{CARD_TITLE}">{html.escape(title)}</div>'
-            f'<div style="{CARD_VALUE}">{html.escape(value)}</div>'
-            f'<div style="{CARD_NOTE}">{note}</div></div>')
-
-
-def _dot(color: str, first: bool = False) -> str:
-    return (f'<span style="display:inline-block;width:9px;height:9px;border-radius:2px;'
-            f'background:{color};margin:0 4px 0 {0 if first else 10}px"></span>')
-
-
-def summary_html(snap: dict) -> str:
-    c, total = snap["cluster"], snap["total"]
-    parts = ['<div style="font-family:Helvetica,Arial,sans-serif;margin:4px 0 2px 0">'
-             '<span style="font-size:18px;font-weight:bold;color:#222">dmdask tiers</span>'
-             '<span style="font-size:12px;color:#666;margin-left:10px">RAM and SSD block cache of the '
-             'workers, from their heartbeats (updated every second)</span></div>'
-             '<div style="display:flex;flex-wrap:wrap;gap:10px;margin:6px 0 8px 0">']
-    others = snap["other_workers"]
-    note = (f"RAM {fmt_bytes(total['ram']['capacity'])}, SSD {fmt_bytes(total['ssd']['capacity'])} in all")
-    if others:
-        note += f'<br><span style="color:#b94a48">{len(others)} without dmdask tiers</span>'
-    for tier in ("ram", "ssd"):
-        for text in filter(None, (total[tier].get("warning"), total[tier].get("error"))):
-            note += f'<br><span style="color:#b94a48;white-space:normal">{html.escape(text)}</span>'
-    parts.append(_card("workers", str(c["workers"]), note))
-    if c["cached_share"] is None:
-        parts.append(_card("dataset cached", "–", "no dataset registered yet"))
-    else:
-        size = fmt_bytes(c["dataset_bytes"]) if c["dataset_bytes"] is not None else "?"
-        parts.append(_card(
-            "dataset cached", fmt_pct(c["cached_share"]),
-            f"{c['cached_blocks']:,} of {c['dataset_blocks']:,} blocks · {fmt_bytes(c['cached_bytes'])} of {size}"
-            f"<br>{_dot(RAM, True)}RAM {fmt_bytes(total['ram']['bytes'])}{_dot(SSD)}SSD {fmt_bytes(total['ssd']['bytes'])}"
-            f"{_dot(STREAM)}{c['streamed_blocks']:,} blocks streamed"))
-    ratio = c["shared_store_reads_per_dataset"]
-    parts.append(_card(
-        "shared-store reads", fmt_bytes(c["shared_store_bytes"]),
-        f"in {c['shared_store_requests']:,} requests"
-        + (f"<br>{ratio:.2f}× the registered datasets" if ratio is not None else "")))
-    shares = c["hit_shares"]
-    if shares is None:
-        parts.append(_card("hit rate", "–", "no sample served yet"))
-    else:
-        served = total["ram"]["hits"] + total["ssd"]["hits"] + total["stream"]["hits"]
-        parts.append(_card(
-            "hit rate (RAM + SSD)", fmt_pct(shares["ram"] + shares["ssd"]),
-            f"of {served:,} samples served<br>{_dot(RAM, True)}RAM {fmt_pct(shares['ram'])}{_dot(SSD)}SSD "
-            f"{fmt_pct(shares['ssd'])}{_dot(STREAM)}streamed {fmt_pct(shares['stream'])}"))
-    parts.append(_card("peer transfer", fmt_bytes(total["peer"]["bytes_out"]),
-                       f"rows sent by workers (to peers and to ranks)<br>"
-                       f"{fmt_bytes(total['peer']['bytes_in'])} received from peers"))
-    parts.append("</div>")
-    return "".join(parts)
-
-
-def _held(tier: dict) -> str:
-    if not tier["capacity"]:
-        return "–"
-    return f"{fmt_bytes(tier['bytes'])} / {fmt_bytes(tier['capacity'])} ({fmt_pct(tier['bytes'] / tier['capacity'])})"
-
-
-def workers_html(snap: dict) -> str:
-    groups = [("", 2), ("RAM", 1), ("SSD", 1), ("blocks held", 3), ("samples served", 3), ("", 1),
-              ("shared store", 2), ("peer transfer", 2)]
-    heads = ["worker", "name", "held / capacity", "held / capacity", "RAM", "SSD", "streamed", "RAM", "SSD",
-             "streamed", "hit rate", "requests", "bytes", "in", "out"]
-    rows = []
-    entries = [(short(a), snap["names"].get(a, ""), s) for a, s in snap["workers"].items()]
-    if len(entries) > 1:
-        entries.append(("total", "", snap["total"]))
-    for address, name, s in entries:
-        shares = hit_shares(s)
-        cells = [address, name, _held(s["ram"]), _held(s["ssd"]),
-                 fmt_int(s["ram"]["blocks"]), fmt_int(s["ssd"]["blocks"]), fmt_int(s["streamed_blocks"]),
-                 fmt_int(s["ram"]["hits"]), fmt_int(s["ssd"]["hits"]), fmt_int(s["stream"]["hits"]),
-                 fmt_pct(None if shares is None else shares["ram"] + shares["ssd"]),
-                 fmt_int(s["shared_store"]["requests"]), fmt_bytes(s["shared_store"]["bytes"]),
-                 fmt_bytes(s["peer"]["bytes_in"]), fmt_bytes(s["peer"]["bytes_out"])]
-        weight = "font-weight:bold;" if address == "total" else ""
-        rows.append("<tr>" + "".join(
-            f'<td style="{TD}{weight}{"text-align:left;" if i < 2 else ""}">{html.escape(str(v))}</td>'
-            for i, v in enumerate(cells)) + "</tr>")
-    for address in snap["other_workers"]:
-        rows.append(f'<tr><td style="{TD}text-align:left">{html.escape(short(address))}</td>'
-                    f'<td colspan="{len(heads) - 1}" style="{TD}text-align:left;color:#b94a48">'
-                    "no dmdask tiers (a plain Dask worker, or no heartbeat yet)</td></tr>")
-    top = "".join(f'<th colspan="{n}" style="{TH_GROUP}">{g}</th>' for g, n in groups)
-    head = "".join(f'<th style="{TH}{"text-align:left;" if i < 2 else ""}">{h}</th>' for i, h in enumerate(heads))
-    return (f'<div style="{SECTION}">Workers</div><div style="overflow-x:auto"><table style="{TABLE}">'
-            f'<tr>{top}</tr><tr>{head}</tr>{"".join(rows)}</table></div>')
-
-
-def datasets_html(snap: dict) -> str:
-    sets = snap["datasets"]
-    heads = ["dataset", "source", "samples", "blocks", "blocks loaded", "decoded size"]
-    head = "".join(f'<th style="{TH}{"text-align:left;" if i < 2 else ""}">{h}</th>' for i, h in enumerate(heads))
-    rows = []
-    for name, d in sets.items():
-        cells = [name, d.get("url") or "", fmt_int(d["samples"]), fmt_int(d["blocks"]), fmt_int(d.get("loaded_blocks")),
-                 fmt_bytes(d["bytes"])]
-        rows.append("<tr>" + "".join(
-            f'<td style="{TD}{URL_TD if i == 1 else ""}{"text-align:left;" if i < 2 else ""}">'
-            f'{html.escape(str(v))}</td>' for i, v in enumerate(cells)) + "</tr>")
-    if not rows:
-        rows.append(f'<tr><td colspan="6" style="{TD}text-align:left;color:#666">none yet: '
-                    "datasets appear when a training process first iterates over them</td></tr>")
-    return (f'<div style="{SECTION}">Datasets</div><div style="max-width:100%;overflow-x:auto">'
-            f'<table style="{TABLE}"><tr>{head}</tr>{"".join(rows)}</table></div>')
 
 
 @log_errors

@@ -1,15 +1,15 @@
 """`dmdask_*` metrics on the scheduler's `/metrics` (the global prometheus_client registry).
 
-One collector per process, registered once (the guard survives a reload of this
-module: the instance is remembered on the registry itself). It reports the scheduler
-whose preload ran last and is still running, like Dask's own scheduler collectors.
+One collector per process, registered once, even across reloads of this module (it
+is remembered on the registry itself). It reports the scheduler whose preload ran
+last and is still running, like Dask's own scheduler collectors.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import weakref
-from typing import Iterator
+from collections.abc import Iterator
 
 from .figures import monitor
 
@@ -17,9 +17,6 @@ logger = logging.getLogger(__name__)
 
 _ATTRIBUTE = "_dmdask_collector"  # where the registered collector is remembered
 _lock = threading.Lock()
-
-TIERS = ("ram", "ssd")
-HIT_TIERS = ("ram", "ssd", "stream")
 
 
 class DmdaskCollector:
@@ -54,8 +51,7 @@ class DmdaskCollector:
         def counter(name, doc, labels=()):
             return CounterMetricFamily(name, doc, labels=list(labels))
 
-        workers = gauge("dmdask_workers", "Workers reporting dmdask tiers")
-        workers.add_metric([], len(snap["workers"]))
+        workers = GaugeMetricFamily("dmdask_workers", "Workers reporting dmdask tiers", value=len(snap["workers"]))
         tier_bytes = gauge("dmdask_tier_bytes", "Bytes of blocks held in the tier", WT)
         capacity = gauge("dmdask_tier_capacity_bytes", "Capacity of the tier in bytes", WT)
         blocks = gauge("dmdask_tier_blocks", "Blocks held per tier (tier=stream: blocks beyond the "
@@ -70,7 +66,7 @@ class DmdaskCollector:
         buffer_bytes = gauge("dmdask_stream_buffer_bytes", "Bytes in the stream buffer", W)
         buffer_capacity = gauge("dmdask_stream_buffer_capacity_bytes", "Capacity of the stream buffer", W)
         for address, s in snap["workers"].items():
-            for tier in TIERS:
+            for tier in ("ram", "ssd"):
                 t = s[tier]
                 tier_bytes.add_metric([address, tier], t["bytes"])
                 capacity.add_metric([address, tier], t["capacity"])
@@ -78,8 +74,8 @@ class DmdaskCollector:
                 full.add_metric([address, tier], int(bool(t["full"])))
                 hit_bytes.add_metric([address, tier], t["hit_bytes"])
             blocks.add_metric([address, "stream"], s["streamed_blocks"])
-            for tier in HIT_TIERS:
-                hits.add_metric([address, tier], s["stream"]["hits"] if tier == "stream" else s[tier]["hits"])
+            for tier in ("ram", "ssd", "stream"):
+                hits.add_metric([address, tier], s[tier]["hits"])
             store_bytes.add_metric([address], s["shared_store"]["bytes"])
             store_requests.add_metric([address], s["shared_store"]["requests"])
             peer.add_metric([address, "in"], s["peer"]["bytes_in"])

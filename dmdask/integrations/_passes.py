@@ -1,22 +1,14 @@
-"""The epoch bookkeeping all four adapters share: `EpochPasses`.
+"""The epoch and resume bookkeeping all four adapters share: `EpochPasses`.
 
-A loader over `dmdask.batches` that goes through passes of its current epoch, keeps a
-resumable position (`state_dict` / `load_state_dict`) and closes the batches in flight.
-What happens when an epoch's last batch is handed out is the loader's epoch-advance
-policy, given once to its constructor: the TensorFlow, MXNet and JAX loaders move on to
-the next epoch by themselves; `TorchLoader` stays at its epoch until `set_epoch`, as a
-`DistributedSampler` does.
-
-This module imports numpy and dmdask, and no framework.
+This module imports dmdask and no framework.
 """
 from __future__ import annotations
 
 import threading
 from typing import Iterator, Optional
 
-import numpy as np
-
 import dmdask
+from dmdask.plan.order import check_int
 
 __all__ = ["EpochPasses"]
 
@@ -24,9 +16,14 @@ __all__ = ["EpochPasses"]
 class EpochPasses:
     """The epoch bookkeeping of a loader over `dmdask.batches`.
 
-    A pass yields the batches of the current epoch from its start point: the epoch's
-    first batch, or the position given to `load_state_dict`. `set_epoch` picks an epoch
-    explicitly. The epoch-advance policy (`moves_on`) decides the rest:
+    Guarantees (from `dmdask.batches`): a pass yields the batches of the current epoch,
+    in the order fixed by (seed, epoch), from its start point: the epoch's first batch,
+    or the position given to `load_state_dict`; across `world_size` ranks every sample
+    of an epoch is yielded exactly once. `len()` is the number of batches this rank gets
+    per epoch. `state_dict()` records the epoch and the batches handed out, as plain
+    values; `load_state_dict()` continues right after them with the batches an
+    uninterrupted run would give. `set_epoch` picks an epoch explicitly. The
+    epoch-advance policy (`moves_on`, given once) decides the rest:
 
     - moves_on=True: handing out the last batch of the epoch moves the loader to the
       next epoch at once (a consumer that stops after a known number of steps still
@@ -43,7 +40,7 @@ class EpochPasses:
     def __init__(self, client, spec: dmdask.Spec, epoch: int, *, moves_on: bool = True) -> None:
         self.client = client
         self.spec = spec
-        self.epoch = _check_epoch(epoch)
+        self.epoch = check_int("epoch", epoch, 0)
         self._moves_on = moves_on  # the epoch-advance policy (see the class)
         self._lock = threading.RLock()
         self._start: Optional[dict] = None  # inner state the next pass starts from
@@ -53,7 +50,7 @@ class EpochPasses:
     def set_epoch(self, epoch: int) -> None:
         """Iterate `epoch` on the next pass. The epoch the loader is already at changes
         nothing (a loaded position survives); another epoch starts at its first batch."""
-        epoch = _check_epoch(epoch)
+        epoch = check_int("epoch", epoch, 0)
         with self._lock:
             if epoch != self.epoch:
                 self._close_all()
@@ -145,7 +142,7 @@ class EpochPasses:
                                  "every rank's")
             if one["iterator"] is not None and not isinstance(one["iterator"], dict):
                 raise ValueError("state['iterator'] must be None or a dmdask BatchIterator state")
-        epochs = sorted({_check_epoch(one["epoch"]) for one in states})
+        epochs = sorted({check_int("epoch", one["epoch"], 0) for one in states})
         if len(epochs) > 1:
             raise ValueError(f"the states are of epochs {epochs}: take every rank's state at the same step "
                              "(with drop_last=True ranks step together)")
@@ -166,19 +163,16 @@ class EpochPasses:
                 self._start = self._fresh.state_dict()  # this rank's own start, whatever was given
 
     def _close_all(self) -> None:
-        for it in (self._current, self._fresh):
-            if it is not None:
-                it.close()
-        self._current = self._fresh = None
+        self.close()
+        self._current = None
 
     def close(self) -> None:
         """Cancel batches in flight. The loader stays usable: the next pass starts anew."""
         with self._lock:
-            if self._current is not None:
-                self._current.close()  # kept: state_dict() still reports its position
-            if self._fresh is not None:
-                self._fresh.close()
-                self._fresh = None
+            for it in (self._current, self._fresh):
+                if it is not None:
+                    it.close()
+            self._fresh = None  # the current pass is kept: state_dict() still reports its position
 
     def peek(self) -> dict:
         """One batch of the current epoch, from a separate iterator (no position moves)."""
@@ -193,9 +187,3 @@ class EpochPasses:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _check_epoch(epoch) -> int:
-    if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
-        raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
-    return int(epoch)

@@ -1,9 +1,7 @@
 """The rank rule the four adapters share: `spec_for_rank`.
 
-Each adapter asks its own framework for this process's place in a distributed run
-(torch.distributed, a tf.distribute strategy, an MXNet kvstore, JAX processes) and hands
-the answer here as two plain numbers, rank and world size, so the rule lives in one
-place and knows no framework. This module imports dmdask and no framework.
+Each adapter asks its own framework for this process's rank and world size and hands
+them here as plain numbers. This module imports dmdask and no framework.
 """
 from __future__ import annotations
 
@@ -15,13 +13,10 @@ __all__ = ["spec_for_rank"]
 def spec_for_rank(spec: dmdask.Spec, rank: int, world_size: int, source: str) -> dmdask.Spec:
     """`spec` for process `rank` of `world_size`, as `source` (named in errors) reports them.
 
-    - a spec at the defaults rank=0, world_size=1 (given explicitly or not) takes `rank`
-      and `world_size`;
-    - a spec that sets them must agree with them: ValueError naming both otherwise;
-    - `spec` itself comes back whenever it already says `rank` of `world_size`.
-
-    The caller decides whether its framework runs distributed at all; where it does
-    not, it keeps the spec as it is and does not call this.
+    A spec at the defaults rank=0, world_size=1 (given explicitly or not) takes `rank` and
+    `world_size`; a spec that sets them must agree (ValueError naming both otherwise);
+    `spec` itself comes back when it already says `rank` of `world_size`. The caller
+    decides whether its framework runs distributed at all.
     """
     rank, world_size = int(rank), int(world_size)
     if (spec.rank, spec.world_size) == (rank, world_size):

@@ -8,10 +8,8 @@
             params, loss = train_step(params, batch["x"], batch["y"])
         checkpoint = {"params": params, "loader": loader.state_dict()}
 
-Handing out the last batch of an epoch moves the loader on to the next epoch, so a loop
-without `set_epoch` also goes epoch after epoch. dmdask prefetches `spec.prefetch`
-batches on the cluster, and `jax.device_put` copies asynchronously.
-This module imports JAX and no other framework.
+dmdask prefetches `spec.prefetch` batches on the cluster, and `jax.device_put` copies
+asynchronously. This module imports JAX and no other framework.
 """
 from __future__ import annotations
 
@@ -22,6 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 import dmdask
+from ._fields import converted
 from ._passes import EpochPasses
 from ._rank import spec_for_rank
 
@@ -30,12 +29,7 @@ __all__ = ["JaxLoader", "to_jax", "local_batch_sharding", "process_spec"]
 
 def process_spec(spec: dmdask.Spec) -> dmdask.Spec:
     """`spec` with rank and world size from a multi-process JAX run (`jax.process_index()`,
-    `jax.process_count()`, after `jax.distributed.initialize()`); one process: unchanged.
-
-    Several processes: the adapters' shared rule (`dmdask.integrations._rank.spec_for_rank`),
-    a spec at the defaults rank=0, world_size=1 takes JAX's values; explicit values must
-    agree (ValueError naming both).
-    """
+    `jax.process_count()`, by `_rank.spec_for_rank`); one process: unchanged."""
     if jax.process_count() == 1:
         return spec
     return spec_for_rank(spec, jax.process_index(), jax.process_count(), "JAX processes")
@@ -71,36 +65,16 @@ def to_jax(batch: Dict[str, Any], sharding: Optional[Sharding] = None, device=No
       and host-side where bookkeeping needs it);
     - strings and dtypes JAX lacks pass through as numpy.
     """
-    out: Dict[str, Any] = {}
-    for name, value in batch.items():
-        if name == "index":
-            out[name] = np.asarray(value).astype(np.int64, copy=False)
-        elif not isinstance(value, np.ndarray) or value.dtype.kind in "USV":
-            out[name] = value
-        elif value.dtype == object:
-            out[name] = [_put(v, None, device) if isinstance(v, np.ndarray) and v.dtype != object else v
-                         for v in value]
-        else:
-            out[name] = _put(value, sharding, device)
-    return out
+    return converted(batch, lambda arr: _put(arr, sharding, device), lambda arr: _put(arr, None, device),
+                     index=False)
 
 
 class JaxLoader(EpochPasses):
     """This rank's dmdask batches, epoch after epoch, as dicts of `jax.Array`.
 
-    Guarantees (from `dmdask.batches`):
-    - a pass (`for batch in loader`) yields the batches of the current epoch in the
-      order fixed by (seed, epoch); across `world_size` ranks every sample of an epoch
-      is yielded exactly once;
-    - handing out the last batch of an epoch moves the loader to the next epoch; a
-      pass abandoned part-way does not (the next pass starts that epoch again from its
-      start point: its first batch, or the loaded position); `set_epoch(e)` picks an
-      epoch explicitly (the usual `set_epoch(epoch)` at the top of the loop agrees);
-    - `len(loader)` is the number of batches this rank gets per epoch;
-    - `state_dict()` records the epoch and the batches handed out, as plain values
-      (JSON, pickle, or beside the params in any checkpoint format);
-      `load_state_dict()` continues right after them with the batches an
-      uninterrupted run would give.
+    Guarantees: those of `EpochPasses` with moves_on=True: handing out the last batch of
+    an epoch moves the loader to the next epoch, a pass abandoned part-way does not.
+    `state_dict()` holds plain values (JSON, pickle, or beside the params in any format).
 
     client: a `distributed.Client` of a cluster of dmdask workers.
     spec: a `dmdask.Spec`. In a multi-process JAX run its rank and world size come from

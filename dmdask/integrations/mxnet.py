@@ -15,16 +15,10 @@
     mod = mx.mod.Module(symbol, data_names=("x",), label_names=("y",))
     mod.fit(train, num_epoch=5)                 # fit epoch k iterates dmdask epoch k
 
-Handing out the last batch of an epoch moves the loader on to the next epoch, so plain
-loops, `DataIter.reset()` and `Module.fit` all go epoch after epoch; `set_epoch` picks
-one explicitly.
-
-MXNet 1.9.1 (its last release) is built against numpy < 2 and still uses `np.bool`, an
-alias numpy removed in 1.24: with numpy 1.24-1.26 `import mxnet` fails with
-AttributeError. Importing this module restores the alias (`numpy.bool = bool`, only
-when numpy lacks it) before it imports mxnet, so import this module before mxnet, or
-set the alias yourself. Use numpy 1.26.x (`pip install numpy==1.26.4 mxnet==1.9.1`).
-This module imports MXNet and no other framework.
+MXNet 1.9.1 (its last release) still uses `np.bool`, which numpy removed in 1.24, so
+`import mxnet` fails with numpy 1.24-1.26. This module restores the alias (`numpy.bool =
+bool`, only when numpy lacks it) before it imports mxnet: import it before mxnet. Use
+numpy 1.26.x (`pip install numpy==1.26.4 mxnet==1.9.1`). It imports no other framework.
 """
 from __future__ import annotations
 
@@ -40,6 +34,7 @@ with warnings.catch_warnings():  # MXNet's import-time noise: distutils, numpy f
     import mxnet as mx  # noqa: E402
 
 import dmdask  # noqa: E402
+from ._fields import converted  # noqa: E402
 from ._passes import EpochPasses  # noqa: E402
 from ._rank import spec_for_rank  # noqa: E402
 
@@ -53,20 +48,19 @@ _WIDEN = {np.dtype("int16"): np.dtype("int32"), np.dtype("uint16"): np.dtype("in
 
 def kvstore_spec(spec: dmdask.Spec, kvstore=None) -> dmdask.Spec:
     """`spec` with rank and world size from a distributed `mx.kv.KVStore` (`kv.rank`,
-    `kv.num_workers`, as with kvstore "dist_sync"); None or a store of one worker (a
-    local store): unchanged.
-
-    Several workers: the adapters' shared rule (`dmdask.integrations._rank.spec_for_rank`),
-    a spec at the defaults rank=0, world_size=1 takes the store's values; explicit values
-    must agree (ValueError naming both).
-    """
+    `kv.num_workers`, by `_rank.spec_for_rank`); None or a store of one worker: unchanged."""
     if kvstore is None or int(kvstore.num_workers) == 1:
         return spec
     return spec_for_rank(spec, kvstore.rank, kvstore.num_workers, "the kvstore")
 
 
+def _mx_dtype(dtype: np.dtype) -> np.dtype:
+    """`dtype` in native byte order, widened where NDArray lacks it."""
+    return _WIDEN.get(dtype.newbyteorder("="), dtype.newbyteorder("="))
+
+
 def _ndarray(arr: np.ndarray, ctx):
-    dtype = _WIDEN.get(arr.dtype.newbyteorder("="), arr.dtype.newbyteorder("="))
+    dtype = _mx_dtype(arr.dtype)
     if dtype not in _MX_DTYPES:
         return arr  # complex, uint64, float128, ...: left as numpy
     return mx.nd.array(np.ascontiguousarray(arr, dtype=dtype), ctx=ctx, dtype=dtype)
@@ -84,18 +78,7 @@ def to_mxnet(batch: Dict[str, Any], ctx=None) -> Dict[str, Any]:
     - strings and anything else pass through unchanged.
     """
     ctx = ctx if ctx is not None else mx.cpu()
-    out: Dict[str, Any] = {}
-    for name, value in batch.items():
-        if name == "index":
-            value = np.asarray(value).astype(np.int64, copy=False)
-        if not isinstance(value, np.ndarray) or value.dtype.kind in "USV":
-            out[name] = value
-        elif value.dtype == object:
-            out[name] = [_ndarray(v, ctx) if isinstance(v, np.ndarray) and v.dtype != object else v
-                         for v in value]
-        else:
-            out[name] = _ndarray(value, ctx)
-    return out
+    return converted(batch, lambda arr: _ndarray(arr, ctx))
 
 
 # --- Gluon: an iterable of dicts of NDArray ----------------------------------------------------
@@ -103,18 +86,9 @@ def to_mxnet(batch: Dict[str, Any], ctx=None) -> Dict[str, Any]:
 class MXNetLoader(EpochPasses):
     """This rank's dmdask batches, epoch after epoch, as dicts of `mx.nd.NDArray`.
 
-    Guarantees (from `dmdask.batches`):
-    - a pass (`for batch in loader`) yields the batches of the current epoch in the
-      order fixed by (seed, epoch); across `world_size` ranks every sample of an epoch
-      is yielded exactly once;
-    - handing out the last batch of an epoch moves the loader to the next epoch; a
-      pass abandoned part-way does not (the next pass starts that epoch again from its
-      start point: its first batch, or the loaded position); `set_epoch(e)` picks an
-      epoch explicitly (the usual `set_epoch(epoch)` at the top of the loop agrees);
-    - `len(loader)` is the number of batches this rank gets per epoch;
-    - `state_dict()` records the epoch and the batches handed out (plain values, for
-      pickle or JSON next to `net.save_parameters`); `load_state_dict()` continues
-      right after them with the batches an uninterrupted run would give.
+    Guarantees: those of `EpochPasses` with moves_on=True: handing out the last batch of
+    an epoch moves the loader to the next epoch, a pass abandoned part-way does not.
+    `state_dict()` holds plain values (for pickle or JSON next to `net.save_parameters`).
 
     client: a `distributed.Client` of a cluster of dmdask workers.
     spec: a `dmdask.Spec`; with `kvstore` (a distributed `mx.kv.KVStore`) at the default
@@ -122,9 +96,8 @@ class MXNetLoader(EpochPasses):
     ctx: the `mx.Context` of the NDArrays (default `mx.cpu()`).
     epoch: the first epoch.
 
-    dmdask prefetches `spec.prefetch` batches on the cluster: no `gluon.data.DataLoader`
-    or worker processes are needed. One pass at a time. With kvstore "dist_sync" give
-    every worker `spec.drop_last=True`, so that all take the same number of steps.
+    No `gluon.data.DataLoader` is needed: dmdask prefetches on the cluster. One pass at a
+    time. With kvstore "dist_sync" give every worker `spec.drop_last=True`.
     """
 
     def __init__(self, client, spec: dmdask.Spec, *, ctx=None, kvstore=None, epoch: int = 0):
@@ -190,8 +163,7 @@ class DmdaskDataIter(mx.io.DataIter):
         if value.dtype == object or value.dtype.kind not in "biuf":
             raise TypeError(f"field {name!r} holds {value.dtype} samples; a DataIter field must be numeric "
                             "with one sample shape (use MXNetLoader for variable-size samples)")
-        dtype = _WIDEN.get(value.dtype.newbyteorder("="), value.dtype.newbyteorder("="))
-        return mx.io.DataDesc(name, (rows,) + value.shape[1:], dtype=dtype)
+        return mx.io.DataDesc(name, (rows,) + value.shape[1:], dtype=_mx_dtype(value.dtype))
 
     @property
     def provide_data(self):
@@ -210,16 +182,13 @@ class DmdaskDataIter(mx.io.DataIter):
         return self.loader.epoch
 
     def set_epoch(self, epoch: int) -> None:
-        self._stop_pass()
+        self.reset()
         self.loader.set_epoch(epoch)
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def reset(self) -> None:
-        self._stop_pass()
-
-    def _stop_pass(self) -> None:
         if self._gen is not None:
             self._gen.close()  # cancels its prefetched batches
         self._gen = None
@@ -249,11 +218,11 @@ class DmdaskDataIter(mx.io.DataIter):
         return self.loader.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self._stop_pass()
+        self.reset()
         self.loader.load_state_dict(state)
 
     def close(self) -> None:
-        self._stop_pass()
+        self.reset()
         self.loader.close()
 
     def __repr__(self) -> str:

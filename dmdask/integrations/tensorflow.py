@@ -5,14 +5,9 @@
     model.fit(ds, epochs=5)                                  # fit epoch k iterates dmdask epoch k
     tf.train.Checkpoint(model=model, loader=loader).save("ckpt/run")   # with the loader's position
 
-Each pass over the dataset (each `iter()`, so each `fit` epoch) iterates the loader's
-current dmdask epoch; handing out the epoch's last batch moves the loader on to the next
-epoch. `set_epoch` chooses an epoch explicitly. Rank and world size come from a `tf.distribute`
-strategy (or `tf.distribute.InputContext`), or from the spec.
-
-dmdask prefetches `spec.prefetch` batches on the cluster while the model computes, so
-the dataset needs no `.prefetch()`, no `num_parallel_calls` and no `.shard()` (each rank
-already gets only its share; the dataset turns tf.distribute's auto-sharding off).
+Each pass over the dataset (each `fit` epoch) iterates the loader's current dmdask epoch.
+dmdask prefetches on the cluster, so the dataset needs no `.prefetch()`, no
+`num_parallel_calls` and no `.shard()` (each rank already gets only its share).
 This module imports TensorFlow and no other framework.
 """
 from __future__ import annotations
@@ -73,14 +68,9 @@ def rank_of_strategy(strategy=None, input_context=None) -> tuple:
 
 
 def strategy_spec(spec: dmdask.Spec, strategy=None, input_context=None) -> dmdask.Spec:
-    """`spec` with rank and world size from `input_context` or `strategy` (see `rank_of_strategy`).
-
-    With neither, the strategy in scope (`tf.distribute.get_strategy()`) is used. One
-    input pipeline (world size 1): `spec` unchanged. Several: the adapters' shared rule
-    (`dmdask.integrations._rank.spec_for_rank`), a spec at the defaults rank=0,
-    world_size=1 takes the strategy's values; explicit values must agree with them
-    (ValueError naming both otherwise).
-    """
+    """`spec` with rank and world size from `input_context` or `strategy` (default: the one
+    in scope), as `rank_of_strategy` finds them, by `_rank.spec_for_rank`; one input
+    pipeline: `spec` unchanged."""
     if strategy is None and input_context is None and tf.distribute.has_strategy():
         strategy = tf.distribute.get_strategy()
     rank, world_size = rank_of_strategy(strategy, input_context)
@@ -164,21 +154,12 @@ def signature_of(batch: Dict[str, Any]) -> Dict[str, Any]:
 class TFLoader(tf.train.experimental.PythonState, EpochPasses):
     """This rank's dmdask batches, epoch after epoch, as a `tf.data.Dataset` of dicts.
 
-    Guarantees (from `dmdask.batches`):
-    - a pass over `dataset()` yields the batches of the loader's current epoch in the
-      order fixed by (seed, epoch); across `world_size` ranks every sample of an epoch
-      is yielded exactly once;
-    - handing out the last batch of an epoch moves the loader to the next epoch, so
-      `model.fit(ds, epochs=E)` iterates epochs 0..E-1 (from a restored state: its
-      epoch onwards: pass `initial_epoch=loader.epoch`); a pass abandoned part-way
-      (`take`, `break`, Keras peeking at one batch to build the model) does not: the
-      next pass starts the same epoch again from its start point (its first batch, or
-      the loaded position);
-    - `set_epoch(e)` picks the epoch of the next pass explicitly;
-    - `state_dict()` records the epoch and the batches handed to tf.data;
-      `load_state_dict()` continues right after them with the batches an uninterrupted
-      run would give. The loader is also a `tf.train.Checkpoint` dependency
-      (`tf.train.Checkpoint(loader=loader)`): its state is saved and restored with it.
+    Guarantees: those of `EpochPasses` with moves_on=True, a pass being one over
+    `dataset()`: handing out the last batch of an epoch moves the loader to the next
+    epoch, so `model.fit(ds, epochs=E)` iterates epochs 0..E-1 (from a restored state:
+    pass `initial_epoch=loader.epoch`); a pass abandoned part-way (`take`, `break`, Keras
+    peeking at one batch to build the model) does not. The loader is also a
+    `tf.train.Checkpoint` dependency: its state is saved and restored with it.
 
     client: a `distributed.Client` of a cluster of dmdask workers.
     spec: a `dmdask.Spec`; rank and world size may come from `strategy` or
@@ -192,12 +173,10 @@ class TFLoader(tf.train.experimental.PythonState, EpochPasses):
         of the current epoch (fetched once, by a separate iterator that moves no
         position). Give it when a transform makes inner shapes vary between batches.
 
-    Positions count batches taken from the dataset: an explicit `.prefetch()`, a
-    parallel `.map()` or a strategy's prefetch to devices read a few batches ahead of
-    the steps taken, so a mid-epoch checkpoint is exact in a plain loop over the
-    dataset; under `model.fit` checkpoint at epoch ends (`on_epoch_end`), where they
-    agree. One pass at a time. Under a multi-worker strategy use `distribute()` and give
-    every worker `spec.drop_last=True`, so that all take the same number of steps.
+    Positions count batches taken from the dataset, so a mid-epoch checkpoint is exact in
+    a plain loop over it (a `.prefetch()` or a parallel `.map()` reads ahead); under
+    `model.fit` checkpoint at epoch ends. One pass at a time. Under a multi-worker
+    strategy use `distribute()` and give every worker `spec.drop_last=True`.
     """
 
     def __init__(self, client, spec: dmdask.Spec, *, strategy=None, input_context=None, epoch: int = 0,

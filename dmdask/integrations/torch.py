@@ -7,10 +7,9 @@
             loss = step(batch["x"], batch["y"])
         torch.save({"loader": loader.state_dict(), ...}, "ckpt.pt")
 
-Use it in place of a `torch.utils.data.DataLoader`, not inside one: dmdask already
-prefetches `spec.prefetch` batches on the cluster while the loop computes, so no
-DataLoader worker processes are needed. Iterating it in a DataLoader worker subprocess
-is not supported (each worker would replay the whole epoch) and raises RuntimeError.
+Use it in place of a `torch.utils.data.DataLoader`, not inside one: dmdask prefetches
+`spec.prefetch` batches on the cluster; in a DataLoader worker (each would replay the
+whole epoch) it raises RuntimeError.
 """
 from __future__ import annotations
 
@@ -23,6 +22,7 @@ import torch.utils.data
 
 import dmdask
 from ._device import CudaFeeder, check_device
+from ._fields import converted
 from ._passes import EpochPasses
 from ._rank import spec_for_rank
 
@@ -33,14 +33,8 @@ _NUMERIC_KINDS = "biufc"
 
 
 def distributed_spec(spec: dmdask.Spec) -> dmdask.Spec:
-    """`spec` with rank and world size taken from `torch.distributed` when it is initialised.
-
-    - torch.distributed not available or not initialised: `spec` unchanged.
-    - otherwise the adapters' shared rule (`dmdask.integrations._rank.spec_for_rank`), for
-      any group size, one process included: spec.rank/world_size at their defaults (0/1,
-      explicit or not) take torch.distributed's rank and world size; explicit values
-      must equal them (ValueError naming both if not).
-    """
+    """`spec` with rank and world size from `torch.distributed` (by `_rank.spec_for_rank`, for
+    any group size) when it is initialised; otherwise `spec` unchanged."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return spec
     return spec_for_rank(spec, torch.distributed.get_rank(), torch.distributed.get_world_size(),
@@ -72,60 +66,33 @@ def to_torch(batch: Dict[str, Any]) -> Dict[str, Any]:
     - "index" -> an int64 tensor of global sample ids;
     - anything torch cannot represent (strings, ...) is passed through unchanged.
     """
-    out: Dict[str, Any] = {}
-    for name, value in batch.items():
-        if name == "index":
-            value = np.asarray(value).astype(np.int64, copy=False)
-        if not isinstance(value, np.ndarray):
-            out[name] = value
-        elif value.dtype == object:
-            out[name] = [_tensor(v) if isinstance(v, np.ndarray) and v.dtype != object else v
-                         for v in value]
-        else:
-            out[name] = _tensor(value)
-    return out
+    return converted(batch, _tensor)
 
 
 class TorchLoader(EpochPasses):
     """This rank's batches of `spec.source`, epoch by epoch, as dicts of torch tensors.
 
-    Guarantees (from `dmdask.batches`):
-    - each iteration yields the batches of the current epoch in a fixed order given by
-      (seed, epoch); across `world_size` ranks every sample of an epoch is yielded
-      exactly once;
-    - the epoch changes only with `set_epoch` (as with `DistributedSampler`): finishing
-      a pass does not move it on, and the next pass yields the same epoch again from
-      its first batch. Setting the epoch the loader is already at changes nothing, so
-      a loaded position survives the usual `set_epoch(epoch)` at the top of the loop;
-    - `len(loader)` is the number of batches this rank gets per epoch;
-    - `state_dict()` records the epoch and the number of batches handed out, as plain
-      Python values (for `torch.save`, `torch.load(weights_only=True)` and JSON); a new
-      loader given `load_state_dict(state)` continues right after the last batch handed
-      out on its next pass, with the same batches an uninterrupted run would yield.
+    Guarantees: those of `EpochPasses` with moves_on=False: the epoch changes only with
+    `set_epoch` (as with `DistributedSampler`), and setting the epoch the loader is at
+    keeps a loaded position. `state_dict()` holds plain Python values (for `torch.save`,
+    `torch.load(weights_only=True)` and JSON).
 
     client: a `distributed.Client` of a cluster of dmdask workers.
-    spec: a `dmdask.Spec`. If its rank/world_size are left at 0/1 and torch.distributed
-        is initialised, they are taken from torch.distributed (see `distributed_spec`);
-        explicit values that disagree with it raise ValueError. Resolved once, here.
+    spec: a `dmdask.Spec`; rank and world size from torch.distributed (`distributed_spec`), once, here.
     pin_memory: pin tensors in page-locked memory for faster host-to-GPU copies. Only
         when `torch.cuda.is_available()`; on CPU-only builds or machines it is a no-op
         (pinning would raise there). A CUDA `device` always pins.
     device: where batches are handed out. None (default): host memory, as converted by
-        `to_torch`. A CUDA device ("cuda", "cuda:1", `rank.device` of
-        `dmdask.rank_from_environment()`): batches are copied through pinned buffers on a
-        CUDA stream of their own (`non_blocking`), `device_prefetch` batches ahead of the
-        training step, which waits for each batch's copy on its current stream
-        (`dmdask.integrations._device`); without CUDA, RuntimeError saying so, here. Any
-        other device ("cpu"): tensors moved there with `.to`.
+        `to_torch`. A CUDA device ("cuda:1", `dmdask.rank_from_environment().device`):
+        copied on a stream of their own, `device_prefetch` batches ahead of the training
+        step (`_device.CudaFeeder`); without CUDA, RuntimeError, here. Any other device
+        ("cpu"): tensors moved there with `.to`.
     device_prefetch: batches in flight on a CUDA device (default 2; 0: one at a time).
     epoch: the first epoch.
 
     With DistributedDataParallel, set `spec.drop_last=True` so that every rank takes the
-    same number of steps per epoch.
-
-    Batches are prefetched on the cluster (`spec.prefetch` in flight); do not wrap the
-    loader in a DataLoader. One pass at a time: a new `iter()` closes the previous one.
-    Not thread-safe.
+    same number of steps per epoch. One pass at a time: a new `iter()` closes the previous
+    one. Not thread-safe.
     """
 
     def __init__(self, client, spec: dmdask.Spec, *, pin_memory: bool = False,

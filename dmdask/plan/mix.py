@@ -1,30 +1,24 @@
-"""The order of a mixture epoch: which source, and which of its samples, at each position.
+"""The order of a mixture epoch (`dmdask.Mix`): which source, and which of its samples, at each position.
 
-A mixture (`dmdask.Mix`) reads several sources in one epoch of `N` positions, source
-`i` taking exactly `counts[i]` of them (`apportion`: N in proportion to the weights,
-rounded by largest remainder). `MixOrder` maps each position to a *global id*,
-`offsets[i] + sample id` (the sources' sample ids laid end to end), so that everything
-that deals positions to ranks (`RankShare`, `dmdask.plan.elastic`) works unchanged.
+Source `i` takes exactly `counts[i]` of the epoch's `N` positions (`apportion`).
+`MixOrder` maps each position to a *global id*, `offsets[i] + sample id` (the sources'
+sample ids laid end to end), so that `RankShare` and `dmdask.plan.elastic` deal it unchanged.
 
 Guarantees:
 
-- A bijection from positions 0..N-1 to draws (source i, k), 0 <= k < counts[i]: every
-  draw of the epoch is at exactly one position.
-- Draws become samples in *passes*: source i's draws are numbered on across epochs
-  (draw k of epoch e is the source's draw e*counts[i] + k), and every run of n_i
-  consecutive draws (pass p = draw // n_i) is a permutation of the source's n_i samples
-  (`EpochOrder` of the source keyed by (seed, pass, source)). So within a pass no sample
-  repeats; a source drawn more often than it has samples starts new passes, one drawn
-  less often goes on with the same pass in the next epoch.
+- A bijection from positions 0..N-1 to draws (source i, k), 0 <= k < counts[i].
+- Draws become samples in *passes*: draw k of epoch e is the source's draw e*counts[i] + k,
+  and every run of n_i consecutive draws (pass p = draw // n_i) is a permutation of the
+  source's n_i samples (`EpochOrder` keyed by (seed, pass, source)): no sample repeats
+  within a pass.
 - Spread: the epoch is cut into rounds of fewer than `MIX_ROUND` positions (with up to
-  32 sources; 256 up to 224 sources, ...); source i's draws are spread over the rounds
-  as evenly as integers allow (its draws before round r are
-  `floor((r * counts[i] + phase[i]) / rounds)`), so each round holds every source's
-  share to within one, and a source's draws come in order from round to round (a
-  source read with a shuffle window keeps to its windows). With shuffle=True the
-  positions of a round are permuted (one keyed network over `MIX_ROUND` values,
-  tweaked by the round, cycle-walked to the round's length), with shuffle=False the
-  sources take their turns in list order.
+  32 sources; 256 up to 224 sources, ...); source i's draws before round r are
+  `floor((r * counts[i] + phase[i]) / rounds)`, so each round holds every source's share
+  to within one, and a source's draws come in order from round to round (a source read
+  with a shuffle window keeps to its windows). With shuffle=True the positions of a round
+  are permuted (one keyed network over `MIX_ROUND` values, tweaked by the round,
+  cycle-walked to the round's length), with shuffle=False the sources take their turns
+  in list order.
 - Everything is a function of (sizes, counts, block_lens, shuffle, seed, epoch,
   shuffle_window) alone, in fixed-width integer arithmetic, O(log S) time per position
   and O(S) per round and per source touched: nothing is materialised over the epoch.
@@ -36,7 +30,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .order import ROUNDS, EpochOrder, Feistel, check_int, mix64, round_keys
+from .feistel import ROUNDS, Feistel, mix64, round_keys
+from .order import EpochOrder, check_int, check_positions
 
 MIX_ROUND = 64  # at most this many positions a round (with up to 32 sources): where the weights hold to within one
 _MAX_ROUNDS = 1 << 31  # keeps r * (count % rounds) within int64
@@ -112,13 +107,12 @@ class MixOrder:
 
     def draws(self, positions) -> Tuple[np.ndarray, np.ndarray]:
         """(source, k) of each position: the k-th draw of that source in this epoch."""
-        flat = self._checked(positions)
+        flat, shape = check_positions(positions, self.num_samples)
         sources = np.empty(len(flat), dtype=np.int64)
         ks = np.empty(len(flat), dtype=np.int64)
         piece = max(1, _PIECE // len(self.sizes))
         for at in range(0, len(flat), piece):
             sources[at:at + piece], ks[at:at + piece] = self._draws(flat[at:at + piece])
-        shape = np.shape(positions)
         return sources.reshape(shape), ks.reshape(shape)
 
     def _draws(self, p: np.ndarray):
@@ -150,10 +144,10 @@ class MixOrder:
         """Each slot permuted within its round (a network tweaked by the round, walked to the round's length)."""
         tweaks = mix64(rounds.astype(np.uint64) ^ self._tweak_salt)
         lengths = lengths.astype(np.uint64)
-        out = self._network._encrypt(slots.astype(np.uint64), tweaks)
+        out = self._network.encrypt(slots.astype(np.uint64), tweaks)
         outside = np.flatnonzero(out >= lengths)
         while outside.size:  # ends: each value's cycle in the network re-enters range(length)
-            out[outside] = self._network._encrypt(out[outside], tweaks[outside])
+            out[outside] = self._network.encrypt(out[outside], tweaks[outside])
             outside = outside[out[outside] >= lengths[outside]]
         return out.astype(np.int64)
 
@@ -196,17 +190,6 @@ class MixOrder:
         ids = np.asarray(ids, dtype=np.int64)
         sources = np.searchsorted(self.offsets, ids, side="right") - 1
         return sources, ids - self.offsets[sources]
-
-    def _checked(self, positions) -> np.ndarray:
-        array = np.asarray(positions)
-        if array.size == 0:
-            return np.zeros(0, dtype=np.int64)
-        if not np.issubdtype(array.dtype, np.integer):
-            raise ValueError(f"positions must be integers, got an array of {array.dtype}")
-        low, high = array.min(), array.max()
-        if low < 0 or high >= self.num_samples:
-            raise IndexError(f"position {low if low < 0 else high} is outside 0..{self.num_samples - 1}")
-        return array.astype(np.int64, copy=False).ravel()
 
     def __repr__(self) -> str:
         return (f"MixOrder(sizes={self.sizes}, counts={self.counts}, shuffle={self.shuffle}, seed={self.seed}, "
