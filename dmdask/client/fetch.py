@@ -22,7 +22,7 @@ from ..protocol.scheduler import SchedulerAPI
 from ..protocol.worker import BatchRequest, RowsRequest
 from ..recovery import Tries
 from ..shm.results import map_batches
-from ..spec import TransformContext
+from ..transform import TransformContext
 from .arenas import split_batches
 from .contact import Contact
 from .gather import LOAD_WAIT, Gatherer, Moved, plan_rows

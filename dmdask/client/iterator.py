@@ -21,7 +21,8 @@ from distributed import Client
 from ..errors import SpecError
 from ..plan.elastic import remaining
 from ..plan.order import ORDER_VERSION, EpochOrder, RankShare
-from ..spec import Mix, Spec, as_int, dumps_transform
+from ..spec import Mix, Spec, as_int
+from ..transform import dumps_transform
 from .arenas import LocalArenas
 from .contact import Contact
 from .datasets import open_dataset
