@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -28,11 +27,11 @@ class LocalArenas:
     dataset in the process; a group's rows, straight into pooled memory (`take`).
     Thread-safe."""
 
-    _of: Dict[str, "LocalArenas"] = {}
+    _of: dict[str, LocalArenas] = {}
     _registry = threading.Lock()
 
     @classmethod
-    def of(cls, identity: str, num_samples: int, block_len: int) -> "LocalArenas":
+    def of(cls, identity: str, num_samples: int, block_len: int) -> LocalArenas:
         with cls._registry:
             found = cls._of.get(identity)
             if found is None or (found.num_samples, found.block_len) != (num_samples, block_len):
@@ -45,9 +44,9 @@ class LocalArenas:
         self._lock = threading.Lock()
         self.arena_of = np.full(num_blocks, -1, dtype=np.int32)  # block -> index into self.arenas
         self.first_row = np.zeros(num_blocks, dtype=np.int64)  # block -> its first row in that arena
-        self.arenas: List[Tuple[str, dict]] = []  # (holder, arena fields)
-        self._index: Dict[Tuple[str, str], int] = {}
-        self._windows: Optional[Dict[str, Window]] = None  # field -> its window; {} when none can be made
+        self.arenas: list[tuple[str, dict]] = []  # (holder, arena fields)
+        self._index: dict[tuple[str, str], int] = {}
+        self._windows: dict[str, Window] | None = None  # field -> its window; {} when none can be made
 
     def knows(self, blocks: np.ndarray) -> bool:
         """Whether every block is in a known arena (`take` applies)."""
@@ -76,7 +75,7 @@ class LocalArenas:
             self.first_row[block] = description["first_row"]
             self.arena_of[block] = arena
 
-    def _open_windows(self, fields: dict) -> Dict[str, Window]:
+    def _open_windows(self, fields: dict) -> dict[str, Window]:
         windows = {}
         for name, (_, dtype, shape) in fields.items():
             window = Window.open(self.num_samples, dtype, tuple(shape))
@@ -105,7 +104,7 @@ class LocalArenas:
         if gone:
             self.forget()
 
-    def take(self, group: List[np.ndarray], count) -> List[Dict[str, np.ndarray]]:
+    def take(self, group: list[np.ndarray], count) -> list[dict[str, np.ndarray]]:
         """Batches of sample ids `group` (all in known arenas), each with its "index", in
         the epoch's order. `count(holder, tier, rows, bytes)` records the hits. Raises
         `Moved` when a block is no longer where it was known."""
@@ -144,7 +143,7 @@ def _after_fork() -> None:
 os.register_at_fork(after_in_child=_after_fork)
 
 
-def split_batches(arrays: Dict[str, np.ndarray], ids: np.ndarray, sizes: List[int]) -> List[Dict[str, np.ndarray]]:
+def split_batches(arrays: dict[str, np.ndarray], ids: np.ndarray, sizes: list[int]) -> list[dict[str, np.ndarray]]:
     """A group's arrays cut into its batches (views), each with its "index"."""
     bounds = np.cumsum([0] + sizes).tolist()
     return [{**{f: v[a:b] for f, v in arrays.items()}, "index": ids[a:b]} for a, b in zip(bounds[:-1], bounds[1:])]

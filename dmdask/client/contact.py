@@ -14,7 +14,6 @@ import contextlib
 import logging
 import warnings
 import weakref
-from typing import List, Optional
 
 import dask.config
 from distributed.comm import get_address_host
@@ -26,7 +25,7 @@ from .gather import CONNECT_SECONDS
 from .locate import my_host
 
 logger = logging.getLogger(__name__)
-_reached: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # client -> scheduler its workers were reached on
+_reached: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # client -> scheduler its workers were reached on
 CONNECT_AHEAD = 32  # workers a new iterator connects to while its dataset opens
 
 
@@ -45,7 +44,7 @@ class Contact:
 
     def __init__(self, client, rank: int):
         self.client, self.rank = client, rank
-        self.worker: Optional[str] = None  # this rank's local worker, once chosen
+        self.worker: str | None = None  # this rank's local worker, once chosen
         self._said_waiting = False  # the wait for workers was logged
 
     def reach_ahead(self, loop) -> None:
@@ -91,7 +90,7 @@ class Contact:
                 return await asyncio.wait_for(self.client.scheduler.identity(), max(0.5, tries.deadline.left()))
         raise self._scheduler_lost("no answer", limit)
 
-    async def workers(self, wait: bool = True) -> List[str]:
+    async def workers(self, wait: bool = True) -> list[str]:
         """The cluster's workers, waiting up to `dmdask.client.recovery-seconds` while it
         has none (say, every worker restarting); then `NoWorkersError`. wait=False: the
         workers now, maybe none."""
@@ -126,7 +125,7 @@ class Contact:
         """The local worker left: the next `local_worker` chooses again."""
         self.worker = None
 
-    def _choose_local_worker(self, workers: List[str]) -> None:
+    def _choose_local_worker(self, workers: list[str]) -> None:
         if self.worker is not None:  # chosen meanwhile (`reach_workers` and `local_worker` may both ask)
             return
         mine = my_host(self.client)

@@ -9,7 +9,6 @@ group is fetched one batch at a time, so every batch before it is still delivere
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Optional, Set, Tuple
 
 import dask.config
 import numpy as np
@@ -38,11 +37,11 @@ class GroupFetcher:
     `cold`: whether the last group fetched needed rows read from the store."""
 
     def __init__(self, client, spec, epoch: int, info, share: RankShare, contact: Contact, gatherer: Gatherer,
-                 transform: Optional[bytes]):
+                 transform: bytes | None):
         self.client, self.spec, self.epoch, self.info = client, spec, epoch, info
         self.mixed = info if isinstance(info, MixedInfo) else None  # a mixture's sources, as one dataset
         self.share, self.contact, self.gatherer, self.transform = share, contact, gatherer, transform
-        self.holders: Dict[str, str] = {}  # block key -> a worker holding it
+        self.holders: dict[str, str] = {}  # block key -> a worker holding it
         self.cold = True
 
     async def fetch(self, first: int, stop: int) -> list:
@@ -61,12 +60,12 @@ class GroupFetcher:
                 break
         return out  # without an error: the group's did not come back one batch at a time
 
-    async def _fetch_group(self, first: int, stop: int) -> List[Dict[str, np.ndarray]]:
+    async def _fetch_group(self, first: int, stop: int) -> list[dict[str, np.ndarray]]:
         group = self.share.batches(first, stop)
         ids = np.concatenate(group)
         blocks, offsets = self.info.locate(ids)
         keys = {int(k): self.info.block_key(int(k)) for k in np.unique(blocks)}
-        last_error: Optional[BaseException] = None
+        last_error: BaseException | None = None
         recovery = float(dask.config.get("dmdask.client.recovery-seconds"))
         isolate = False  # set once a worker was lost while this group's transform ran
         tries = Tries(recovery, pause=lambda attempt: min(1.0, 0.05 * attempt))
@@ -135,7 +134,7 @@ class GroupFetcher:
         """A group's "index" and its fields not read from blocks (a mixture's "source")."""
         return (ids, {}) if self.mixed is None else self.mixed.batch_fields(ids)
 
-    async def learn(self, keys: List[str]) -> None:
+    async def learn(self, keys: list[str]) -> None:
         """The holders of these blocks among those loaded already, and the layout of those in
         arenas on this host, so that a new process on a warm cache takes its rows straight
         from the arenas from its first batch on: one request to the scheduler (it does not
@@ -173,14 +172,14 @@ class GroupFetcher:
                                    "(dmdask.client.recovery-seconds)")
         return out
 
-    async def holders_of(self, keys: List[str]) -> Tuple[Dict[str, str], Set[str]]:
+    async def holders_of(self, keys: list[str]) -> tuple[dict[str, str], set[str]]:
         """(holders of the given blocks, the keys among them still loading), asking the
         scheduler plugin for those not known yet (`locate(planned=True)`: it waits a while
         for blocks loading, but names at once the worker loading one right now, which waits
         for it when asked for its rows). Raises the load's error for a block that failed to
         load, `NotADmdaskWorker` if the dataset was released."""
         unknown = [k for k in keys if k not in self.holders]
-        loading: Dict[str, str] = {}
+        loading: dict[str, str] = {}
         if unknown:
             found = await SchedulerAPI(self.client).locate(unknown, get_address_host(await self.contact.local_worker()),
                                                           planned=True)

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from typing import Deque, Dict, List, Optional
 
 import numpy as np
 from distributed import Client
@@ -37,8 +36,8 @@ REQUEST_BYTES = 8 << 20  # small batches are fetched several per request, up to 
 LEARN_BLOCKS = 1 << 16  # datasets up to this many blocks: where every block is, learnt before the first batch
 
 
-def batches(client: Client, spec: Spec, epoch: int = 0, resume: Optional[dict] = None,
-            progress=None) -> "BatchIterator":
+def batches(client: Client, spec: Spec, epoch: int = 0, resume: dict | None = None,
+            progress=None) -> BatchIterator:
     """An iterator over this rank's batches of one epoch.
 
     Each batch is a dict of numpy arrays, one per field of the source, plus "index": the
@@ -65,11 +64,11 @@ class BatchIterator:
     `state_dict()` counts batches handed out, not batches prefetched.
     """
 
-    def __init__(self, client: Client, spec: Spec, epoch: int = 0, resume: Optional[dict] = None,
+    def __init__(self, client: Client, spec: Spec, epoch: int = 0, resume: dict | None = None,
                  progress=None):
         epoch = as_int("epoch", epoch, low=0)
         self.client, self.spec, self.epoch = client, spec, epoch
-        self._mixed: Optional[MixedInfo] = None  # the sources of a mixture, as one dataset of global ids
+        self._mixed: MixedInfo | None = None  # the sources of a mixture, as one dataset of global ids
         self._loop = client.loop.asyncio_loop
         contact = Contact(client, spec.rank)
         contact.reach_ahead(self._loop)  # while the dataset opens
@@ -87,7 +86,7 @@ class BatchIterator:
         if positions < spec.world_size:
             raise SpecError("world_size", f"at most the {positions} samples of an epoch of {spec.source}",
                             spec.world_size)
-        self._history: List[dict] = []  # generations of ranks before this one in the epoch (elastic resume)
+        self._history: list[dict] = []  # generations of ranks before this one in the epoch (elastic resume)
         self._position = 0
         if resume is not None:
             self._history, self._position = resume_point(resume, spec, self.state_dict(), self._share)
@@ -96,8 +95,8 @@ class BatchIterator:
             raise SpecError("batch_size", f"at most {positions // spec.world_size} with "
                             f"drop_last=True and world_size={spec.world_size}", spec.batch_size)
         self._next_request = self._position
-        self._in_flight: Deque = deque()  # concurrent futures, each of a list of batches
-        self._ready_batches: Deque = deque()
+        self._in_flight: deque = deque()  # concurrent futures, each of a list of batches
+        self._ready_batches: deque = deque()
         self._datasets = datasets = info.sources if self._mixed is not None else [info]
         self._locals = [LocalArenas.of(d.identity, d.num_samples, d.block_len) for d in datasets]
         self._local = self._locals[0]
@@ -146,7 +145,7 @@ class BatchIterator:
     def __iter__(self):
         return self
 
-    def __next__(self) -> Dict[str, np.ndarray]:
+    def __next__(self) -> dict[str, np.ndarray]:
         if not self._ready_batches:
             self._fill()
             if not self._in_flight:
@@ -204,14 +203,14 @@ class BatchIterator:
         """Whether every block of every dataset read is in a known arena on this host."""
         return all(a.knows(np.arange(d.num_blocks)) for d, a in zip(self._datasets, self._locals))
 
-    def _known(self, group: List[np.ndarray]) -> bool:
+    def _known(self, group: list[np.ndarray]) -> bool:
         """Whether the arenas on this host hold every block of the group (a mixture: of
         every source) as far as this process knows (`LocalArenas.take` applies)."""
         if self._mixed is not None:
             return self._all_known()
         return self._local.knows(np.concatenate(group) // self.info.block_len)
 
-    def _copy_known(self, first: int, stop: int, group: List[np.ndarray]) -> list:
+    def _copy_known(self, first: int, stop: int, group: list[np.ndarray]) -> list:
         """In the copier thread: the group's rows from the arenas."""
         try:
             if self._mixed is not None:
@@ -254,7 +253,7 @@ class BatchIterator:
                 "drop_last": spec.drop_last, "position": self._position,
                 "history": [dict(g) for g in self._history]}
 
-    def _share(self, rank: int, world_size: int, batch_size: int, history: List[dict]) -> RankShare:
+    def _share(self, rank: int, world_size: int, batch_size: int, history: list[dict]) -> RankShare:
         """A rank's share of what the generations in `history` left of the epoch."""
         left = remaining(self._order.num_samples, history) if history else None
         return RankShare(self._order, rank, world_size, batch_size, self.spec.drop_last, left)

@@ -18,7 +18,6 @@ import io
 import os
 import sys
 import time
-from typing import Optional
 
 import dask.config
 
@@ -49,7 +48,7 @@ def served(workers_metrics) -> dict:
     return {tier: sum(m[tier]["hits"] for m in metrics) for tier in ("ram", "ssd", "stream")}
 
 
-def hit_text(before: dict, after: dict) -> Optional[str]:
+def hit_text(before: dict, after: dict) -> str | None:
     """"hit 97% (RAM 81%, SSD 16%, streamed 3%)" for the samples served between two
     `served()` counts; None when none were (counters of a restarted worker restart at 0)."""
     delta = {k: max(0, after[k] - before[k]) for k in after}
@@ -85,7 +84,7 @@ async def served_now(client) -> dict:
 class EpochProgress:
     """The bar of one `BatchIterator`: `update()` per batch handed out, `close()` at the end."""
 
-    def __init__(self, iterator, options: Optional[dict] = None):
+    def __init__(self, iterator, options: dict | None = None):
         from tqdm.auto import tqdm
 
         spec = iterator.spec
@@ -98,11 +97,11 @@ class EpochProgress:
         self.bar = tqdm(**kwargs)
         self.client = iterator.client
         self._loop = iterator.client.loop.asyncio_loop
-        self._baseline: Optional[dict] = None
+        self._baseline: dict | None = None
         self._pending = None  # concurrent future of the request in flight
         self._next_ask = 0.0
         self._interval = STATS_INTERVAL
-        self.hit: Optional[str] = None
+        self.hit: str | None = None
         self._ask()
 
     def _ask(self) -> None:
@@ -142,7 +141,7 @@ class EpochProgress:
         self.bar.close()
 
 
-def make(iterator, progress) -> Optional[EpochProgress]:
+def make(iterator, progress) -> EpochProgress | None:
     """The bar for `iterator`, or None when none is wanted."""
     if not wanted(progress, iterator.spec.rank):
         return None

@@ -8,7 +8,7 @@ of a state that was edited into something no iterator writes (`check_state`).
 """
 from __future__ import annotations
 
-from typing import Callable, List
+from collections.abc import Callable
 
 import numpy as np
 
@@ -19,7 +19,7 @@ from ..plan.order import ORDER_VERSION, RankShare
 STATE_FIELDS = ("identity", "epoch", "seed", "shuffle", "shuffle_window", "drop_last")
 
 
-def resume_point(resume, spec, current: dict, share: Callable[[int, int, int, List[dict]], RankShare]) -> tuple:
+def resume_point(resume, spec, current: dict, share: Callable[[int, int, int, list[dict]], RankShare]) -> tuple:
     """(history, position) to start from, for the iterator of `spec` whose own state is
     `current`; share(rank, world_size, batch_size, history) is a rank's `RankShare`. One
     state (or every rank's, world size unchanged): this rank's own position, the batches

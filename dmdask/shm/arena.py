@@ -17,7 +17,6 @@ import contextlib
 import mmap
 import os
 import threading
-from typing import Dict, List, Tuple
 
 import numpy as np
 
@@ -42,15 +41,15 @@ class Arena:
 
     def __init__(self, folder: str, identity: str, block_len: int, block):
         self.block_len = block_len
-        self.fields: Dict[str, Tuple[str, str, tuple]] = {}  # name -> (path, dtype, row shape)
-        self._fds: Dict[str, int] = {}
+        self.fields: dict[str, tuple[str, str, tuple]] = {}  # name -> (path, dtype, row shape)
+        self._fds: dict[str, int] = {}
         gid = group_of(folder)
         layouts = {name: (arr.dtype.str, tuple(arr.shape[1:])) for name, arr in block.arrays.items()}
         for name, (dtype, row_shape) in {**layouts, ID_FIELD: ("<i8", ())}.items():
             path = os.path.join(folder, f"{identity}.{name}")
             self.fields[name] = (path, dtype, row_shape)
             self._fds[name] = create_file(path, gid, os.O_RDWR)
-        self._free: List[int] = []
+        self._free: list[int] = []
         self._slots = 0
         self._lock = threading.Lock()
 
@@ -106,10 +105,10 @@ class Arena:
 class ArenaMaps:
     """Arena files mapped read-only in one process, remapped when they have grown."""
 
-    shared: "ArenaMaps"
+    shared: ArenaMaps
 
     def __init__(self):
-        self._maps: Dict[str, np.ndarray] = {}
+        self._maps: dict[str, np.ndarray] = {}
         self._lock = threading.Lock()
 
     def rows(self, path: str, dtype: str, row_shape: tuple, needed: int) -> np.ndarray:

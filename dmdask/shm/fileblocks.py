@@ -10,16 +10,15 @@ import mmap
 import os
 import shutil
 import tempfile
-from typing import Dict, Optional, Tuple
 
 import numpy as np
 
 from .modes import create_file, group_of, protect_folder
 
-Arrays = Dict[str, np.ndarray]
+Arrays = dict[str, np.ndarray]
 
 
-def write(directory: str, arrays: Arrays, start: int) -> Tuple[str, tuple]:
+def write(directory: str, arrays: Arrays, start: int) -> tuple[str, tuple]:
     """Write the fields of a block of samples from `start` under a new folder of
     `directory`: (the folder, its layout). On error nothing is left behind."""
     gid = group_of(directory)
@@ -63,7 +62,7 @@ def files_exist(path: str, layout: tuple, samples: int) -> bool:
         return False
 
 
-def readable(description: Optional[dict]) -> bool:
+def readable(description: dict | None) -> bool:
     """Whether this process may map the files of a block's description (a file block's or
     an arena block's, `dmdask.worker.holdings`): a worker's folders are its user's (or
     group's) only, so a process of another user takes the block's rows through the worker."""
@@ -133,6 +132,6 @@ def _map(path: str, dtype: str, shape: tuple) -> np.ndarray:
     return np.frombuffer(pages, dtype=dtype).reshape(shape)
 
 
-def _write(directory: str, name: str, arr: np.ndarray, gid: Optional[int]) -> None:
+def _write(directory: str, name: str, arr: np.ndarray, gid: int | None) -> None:
     with os.fdopen(create_file(os.path.join(directory, name), gid), "wb") as f:  # a full disk: OSError(ENOSPC)
         f.write(memoryview(np.ascontiguousarray(arr)).cast("B"))

@@ -16,7 +16,6 @@ import ctypes
 import mmap
 import threading
 import weakref
-from typing import Dict, List, Tuple
 
 import numpy as np
 
@@ -24,7 +23,7 @@ MAX_POOL_BYTES = 512 << 20  # per batch layout and process
 SLAB_CHUNKS = 8  # chunks added to a pool at a time
 _ALIGN = 64
 
-Layout = Tuple[Tuple[str, str, tuple], ...]  # (field, dtype, row shape) ...
+Layout = tuple[tuple[str, str, tuple], ...]  # (field, dtype, row shape) ...
 
 
 class _Pool:
@@ -33,8 +32,8 @@ class _Pool:
     def __init__(self, chunk_bytes: int):
         self.chunk_bytes = chunk_bytes
         self.max_chunks = MAX_POOL_BYTES // chunk_bytes
-        self._slabs: List[mmap.mmap] = []
-        self._free: List[Tuple[int, int]] = []  # (slab, chunk)
+        self._slabs: list[mmap.mmap] = []
+        self._free: list[tuple[int, int]] = []  # (slab, chunk)
         self._lock = threading.Lock()
 
     def take(self):
@@ -58,7 +57,7 @@ class _Pool:
             self._free.append((slab, chunk))
 
 
-_pools: Dict[int, _Pool] = {}
+_pools: dict[int, _Pool] = {}
 _pools_lock = threading.Lock()
 
 
@@ -66,7 +65,7 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def empty_batch(layout: Layout, rows: int) -> Dict[str, np.ndarray]:
+def empty_batch(layout: Layout, rows: int) -> dict[str, np.ndarray]:
     """Uninitialised arrays of `rows` rows, one per field of `layout`, in pooled memory."""
     nbytes = [rows * np.dtype(dtype).itemsize * int(np.prod(shape, dtype=np.int64)) for _, dtype, shape in layout]
     total = sum(_aligned(n) for n in nbytes)
@@ -87,5 +86,5 @@ def empty_batch(layout: Layout, rows: int) -> Dict[str, np.ndarray]:
     return out
 
 
-def _plain(layout: Layout, rows: int) -> Dict[str, np.ndarray]:
+def _plain(layout: Layout, rows: int) -> dict[str, np.ndarray]:
     return {name: np.empty((rows,) + tuple(shape), dtype=dtype) for name, dtype, shape in layout}

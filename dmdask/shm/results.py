@@ -15,7 +15,6 @@ import mmap
 import os
 import tempfile
 import time
-from typing import List, Optional
 
 import numpy as np
 
@@ -25,14 +24,14 @@ ALIGN = 64  # every array starts on a cache line
 STALE_SECONDS = 120.0
 
 
-def shareable(batches: List[dict]) -> bool:
+def shareable(batches: list[dict]) -> bool:
     """Whether every field of every batch is a plain fixed-size array (object arrays of
     per-sample arrays and strings travel the ordinary way)."""
     return all(isinstance(a, np.ndarray) and a.dtype != object and a.dtype.kind != "T"
                for b in batches for a in b.values())
 
 
-def write_batches(folder: str, batches: List[dict]) -> dict:
+def write_batches(folder: str, batches: list[dict]) -> dict:
     """Write `batches` (dicts of fixed-size arrays) into a new file of `folder`; returns
     its description for `map_batches`. Nothing is left behind on error."""
     _remove_stale(folder)
@@ -60,7 +59,7 @@ def write_batches(folder: str, batches: List[dict]) -> dict:
     return {"path": path, "layout": layout, "nbytes": offset}
 
 
-def map_batches(description: dict) -> List[dict]:
+def map_batches(description: dict) -> list[dict]:
     """The batches of a `write_batches` file as writable arrays over its pages; the file
     is unlinked once mapped (its pages live as long as the arrays)."""
     path = description["path"]
@@ -78,7 +77,7 @@ def map_batches(description: dict) -> List[dict]:
 _last_sweep: dict = {}
 
 
-def _remove_stale(folder: str, now: Optional[float] = None) -> None:
+def _remove_stale(folder: str, now: float | None = None) -> None:
     """Remove result files older than STALE_SECONDS (checked at most every few seconds)."""
     now = time.time() if now is None else now
     if now - _last_sweep.get(folder, 0.0) < STALE_SECONDS / 10:

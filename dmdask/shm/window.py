@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-from typing import List, Optional
 
 import numpy as np
 
@@ -41,13 +40,13 @@ class Window:
     def __init__(self, base: int, stride: int, row_bytes: int, dtype: str, row_shape: tuple):
         self._base, self.stride, self._row_bytes = base, stride, row_bytes
         self._dtype, self._row_shape = np.dtype(dtype), tuple(row_shape)
-        self._mapped: List[int] = [0] * MAX_ARENAS  # rows mapped per arena
+        self._mapped: list[int] = [0] * MAX_ARENAS  # rows mapped per arena
         total = stride * row_bytes * MAX_ARENAS
         memory = (ctypes.c_char * total).from_address(base)
         self.rows = np.frombuffer(memory, dtype=self._dtype).reshape((stride * MAX_ARENAS,) + self._row_shape)
 
     @classmethod
-    def open(cls, max_rows: int, dtype: str, row_shape: tuple) -> Optional["Window"]:
+    def open(cls, max_rows: int, dtype: str, row_shape: tuple) -> Window | None:
         """A window for arenas of up to `max_rows` rows each (capped by this host's
         memory, which bounds any file in shared memory); None if the address space
         cannot be reserved."""
