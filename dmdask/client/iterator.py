@@ -36,8 +36,7 @@ REQUEST_BYTES = 8 << 20  # small batches are fetched several per request, up to 
 LEARN_BLOCKS = 1 << 16  # datasets up to this many blocks: where every block is, learnt before the first batch
 
 
-def batches(client: Client, spec: Spec, epoch: int = 0, resume: dict | None = None,
-            progress=None) -> BatchIterator:
+def batches(client: Client, spec: Spec, epoch: int = 0, resume: dict | None = None, progress=None) -> BatchIterator:
     """An iterator over this rank's batches of one epoch.
 
     Each batch is a dict of numpy arrays, one per field of the source, plus "index": the
@@ -64,8 +63,7 @@ class BatchIterator:
     `state_dict()` counts batches handed out, not batches prefetched.
     """
 
-    def __init__(self, client: Client, spec: Spec, epoch: int = 0, resume: dict | None = None,
-                 progress=None):
+    def __init__(self, client: Client, spec: Spec, epoch: int = 0, resume: dict | None = None, progress=None):
         epoch = as_int("epoch", epoch, low=0)
         self.client, self.spec, self.epoch = client, spec, epoch
         self._mixed: MixedInfo | None = None  # the sources of a mixture, as one dataset of global ids
