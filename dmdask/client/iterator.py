@@ -102,8 +102,7 @@ class BatchIterator:
             local.forget_if_gone()
         self._gatherer = Gatherer(client, my_host(client), {d.identity: a for d, a in zip(datasets, self._locals)})
         self._transform = dumps_transform(spec.transform)
-        self._fetcher = GroupFetcher(client, spec, epoch, info, self._batches, contact, self._gatherer,
-                                     self._transform)
+        self._fetcher = GroupFetcher(client, spec, epoch, info, self._batches, contact, self._gatherer, self._transform)
         if self._transform is None and any(o.loaded for o in opened) and not self._all_known():
             keys = [d.block_key(k) for d in datasets if d.num_blocks <= LEARN_BLOCKS for k in range(d.num_blocks)]
             if keys:  # ahead of the first batch, so that a warm cache serves it from the arenas

@@ -135,8 +135,7 @@ class ArenaMaps:
     def take(self, description: dict, offsets: np.ndarray) -> Arrays:
         """Rows (offsets in the block) of an arena block (`ArenaBlock.describe`)."""
         offsets = np.asarray(offsets, dtype=np.int64)
-        return self.take_rows(description["arena"], description["first_row"] + offsets,
-                              description["start"] + offsets)
+        return self.take_rows(description["arena"], description["first_row"] + offsets, description["start"] + offsets)
 
     def take_rows(self, fields: dict, rows: np.ndarray, ids: np.ndarray) -> Arrays:
         """Arena rows `rows` (int64), which must hold samples `ids`: the fields' values.
