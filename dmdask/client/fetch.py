@@ -2,8 +2,8 @@
 
 The group's blocks are located (`holders_of`); without a transform its rows are assembled
 here (`dmdask.client.gather`: same-host rows from the mapped files, the others one request
-per holder), with one by the rank's local worker (`dmdask_batch`). A lost worker or a
-moved block is retried until `dmdask.client.recovery-seconds`; after a corrupt block the
+per holder), with a transform by the rank's local worker (`dmdask_batch`). A lost worker or
+a moved block is retried until `dmdask.client.recovery-seconds`; after a corrupt block the
 group is fetched one batch at a time, so every batch before it is still delivered.
 """
 from __future__ import annotations
