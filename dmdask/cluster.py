@@ -39,11 +39,9 @@ class LocalCluster(ReleasesOnClose, distributed.LocalCluster):
 
     ram, ssd, ssd_dir, shm_dir, stream_buffer: per-worker cache capacities (bytes or
     strings such as "4 GiB"; ssd=0 means no SSD tier) and the parent folders of the
-    workers' SSD and shared-memory RAM tiers (each worker takes its own subfolder,
-    removed when it closes); unset ones come from
-    the `dmdask.worker` config namespace (`DASK_DMDASK__WORKER__RAM=...`). The scheduler
-    runs the `dmdask.dashboard` preload: dmdask's scheduler plugin, the `/dmdask`
-    dashboard page, `/dmdask/tiers.json` and the `dmdask_*` Prometheus metrics. Other keyword arguments go to
+    workers' SSD and shared-memory RAM tiers; unset ones come from the `dmdask.worker`
+    config namespace. The scheduler runs the `dmdask.dashboard` preload (dmdask's plugin,
+    dashboard page and Prometheus metrics). Other keyword arguments go to
     `distributed.LocalCluster` (n_workers, processes, dashboard_address, scheduler_kwargs, ...).
     """
 

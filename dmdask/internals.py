@@ -1,6 +1,6 @@
-"""The few places dmdask reaches into Dask distributed's internals, one small function
-each, with why no public API does it. Checked against distributed 2026.8.0: a release
-that changes one of these breaks it here, and only here."""
+"""The few places dmdask reaches into the internals of Dask distributed (checked against
+2026.8.0) and fsspec (2026.9.0), one small function each, with why no public API does
+it: a release that changes one of these breaks it here, and only here."""
 from __future__ import annotations
 
 from typing import Optional
@@ -23,11 +23,6 @@ def load_first(ts, rank: int) -> None:
     ts.priority = (-rank,) + tuple(ts.priority[1:])
 
 
-def held_type(ts) -> str:
-    """The type name of what a task's key holds (`TaskState.type`, reported by workers)."""
-    return str(ts.type)
-
-
 def reraise(exception):
     """The exception an RPC reply carries (pickled as `distributed.core.error_message`
     makes it, or as the scheduler keeps a task's error: `Serialized`, which a reply sent
@@ -42,3 +37,10 @@ def local_address(client) -> Optional[str]:
     network): the local end of the client's connection. None while disconnected."""
     comm = client.scheduler_comm.comm if client.scheduler_comm is not None else None
     return comm.local_address if comm is not None else None
+
+
+def strip_protocol(fs, path: str) -> str:
+    """`path` as filesystem `fs` names it, protocol removed (`AbstractFileSystem._strip_protocol`,
+    which each implementation overrides). The public `fsspec.core.strip_protocol` picks the
+    implementation by the path's own protocol ("file" when it names none), not `fs`."""
+    return fs._strip_protocol(path)

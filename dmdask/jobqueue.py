@@ -5,13 +5,10 @@
     cluster.scale(jobs=4)                      # four batch jobs, one dmdask worker each
     client = distributed.Client(cluster)
 
-Each job runs `dask worker ... --worker-class dmdask.Worker`: its RAM and SSD tiers are
-sized from what the job actually got (`SLURM_MEM_PER_NODE`, the cgroup limit,
-`$SLURM_TMPDIR`: `dmdask.worker.sizing`), not from the `memory=` asked for
-(dask-jobqueue rounds 1 GiB and more up to whole GiB in `--mem`). The scheduler runs in
-this process with dmdask's plugin and its `/dmdask` dashboard page. Every other keyword
-goes to dask-jobqueue's own class. Needs the `jobqueue` extra:
-`pip install "dmdask[jobqueue]"`.
+Each job runs `dask worker ... --worker-class dmdask.Worker`, its tiers sized from what
+the job actually got (`dmdask.worker.sizing`), not from the `memory=` asked for. The
+scheduler runs in this process with dmdask's plugin and dashboard page. Every other
+keyword goes to dask-jobqueue's own class. Needs `pip install "dmdask[jobqueue]"`.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import pytest
 
 import dmdask
 from dmdask.source import open_source
-from dmdask.source.parquet import framed
+from dmdask.source.parquet_footer import framed
 from dmdask.testing.sources import SourceTests
 from dmdask.testing.datasets import parquet_columns, write_parquet, zarr_label, zarr_sample
 

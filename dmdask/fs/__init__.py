@@ -10,23 +10,19 @@ the cluster's tiered cache.
 
 `DmdaskFileSystem` is a read-only filesystem chained over any other (its target). A
 file read through it is a dataset of the cluster's registry (`dmdask.source.files`):
-byte blocks of `dmdask.fs.block-size` (default 4 MiB; a smaller file is one block),
-each loaded by its planned worker the first time any process reads a byte of it, held
-once in the cluster with MinIO placement (RAM in shared memory, SSD, or streamed), and
-read by training processes from same-host files directly or from their holder.
+byte blocks of `dmdask.fs.block-size`, each loaded by its planned worker when any
+process first reads a byte of it, held once in the cluster like any block.
 
 Guarantees:
-- a block leaves the store once while the cluster holds it; blocks that fit nowhere
-  are read once per request that needs them (each byte once per epoch for loaders that
-  read each file once an epoch), so E epochs cost E*D - C*(E-1) bytes at most, C the
-  part the cache holds;
+- a block leaves the store once while the cluster holds it; blocks that fit nowhere are
+  read once per request that needs them, so E epochs cost E*D - C*(E-1) bytes at most,
+  C the part the cache holds;
 - a file is identified by URL, storage options, size and version (modification time,
-  ETag) as the store reports them once per run: a file rewritten between runs is read
-  afresh, never served stale, when its size or version changed;
-- listings and infos are asked of the store once per run (`dmdask.scheduler.files`),
-  and of the scheduler once per process and folder;
-- works from threads, from `DataLoader` worker processes (fork, forkserver, spawn) and
-  from several jobs at once (`dmdask.fs.session`).
+  ETag) as the store reports them once per run: a rewritten file is never served stale;
+- listings and infos are asked of the store once per run, and of the scheduler once per
+  process and folder;
+- works from threads, `DataLoader` worker processes (fork, forkserver, spawn) and
+  several jobs at once (`dmdask.fs.session`).
 
 The cluster: storage option `scheduler=ADDRESS`, else the dask config
 `dmdask.fs.scheduler`, else the current default `distributed.Client`'s scheduler.
@@ -40,11 +36,12 @@ import fsspec
 from dask.utils import parse_bytes
 from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 
+from ..internals import strip_protocol
 from ..source.base import options_json, protocol_of
 from ..source.files import FileSource
 from . import globbing, probe
 from .metadata import version_of
-from .session import NoClusterError, close_sessions, get_session
+from .session import NoClusterError, close, get_session
 
 try:  # fsspec >= 2025.x: the marker that makes `url_to_fs` hand the inner path over
     from fsspec.implementations.chained import ChainedFileSystem as _Base
@@ -57,21 +54,11 @@ CACHED_BLOCKS = 2  # blocks an open file keeps (so small reads in one block cost
 __all__ = ["DmdaskFile", "DmdaskFileSystem", "NoClusterError", "close", "gopen", "PROTOCOL"]
 
 
-def close() -> None:
-    """Close this process's connections to clusters (transparent mode makes new ones
-    when it next reads). Call it when a cluster it read through is shut down."""
-    close_sessions()
-
-
 class DmdaskFileSystem(_Base):
     """A read-only filesystem over `target_protocol` (or `fs`) whose reads go through
-    the dmdask cluster (see the module docstring).
-
-    scheduler: the cluster's scheduler address (default: `dmdask.fs.scheduler`, else
-    the default client's). block_size: bytes per cached block of large files (default
-    `dmdask.fs.block-size`). `target_options` travel to the workers that read the
-    store: they must be plain values (JSON).
-    """
+    the dmdask cluster at `scheduler` (see the module docstring). block_size: bytes per
+    block (default `dmdask.fs.block-size`). `target_options` travel to the workers: plain
+    values (JSON) only."""
 
     protocol = PROTOCOL
     root_marker = ""
@@ -111,7 +98,7 @@ class DmdaskFileSystem(_Base):
 
     def target_path(self, path: str) -> str:
         """`path` as the target names it."""
-        return self.fs._strip_protocol(type(self)._strip_protocol(path))
+        return strip_protocol(self.fs, self._strip_protocol(path))
 
     def unstrip_protocol(self, name: str) -> str:
         return f"{PROTOCOL}::{self.fs.unstrip_protocol(name)}"
@@ -128,22 +115,20 @@ class DmdaskFileSystem(_Base):
         return dict(self._session().metadata.info(self.target_id, self.fs, self.target_path(path)))
 
     def open_info(self, path) -> dict:
-        """`info` of a file about to be read from its start: where the store's infos each
-        cost a request (HTTP), read with the ranged GET of its first block, whose bytes
-        the read that follows takes (no HEAD; `dmdask.fs.probe`)."""
+        """`info` of a file about to be read from its start: on HTTP from the ranged GET of
+        its first block, whose bytes the read that follows takes (`dmdask.fs.probe`)."""
         return self._file(path, 0)[0]
 
     def glob(self, path, maxdepth=None, **kwargs):
-        """As the target's `glob` answers (HTTP's keeps sub-folders, which the generic
-        glob drops: `dmdask.fs.globbing`), over this run's listings."""
+        """As the target's `glob` answers (`dmdask.fs.globbing`), over this run's listings."""
         return globbing.glob(self, path, maxdepth=maxdepth, url_rules=probe.applies(self.fs), **kwargs)
 
     def isdir(self, path) -> bool:
         return self.fs.isdir(self.target_path(path))
 
     def invalidate_cache(self, path=None):
-        """Forget every listing and info this process knows: the next ones are read from
-        the store again (a new run, also for processes started from now on)."""
+        """Forget every listing and info this process knows: a new run, which reads them
+        from the store again."""
         self._session().forget()
         super().invalidate_cache(path)
 
@@ -228,15 +213,10 @@ class DmdaskFileSystem(_Base):
         contents = self.cat_ranges(paths, None, None, on_error="raise" if on_error == "raise" else "return")
         return {p: c for p, c in zip(paths, contents) if not (on_error == "omit" and isinstance(c, Exception))}
 
-    # read-only
-    def _rm(self, path):
+    def _read_only(self, *args, **kwargs):
         raise PermissionError(f"{PROTOCOL}:: is read-only")
 
-    def mkdir(self, path, create_parents=True, **kwargs):
-        raise PermissionError(f"{PROTOCOL}:: is read-only")
-
-    def cp_file(self, path1, path2, **kwargs):
-        raise PermissionError(f"{PROTOCOL}:: is read-only")
+    _rm = mkdir = cp_file = _read_only
 
 
 class DmdaskFile(AbstractBufferedFile):

@@ -2,13 +2,11 @@
 holders, and their rows from same-host files or over Dask's comms.
 
 Guarantees: a read returns the bytes of the file's dataset as identified when the file was
-opened (size and version): from blocks this process reads first (`dmdask.fs.claims`),
-from same-host shared memory or SSD files with no request, or from their holders. A block
-the cluster does not have (forgotten, or its reader left) is registered and submitted
+opened (size and version). A block the cluster does not have is registered and submitted
 again; a block whose load failed is retried once per dataset, then its error is raised.
 A worker lost or a block moved is located again, for at most
 `dmdask.client.recovery-seconds`: then `NoWorkersError` when the cluster has no workers,
-otherwise a RuntimeError naming the files ("still failing" / "still not loaded").
+otherwise a RuntimeError naming the files.
 """
 from __future__ import annotations
 

@@ -2,14 +2,12 @@
 read from the store by the claimant and handed over to their planned workers.
 
 Guarantees: a block is read from the store once while the cluster holds it, by the first
-process that wants it: it claims it (`dmdask_open_blocks`; for a file new to the run, its
-info with `dmdask_fs_claim` and its first block from the same ranged GET, `dmdask.fs.probe`,
-the block then claimed in the background before the run learns the info), reads it (several
-blocks concurrently on an async store) and returns at once; in the background it hands the
-bytes to the block's planned worker (`dmdask_hand_over`) and submits its load, which takes
-those bytes in place of a store read. Processes that want it meanwhile wait for that worker;
-should the hand-over fail, the worker reads the block itself. A process's exit waits at most
-`HANDOVER_EXIT_SECONDS` for its hand-overs.
+process that wants it: it claims it (`OpenBlocks`; for a file new to the run, also its info,
+`FsClaim`, from the same ranged GET: `dmdask.fs.probe`), reads it and returns at once; in
+the background it hands the bytes to the block's planned worker and submits its load,
+which takes them in place of a store read. Processes that want it meanwhile wait for that
+worker; should the hand-over fail, the worker reads the block itself. A process's exit
+waits at most `HANDOVER_EXIT_SECONDS` for its hand-overs.
 """
 from __future__ import annotations
 
@@ -33,11 +31,8 @@ logger = logging.getLogger(__name__)
 
 HANDOVER_EXIT_SECONDS = 10.0  # the most a process's exit waits for its hand-overs to reach the workers
 # Blocks read from the store within HANDOVER_DELAY are handed over together (one graph of
-# loads, one locate), and those read with their infos within OPEN_DELAY are opened
-# together (one request), up to HANDOVER_BYTES queued: on 2 cores, batches of 5 ms / 50 ms
-# made a DataLoader's first epoch 1.4-1.8x the direct read, of 0.05 s / 0.3 s 1.1-1.2x,
-# of 0.2 s / 1 s 1.0-1.1x (the scheduler's and workers' work per batch shares the CPUs
-# with the readers). Longer delays keep more blocks in the process (`handing`) longer.
+# loads), those read with their infos within OPEN_DELAY opened together (one request), up
+# to HANDOVER_BYTES queued (shorter delays made a DataLoader's first epoch up to 1.8x slower).
 HANDOVER_DELAY = 0.25
 OPEN_DELAY = 0.05
 HANDOVER_BYTES = 64 << 20
@@ -97,11 +92,10 @@ class Claims:
 
     def first_reads(self, fs, wanted: Dict[str, tuple]) -> Dict[str, dict]:
         """Blocks of `wanted` (key -> (source, index)) this process has no holder for:
-        one `open_blocks` request registers their files, claims the blocks nobody holds
-        or reads, and names the holders of the others. The claimed ones are read from the
-        store here (and handed over); their rows are returned (key -> arrays), with those
-        of blocks this process read lately and is handing over (`first_info` among them).
-        The rest are left to `Blocks.gather` (held, loading, or read by another process)."""
+        one `OpenBlocks` request registers their files, claims the blocks nobody holds or
+        reads, and names the holders of the others. The claimed ones are read here (and
+        handed over); their rows are returned (key -> arrays), with those this process is
+        handing over. The rest are left to `Blocks` (held, loading, or read elsewhere)."""
         session, blocks = self.session, self.session.blocks
         with self._lock:
             have = {key: self.handing[key] for key in wanted if key in self.handing}

@@ -1,18 +1,14 @@
 """Keep a parent's fsspec filesystems working after it forks (a `DataLoader` worker).
 
-A forked child drops the fsspec filesystems it inherited (fsspec's own at-fork hook
-clears its instance cache), and dropping an async one (HTTP) runs its finaliser in the
-child: that closes the inherited aiohttp connections,
-which unregisters their sockets from the event-loop's epoll instance the child shares
-with its parent. The parent's connections then never see their replies: its next
-request through that filesystem times out (seen after one epoch of non-persistent
-loader workers: the parent's `ls` over HTTP failed with FSTimeoutError).
+A forked child drops the fsspec filesystems it inherited (fsspec's at-fork hook clears
+its instance cache); finalising an async one (HTTP) closes the inherited aiohttp
+connections, unregistering their sockets from the epoll instance the child shares with
+its parent, whose next request through that filesystem then times out.
 
-Guarantee: in a child forked after `import dmdask`, the inherited instances are not
-finalised (the child keeps a reference to each until it exits, never using them), so
-the parent's filesystems keep working. fsspec lists no public way to enumerate its
-cached instances; this reads the `_cache` of each
-`AbstractFileSystem` subclass (fsspec 2023-2026).
+Guarantee: a child forked after `import dmdask` keeps a reference to each inherited
+instance until it exits, so none is finalised. fsspec has no public way to list its
+cached instances: this reads the `_cache` of each `AbstractFileSystem` subclass
+(fsspec 2023-2026.9).
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """`glob` as the target filesystem answers it, over a `DmdaskFileSystem`'s own (cached)
-`find`. Two rules, each fsspec's (2024-2026): HTTP's (`HTTPFileSystem._glob`: the
-folders of a listing, named with a trailing slash, match `dir/*`; "?" is no wildcard,
-it starts a URL's query) and every other filesystem's (`AbstractFileSystem.glob`).
-The generic glob run over a chained filesystem gets both wrong (it drops HTTP's
-folders, and a pattern ending in "/" finds nothing, the chained path keeping its
-slash), hence this module.
+`find`, by HTTP's rules (`HTTPFileSystem._glob`: a listing's folders match `dir/*`; "?"
+starts a URL's query) or every other filesystem's (`AbstractFileSystem.glob`), fsspec
+2024-2026: the generic glob over a chained filesystem drops HTTP's folders and finds
+nothing for a pattern ending in "/".
 
 Guarantee: the same paths (or infos, `detail=True`) in the same order as the target's
 `glob`, given the same listings.
@@ -36,13 +34,11 @@ def glob(fs, path: str, maxdepth=None, url_rules: bool = False, **kwargs):
         if fs.exists(path, **kwargs):
             return {path: fs.info(path, **kwargs)} if detail else [path]
         return {} if detail else []
+    root = ""
     if "/" in path[:min_idx]:
         min_idx = path[:min_idx].rindex("/")
         root = path[:min_idx + 1]
-        depth = path[min_idx + 1:].count("/") + 1
-    else:
-        root = ""
-        depth = path[min_idx + 1:].count("/") + 1
+    depth = path[min_idx + 1:].count("/") + 1
     if "**" in path:
         if maxdepth is not None:
             depth = depth - (path[path.find("**"):].count("/") + 1) + maxdepth

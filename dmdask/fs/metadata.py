@@ -1,11 +1,9 @@
 """Transparent mode's file metadata in one process: the listings and infos of the store,
 shared with the other processes of the run through the scheduler (`dmdask.scheduler.files`).
 
-Guarantees: a listing or an info is asked of the store once per run (`DMDASK_FS_RUN`,
-inherited by child processes), within a process once; what a process reads from the store
-is told to the scheduler in the background, a batch at a time (a process that exits
-first costs the next one a store request, nothing else). A file new to the run is read by
-one process: `claim_info` waits while another process of the run reads its info.
+Guarantees: a listing or an info is asked of the store once per run (`dmdask.fs.run`);
+what a process reads from the store is told to the scheduler in the background, a batch
+at a time. `claim_info` waits while another process of the run reads a file's info.
 """
 from __future__ import annotations
 
@@ -78,8 +76,7 @@ class Metadata:
         self.files.setdefault(f"{fsid}|{folder_of(path)}", set()).add(path)
 
     def tell(self, fsid: str, puts: List[FileEntry]) -> None:
-        """Share infos read from the store with the run, in the background and a batch at
-        a time (a process that exits first only costs the next one a store request)."""
+        """Share infos read from the store with the run, in the background, a batch at a time."""
         client = self.session.client
         with self._lock:
             first = not self.to_tell
@@ -141,8 +138,7 @@ class Metadata:
 
     def learn_infos(self, fs, paths: List[str]) -> None:
         """Read the infos of `paths` this run does not know yet, concurrently on an async
-        store (one HEAD each, at once), ahead of reading many files (`fs`: a
-        `DmdaskFileSystem`). A path whose info cannot be read is left to `info`."""
+        store, ahead of reading many files. A path whose info cannot be read is left to `info`."""
         fsid = fs.target_id
         for folder in {folder_of(p) for p in paths}:
             if f"{fsid}|{folder}" not in self.asked_infos:

@@ -1,26 +1,18 @@
 """`dmdask mount URL MOUNTPOINT`: the transparent cache as a read-only POSIX folder, for
 loaders that only `open()` paths (tf.data, C++ readers).
 
-The mount is a FUSE file system (libfuse 2 or 3 through `mfusepy`) over a
-`DmdaskFileSystem`: the same blocks, placement, same-host shared memory and accounting
-as `dmdask::` URLs. Folders come from the store's listings (once per run: the mount is
-one run), with each entry's type, so a walk of the tree (`os.walk`, torchvision's
-`ImageFolder`) asks nothing per file. A file's size and time come from its listing
-entry or, where listings give no sizes (HTTP), from the ranged GET that reads its first
-block (`DmdaskFileSystem.open_info`: no HEAD; the bytes are kept for the read that
-follows). A read is a byte range of a path (`cat_file`); opening and closing a file ask
-nothing of this process (Linux >= 4.20: the kernel's no-open mode; elsewhere libfuse
-answers them). Writes fail with EROFS (a read-only mount).
+A FUSE file system (libfuse 2 or 3 through `mfusepy`) over a `DmdaskFileSystem`: the
+same blocks, placement and accounting as `dmdask::` URLs. Folders come from the store's
+listings (once per run: the mount is one run), with each entry's type, so a walk of the
+tree asks nothing per file. A file's size and time come from its listing entry or (HTTP)
+from the ranged GET of its first block (`DmdaskFileSystem.open_info`). A read is a byte
+range (`cat_file`); opens and closes ask nothing of this process (Linux >= 4.20's
+no-open mode). Writes fail with EROFS.
 
-Guarantees: requests are served concurrently (libfuse's multithreaded loop; reads
-share no state but the session's, which is thread-safe), so readers in several
-processes or threads wait on the store and the cluster together. (Not the lookups
-of names in one folder: on the kernel and libfuse 3.14 tried, they arrive one at a
-time even with parallel dirops granted, in a bare mfusepy mount too; so first
-opens of new files of one folder wait on each other's first-block GETs.) Listings, attributes
-and file pages stay in the kernel's caches for the mount's lifetime (`CACHE_SECONDS`,
-`kernel_cache`): the mount is one run, whose files are read in one version (see
-`dmdask.fs`), so a re-read costs no request to this process.
+Guarantees: requests are served concurrently (libfuse's multithreaded loop; the
+session is thread-safe), except the lookups of names in one folder, which the kernel
+sends one at a time. Listings, attributes and file pages stay in the kernel's caches for
+the mount's lifetime (`CACHE_SECONDS`, `kernel_cache`), so a re-read costs no request.
 """
 from __future__ import annotations
 
@@ -72,11 +64,8 @@ def _fuse():
 
 
 def _seconds(entry: dict) -> float:
-    for key in TIME_KEYS:
-        value = entry.get(key)
-        if isinstance(value, (int, float)):
-            return float(value)
-    return 0.0
+    """The entry's first time that is a number (0.0: none)."""
+    return next((float(entry[key]) for key in TIME_KEYS if isinstance(entry.get(key), (int, float))), 0.0)
 
 
 def _kernel_opens_files() -> bool:
@@ -162,9 +151,7 @@ def mount(url: str, mountpoint: str, scheduler=None, block_size=None, debug: boo
     chained = url if url.startswith(("dmdask::", "dmdask://")) else f"dmdask::{url}"
     fs, path = fsspec.core.url_to_fs(chained, scheduler=scheduler, block_size=block_size)
     ops = operations(fs, path)
-    # nothreads=False: libfuse's multithreaded loop (concurrent requests); max_idle_threads: libfuse
-    # 3.14 otherwise warns "Ignoring invalid max threads value"; kernel_cache and the timeouts: see the
-    # module docstring
+    # nothreads=False: concurrent requests; max_idle_threads: else libfuse 3.14 warns "Ignoring invalid max threads"
     fuse = _fuse()
     options = dict(kernel_cache=True, attr_timeout=CACHE_SECONDS, entry_timeout=CACHE_SECONDS,
                    negative_timeout=CACHE_SECONDS)

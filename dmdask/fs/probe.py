@@ -1,10 +1,8 @@
-"""A file's info and its first bytes from one store request, for stores whose listings
-give no sizes (HTTP): the ranged GET that reads a file's first block also says its
-size and version, so a first read costs one store round trip, not a HEAD and a GET.
+"""A file's info and its first bytes from one ranged GET, for stores whose listings give
+no sizes (HTTP): a first read costs one store round trip, not a HEAD and a GET.
 
-Guarantee: the info `first_block` returns has the fields fsspec's own HTTP `info`
-gives for the same file (size, ETag, Last-Modified, ...: so both name the same
-blocks), or it returns None and the caller asks the store's `info` as before.
+Guarantee: the info `first_block` returns has the fields fsspec's own HTTP `info` gives
+for the same file (so both name the same blocks), or it returns None.
 """
 from __future__ import annotations
 

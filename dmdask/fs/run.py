@@ -2,10 +2,8 @@
 asked for a listing or a file's info once per job (`dmdask.scheduler.files`).
 
 Guarantees: `import dmdask` makes the token in a process that has none (`start`), so a
-training process and every loader process it starts afterwards (fork, forkserver or
-spawn: they inherit the environment variable `DMDASK_FS_RUN`) are one run, whether or
-not the training process itself ever reads through `dmdask::`. Set `DMDASK_FS_RUN`
-yourself to share one run between the ranks of a job; `new_run` starts another one.
+training process and every loader process it starts (they inherit `DMDASK_FS_RUN`) are
+one run. Set `DMDASK_FS_RUN` yourself to share one run between the ranks of a job.
 """
 from __future__ import annotations
 

@@ -2,15 +2,13 @@
 and the parts that share it: file metadata (`dmdask.fs.metadata`), first reads and their
 hand-over (`dmdask.fs.claims`), reads of byte ranges from block holders (`dmdask.fs.blocks`).
 
-Guarantees: fork- and spawn-safe: a process never uses a connection made by another one. A
-forked child (a `DataLoader` worker) keeps what its parent knew (the infos and listings
-of its run, the block holders) and makes its own `distributed.Client` when it first reads;
-a spawned one with no default client of its own finds the scheduler through the
-environment (`DMDASK_FS_SCHEDULER`, set when the parent looked up its default client's
-scheduler). A scheduler request waits at most `dmdask.client.recovery-seconds`, then
-`SchedulerLostError`; while the cluster has no workers, a request that needs them waits
-that long for one (said once in a warning per process), then `NoWorkersError`. A process's
-exit hands over its first reads, shares its metadata and reports its hits, each bounded.
+Guarantees: a process never uses a connection made by another one. A forked child (a
+`DataLoader` worker) keeps what its parent knew and makes its own `distributed.Client`;
+a spawned one finds the scheduler through `DMDASK_FS_SCHEDULER`. A scheduler request
+waits at most `dmdask.client.recovery-seconds`, then `SchedulerLostError`; one that needs
+workers waits that long for one (a warning once per process), then `NoWorkersError`. A
+process's exit hands over its first reads, shares its metadata and reports its hits,
+each bounded.
 """
 from __future__ import annotations
 
@@ -92,9 +90,8 @@ class Session:
         return self.connected
 
     def at_exit(self) -> None:
-        """Hand over the blocks read here, share the infos read here with the run (so the
-        run's next processes ask the store for none of them) and report the last hits;
-        each bounded in time."""
+        """Hand over the blocks read here, share the infos read here with the run and
+        report the last hits; each bounded in time."""
         client, claims = self.connected, self.claims
         if client is not None and (claims.to_hand or claims.to_open):
             client.loop.add_callback(claims.hand_over)
@@ -121,8 +118,7 @@ class Session:
 
     def sync(self, op: str, call: Callable):
         """`call()`'s result (a coroutine function of the scheduler request `op`), waiting at
-        most `dmdask.client.recovery-seconds`; `SchedulerLostError` when the scheduler does not
-        answer by then or is gone."""
+        most `dmdask.client.recovery-seconds`, then `SchedulerLostError`."""
         client = self.client
         limit = self.recovery_seconds()
 
@@ -146,9 +142,8 @@ class Session:
         return self.sync(request.op, lambda: SchedulerAPI(self.client).send(request))
 
     def call_with_workers(self, request: Request):
-        """The scheduler plugin's reply to `request`; while it answers `NoWorkers`,
-        waits for one to join (said once in a warning per process), as `dmdask.batches`
-        does; `NoWorkersError` after `dmdask.client.recovery-seconds` without any."""
+        """The scheduler plugin's reply to `request`; while it answers `NoWorkers`, waits
+        for one to join (see the module docstring)."""
         limit = self.recovery_seconds()
         for _ in Tries(limit, pause=0.5):
             reply = self.call(request)
@@ -201,10 +196,10 @@ def get_session(address: Optional[str] = None) -> Session:
         return found
 
 
-def close_sessions() -> None:
-    """Close this process's connections (the next read makes new ones): for a process
-    whose cluster went away, so that its client stops trying to reconnect in the
-    background (a process that forks meanwhile may inherit a held lock)."""
+def close() -> None:
+    """Close this process's connections to clusters (`dmdask.fs.close`; the next read
+    makes new ones). Call it when a cluster it read through is shut down, so that its
+    client stops trying to reconnect in the background."""
     with _lock:
         sessions = list(_sessions.values())
         _sessions.clear()
@@ -213,9 +208,8 @@ def close_sessions() -> None:
 
 
 def default_address() -> str:
-    """`dmdask.fs.scheduler` from dask config, else the default client's scheduler (then
-    also put into the environment, so spawned processes find it), else the scheduler the
-    parent process read through."""
+    """`dmdask.fs.scheduler` from dask config, else the default client's scheduler (also
+    put into the environment for spawned processes), else the parent process's."""
     configured = dask.config.get("dmdask.fs.scheduler", None)
     if configured:
         return str(configured)

@@ -1,19 +1,12 @@
 """`FileMetadata`: what transparent mode (`dmdask.fs`) learnt about files on the store:
 folder listings and file infos (size, modification time or ETag), kept on the scheduler.
 
-Each entry remembers the runs that read it from the store. A run is one token shared
-by a training process and the loader processes it starts (`DMDASK_FS_RUN`, inherited
-through the environment). A process is answered only with entries its own run read,
-so within a run a folder is listed and a file's info fetched from the store once,
-whoever asks, and a new run sees a file changed since (new size, time or ETag: new
-blocks) after one store request per folder listing or file info.
-
-Entries are grouped by folder: a process gets every entry of a folder its run read
-with one request. A process about to read a file's info from the store claims it first
-(`claim`): while that claim stands (`PROBE_SECONDS`, or until the info is put) the
-run's other processes wait for the info instead of asking the store too, so racing
-readers of a new file send the store one request. Used only from the scheduler's
-event loop.
+Each entry remembers the runs (`dmdask.fs.run`) that read it from the store, and a
+process is answered only with entries its own run read: within a run a folder is listed
+and a file's info fetched once, whoever asks; a new run sees a file changed since.
+Entries are grouped by folder (one request gets a folder's). A process about to read a
+file's info claims it first (`claim`): while the claim stands (`PROBE_SECONDS`, or until
+the info is put) the run's other processes wait for it. Used from the scheduler's loop.
 """
 from __future__ import annotations
 
@@ -106,7 +99,4 @@ class FileMetadata:
         return reply
 
     def _folder(self, folder: str) -> _Folder:
-        entry = self.folders.get(folder)
-        if entry is None:
-            entry = self.folders[folder] = _Folder()
-        return entry
+        return self.folders.setdefault(folder, _Folder())

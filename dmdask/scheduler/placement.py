@@ -4,12 +4,12 @@ registry's `DatasetState`s, used by the `DatasetsPlugin` on the scheduler's even
 from __future__ import annotations
 
 import logging
-from typing import Iterable, List, Optional
+from typing import Iterable, List, Optional, Set
 
-from ..internals import held_type
 from ..source.base import block_key
 
 logger = logging.getLogger(__name__)
+STREAMED_TOPIC = "dmdask-streamed"  # the event a worker logs with the key of each block it holds as `Streamed`
 
 
 def plan(ds, workers: List[str], order: Optional[List[int]], first: int) -> None:
@@ -32,11 +32,12 @@ def live_planned(scheduler, ds, k: int) -> str:
     return worker
 
 
-def win_back(scheduler, datasets: Iterable, worker: str, stimulus_id: str) -> None:
+def win_back(scheduler, datasets: Iterable, streamed: Set[str], worker: str, stimulus_id: str) -> None:
     """Capacity lost with a worker comes back when one joins: blocks held as `Streamed`
-    markers (their holders had no room; read from the store every epoch) are loaded
-    again on the new worker, as many as its free room (from its dmdask metrics) takes.
-    Each costs one read now, in place of the next epoch's stream read."""
+    markers (`streamed`, as their holders reported them under `STREAMED_TOPIC`; read from
+    the store every epoch) are loaded again on the new worker, as many as its free room
+    (from its dmdask metrics) takes. Each costs one read now, in place of the next
+    epoch's stream read."""
     ws = scheduler.workers.get(worker)
     tiers = (ws.metrics.get("dmdask") if ws is not None else None) or {}
     room = sum(max(0, t.get("capacity", 0) - t.get("bytes", 0) - t.get("reserved", 0))
@@ -49,7 +50,7 @@ def win_back(scheduler, datasets: Iterable, worker: str, stimulus_id: str) -> No
         for k in range(len(ds.planned)):
             key = block_key(ds.identity, k)
             ts = scheduler.tasks.get(key)
-            if ts is None or ts.state != "memory" or not held_type(ts).endswith(".Streamed"):
+            if key not in streamed or ts is None or ts.state != "memory":
                 continue
             if room < per_block:
                 break

@@ -1,26 +1,20 @@
 """`DatasetsPlugin`: dmdask's scheduler side, the one owner of every dataset's blocks.
 
 It keeps a registry (dataset name -> description, blocks, planned worker of each block),
-hands out get-or-create claims so a dataset is listed and created once per cluster
-whatever the number of ranks and jobs, pins each block load to its planned worker, keeps
-the blocks alive for the cluster (a pseudo-client wants them, as Dask's published
-datasets do) and releases them.
+hands out get-or-create claims, pins each block load to its planned worker, and keeps
+the blocks alive (a pseudo-client wants them, as Dask's published datasets do) until
+`release`.
 
 Guarantees:
-- get-or-create is race-free: all handlers run on the scheduler's event loop; one caller
-  at a time holds the claim to create a dataset, the others wait for it (a claim whose
-  holder vanished is handed on after `CLAIM_SECONDS`).
-- a block's load runs on its planned worker: the task is restricted to that worker
-  (strict restrictions, which Dask's work stealing never moves), set before the task is
-  first scheduled; when that worker leaves, its unfinished and lost blocks are planned
-  again over the workers present, and blocks left with no live planned worker (every
-  worker gone at once) are planned over the next worker that joins.
-- blocks outlive the jobs that read them until `release`.
-- lazy datasets (`get_or_register`, or `register` with `lazy`; transparent mode's files):
-  ready once registered, with every block planned; a block's load task is submitted by
-  whoever first wants it (and again after the scheduler forgot it), and pinned like any other.
-  Their blocks are planned round-robin from where the previous lazy dataset stopped,
-  so many one-block files spread over the workers.
+- get-or-create is race-free (the scheduler's event loop): one caller at a time holds
+  the claim to create a dataset, the others wait (a vanished holder's claim is handed
+  on after `CLAIM_SECONDS`).
+- a block's load runs on its planned worker (strict restrictions, set before the task
+  is first scheduled); a leaving worker's unfinished and lost blocks are planned again
+  over the workers present, or the next to join (`dmdask.scheduler.placement`).
+- lazy datasets (`get_or_register`, `register` with `lazy`; transparent mode's files):
+  ready once registered; a block's load is submitted by whoever first wants it. Their
+  blocks are planned round-robin from where the previous lazy dataset stopped.
 - where blocks are, and the claims of lazy blocks nobody holds: `dmdask.scheduler.reads`.
 """
 from __future__ import annotations
@@ -92,6 +86,7 @@ class DatasetsPlugin(SchedulerPlugin):
         self.by_identity: Dict[str, DatasetState] = {}
         self.files = FileMetadata()
         self.reads = BlockReads(self)
+        self.streamed: set = set()  # keys of blocks held as `Streamed` markers (`placement.STREAMED_TOPIC`)
         self._next_lazy = 0  # where the next lazy dataset's plan starts (round-robin)
 
     async def start(self, scheduler) -> None:
@@ -102,7 +97,7 @@ class DatasetsPlugin(SchedulerPlugin):
         installed = scheduler.extensions.get("dmdask")
         if isinstance(installed, DatasetsPlugin):
             self.datasets, self.by_identity, self.files = installed.datasets, installed.by_identity, installed.files
-            self.reads = installed.reads
+            self.reads, self.streamed = installed.reads, installed.streamed
         self.scheduler = scheduler
         reads = self.reads
         scheduler.handlers.update(serve({
@@ -231,7 +226,15 @@ class DatasetsPlugin(SchedulerPlugin):
             elif start == "erred":
                 ds.erred.discard(parsed[1])
         if finish in ("memory", "erred", "forgotten", "released"):
-            self.reads.wake(key, finish)
+            self.reads.waiters.wake(key)
+        if finish in ("erred", "forgotten", "released"):
+            self.streamed.discard(key)
+
+    def log_event(self, topic: str, msg) -> None:
+        """A worker holds block `msg` as a `Streamed` marker (kept while its task is alive)."""
+        ts = self.scheduler.tasks.get(msg) if topic == placement.STREAMED_TOPIC else None
+        if ts is not None and ts.state in ("processing", "memory"):
+            self.streamed.add(msg)
 
     def _lost(self, ds: DatasetState) -> bool:
         """Whether the scheduler forgot any block of a ready dataset."""
@@ -260,7 +263,7 @@ class DatasetsPlugin(SchedulerPlugin):
         live = scheduler.workers
         stimulus_id = f"dmdask-add-worker-{time.time()}"
         placement.replan(scheduler, self.datasets.values(), lambda address: address not in live, stimulus_id)
-        placement.win_back(scheduler, self.datasets.values(), worker, stimulus_id)
+        placement.win_back(scheduler, self.datasets.values(), self.streamed, worker, stimulus_id)
 
     # -- release and the registry --------------------------------------------------------
     def release(self, name: str) -> bool:

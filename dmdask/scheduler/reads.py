@@ -1,20 +1,18 @@
 """`BlockReads`, part of the `DatasetsPlugin`: where blocks are (`Locate`), and who reads
 the lazy blocks nobody holds (`OpenBlocks`; transparent mode's `FsClaim`, `FsOpenBlocks`).
 
-Guarantees: a lazy block nobody holds is read from the store by one reader at a time:
-the first reader to ask claims it, reads it itself and hands the bytes to the planned
-worker with the block's load task; the others wait for that task. A claim ends when the
-task arrives or its reader's client leaves (then the next reader to ask loads the block).
+Guarantees: a lazy block nobody holds is read from the store by one reader at a time,
+the first to ask (its claim), the others waiting for its load task. A claim ends when the
+task arrives or its reader's client leaves.
 """
 from __future__ import annotations
 
-import asyncio
 import time
-from collections import defaultdict
-from typing import Dict, List, Optional, Union
+from typing import Dict, Optional, Union
 
 from distributed.comm import get_address_host
 
+from ..arrivals import Arrivals
 from ..internals import task_error
 from ..protocol.scheduler import (BlocksOpened, Folders, FsClaim, FsMetadata, FsOpenBlocks, GetOrRegister,
                                   InfoClaims, Located, Locate, NoWorkers, OpenBlocks)
@@ -28,7 +26,7 @@ class BlockReads:
     def __init__(self, plugin):
         self.plugin = plugin
         self.claims: Dict[str, str] = {}  # block key -> the client reading it from the store
-        self.waiters: Dict[str, List[asyncio.Future]] = defaultdict(list)  # key -> `locate` calls waiting for it
+        self.waiters = Arrivals()  # `locate` calls waiting for tasks to finish
 
     @property
     def scheduler(self):
@@ -56,25 +54,7 @@ class BlockReads:
             left = deadline - time.monotonic()
             if not pending or left <= 0:
                 return Located(holders, erred, unknown, pending, loading)
-            waiters = []
-            for key in pending:
-                fut = asyncio.get_running_loop().create_future()
-                self.waiters[key].append(fut)
-                waiters.append(fut)
-            await asyncio.wait(waiters, timeout=left, return_when=asyncio.ALL_COMPLETED)
-            for key, fut in zip(pending, waiters):
-                if not fut.done():
-                    fut.cancel()
-                    if fut in self.waiters.get(key, ()):
-                        self.waiters[key].remove(fut)
-                        if not self.waiters[key]:
-                            del self.waiters[key]
-
-    def wake(self, key: str, finish: str) -> None:
-        """The task of `key` reached `finish` (held, erred, released or forgotten)."""
-        for fut in self.waiters.pop(key, ()):
-            if not fut.done():
-                fut.set_result(finish)
+            await self.waiters.wait(pending, left)
 
     def open_blocks(self, request: OpenBlocks) -> Union[BlocksOpened, NoWorkers]:
         """Register the request's datasets when new, then name the holders of its keys and
@@ -122,7 +102,7 @@ class BlockReads:
         """A reader left: the blocks it claimed and never handed over go to the next reader."""
         for key in [key for key, holder in self.claims.items() if holder == client]:
             del self.claims[key]
-            self.wake(key, "released")
+            self.waiters.wake(key)
 
 
 def _holder(ts, host: Optional[str]) -> str:

@@ -1,13 +1,11 @@
 """Datasets on the shared store: their description and how a block is read.
 
-`dataset_name(spec)` names the dataset a spec reads, with no I/O: the cluster's
-registry knows a dataset by it, so a rank that joins a dataset already created reads
-nothing from the shared store to plan its epoch. `open_source(spec)` reads what creating
-the blocks needs (Zarr or HDF5 metadata, Parquet footers, tar headers, a folder's
-listing); only the process that creates a dataset's blocks calls it, once per cluster.
-The cluster keeps a dataset as it was when first opened: after changing it in place,
-`dmdask.release` it. Formats are found through `registry`; a package adds one with an
-entry point in the group `dmdask.sources` (see `registry.Format`).
+`dataset_name(spec)` names the dataset a spec reads, with no I/O, so a rank that joins
+a dataset already created reads nothing from the store to plan its epoch.
+`open_source(spec)` reads what creating the blocks needs (metadata, footers, tar
+headers, a listing); only the process that creates a dataset's blocks calls it, once
+per cluster. The cluster keeps a dataset as it was first opened: after changing it in
+place, `dmdask.release` it. Other packages add formats (`registry.Format`).
 """
 from __future__ import annotations
 
@@ -24,8 +22,8 @@ __all__ = ["BlockReader", "DatasetInfo", "Format", "GROUP", "Place", "Source", "
 
 def dataset_name(spec) -> str:
     """The registry name of the dataset `spec` reads: its URL (or shard URLs) in one
-    spelling (a local path or `file://` URL absolute, without `.` and `..`), storage
-    options, fields and block size (no I/O)."""
+    spelling (`urls.normalize` for local paths), storage options, fields and block size
+    (no I/O)."""
     keys = None if spec.keys is None else sorted(spec.keys)
     source = tuple(map(_named, spec.source)) if isinstance(spec.source, tuple) else _named(spec.source)
     return f"ds-{tokenize(source, options_json(spec.storage_options), keys, spec.block_size)[:16]}"
@@ -38,16 +36,9 @@ def _named(url: str) -> str:
 
 
 def open_source(spec) -> Source:
-    """Open `spec.source` with the first format that claims it (`registry`): WebDataset
-    tar shards (a list, a brace pattern, a `.tar` URL); a Zarr v3 group or array (a
-    zarr.json); a Parquet file, or an HDF5 file, by its first bytes; an HDF5 group (a
-    path that goes on past an HDF5 file's name); a glob of Parquet files; a folder that
-    holds Parquet files (*.parquet, *.parq, *.pq) or `.tar` shards (and no subfolders);
-    otherwise a folder of class subfolders.
-
-    Raises `SourceNotFoundError` if nothing is there, `SourceError` if the layout is
-    unusable or holds no samples, `SpecError` if the spec does not fit the source.
-    """
+    """Open `spec.source` with the first format that claims it (`registry`). Raises
+    `SourceNotFoundError` if nothing is there, `SourceError` if the layout is unusable
+    or holds no samples, `SpecError` if the spec does not fit the source."""
     place = Place(spec, dataset_name(spec))
     found = find(place)
     if found is None:

@@ -1,29 +1,29 @@
 """What every source layout has in common: a dataset's description and its block readers.
 
 A dataset is `num_samples` samples cut into blocks of `block_len` consecutive samples
-(the last block may be shorter): block k holds samples k*block_len .. min(n, (k+1)*block_len)-1.
-`DatasetInfo` is all a training process needs to plan an epoch; a `BlockReader` is
-the small picklable object a worker uses to read one block from the shared store.
-Every read from the store goes through `BlockReader.read` or `read_rows`, which retry
-transient errors (`is_transient`) for up to `dmdask.store.retry-seconds`.
+(the last block may be shorter). `DatasetInfo` is all a training process needs to plan
+an epoch; a `BlockReader` is the small picklable object a worker reads one block with.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import functools
+import importlib
 import json
 import logging
 import threading
 import time
-from typing import Callable, Optional, Protocol, Tuple, runtime_checkable
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
-import aiohttp  # noqa: F401 - fsspec's HTTP client, imported with dmdask rather than within a rank's first epoch
+import aiohttp  # fsspec's HTTP client: imported with dmdask rather than within a rank's first epoch
 import dask.config
 import fsspec
 import numpy as np
 
-from ..errors import BlockReadError
+from ..errors import BlockReadError, SourceError
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +32,9 @@ FIRST_RETRY_WAIT = 0.05  # seconds before the first retry of a read; doubled for
 LONGEST_RETRY_WAIT = 5.0
 TRANSIENT_ERRNOS = frozenset({errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT,
                               errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.ENETRESET, errno.EPIPE})
+TRANSIENT_ERRORS = (ConnectionError, TimeoutError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
+                    aiohttp.ClientPayloadError)
+PERMANENT_ERRORS = (aiohttp.ClientSSLError,)  # a TLS certificate refused: a ClientOSError, but never transient
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,24 +42,24 @@ class DatasetInfo:
     """A dataset as the training process sees it. Small (no per-block or per-sample arrays).
 
     name: the registry name, a function of the spec alone (URL, options, fields, block
-        size); identity: a token of the data as opened (Zarr metadata, a folder's
-        listing), part of every block key, so a dataset changed and released gets new blocks; nbytes: decoded bytes of the
-        whole dataset, None when the store's listing gives no sizes (HTTP folders).
+        size); identity: a token of the data as opened (Zarr metadata, a folder's listing),
+        part of every block key, so a dataset changed and released gets new blocks;
+        nbytes: decoded bytes of the whole dataset, None when the store gives no sizes.
     """
 
     name: str
     identity: str
     url: str
-    fields: Tuple[str, ...]
+    fields: tuple[str, ...]
     num_samples: int
     block_len: int
-    nbytes: Optional[int]
+    nbytes: int | None
 
     @property
     def num_blocks(self) -> int:
         return -(-self.num_samples // self.block_len)
 
-    def block_range(self, k: int) -> Tuple[int, int]:
+    def block_range(self, k: int) -> tuple[int, int]:
         """Samples start..stop-1 of block k."""
         start = k * self.block_len
         return start, min(self.num_samples, start + self.block_len)
@@ -65,7 +68,7 @@ class DatasetInfo:
         """The block index of each sample id."""
         return np.asarray(sample_ids, dtype=np.int64) // self.block_len
 
-    def locate(self, sample_ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    def locate(self, sample_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(block index, row in that block) of each sample id."""
         blocks = self.block_of(sample_ids)
         return blocks, np.asarray(sample_ids, dtype=np.int64) - blocks * self.block_len
@@ -79,7 +82,7 @@ def block_key(identity: str, index: int) -> str:
     return f"{BLOCK_KEY_PREFIX}{identity}-{index}"
 
 
-def parse_block_key(key) -> Optional[Tuple[str, int]]:
+def parse_block_key(key) -> tuple[str, int] | None:
     """(identity, index) of a block key; None for any other key."""
     if not isinstance(key, str) or not key.startswith(BLOCK_KEY_PREFIX):
         return None
@@ -110,10 +113,27 @@ def filesystem(protocol: str, options: str):
 def prepare_filesystem(protocol: str, options: str) -> None:
     """`filesystem(protocol, options)` made ahead of the first read; never raises (the
     read reports what is wrong)."""
-    try:
+    with contextlib.suppress(Exception):
         filesystem(protocol, options)
-    except Exception:  # noqa: BLE001
-        pass
+
+
+def import_extra(module: str, requirement: str, reading: str):
+    """`module` imported, or an ImportError saying that reading `reading` sources needs
+    the `formats` extra (or `requirement`)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        package = requirement.split(">")[0]
+        raise ImportError(f"reading {reading} sources needs {package}: pip install 'dmdask[formats]' "
+                          f"(or {requirement}) ({exc})") from exc
+
+
+def string_dtype(what: str):
+    """numpy's `StringDType`, or a `SourceError` saying that `what` needs numpy >= 2."""
+    dtype = getattr(getattr(np, "dtypes", None), "StringDType", None)
+    if dtype is None:
+        raise SourceError(f"{what} need numpy >= 2 (numpy.dtypes.StringDType)")
+    return dtype
 
 
 def protocol_of(fs) -> str:
@@ -126,29 +146,16 @@ def is_transient(exc: BaseException) -> bool:
     reset or timed-out connection, or an HTTP 5xx or 429 answer (as `exc` or as its
     `__cause__`). Anything else is permanent: a missing file (404), data that does not
     decode, a TLS certificate refused."""
-    retry, never = _client_errors()
     while exc is not None:
-        if isinstance(exc, never):
+        if isinstance(exc, PERMANENT_ERRORS):
             return False
-        if isinstance(exc, (ConnectionError, TimeoutError) + retry) or getattr(exc, "errno", None) in TRANSIENT_ERRNOS:
+        if isinstance(exc, TRANSIENT_ERRORS) or getattr(exc, "errno", None) in TRANSIENT_ERRNOS:
             return True
         status = getattr(exc, "status", None)  # aiohttp.ClientResponseError (fsspec's HTTP)
         if isinstance(status, int) and (500 <= status < 600 or status == 429):
             return True
         exc = exc.__cause__
     return False
-
-
-@functools.lru_cache(maxsize=1)
-def _client_errors() -> Tuple[tuple, tuple]:
-    """aiohttp's (fsspec's HTTP client) transient connection errors, and its TLS errors
-    among them that are not transient; empty without aiohttp."""
-    try:
-        import aiohttp
-    except ImportError:
-        return (), ()
-    return (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError), \
-        (aiohttp.ClientSSLError,)
 
 
 @runtime_checkable
@@ -173,42 +180,46 @@ class BlockReader(Protocol):
     index: int
     start: int
     stop: int
-    nbytes: Optional[int]
+    nbytes: int | None
     url: str
     row_granular: bool
 
-    def read(self, on_retry: Optional[Callable] = None) -> dict: ...
+    def read(self, on_retry: Callable | None = None) -> dict: ...
 
-    def read_rows(self, rows, on_retry: Optional[Callable] = None) -> dict: ...
+    def read_rows(self, rows, on_retry: Callable | None = None) -> dict: ...
 
     def prepare(self) -> None: ...
 
 
 class StoreReader(BlockReader):
-    """A `BlockReader` whose subclass implements `_read` (and, if row-granular,
-    `_read_rows`), raising whatever the store raised; this adds the retries and errors."""
+    """A `BlockReader` whose subclass implements `_read` or `_read_rows` (or both), raising
+    whatever the store raised; this adds the retries and errors."""
 
     row_granular = False
 
-    def read(self, on_retry: Optional[Callable] = None) -> dict:
+    def __init__(self, url: str, identity: str, index: int, start: int, stop: int, nbytes: int | None):
+        self.url, self.index, self.start, self.stop, self.nbytes = url, index, start, stop, nbytes
+        self.key = block_key(identity, index)
+
+    def read(self, on_retry: Callable | None = None) -> dict:
         return self._retrying(self._read, on_retry)
 
-    def read_rows(self, rows, on_retry: Optional[Callable] = None) -> dict:
+    def read_rows(self, rows, on_retry: Callable | None = None) -> dict:
         return self._retrying(lambda: self._read_rows(rows), on_retry)
 
     def prepare(self) -> None:
-        """Make what this block's reads need before the first one (say, the store's
-        filesystem: 0.15-0.2 s for HTTP in a new process), so that the first rows asked
-        for do not wait for it. Readers with nothing to prepare keep this no-op."""
+        """Make what the reads need before the first (the store's filesystem: 0.15-0.2 s
+        for HTTP in a new process); a no-op for readers with nothing to prepare."""
 
-    def _read(self) -> dict:  # pragma: no cover - interface
-        raise NotImplementedError
+    def _read(self) -> dict:
+        """Every row of the block: for readers whose unit is the row."""
+        return self._read_rows(np.arange(self.stop - self.start))
 
     def _read_rows(self, rows) -> dict:
         """The whole block read, then indexed: for readers whose unit is the block."""
         return {field: values[rows] for field, values in self._read().items()}
 
-    def _retrying(self, read: Callable[[], dict], on_retry: Optional[Callable]) -> dict:
+    def _retrying(self, read: Callable[[], dict], on_retry: Callable | None) -> dict:
         budget = float(dask.config.get("dmdask.store.retry-seconds"))
         started = time.monotonic()
         wait, tries = FIRST_RETRY_WAIT, 1
@@ -225,16 +236,13 @@ class StoreReader(BlockReader):
                 # Raised outside the `except`, so the store's exception does not travel
                 # with it (aiohttp's do not pickle, which would turn this into a plain
                 # Exception on the client); its type and text are in the message.
-                raise self.fail(error, detail)
+                raise BlockReadError(self.url, self.index, self.start, self.stop, error, detail)
             logger.warning("transient error reading block %d of %s, try %d, next in %.2f s: %s: %s",
                            self.index, self.url, tries, wait, type(error).__name__, error)
             if on_retry is not None:
                 on_retry(error)
             time.sleep(wait)
             wait, tries = min(2 * wait, LONGEST_RETRY_WAIT), tries + 1
-
-    def fail(self, exc: BaseException, detail: str = "") -> BlockReadError:
-        return BlockReadError(self.url, self.index, self.start, self.stop, exc, detail)
 
 
 @runtime_checkable

@@ -2,31 +2,27 @@
 caches.
 
 A file of `size` bytes is cut into rows of `ROW_BYTES` (the last one shorter), field
-"data" (each row a uint8 array); a block is `block_bytes // ROW_BYTES` rows, so a
-block is one byte range of the file and a file no larger than a block is one block,
-read whole. A block is read from the store with one ranged read of its bytes, once,
-and held like any other (RAM in shared memory, SSD, or streamed), so a reader touching
-a few byte ranges of a large file (tar members, Parquet column chunks, HDF5 chunks)
-loads only the blocks it touches. Rows let a small range read copy only its rows.
-
-The identity of a file's dataset is its URL, storage options, size and version (the
-modification time or ETag the store reports), and the block size: a file changed in
-size or version is another dataset, with new blocks. Opening one reads nothing: all
-it needs comes from the file's info.
+"data" (each row a uint8 array); a block is `block_bytes // ROW_BYTES` rows: one byte
+range of the file, read with one ranged read, once, and held like any other block. A
+reader touching a few byte ranges of a large file loads only the blocks it touches,
+and copies only the rows it reads. The identity of a file's dataset is its URL, storage
+options, size, version (the modification time or ETag the store reports) and block
+size: a file changed in size or version is another dataset, with new blocks. Opening
+one reads nothing: all it needs comes from the file's info.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
-from typing import Optional
 
 import fsspec
 import fsspec.asyn
 import numpy as np
 
-from .base import DatasetInfo, Source, StoreReader, block_key, filesystem
+from .base import DatasetInfo, Source, StoreReader, filesystem
 
 ROW_BYTES = 64 << 10
 FIELDS = ("data",)
@@ -79,11 +75,6 @@ def _precondition(protocol: str, version) -> dict:
     return {}
 
 
-def _refused(exc: BaseException) -> bool:
-    """Whether a read failed because the store holds another version (HTTP 412)."""
-    return getattr(exc, "status", None) == 412
-
-
 class FileSource(Source):
     """A file of known size and version, as byte rows (see the module docstring)."""
 
@@ -108,7 +99,7 @@ class FileSource(Source):
     def block_bytes(self) -> int:
         return self.info.block_len * ROW_BYTES
 
-    def reader(self, k: int) -> "FileBlockReader":
+    def reader(self, k: int) -> FileBlockReader:
         start, stop = self.info.block_range(k)
         first, last = start * ROW_BYTES, min(self.size, stop * ROW_BYTES)
         return FileBlockReader(self.info.url, self.protocol, self.options, self.path, first, last,
@@ -119,13 +110,10 @@ class FileBlockReader(StoreReader):
     """Reads bytes first..last-1 of one file (one ranged read) as rows of ROW_BYTES."""
 
     def __init__(self, url, protocol, options, path, first, last, identity, index, start, stop, version=None):
-        self.url, self.protocol, self.options, self.path = url, protocol, options, path
+        super().__init__(url, identity, index, start, stop, (last - first) + 8 * (stop - start))
+        self.protocol, self.options, self.path, self.first, self.last = protocol, options, path, first, last
         self.version = version  # [[field, value], ...] of the file's info (`dmdask.fs.session.version_of`)
-        self.claim: Optional[str] = None  # the secret its reader handed its bytes over with (`Handovers`)
-        self.first, self.last = first, last
-        self.index, self.start, self.stop = index, start, stop
-        self.key = block_key(identity, index)
-        self.nbytes: Optional[int] = (last - first) + 8 * (stop - start)
+        self.claim: str | None = None  # the secret its reader handed its bytes over with (`Handovers`)
 
     def __dask_tokenize__(self):
         # the same block submitted by several processes is the same task
@@ -137,23 +125,25 @@ class FileBlockReader(StoreReader):
     def read_bytes(self, fs) -> bytes:
         """The block's bytes of the version the dataset was opened at; `FileChanged` if the
         store now holds another (so a read never mixes blocks of two versions)."""
-        try:
-            condition = _precondition(self.protocol, self.version)
-            content = fs.cat_file(self.path, start=self.first, end=self.last, **condition)
-        except Exception as exc:
-            if _refused(exc):
-                raise self._changed() from exc
-            raise
+        with self._refused_as_changed():
+            content = fs.cat_file(self.path, start=self.first, end=self.last,
+                                  **_precondition(self.protocol, self.version))
         self._check_local_version()
         return content
 
     async def read_bytes_async(self, fs) -> bytes:
         """`read_bytes` on an async filesystem's loop (`_cat_file`: fsspec's documented async API)."""
+        with self._refused_as_changed():
+            return await fs._cat_file(self.path, start=self.first, end=self.last,
+                                      **_precondition(self.protocol, self.version))
+
+    @contextlib.contextmanager
+    def _refused_as_changed(self):
+        """`FileChanged` for a read the store refused as of another version (HTTP 412)."""
         try:
-            condition = _precondition(self.protocol, self.version)
-            return await fs._cat_file(self.path, start=self.first, end=self.last, **condition)
+            yield
         except Exception as exc:
-            if _refused(exc):
+            if getattr(exc, "status", None) == 412:
                 raise self._changed() from exc
             raise
 

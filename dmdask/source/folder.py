@@ -5,21 +5,18 @@ batch), field "label" the int64 class index in sorted subfolder order. Sample id
 over the sorted class folders, then the sorted file names. Blocks are runs of files.
 
 The listing costs one request per class folder (up to `LIST_THREADS` at once), never one
-per file: sizes come from the listing where the protocol gives them (local, s3, gcs);
-where it does not (HTTP), a block's size is learnt when it is first read. The listing is made by the process that
-creates the dataset's blocks, once per cluster, and travels with the block readers.
+per file; it travels with the block readers. Sizes come from the listing where the
+protocol gives them (local, s3, gcs); elsewhere (HTTP) a block's size is learnt when read.
 """
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, List, Optional
 
 import numpy as np
 from dask.base import tokenize
 
 from ..errors import SourceError, SpecError
-from .base import (DatasetInfo, Source, StoreReader, block_key, filesystem, options_json, prepare_filesystem,
-                   protocol_of)
+from .base import DatasetInfo, Source, StoreReader, filesystem, options_json, prepare_filesystem, protocol_of
 from .registry import Format, Place
 
 DEFAULT_FILES_PER_BLOCK = 256
@@ -35,12 +32,12 @@ def folder_fields(spec) -> tuple:
 
 
 class FolderSource(Source):
-    def __init__(self, info: DatasetInfo, protocol: str, options: str, files: List[str], labels: np.ndarray,
-                 sizes: Optional[np.ndarray]):
+    def __init__(self, info: DatasetInfo, protocol: str, options: str, files: list[str], labels: np.ndarray,
+                 sizes: np.ndarray | None):
         self.info, self.protocol, self.options = info, protocol, options
         self.files, self.labels, self.sizes = files, labels, sizes
 
-    def reader(self, k: int) -> "FolderBlockReader":
+    def reader(self, k: int) -> FolderBlockReader:
         a, b = self.info.block_range(k)
         nbytes = None if self.sizes is None else block_nbytes(self.sizes[a:b], self.info.fields)
         return FolderBlockReader(self.info.url, self.protocol, self.options, self.files[a:b],
@@ -73,20 +70,13 @@ def _list(place: Place):
             f"{url} is neither a Zarr v3 group (no zarr.json), Parquet or HDF5, a folder of WebDataset "
             ".tar shards, nor a folder of class subfolders holding one file per sample"
         )
-    files: List[str] = []
-    labels: List[int] = []
-    sizes: List[Optional[int]] = []
     with ThreadPoolExecutor(min(LIST_THREADS, len(classes)), thread_name_prefix="dmdask-list") as pool:
         listings = list(pool.map(lambda cls: fs.ls(cls, detail=True), classes))  # requests at once, not in turn
-    for label, listing in enumerate(listings):
-        for e in sorted(listing, key=lambda e: e["name"]):
-            if e["type"] == "file":
-                files.append(e["name"])
-                labels.append(label)
-                sizes.append(e.get("size"))
-    if not files:
+    found = [(label, e) for label, listing in enumerate(listings)
+             for e in sorted(listing, key=lambda e: e["name"]) if e["type"] == "file"]
+    if not found:
         raise SourceError(f"dataset {url} has no samples: its class subfolders hold no files")
-    return files, labels, sizes
+    return [e["name"] for _, e in found], [label for label, _ in found], [e.get("size") for _, e in found]
 
 
 def block_nbytes(sizes, fields) -> int:
@@ -102,18 +92,14 @@ class FolderBlockReader(StoreReader):
     row_granular = True
 
     def __init__(self, url, protocol, options, files, labels, fields, identity, index, start, stop, nbytes):
-        self.url, self.protocol, self.options = url, protocol, options
+        super().__init__(url, identity, index, start, stop, nbytes)
+        self.protocol, self.options = protocol, options
         self.files, self.labels, self.fields = list(files), np.asarray(labels, dtype=np.int64), fields
-        self.index, self.start, self.stop, self.nbytes = index, start, stop, nbytes
-        self.key = block_key(identity, index)
 
     def prepare(self) -> None:
         prepare_filesystem(self.protocol, self.options)
 
-    def _read(self) -> Dict[str, np.ndarray]:
-        return self._read_rows(np.arange(self.stop - self.start))
-
-    def _read_rows(self, rows) -> Dict[str, np.ndarray]:
+    def _read_rows(self, rows) -> dict[str, np.ndarray]:
         """The given rows; the files are fetched concurrently where the protocol allows."""
         arrays = {}
         if "data" in self.fields:

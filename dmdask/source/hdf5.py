@@ -1,36 +1,29 @@
-"""HDF5 sources: the datasets of one file, or of one group in it, that share their first
-axis (samples). Blocks are runs of whole chunks along that axis.
+"""HDF5 sources: the datasets of one file, or of one group in it (`/data/train.h5/images`),
+that share their first axis (samples); docs/formats/hdf5.md.
 
-A source URL names the file (`/data/train.h5`), or a group inside it after the file's
-name (`/data/train.h5/images`). The fields are the datasets directly in that group
-whose first axis has the length most of them share; the others (scalars, tables of
-another length) are left out with a warning. Numbers and fixed-size records give numpy
-arrays of shape (samples, ...), variable-length strings numpy `StringDType` arrays, other
-variable-length types object arrays of per-sample arrays.
-
-Blocks follow the chunking along the first axis (the least common multiple of the
-fields' chunk lengths); when no field is chunked (contiguous or compact datasets),
-a block is about `DEFAULT_BLOCK_BYTES`. A block reader reads its rows with h5py: local
-files directly, others through an fsspec file that reads each range HDF5 asks for, and
-nothing more. Each worker process keeps the file open once (HDF5's metadata is read
-once per process), with HDF5's chunk cache off, so every chunk of a block comes from
-the store. h5py is imported only here (the `formats` extra).
+Blocks are runs of whole chunks along that axis (the least common multiple of the
+fields' chunk lengths), or about `DEFAULT_BLOCK_BYTES` when no field is chunked. Each
+worker process keeps a file open once (HDF5's metadata is read once per process), with
+HDF5's chunk cache off, so every chunk of a block comes from the store: local files
+directly, others through an fsspec file that reads each range HDF5 asks for. h5py is
+imported only when an HDF5 source is opened or read (the `formats` extra).
 """
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import math
 import threading
 import warnings
 from collections import Counter
-from typing import Dict, Optional, Tuple
 
 import numpy as np
+import zict
 from dask.base import tokenize
 
 from ..errors import SourceError, SourceNotFoundError, SpecError
-from .base import DatasetInfo, Source, StoreReader, block_key, filesystem, options_json, protocol_of
+from .base import DatasetInfo, Source, StoreReader, filesystem, import_extra, options_json, protocol_of, string_dtype
 from .registry import Format, Place
 
 SIGNATURE = b"\x89HDF\r\n\x1a\n"
@@ -42,15 +35,10 @@ LOCAL = ("file", "local")
 
 def h5py():
     """The h5py module, or an ImportError that names the extra to install."""
-    try:
-        import h5py as module
-    except ImportError as exc:
-        raise ImportError(f"reading HDF5 sources needs h5py: pip install 'dmdask[formats]' (or h5py>=3.9) ({exc})") \
-            from exc
-    return module
+    return import_extra("h5py", "h5py>=3.9", "HDF5")
 
 
-def split_inner(path: str) -> Optional[Tuple[str, str]]:
+def split_inner(path: str) -> tuple[str, str] | None:
     """(file, group) when `path` goes on past a component named like an HDF5 file."""
     parts = path.split("/")
     for i in range(len(parts) - 2, -1, -1):
@@ -69,7 +57,7 @@ class HDF5Layout:
     path: str  # the file, as its filesystem names it
     size: int
     group: str  # "" for the file's root group
-    fields: Tuple[Tuple[str, str], ...]  # (name, kind): "fixed", "string" or "ragged"
+    fields: tuple[tuple[str, str], ...]  # (name, kind): "fixed", "string" or "ragged"
     identity: str
 
 
@@ -86,7 +74,7 @@ def open_file(protocol: str, options: str, path: str, size: int):
         raise
 
 
-def field_kind(ds) -> Optional[str]:
+def field_kind(ds) -> str | None:
     """"fixed", "string" or "ragged" for a dataset with a first axis; None otherwise."""
     module = h5py()
     if not ds.shape:
@@ -100,10 +88,10 @@ def field_kind(ds) -> Optional[str]:
 
 
 class HDF5Source(Source):
-    def __init__(self, info: DatasetInfo, layout: HDF5Layout, row_bytes: Optional[int]):
+    def __init__(self, info: DatasetInfo, layout: HDF5Layout, row_bytes: int | None):
         self.info, self.layout, self.row_bytes = info, layout, row_bytes
 
-    def reader(self, k: int) -> "HDF5BlockReader":
+    def reader(self, k: int) -> HDF5BlockReader:
         start, stop = self.info.block_range(k)
         nbytes = None if self.row_bytes is None else self.row_bytes * (stop - start)
         return HDF5BlockReader(self.layout, k, start, stop, nbytes)
@@ -112,13 +100,10 @@ class HDF5Source(Source):
 def open_hdf5(place: Place) -> HDF5Source:
     """Open the file (HDF5 reads its metadata: superblock, object headers) and describe
     the blocks of the file, or of the group that the path names past the file's name."""
-    fs, url, spec = place.fs, place.url, place.spec
     path, group = (place.path, "") if place.exists else split_inner(place.path)
-    protocol, opts = protocol_of(fs), options_json(place.options)
-    entry = fs.info(path)
-    size = int(entry["size"])
+    entry = place.fs.info(path)
     try:
-        file, handle = open_file(protocol, opts, path, size)
+        file, handle = open_file(protocol_of(place.fs), options_json(place.options), path, int(entry["size"]))
     except (OSError, ValueError) as exc:
         raise SourceError(f"cannot open HDF5 file {path}: {type(exc).__name__}: {exc}") from None
     try:
@@ -128,25 +113,22 @@ def open_hdf5(place: Place) -> HDF5Source:
             raise SourceNotFoundError(f"HDF5 file {path} has no group {group!r}") from None
         if not isinstance(node, h5py().Group):
             raise SourceError(f"{group!r} in HDF5 file {path} is not a group")
-        return _describe(node, path, group, url, protocol, opts, entry, spec, place.name)
+        return _describe(node, place, path, group, entry)
     finally:
-        file.close()
-        if handle is not None:
-            handle.close()
+        _close(file, handle)
 
 
-def _describe(node, path, group, url, protocol, opts, entry, spec, registry_name) -> HDF5Source:
-    size = int(entry["size"])
+def _describe(node, place: Place, path: str, group: str, entry: dict) -> HDF5Source:
+    url, spec, size = place.url, place.spec, int(entry["size"])
     # the file's version where its store tells one, so a file rewritten in place gets new
     # blocks (and a new open file on the workers: HDF5 caches the metadata it reads)
     stamp = {k: str(entry[k]) for k in ("mtime", "LastModified", "last_modified", "ETag", "etag") if k in entry}
     datasets = {name: obj for name, obj in node.items() if isinstance(obj, h5py().Dataset)}
     where = f"HDF5 file {path}" + (f", group {group!r}" if group else "")
     kinds = {name: field_kind(ds) for name, ds in datasets.items()}
-    names = _field_names(datasets, kinds, spec, where)
-    fields = tuple(sorted(names))
-    if any(kinds[f] == "string" for f in fields) and not hasattr(getattr(np, "dtypes", None), "StringDType"):
-        raise SourceError(f"the string datasets of {where} need numpy >= 2 (numpy.dtypes.StringDType)")
+    fields = tuple(sorted(_field_names(datasets, kinds, spec, where)))
+    if any(kinds[f] == "string" for f in fields):
+        string_dtype(f"the string datasets of {where}")
     n = int(datasets[fields[0]].shape[0])
     if n == 0:
         raise SourceError(f"dataset {url} has no samples: its datasets {list(fields)} have length 0 along the "
@@ -166,9 +148,10 @@ def _describe(node, path, group, url, protocol, opts, entry, spec, registry_name
                datasets[f].compression_opts) for f in fields]
     identity = tokenize("hdf5", url, group, fields, block_len, size, stamp, shapes)[:16]
     known = len(fixed) == len(fields)
-    info = DatasetInfo(name=registry_name, identity=identity, url=url, fields=fields, num_samples=n,
+    info = DatasetInfo(name=place.name, identity=identity, url=url, fields=fields, num_samples=n,
                        block_len=int(block_len), nbytes=row_bytes * n if known else None)
-    layout = HDF5Layout(url, protocol, opts, path, size, group, tuple((f, kinds[f]) for f in fields), identity)
+    layout = HDF5Layout(url, protocol_of(place.fs), options_json(place.options), path, size, group,
+                        tuple((f, kinds[f]) for f in fields), identity)
     return HDF5Source(info, layout, row_bytes if known else None)
 
 
@@ -208,12 +191,11 @@ def _field_names(datasets: dict, kinds: dict, spec, where: str) -> list:
 class HDF5BlockReader(StoreReader):
     """Reads the rows of one block, every field, through the worker's open file."""
 
-    def __init__(self, layout: HDF5Layout, index: int, start: int, stop: int, nbytes: Optional[int]):
-        self.layout, self.index, self.start, self.stop, self.nbytes = layout, index, start, stop, nbytes
-        self.url = layout.url
-        self.key = block_key(layout.identity, index)
+    def __init__(self, layout: HDF5Layout, index: int, start: int, stop: int, nbytes: int | None):
+        super().__init__(layout.url, layout.identity, index, start, stop, nbytes)
+        self.layout = layout
 
-    def _read(self) -> Dict[str, np.ndarray]:
+    def _read(self) -> dict[str, np.ndarray]:
         try:
             return _read_fields(self.layout, self.start, self.stop)
         except Exception as exc:
@@ -225,7 +207,7 @@ class HDF5BlockReader(StoreReader):
             raise exc.with_traceback(None)  # noqa: B904 - the same exception, its frames dropped
 
 
-def _read_fields(layout: HDF5Layout, start: int, stop: int) -> Dict[str, np.ndarray]:
+def _read_fields(layout: HDF5Layout, start: int, stop: int) -> dict[str, np.ndarray]:
     file = _opened(layout)
     node = file[layout.group] if layout.group else file
     out = {}
@@ -237,17 +219,15 @@ def _read_fields(layout: HDF5Layout, start: int, stop: int) -> Dict[str, np.ndar
     return out
 
 
-_files: Dict[HDF5Layout, tuple] = {}
-_files_lock = threading.Lock()
 MAX_OPEN = 16
+_files = zict.LRU(MAX_OPEN, {})  # HDF5Layout -> (file, handle); one evicted is closed once no reader uses it
+_files_lock = threading.Lock()
 
 
 def _opened(layout: HDF5Layout):
     """The file, opened once per process (at most `MAX_OPEN` at a time)."""
     with _files_lock:
         if layout not in _files:
-            while len(_files) >= MAX_OPEN:
-                _files.pop(next(iter(_files)))  # closed once no reader uses it
             _files[layout] = open_file(layout.protocol, layout.options, layout.path, layout.size)
         return _files[layout][0]
 
@@ -263,13 +243,15 @@ def _close_all() -> None:
     object must not outlive it)."""
     with _files_lock:
         for file, handle in _files.values():
-            try:
-                file.close()
-                if handle is not None:
-                    handle.close()
-            except Exception:
-                pass
+            with contextlib.suppress(Exception):
+                _close(file, handle)
         _files.clear()
+
+
+def _close(file, handle) -> None:
+    file.close()
+    if handle is not None:
+        handle.close()
 
 
 def _claims(place: Place) -> bool:

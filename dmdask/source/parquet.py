@@ -1,51 +1,35 @@
-"""Parquet sources: one file, a folder of them, or a glob. Samples are rows.
+"""Parquet sources: one file, a folder of them, or a glob; samples are rows (over the
+files in name order), fields the top-level columns (docs/formats/parquet.md).
 
-Files are taken in name order; sample ids run over the files in that order, then over
-each file's rows. The top-level columns are the fields: numbers (integers, floats,
-booleans) give 1-D arrays, fixed-size lists of numbers give arrays of shape (rows, size,
-...), binary columns give an object array of per-sample uint8 arrays, and string
-columns numpy `StringDType` arrays. Null values are refused when a block is read.
-
-Blocks are whole row groups: block k holds samples k*block_len .. and every block
-boundary is a row-group boundary, so a block read fetches exactly the column chunks
-of its row groups (of the spec's `keys` only), by range, once each. The process that
-creates the dataset reads each file's footer once (two small range reads per file);
-every block reader carries a footer cut down to its own row groups, so reading a
-block fetches nothing but its column chunks. pyarrow is imported only here, when a
-Parquet source is opened or read (the `formats` extra).
+Blocks are whole row groups, so a block read fetches exactly the column chunks of its
+row groups (of the spec's `keys` only), by range, once each: opening reads each file's
+footer once, and every block reader carries the footer cut to its own row groups
+(`parquet_footer`). pyarrow is imported only when a Parquet source is opened or read.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import logging
-import struct
 import warnings
-from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from dask.base import tokenize
 
 from ..errors import SourceError, SourceNotFoundError, SpecError
-from .base import DatasetInfo, Source, StoreReader, block_key, filesystem, options_json, protocol_of
+from .base import DatasetInfo, Source, StoreReader, filesystem, import_extra, options_json, protocol_of, string_dtype
+from .parquet_footer import MAGIC, Footer, framed, read_footers
 from .registry import Format, Place
 
 logger = logging.getLogger(__name__)
 
 SUFFIXES = (".parquet", ".parq", ".pq")
-MAGIC = b"PAR1"
 READ_BLOCK = 1 << 16  # fsspec block size; reads are uncached ("none"), so each is one exact range
 
 
 def pyarrow():
     """(pyarrow, pyarrow.parquet), or an ImportError that names the extra to install."""
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError as exc:
-        raise ImportError("reading Parquet sources needs pyarrow: pip install 'dmdask[formats]' "
-                          f"(or pyarrow>=14) ({exc})") from exc
-    return pa, pq
+    return import_extra("pyarrow", "pyarrow>=14", "Parquet"), import_extra("pyarrow.parquet", "pyarrow>=14", "Parquet")
 
 
 def is_parquet_name(name: str) -> bool:
@@ -53,144 +37,9 @@ def is_parquet_name(name: str) -> bool:
     return base.lower().endswith(SUFFIXES) and not base.startswith(("_", "."))
 
 
-# -- the footer ------------------------------------------------------------------------------
-class Footer:
-    """A Parquet footer (Thrift compact `FileMetaData`), cut so that the footer of some of
-    its row groups can be made (`subset`): the same bytes, with only those row groups
-    and their number of rows. Raises ValueError if the bytes are not such a struct."""
-
-    def __init__(self, data: bytes):
-        self.parts: List[Optional[bytes]] = []  # raw bytes; None where the row groups go, b"" for num_rows
-        self.row_groups: List[bytes] = []
-        try:
-            end = self._cut(memoryview(data))
-        except IndexError:
-            raise ValueError("the footer ends in the middle of a field") from None
-        if end != len(data):
-            raise ValueError(f"the footer's metadata ends at byte {end} of {len(data)}")
-        if None not in self.parts or b"" not in self.parts:
-            raise ValueError("the footer has no row groups or no number of rows")
-
-    def _cut(self, buf) -> int:
-        pos, last = 0, 0
-        while True:
-            start, head = pos, buf[pos]
-            pos += 1
-            if head == 0:
-                self.parts.append(b"\0")
-                return pos
-            kind, delta = head & 15, head >> 4
-            if delta:
-                field = last + delta
-            else:
-                zigzag, pos = _varint(buf, pos)
-                field = (zigzag >> 1) ^ -(zigzag & 1)
-            last, value = field, pos
-            if field == 4 and kind == 9:  # row_groups: list<RowGroup>
-                size, element, pos = _list_head(buf, pos)
-                if element != 12:
-                    raise ValueError("the footer's row groups are not structs")
-                for _ in range(size):
-                    begin, pos = pos, _skip(buf, pos, 12)
-                    self.row_groups.append(bytes(buf[begin:pos]))
-                self.parts += [bytes(buf[start:value]), None]
-            elif field == 3 and kind == 6:  # num_rows: i64
-                pos = _skip(buf, pos, kind)
-                self.parts += [bytes(buf[start:value]), b""]
-            else:
-                pos = _skip(buf, pos, kind)
-                self.parts.append(bytes(buf[start:pos]))
-
-    def subset(self, row_groups: Sequence[int], num_rows: int) -> bytes:
-        out = bytearray()
-        for part in self.parts:
-            if part is None:
-                n = len(row_groups)
-                out += bytes([(n << 4) | 12]) if n < 15 else bytes([0xF0 | 12]) + _uvarint(n)
-                for i in row_groups:
-                    out += self.row_groups[i]
-            elif part == b"":
-                out += _uvarint((num_rows << 1) ^ (num_rows >> 63))
-            else:
-                out += part
-        return bytes(out)
-
-
-def framed(footer: bytes) -> bytes:
-    """A footer as the tail of a Parquet file (what `pyarrow.parquet.read_metadata` parses)."""
-    return MAGIC + footer + struct.pack("<I", len(footer)) + MAGIC
-
-
-def _varint(buf, pos: int) -> Tuple[int, int]:
-    shift = value = 0
-    while True:
-        byte = buf[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, pos
-        shift += 7
-
-
-def _uvarint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, value = value & 0x7F, value >> 7
-        if not value:
-            out.append(byte)
-            return bytes(out)
-        out.append(byte | 0x80)
-
-
-def _list_head(buf, pos: int) -> Tuple[int, int, int]:
-    head = buf[pos]
-    size, element, pos = head >> 4, head & 15, pos + 1
-    if size == 15:
-        size, pos = _varint(buf, pos)
-    return size, element, pos
-
-
-def _skip(buf, pos: int, kind: int, in_list: bool = False) -> int:
-    """The position after a value of Thrift compact type `kind` at `pos`."""
-    if kind in (1, 2):  # booleans: in the field header, a byte in a list
-        return pos + 1 if in_list else pos
-    if kind == 3:
-        return pos + 1
-    if kind in (4, 5, 6):
-        return _varint(buf, pos)[1]
-    if kind == 7:
-        return pos + 8
-    if kind == 8:
-        size, pos = _varint(buf, pos)
-        return pos + size
-    if kind in (9, 10):
-        size, element, pos = _list_head(buf, pos)
-        for _ in range(size):
-            pos = _skip(buf, pos, element, True)
-        return pos
-    if kind == 11:
-        size, pos = _varint(buf, pos)
-        if size:
-            types, pos = buf[pos], pos + 1
-            for _ in range(size):
-                pos = _skip(buf, _skip(buf, pos, types >> 4, True), types & 15, True)
-        return pos
-    if kind == 12:
-        while True:
-            head, pos = buf[pos], pos + 1
-            if head == 0:
-                return pos
-            if not head >> 4:
-                pos = _varint(buf, pos)[1]
-            pos = _skip(buf, pos, head & 15)
-    raise ValueError(f"unknown Thrift type {kind} in the footer")
-
-
-# -- columns ---------------------------------------------------------------------------------
-def column_kind(t) -> Optional[str]:
+def column_kind(t) -> str | None:
     """"fixed", "binary" or "string" for an Arrow type dmdask reads as a field; None otherwise."""
-    pa, _ = pyarrow()
-    types = pa.types
+    types = pyarrow()[0].types
     if _is_any(t, "is_string", "is_large_string", "is_string_view"):
         return "string"
     if _is_any(t, "is_binary", "is_large_binary", "is_binary_view", "is_fixed_size_binary"):
@@ -202,29 +51,26 @@ def column_kind(t) -> Optional[str]:
 
 def _is_any(t, *tests: str) -> bool:
     """Whether one of the `pyarrow.types` tests holds (the view types came in pyarrow 16)."""
-    pa, _ = pyarrow()
-    return any(getattr(pa.types, test, lambda _: False)(t) for test in tests)
+    types = pyarrow()[0].types
+    return any(getattr(types, test, lambda _: False)(t) for test in tests)
 
 
 def row_nbytes(t) -> int:
     """Bytes a row of a "fixed" column takes as numpy."""
-    pa, _ = pyarrow()
-    size = 1
-    while pa.types.is_fixed_size_list(t):
+    types, size = pyarrow()[0].types, 1
+    while types.is_fixed_size_list(t):
         size, t = size * t.list_size, t.value_type
     return size * np.dtype(t.to_pandas_dtype()).itemsize
 
 
 def to_numpy(column, name: str) -> np.ndarray:
     """A column (a pyarrow ChunkedArray) as dmdask's arrays; ValueError on null values."""
-    pa, _ = pyarrow()
-    arr = column.combine_chunks()
-    kind = column_kind(arr.type)
-    shape = [len(arr)]
+    types, arr = pyarrow()[0].types, column.combine_chunks()
+    kind, shape = column_kind(arr.type), [len(arr)]
     while True:
         if arr.null_count:
             raise ValueError(f"column {name!r} holds {arr.null_count} null values, which dmdask cannot batch")
-        if not pa.types.is_fixed_size_list(arr.type):
+        if not types.is_fixed_size_list(arr.type):
             break
         shape.append(arr.type.list_size)
         arr = arr.flatten()
@@ -238,26 +84,25 @@ def to_numpy(column, name: str) -> np.ndarray:
     return arr.to_numpy(zero_copy_only=False).reshape(shape)
 
 
-# -- opening ---------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class FilePart:
     """The row groups of one file that a block reads, with their footer."""
 
     path: str
     size: int
-    rows: Tuple[int, int]  # the block's rows in this file: start, stop
+    rows: tuple[int, int]  # the block's rows in this file: start, stop
     footer: bytes  # the file's footer cut to these row groups
 
 
 class ParquetSource(Source):
-    def __init__(self, info: DatasetInfo, protocol: str, options: str, files: List[str], sizes: List[int],
-                 footers: List[Footer], groups: np.ndarray, row_bytes: Optional[int]):
+    def __init__(self, info: DatasetInfo, protocol: str, options: str, files: list[str], sizes: list[int],
+                 footers: list[Footer], groups: np.ndarray, row_bytes: int | None):
         self.info, self.protocol, self.options = info, protocol, options
         self.files, self.sizes, self.footers = files, sizes, footers
         self.groups = groups  # per non-empty row group: file, index and first row in it, first sample, rows
         self.row_bytes = row_bytes
 
-    def reader(self, k: int) -> "ParquetBlockReader":
+    def reader(self, k: int) -> ParquetBlockReader:
         a, b = self.info.block_range(k)
         first = self.groups["start"]
         mine = self.groups[np.searchsorted(first, a):np.searchsorted(first, b)]
@@ -281,8 +126,8 @@ def open_parquet(place: Place) -> ParquetSource:
     if not files:
         raise SourceNotFoundError(f"dataset {url} matches no Parquet files")
     sizes = [int(s) for s in fs.sizes(files)]
-    raws, footers, metas, first = [], [], [], 0
-    for path, data in zip(files, _read_footers(fs, files, sizes)):
+    digest, footers, metas, first = hashlib.sha256(), [], [], 0
+    for path, data in zip(files, read_footers(fs, files, sizes)):
         try:
             if isinstance(data, str):
                 raise ValueError(data)
@@ -291,51 +136,23 @@ def open_parquet(place: Place) -> ParquetSource:
         except Exception as exc:
             raise SourceError(f"cannot read the Parquet footer of {path} (the file of the samples from {first} "
                               f"on): {type(exc).__name__}: {exc}") from None
-        raws.append(data)
+        digest.update(data)
         footers.append(footer)
         metas.append(meta)
         first += meta.num_rows
-    fields, kinds = _fields(metas[0].schema.to_arrow_schema(), spec, files[0])
+    schema = metas[0].schema.to_arrow_schema()
+    fields, kinds = _fields(schema, spec, files[0])
     groups = _check_and_list(files, metas, fields)
     n = int(groups["rows"].sum())
     if n == 0:
         raise SourceError(f"dataset {url} has no samples: its Parquet files hold no rows")
     block_len = _block_len(url, groups, n, spec.block_size)
-    digest = hashlib.sha256(b"".join(raws)).hexdigest()
-    identity = tokenize("parquet", url, fields, block_len, files, sizes, digest)[:16]
+    identity = tokenize("parquet", url, fields, block_len, files, sizes, digest.hexdigest())[:16]
     row_bytes = None if any(k != "fixed" for k in kinds.values()) else sum(
-        row_nbytes(metas[0].schema.to_arrow_schema().field(f).type) for f in fields)
+        row_nbytes(schema.field(f).type) for f in fields)
     info = DatasetInfo(name=place.name, identity=identity, url=url, fields=fields, num_samples=n,
                        block_len=block_len, nbytes=None if row_bytes is None else row_bytes * n)
     return ParquetSource(info, protocol_of(fs), options_json(place.options), files, sizes, footers, groups, row_bytes)
-
-
-def _read_footers(fs, files: List[str], sizes: List[int]) -> list:
-    """Each file's footer bytes, or a string saying why there is none."""
-    out: list = [None] * len(files)
-    short = [i for i, s in enumerate(sizes) if s < 12]
-    for i in short:
-        out[i] = f"the file has {sizes[i]} bytes, too few for a Parquet file (truncated?)"
-    rest = [i for i in range(len(files)) if out[i] is None]
-    tails = fs.cat_ranges([files[i] for i in rest], [sizes[i] - 8 for i in rest], [sizes[i] for i in rest])
-    want = []
-    for i, tail in zip(rest, tails):
-        if isinstance(tail, BaseException) or len(tail) != 8:
-            out[i] = f"cannot read its last 8 bytes: {tail!r}"
-            continue
-        length = struct.unpack("<I", tail[:4])[0]
-        if tail[4:] == b"PARE":
-            out[i] = "its footer is encrypted, which dmdask does not read"
-        elif tail[4:] != MAGIC:
-            out[i] = "it does not end with the Parquet magic bytes PAR1 (truncated, or not a Parquet file)"
-        elif length > sizes[i] - 12:
-            out[i] = f"its footer length {length} exceeds the file's {sizes[i]} bytes (corrupt or truncated)"
-        else:
-            want.append((i, sizes[i] - 8 - length, sizes[i] - 8))
-    data = fs.cat_ranges([files[i] for i, _, _ in want], [a for _, a, _ in want], [b for _, _, b in want])
-    for (i, _, _), footer in zip(want, data):
-        out[i] = f"cannot read its footer: {footer!r}" if isinstance(footer, BaseException) else footer
-    return out
 
 
 def _fields(schema, spec, path: str):
@@ -359,16 +176,15 @@ def _fields(schema, spec, path: str):
         if not names:
             raise SourceError(f"the Parquet files of {path} have no column dmdask can read: {skipped}")
     fields = tuple(sorted(names))
-    if any(kinds[f] == "string" for f in fields) and not hasattr(getattr(np, "dtypes", None), "StringDType"):
-        raise SourceError(f"the string columns of {path} need numpy >= 2 (numpy.dtypes.StringDType)")
+    if any(kinds[f] == "string" for f in fields):
+        string_dtype(f"the string columns of {path}")
     return fields, {f: kinds[f] for f in fields}
 
 
-def _check_and_list(files: List[str], metas: list, fields: Tuple[str, ...]) -> np.ndarray:
+def _check_and_list(files: list[str], metas: list, fields: tuple[str, ...]) -> np.ndarray:
     """Every file has the fields, with the first file's types; its non-empty row groups."""
     first = metas[0].schema.to_arrow_schema()
-    rows = []
-    start = 0
+    rows, start = [], 0
     for f, (path, meta) in enumerate(zip(files, metas)):
         schema = meta.schema.to_arrow_schema()
         where = f"{path} (samples {start}..{start + meta.num_rows - 1})"
@@ -389,7 +205,7 @@ def _check_and_list(files: List[str], metas: list, fields: Tuple[str, ...]) -> n
     return np.array(rows, dtype=[("file", "i8"), ("index", "i8"), ("row", "i8"), ("start", "i8"), ("rows", "i8")])
 
 
-def _block_len(url: str, groups: np.ndarray, n: int, asked: Optional[int]) -> int:
+def _block_len(url: str, groups: np.ndarray, n: int, asked: int | None) -> int:
     """The smallest number of rows B whose multiples below n all fall on row-group
     boundaries (so every block is whole row groups), or `asked` if it is such a B."""
     bounds = np.append(groups["start"], n)
@@ -412,29 +228,21 @@ def _block_len(url: str, groups: np.ndarray, n: int, asked: Optional[int]) -> in
     return smallest
 
 
-# -- reading ---------------------------------------------------------------------------------
 class ParquetBlockReader(StoreReader):
     """Reads the column chunks of one block's row groups (of its fields only), by range."""
 
-    def __init__(self, url: str, protocol: str, options: str, fields: Tuple[str, ...], parts: Tuple[FilePart, ...],
-                 identity: str, index: int, start: int, stop: int, nbytes: Optional[int]):
-        self.url, self.protocol, self.options, self.fields, self.parts = url, protocol, options, fields, parts
-        self.index, self.start, self.stop, self.nbytes = index, start, stop, nbytes
-        self.key = block_key(identity, index)
+    def __init__(self, url: str, protocol: str, options: str, fields: tuple[str, ...], parts: tuple[FilePart, ...],
+                 identity: str, index: int, start: int, stop: int, nbytes: int | None):
+        super().__init__(url, identity, index, start, stop, nbytes)
+        self.protocol, self.options, self.fields, self.parts = protocol, options, fields, parts
 
-    def _read(self) -> Dict[str, np.ndarray]:
+    def _read(self) -> dict[str, np.ndarray]:
         pieces = [self._read_part(part) for part in self.parts]
-        out = {}
-        for name in self.fields:
-            values = [p[name] for p in pieces]
-            if values[0].dtype == object:
-                out[name] = np.empty(sum(len(v) for v in values), dtype=object)
-                out[name][:] = [x for v in values for x in v]
-            else:
-                out[name] = np.concatenate(values) if len(values) > 1 else values[0]
-        return out
+        if len(pieces) == 1:
+            return pieces[0]
+        return {name: np.concatenate([piece[name] for piece in pieces]) for name in self.fields}
 
-    def _read_part(self, part: FilePart) -> Dict[str, np.ndarray]:
+    def _read_part(self, part: FilePart) -> dict[str, np.ndarray]:
         pa, pq = pyarrow()
         try:
             meta = pq.read_metadata(pa.BufferReader(framed(part.footer)))
@@ -445,14 +253,12 @@ class ParquetBlockReader(StoreReader):
             if table.num_rows != part.rows[1] - part.rows[0]:
                 raise ValueError(f"read {table.num_rows} rows, expected {part.rows[1] - part.rows[0]}")
             return {name: to_numpy(table.column(name), name) for name in self.fields}
-        except Exception as exc:
-            # The file and its rows in the message; the store's error stays the cause,
-            # so a transient one is still retried.
+        except Exception as exc:  # the store's error stays the cause, so a transient one is retried
             raise OSError(f"{part.path} (its rows {part.rows[0]}..{part.rows[1] - 1}): "
                           f"{type(exc).__name__}: {exc}") from exc
 
 
-def _files(place: Place) -> List[str]:
+def _files(place: Place) -> list[str]:
     """The Parquet files at `place`: a glob's matches, the file, or a folder's (*.parquet, *.parq, *.pq)."""
     if place.is_glob:
         matches = place.fs.glob(place.path, detail=True)
@@ -465,5 +271,4 @@ def _files(place: Place) -> List[str]:
     return sorted(e["name"] for e in place.listing if e["type"] == "file" and is_parquet_name(e["name"]))
 
 
-FORMAT = Format("parquet", claims=lambda place: place.is_glob or bool(_files(place)),
-                open=open_parquet)
+FORMAT = Format("parquet", claims=lambda place: place.is_glob or bool(_files(place)), open=open_parquet)

@@ -1,20 +1,18 @@
 """Source formats, and the first one that claims a spec's source (`find`).
 
-A format is a `Format(name, claims, open)` over a `Place`. Formats that other packages
-declare under the entry point group `dmdask.sources` are asked first, by name; then
-dmdask's own, in an order that reads least before deciding: a Zarr node (its
-zarr.json), an HDF5 file by its first bytes or a group in one, Parquet by a glob, first
-bytes or listing, WebDataset shards (named by the spec, or a folder's `.tar` files), and
-last any folder (of class subfolders). dmdask's own are listed here, not as entry
-points, so that their order is fixed and a source tree works uninstalled.
+Formats that other packages declare under the entry point group `dmdask.sources` are
+asked first, by name; then dmdask's own (`BUILTIN`, listed here so that their order is
+fixed and a source tree works uninstalled), in an order that reads least before
+deciding: a Zarr node (its zarr.json), an HDF5 file (first bytes) or a group in one,
+Parquet (a glob, first bytes or a listing), WebDataset shards, and last any folder.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import importlib
+from collections.abc import Callable
 from importlib.metadata import entry_points
-from typing import Callable, List, Optional
 
 import fsspec
 
@@ -35,15 +33,14 @@ class Format:
     subclass) if it cannot be used."""
 
     name: str
-    claims: Callable[["Place"], bool]
-    open: Callable[["Place"], Source]
+    claims: Callable[[Place], bool]
+    open: Callable[[Place], Source]
 
 
 class Place:
-    """A spec's source. `shards`: the tar shard URLs the spec names, else None, and then
-    `url` on the filesystem `fs` at `path` (made without I/O; `SpecError` for a URL
-    fsspec cannot open). Each fact read from the store (`exists`, `head`, `listing`) is
-    read at most once, when first asked, so that the formats asked in turn share it."""
+    """A spec's source: `shards`, the tar shard URLs it names, else None and `url` on the
+    filesystem `fs` at `path` (no I/O; `SpecError` for a URL fsspec cannot open). Each
+    fact read from the store (`exists`, `head`, `listing`) is read once, when first asked."""
 
     def __init__(self, spec, name: str):
         self.spec, self.name, self.options = spec, name, dict(spec.storage_options or {})
@@ -93,13 +90,13 @@ class Place:
             raise SourceNotFoundError(f"cannot reach dataset {self.url}: {exc}") from exc
 
 
-@functools.lru_cache(maxsize=None)
-def formats() -> List[Format]:
+@functools.cache
+def formats() -> list[Format]:
     """The formats in the order they are asked: installed packages' first, then dmdask's."""
     found = [ep.load() for ep in sorted(entry_points(group=GROUP), key=lambda ep: ep.name)]
     return found + [importlib.import_module(f"{__package__}.{module}").FORMAT for module in BUILTIN]
 
 
-def find(place: Place) -> Optional[Format]:
+def find(place: Place) -> Format | None:
     """The first format that claims `place`; None if none does."""
     return next((f for f in formats() if f.claims(place)), None)

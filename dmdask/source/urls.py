@@ -1,22 +1,17 @@
 """URLs in one spelling (`normalize`), without credentials (`public`), the tar shards a
-source names (`shard_urls`), and which
-sources workers read for clients: `dmdask.worker.allowed-sources` (`check_source`).
+source names (`shard_urls`), and the sources workers may read (`check_source`).
 
-A list of URL prefixes (local paths or fsspec URLs); empty (the default) allows any
-source the worker's user can read. `check_source(url)` runs on the worker before it
-reads a block from the store (every `load_block`: `dmdask.batches`, `dmdask::` reads,
-`dmdask mount`), so the workers' own config decides, whatever a client's says.
-
-A prefix matches whole path components (`/data` allows `/data/train.zarr`, not
-`/database`), compared after normalising both (`normalize`), so `..` cannot climb out
-of an allowed folder. This bounds what dmdask's data API makes a worker read; it is no
-sandbox for clients that run code on workers (`Spec.transform`, Dask tasks).
+`dmdask.worker.allowed-sources` is a list of URL prefixes; empty (the default) allows
+any source the worker's user can read. A prefix matches whole path components (`/data`
+allows `/data/train.zarr`, not `/database`), compared after normalising both, so `..`
+cannot climb out of an allowed folder. This bounds what dmdask's data API makes a
+worker read; it is no sandbox for clients that run code on workers (`Spec.transform`).
 """
 from __future__ import annotations
 
 import os
 import posixpath
-from typing import Iterable, List, Optional
+from collections.abc import Iterable
 
 import dask.config
 
@@ -25,7 +20,7 @@ from ..errors import SourceNotAllowedError, SpecError
 LOCAL_PROTOCOLS = ("file://", "local://")
 
 
-def shard_urls(source) -> Optional[List[str]]:
+def shard_urls(source) -> list[str] | None:
     """The shard URLs that `source` (a `Spec.source`) names, or None when it names no
     tar shards: a tuple (a list of shards), a brace pattern, or a URL ending in `.tar`."""
     if isinstance(source, tuple):
@@ -47,10 +42,8 @@ def normalize(url: str) -> str:
     `.` or `..` (relative to this process's working directory); any other URL with its
     path normalised the same way. The last URL of a chain (`simplecache::s3://...`)."""
     url = url.rsplit("::", 1)[-1]
-    for protocol in LOCAL_PROTOCOLS:
-        if url.startswith(protocol):
-            url = url[len(protocol):]
-            break
+    if url.startswith(LOCAL_PROTOCOLS):
+        url = url.split("://", 1)[1]
     if "://" not in url:
         return os.path.abspath(url)
     protocol, rest = url.split("://", 1)
@@ -79,7 +72,7 @@ def public(url: str) -> str:
     return "::".join(parts)
 
 
-def allowed_prefixes() -> List[str]:
+def allowed_prefixes() -> list[str]:
     """The configured prefixes, normalised; [] for any source."""
     prefixes = dask.config.get("dmdask.worker.allowed-sources", None) or []
     if isinstance(prefixes, str):
@@ -94,9 +87,10 @@ def is_allowed(url: str, prefixes: Iterable[str]) -> bool:
     return any(normal == p or normal.startswith(p.rstrip("/") + "/") for p in prefixes)
 
 
-def check_source(url: str, prefixes: Optional[List[str]] = None) -> None:
+def check_source(url: str, prefixes: list[str] | None = None) -> None:
     """Nothing when workers may read `url`; `SourceNotAllowedError` naming it and the
-    allowed prefixes otherwise. `prefixes`: normalised ones (default: the config's)."""
+    allowed prefixes otherwise. `prefixes`: normalised ones (default: the config's). A
+    worker calls it before every store read of a block, so its own config decides."""
     prefixes = allowed_prefixes() if prefixes is None else prefixes
     if prefixes and not is_allowed(url, prefixes):
         raise SourceNotAllowedError(

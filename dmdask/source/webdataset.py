@@ -1,39 +1,30 @@
-"""WebDataset tar shards: each sample is the run of a shard's members that share a key.
+"""WebDataset tar shards: each sample is the run of a shard's members that share a key
+(WebDataset's convention: `dir/abc.seg.jpg` is field `seg.jpg` of sample `dir/abc`);
+docs/formats/webdataset.md.
 
-The shards are a brace pattern (`.../train-{000000..000099}.tar`, expanded with the
-`braceexpand` package), a list of URLs, one `.tar` URL, or a folder whose `.tar`
-files, sorted by name, are the shards. WebDataset's convention names the samples: the
-member `dir/abc.seg.jpg` belongs to the sample with key `dir/abc` (the name up to the
-first dot of its last part) as its field `seg.jpg` (the rest, lowercased). Consecutive
-members with the same key in one shard form one sample. Members that are not regular
-files, have no extension, or are metadata (`__name__`) are skipped.
-
-Each field is an object array of per-sample uint8 arrays holding the member's bytes.
-`__key__` holds the sample keys as a numpy `StringDType` array; it is always there and
-costs no store traffic. Sample ids run over the shards in order, then over each
-shard's samples in order. Blocks are runs of `block_size` samples (256 by default),
-which may span shards.
-
-Opening reads the tar headers of every shard, never member data: a size request, then
-about one ranged read of 513 bytes per member (the last byte of the block before a
-header, which Python's `tarfile` checks, and the header). The shards are indexed
-concurrently. The index (shard, offset and size of every wanted member) travels with
-the block readers, not in `DatasetInfo`. A reader fetches only the wanted samples'
-members, one range request each, all concurrently.
+Each field is an object array of per-sample uint8 arrays holding the member's bytes;
+`__key__` the sample keys (a numpy `StringDType` array, costing no store traffic).
+Blocks are runs of `block_size` samples (256 by default), which may span shards.
+Opening reads the tar headers of every shard (concurrently), never member data: a size
+request, then about one ranged read of 513 bytes per member (the header and the byte
+before it, which Python's `tarfile` checks). The index (shard, offset and size of every
+wanted member) travels with the block readers, not in `DatasetInfo`; a reader fetches
+only the wanted samples' members, one range request each, all concurrently.
 """
 from __future__ import annotations
 
 import re
 import tarfile
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, List, Optional, Sequence, Tuple
 
 import fsspec
 import numpy as np
 from dask.base import tokenize
 
 from ..errors import SourceError, SourceNotFoundError, SpecError
-from .base import DatasetInfo, Source, StoreReader, block_key, filesystem, options_json, prepare_filesystem
+from .base import (DatasetInfo, Source, StoreReader, filesystem, options_json, prepare_filesystem,
+                   protocol_of, string_dtype)
 from .registry import Format, Place
 
 DEFAULT_SAMPLES_PER_BLOCK = 256
@@ -42,7 +33,7 @@ OPEN_THREADS = 16  # shards indexed at once
 TAR_BLOCK = 512
 META = re.compile(r"__[^/]*__($|/)")  # WebDataset's metadata members, skipped
 
-Sample = Tuple[str, Dict[str, Tuple[int, int]]]  # key, {extension: (offset, size)}
+Sample = tuple[str, dict[str, tuple[int, int]]]  # key, {extension: (offset, size)}
 
 
 def shards_label(source) -> str:
@@ -53,7 +44,7 @@ def shards_label(source) -> str:
     return source[0] if len(source) == 1 else f"{source[0]} and {len(source) - 1} more shards"
 
 
-def shard_paths(urls: List[str], options: dict, spec):
+def shard_paths(urls: list[str], options: dict, spec):
     """(filesystem, paths) of the shard URLs; `SpecError` unless fsspec opens them all
     with one protocol."""
     paths, protocol, fs = [], None, None
@@ -62,20 +53,19 @@ def shard_paths(urls: List[str], options: dict, spec):
             fs, path = fsspec.core.url_to_fs(url, **options)
         except (ImportError, ValueError) as exc:
             raise SpecError("source", f"shard URLs fsspec can open ({exc})", spec.source) from None
-        name = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-        if protocol not in (None, name):
+        if protocol not in (None, protocol_of(fs)):
             raise SpecError("source", "shards on one filesystem (one protocol)", spec.source)
-        protocol = name
+        protocol = protocol_of(fs)
         paths.append(path)
     return fs, paths
 
 
-def tar_files(entries: Sequence[dict]) -> List[str]:
+def tar_files(entries: Sequence[dict]) -> list[str]:
     """The `.tar` files of a folder listing (`fs.ls(path, detail=True)`), sorted by name."""
     return sorted(e["name"] for e in entries if e["type"] == "file" and e["name"].endswith(".tar"))
 
 
-def split_name(name: str) -> Optional[Tuple[str, str]]:
+def split_name(name: str) -> tuple[str, str] | None:
     """(key, extension) of a member name by WebDataset's convention; None for a name
     with no extension, or before the first dot, or a metadata member."""
     if META.match(name):
@@ -87,7 +77,7 @@ def split_name(name: str) -> Optional[Tuple[str, str]]:
     return folder + stem, ext.lower()
 
 
-def index_shard(fs, path: str, url: str) -> Tuple[int, List[Sample]]:
+def index_shard(fs, path: str, url: str) -> tuple[int, list[Sample]]:
     """(size, samples) of one shard, from its tar headers. `SourceNotFoundError` if it
     cannot be reached, `SourceError` if it is not a tar file, is truncated (a member
     runs past its end, or it ends inside a header), or a sample has an extension twice."""
@@ -102,7 +92,7 @@ def index_shard(fs, path: str, url: str) -> Tuple[int, List[Sample]]:
         raise SourceNotFoundError(f"cannot reach WebDataset shard {url}: {type(cause).__name__}: {cause}") from exc
     if size is None:
         raise SourceError(f"the store gives no size for WebDataset shard {url}: it must answer with Content-Length")
-    samples: List[Sample] = []
+    samples: list[Sample] = []
     end = 0  # where the header after the last member read starts
     try:
         with fs.open(path, "rb", block_size=TAR_BLOCK, cache_type="readahead", size=size) as f:
@@ -141,13 +131,13 @@ def index_shard(fs, path: str, url: str) -> Tuple[int, List[Sample]]:
 
 
 class WebDatasetSource(Source):
-    def __init__(self, info: DatasetInfo, protocol: str, options: str, urls: List[str], paths: List[str],
-                 exts: Tuple[str, ...], shard: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, keys: np.ndarray):
+    def __init__(self, info: DatasetInfo, protocol: str, options: str, urls: list[str], paths: list[str],
+                 exts: tuple[str, ...], shard: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, keys: np.ndarray):
         self.info, self.protocol, self.options = info, protocol, options
         self.urls, self.paths, self.exts = urls, paths, exts
         self.shard, self.offsets, self.sizes, self.keys = shard, offsets, sizes, keys
 
-    def reader(self, k: int) -> "TarBlockReader":
+    def reader(self, k: int) -> TarBlockReader:
         a, b = self.info.block_range(k)
         used, local = np.unique(self.shard[a:b], return_inverse=True)
         return TarBlockReader(
@@ -181,9 +171,7 @@ def open_webdataset(place: Place) -> WebDatasetSource:
                 "subfolders? Pass the shards as a brace pattern or a list of URLs, or move the .tar files away")
         fs, paths, label = place.fs, tar_files(place.listing), place.url
         urls = [f"{label}/{t.rstrip('/').rsplit('/', 1)[-1]}" for t in paths]
-    string = getattr(getattr(np, "dtypes", None), "StringDType", None)
-    if string is None:
-        raise SourceError(f"WebDataset shards ({label}) need numpy >= 2: their {KEY} field is a StringDType array")
+    string = string_dtype(f"the {KEY} fields (StringDType arrays) of WebDataset shards {label}")
     with ThreadPoolExecutor(min(OPEN_THREADS, len(urls))) as pool:
         indexed = list(pool.map(lambda up: index_shard(fs, up[1], up[0]), zip(urls, paths)))
     present = sorted({ext for _, samples in indexed for _, members in samples for ext in members})
@@ -216,34 +204,26 @@ def open_webdataset(place: Place) -> WebDatasetSource:
                         keys.tolist())[:16]
     info = DatasetInfo(name=place.name, identity=identity, url=label, fields=tuple(sorted(exts + (KEY,))),
                        num_samples=n, block_len=block_len, nbytes=block_nbytes(sizes))
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    return WebDatasetSource(info, protocol, options_json(place.options), list(urls), list(paths), exts, shard, offsets,
-                            sizes, keys)
+    return WebDatasetSource(info, protocol_of(fs), options_json(place.options), list(urls), list(paths), exts, shard,
+                            offsets, sizes, keys)
 
 
 class TarBlockReader(StoreReader):
     """Reads the members of one block's samples, all of them or only some (row-granular).
-
-    `url`: the block's shard URLs (one, or several joined by ", "), named in errors.
-    """
+    `url`: the block's shard URLs (one, or several joined by ", "), named in errors."""
 
     row_granular = True
 
     def __init__(self, urls, protocol, options, paths, exts, shard, offsets, sizes, keys, identity, index, start,
                  stop, nbytes):
+        super().__init__(", ".join(urls), identity, index, start, stop, nbytes)
         self.urls, self.protocol, self.options, self.paths, self.exts = list(urls), protocol, options, list(paths), exts
         self.shard, self.offsets, self.sizes, self.keys = shard, offsets, sizes, keys
-        self.index, self.start, self.stop, self.nbytes = index, start, stop, nbytes
-        self.url = ", ".join(self.urls)
-        self.key = block_key(identity, index)
 
     def prepare(self) -> None:
         prepare_filesystem(self.protocol, self.options)
 
-    def _read(self) -> Dict[str, np.ndarray]:
-        return self._read_rows(np.arange(self.stop - self.start))
-
-    def _read_rows(self, rows) -> Dict[str, np.ndarray]:
+    def _read_rows(self, rows) -> dict[str, np.ndarray]:
         """The given rows: one range request per non-empty member, fetched concurrently
         where the protocol allows. An error names the shard, sample and member."""
         rows = np.asarray(rows, dtype=np.int64)
@@ -277,5 +257,5 @@ class TarBlockReader(StoreReader):
                        "it was opened (release the dataset after changing it)")
 
 
-FORMAT = Format("webdataset", claims=lambda place: place.shards is not None or bool(tar_files(place.listing)),
-                open=open_webdataset)
+FORMAT = Format("webdataset", open=open_webdataset,
+                claims=lambda place: place.shards is not None or bool(tar_files(place.listing)))

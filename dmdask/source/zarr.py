@@ -7,13 +7,12 @@ import functools
 import json
 import math
 import warnings
-from typing import Dict, Tuple
 
 import numpy as np
 from dask.base import tokenize
 
 from ..errors import SourceError, SourceNotFoundError, SpecError
-from .base import DatasetInfo, Source, StoreReader, block_key, options_json
+from .base import DatasetInfo, Source, StoreReader, options_json
 from .registry import Format, Place
 
 
@@ -32,7 +31,7 @@ class ZarrLayout:
 
     url: str
     options: str  # storage options as JSON
-    paths: Tuple[Tuple[str, str], ...]  # (field, path in the group; "" for a lone array)
+    paths: tuple[tuple[str, str], ...]  # (field, path in the group; "" for a lone array)
     identity: str
 
 
@@ -40,7 +39,7 @@ class ZarrSource(Source):
     def __init__(self, info: DatasetInfo, layout: ZarrLayout, row_bytes: int):
         self.info, self.layout, self.row_bytes = info, layout, row_bytes
 
-    def reader(self, k: int) -> "ZarrBlockReader":
+    def reader(self, k: int) -> ZarrBlockReader:
         start, stop = self.info.block_range(k)
         return ZarrBlockReader(self.layout, k, start, stop, self.row_bytes * (stop - start))
 
@@ -76,9 +75,7 @@ def open_zarr(place: Place) -> ZarrSource:
     if n == 0:
         raise SourceError(f"dataset {url} has no samples: its arrays {list(fields)} have length 0 "
                           "along the first axis")
-    chunk = 1
-    for name in fields:
-        chunk = math.lcm(chunk, arrays[name].chunks[0])
+    chunk = math.lcm(*(arrays[name].chunks[0] for name in fields))
     block_len = spec.block_size or chunk
     if block_len % chunk:
         raise SpecError("block_size", f"a multiple of the chunk length {chunk} of {url}", spec.block_size)
@@ -95,11 +92,10 @@ class ZarrBlockReader(StoreReader):
     """Reads the chunks of one block, every field."""
 
     def __init__(self, layout: ZarrLayout, index: int, start: int, stop: int, nbytes: int):
-        self.layout, self.index, self.start, self.stop, self.nbytes = layout, index, start, stop, nbytes
-        self.url = layout.url
-        self.key = block_key(layout.identity, index)
+        super().__init__(layout.url, layout.identity, index, start, stop, nbytes)
+        self.layout = layout
 
-    def _read(self) -> Dict[str, np.ndarray]:
+    def _read(self) -> dict[str, np.ndarray]:
         return {field: np.asarray(_array(self.layout, path)[self.start:self.stop]) for field, path in self.layout.paths}
 
 

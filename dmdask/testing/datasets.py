@@ -1,8 +1,5 @@
-"""Synthetic datasets whose every value tells which sample it came from.
-
-Used by the tests, the demo and the benchmarks: a batch can be checked against the
-sample ids in its "index" field without keeping the dataset in memory.
-"""
+"""Synthetic datasets whose every value tells which sample it came from, so that a batch
+can be checked against the sample ids in its "index" field (tests, demo, benchmarks)."""
 from __future__ import annotations
 
 import io
@@ -41,19 +38,27 @@ def write_zarr(path: str, n: int, sample_shape=(8,), chunk: int = 64, dtype="flo
         ids = np.arange(start, min(n, start + chunk * 16))
         x[start:start + len(ids)] = zarr_sample(ids, sample_shape, dtype)
         label[start:start + len(ids)] = zarr_label(ids, classes)
+    _consolidate(path)
+    return path
+
+
+def _consolidate(path: str) -> None:
+    import zarr
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         zarr.consolidate_metadata(path)
-    return path
 
 
 def folder_sample(sample_id: int, min_size: int = 16, max_size: int = 2048) -> bytes:
     """The bytes of sample `sample_id` of `write_folder` (varying sizes)."""
-    rng = np.random.default_rng(sample_id)
+    return _random_bytes(np.random.default_rng(sample_id), f"sample-{sample_id:08d}|", min_size, max_size)
+
+
+def _random_bytes(rng, head: str, min_size: int, max_size: int) -> bytes:
+    """`head` then random bytes, min_size..max_size bytes in all (at least `head`)."""
     size = int(rng.integers(min_size, max_size + 1))
-    head = f"sample-{sample_id:08d}|".encode()
-    body = rng.integers(0, 256, size=max(0, size - len(head)), dtype=np.uint8).tobytes()
-    return head + body
+    return head.encode() + rng.integers(0, 256, size=max(0, size - len(head)), dtype=np.uint8).tobytes()
 
 
 def write_folder(path: str, classes: int = 3, per_class: int = 20, min_size: int = 16,
@@ -86,9 +91,7 @@ def write_blobs(path: str, n: int = 5000, features: int = 16, classes: int = 3) 
     g.create_array("y", shape=y.shape, chunks=(512,), dtype="i8")
     g["x"][:] = x
     g["y"][:] = y
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        zarr.consolidate_metadata(path)
+    _consolidate(path)
 
 
 def tar_key(sample_id: int) -> str:
@@ -100,10 +103,7 @@ def tar_member(sample_id: int, ext: str, min_size: int = 16, max_size: int = 204
     """The bytes of member `<key>.<ext>` of sample `sample_id` of `write_tar_shards`
     (varying sizes, different for each extension)."""
     rng = np.random.default_rng([sample_id, zlib.crc32(ext.encode())])
-    size = int(rng.integers(min_size, max_size + 1))
-    head = f"{ext}-{sample_id:08d}|".encode()
-    body = rng.integers(0, 256, size=max(0, size - len(head)), dtype=np.uint8).tobytes()
-    return head + body
+    return _random_bytes(rng, f"{ext}-{sample_id:08d}|", min_size, max_size)
 
 
 def write_tar_shards(path: str, shards: int = 3, per_shard: int = 20, exts=("cls", "jpg"), prefix: str = "shard-",
@@ -130,13 +130,14 @@ def write_tar_shards(path: str, shards: int = 3, per_shard: int = 20, exts=("cls
                     tar.addfile(info, io.BytesIO(data))
         paths.append(name)
     return paths
+
+
 def parquet_columns(ids: np.ndarray, width: int = 8) -> dict:
     """The columns of `write_parquet` for the given sample ids, as dmdask returns them:
     "x" (ids, width) float32, "label" int64, "name" strings, "blob" (bytes of varying
     size, a list)."""
     ids = np.asarray(ids, dtype=np.int64)
-    return {"x": zarr_sample(ids, (width,)), "label": zarr_label(ids),
-            "name": [f"sample-{i}" for i in ids.tolist()],
+    return {"x": zarr_sample(ids, (width,)), "label": zarr_label(ids), "name": hdf5_names(ids),
             "blob": [folder_sample(i, 0, 48) for i in ids.tolist()]}
 
 

@@ -37,10 +37,10 @@ class SourceTests:
     def test_every_sample_once_per_epoch(self, client, spec):
         orders = []
         for epoch in (0, 1):
+            specs = [spec.replace(rank=r, world_size=2) for r in range(2)]
             with concurrent.futures.ThreadPoolExecutor(2) as pool:
-                ranks = pool.map(lambda r: list(dmdask.batches(client, spec.replace(rank=r, world_size=2), epoch=epoch)),
-                                 range(2))
-                batches = [b for per_rank in ranks for b in per_rank]
+                ranks = list(pool.map(lambda s: list(dmdask.batches(client, s, epoch=epoch)), specs))
+            batches = [b for per_rank in ranks for b in per_rank]
             for batch in batches:
                 self.check(batch)
             orders.append(np.concatenate([b["index"] for b in batches]))

@@ -43,8 +43,7 @@ class Worker(distributed.Worker):
     Unset (and null in config), they come from the job the worker runs in: its memory
     limit (Slurm, cgroup v2) and the free space of its temp dir (`dmdask.worker.sizing`).
     ssd_dir: folder of the SSD tier (default: $SLURM_TMPDIR, else a batch job's $TMPDIR,
-    else the worker's local directory). One that
-    cannot be used does not stop the worker: see `TieredStore.open_ssd`.
+    else the worker's local directory); an unusable one does not stop the worker.
     shm_dir: shared-memory folder of the RAM tier (default /dev/shm; "" keeps RAM blocks
     in the worker's own memory, readable only through it).
     stream_buffer: bytes for blocks beyond the cache while ranks take their rows.
@@ -84,7 +83,7 @@ class Worker(distributed.Worker):
         store.check_shared_memory()  # a RAM tier larger than /dev/shm: a warning and stats()["ram"]["warning"]
         self.stream_buffer = capacity(config("stream-buffer", stream_buffer), "stream_buffer")
         # the tiers until the worker plugin's cache adds its counts: the scheduler reads a
-        # joining worker's room from this metric (`DatasetsPlugin._win_back`)
+        # joining worker's room from this metric (`dmdask.scheduler.placement.win_back`)
         self.metrics["dmdask"] = lambda worker: {**store.stats(), **NO_COUNTS}
 
     async def start_unsafe(self):

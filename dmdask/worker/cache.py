@@ -18,6 +18,7 @@ from typing import Dict, Tuple
 import distributed
 import numpy as np
 
+from ..arrivals import Arrivals
 from ..protocol.worker import Moved
 from .handover import Handovers
 from .filling import FillingBlock
@@ -66,7 +67,7 @@ class BlockCache:
         self.peer_bytes_out = 0
         self.peer_bytes_in = 0
         self.handovers = Handovers()
-        self._arrivals: Dict[str, list] = {}  # key -> futures of requests waiting for its load task
+        self.arrivals = Arrivals()  # requests waiting for load tasks of this worker
         store.on_block = self._arrived
         self._rereads: Dict[str, asyncio.Future] = {}  # key -> (block, value) being read again (`_reread`)
 
@@ -86,10 +87,8 @@ class BlockCache:
         return arrays
 
     def load(self, reader):
-        """Body of the `load_block` task: read once, keep in the fastest tier with room.
-
-        Room is reserved before the read when the block's size is known; a block whose
-        size only the read tells (an HTTP folder lists no sizes) is charged once read."""
+        """Body of the `load_block` task: read once, keep in the fastest tier with room
+        (reserved before the read when the block's size is known, else charged after)."""
         if reader.row_granular:  # its rows are read when ranks ask: have the store's filesystem ready
             self.reads.submit(reader.prepare)
         if reader.nbytes is None:
@@ -130,11 +129,9 @@ class BlockCache:
 
     # -- serving rows ------------------------------------------------------------------
     async def take(self, key: str, rows: np.ndarray, priority: float = LAST) -> Tuple[Arrays, int]:
-        """(rows of a block this worker holds, how many of them were read from the store
-        for this request); KeyError if it holds no such block,
-        ValueError naming the block and the bad offsets (before anything is read) unless
-        `rows` are offsets inside the block. Reads it needs run at `priority` (lower
-        first: the position of the batch that waits for them, `PriorityPool`)."""
+        """(rows of a block this worker holds, how many were read from the store for this
+        request); KeyError if it holds no such block, ValueError (`check_rows`) unless
+        `rows` are offsets inside the block. Its reads run at `priority` (`PriorityPool`)."""
         value = self.store[key]
         if not isinstance(value, Holding):
             raise KeyError(key)
@@ -161,14 +158,9 @@ class BlockCache:
         return asyncio.wrap_future(self.reads.submit_at(priority, fn, *args))
 
     def _arrived(self, key: str) -> None:
-        """A block was stored (from any thread): wake the requests waiting for it."""
-        if key in self._arrivals:
-            self.worker.loop.add_callback(self._wake, key)  # thread-safe
-
-    def _wake(self, key: str) -> None:
-        for fut in self._arrivals.pop(key, ()):
-            if not fut.done():
-                fut.set_result(None)
+        """A block was stored (from any thread): wake the requests waiting for it, on the
+        loop, so also a request that found it missing just before it was stored."""
+        self.worker.loop.add_callback(self.arrivals.wake, key)  # thread-safe
 
     async def _wait_for_loads(self, keys, seconds: float) -> None:
         """Wait up to `seconds` for those of `keys` whose load task this worker has (the
@@ -176,32 +168,14 @@ class BlockCache:
         a round trip through the scheduler once the block is in."""
         tasks = self.worker.state.tasks
         coming = [k for k in keys if k in tasks and tasks[k].state in LOADING_STATES]
-        if not coming:
-            return
-        waiters = []
-        for key in coming:
-            fut = asyncio.get_running_loop().create_future()
-            self._arrivals.setdefault(key, []).append(fut)
-            waiters.append(fut)
-        done = [k for k in coming if k in self.store]  # stored between the check and now
-        for key in done:
-            self._wake(key)
-        await asyncio.wait(waiters, timeout=seconds)
-        for key, fut in zip(coming, waiters):
-            if not fut.done():
-                fut.cancel()
-                left = [f for f in self._arrivals.get(key, ()) if f is not fut]
-                if left:
-                    self._arrivals[key] = left
-                else:
-                    self._arrivals.pop(key, None)
+        if coming:
+            await self.arrivals.wait(coming, seconds)
 
     def _reread(self, key: str, broken: FileBlock, exc: OSError) -> None:
-        """Drop a block whose files cannot be read (counted in its tier's `read_errors`,
-        logged with the path) and read it again from the shared store, once: requests
-        for it wait for that read and take their rows from it, and the block goes back
-        into the fastest tier with room (else it is streamed from then on). A failed read
-        (`BlockReadError`) fails the waiting requests and leaves the block streamed."""
+        """Drop a block whose files cannot be read (counted in `read_errors`, logged) and
+        read it again from the store, once: requests for it wait for that read, and the
+        block goes back into the fastest tier with room (else it is streamed). A failed
+        read (`BlockReadError`) fails the waiting requests and leaves the block streamed."""
         reader = broken.reader
         self.store.count_read_error(broken.tier)
         logger.warning("cannot read block %s from its %s files in %s (%s: %s); reading it again from %s",
@@ -225,12 +199,9 @@ class BlockCache:
 
     async def serve(self, requests: Dict[str, np.ndarray], priority: float = LAST,
                     wait: float = 0.0) -> Tuple[Arrays, int]:
-        """(the rows of several held blocks, concatenated per field in request order; how
-        many of them were read from the store for this request). A block whose load task
-        this worker is running or about to run is waited for, up to `wait` seconds;
-        `Moved` names those it does not hold then.
-
-        One array per field (not one per block) keeps messages to a few frames."""
+        """(the rows of several held blocks, one array per field in request order; how
+        many were read from the store for this request). A block whose load task this
+        worker has is waited for, up to `wait` seconds; `Moved` names those not held then."""
         missing = [key for key in requests if key not in self.store]
         if missing and wait > 0:
             await self._wait_for_loads(missing, wait)
@@ -264,9 +235,8 @@ LOADING_STATES = frozenset({"waiting", "ready", "constrained", "executing", "lon
 
 
 def check_rows(key: str, rows, length: int) -> np.ndarray:
-    """`rows` as an int64 array when it holds offsets in 0..length-1 (numpy would take a
-    negative offset from the block's end); otherwise ValueError naming the block `key`
-    and the bad offsets."""
+    """`rows` as an int64 array when it holds offsets in 0..length-1 (not negative ones,
+    which numpy takes from the end); otherwise ValueError naming block `key` and them."""
     rows = np.asarray(rows)
     if rows.ndim != 1 or (rows.size and rows.dtype.kind not in "iu"):
         raise ValueError(f"rows of block {key} must be a 1-d array of integer offsets, "

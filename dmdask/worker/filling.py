@@ -11,18 +11,12 @@ from .holdings import Block, Holding, concat
 
 
 class FillingBlock(Holding):
-    """A RAM block of a one-file-per-sample source, filled sample by sample as ranks ask.
-
-    Each sample is read from the store the first time a rank wants it, so epoch 1
-    streams like a plain loader, and every sample kept is read once for the whole run.
-    `sized`: the block's whole room was reserved when it was created (its size came
-    from the listing); otherwise (an HTTP folder lists no sizes) each sample is charged
-    to the tier when read, and samples the tier has no room for are served and not
-    kept. Used only from the worker's event loop (reads run in threads, fills happen on
-    the loop). `reading`: row -> the future of the read under way that brings it, so a
-    row asked twice at once is read once, and a request never waits for reads of rows
-    it did not ask for.
-    """
+    """A RAM block of a one-file-per-sample source, each sample read from the store the
+    first time a rank wants it and kept. `sized`: the block's room was reserved at
+    creation; otherwise (an HTTP folder lists no sizes) each sample is charged to the
+    tier when read, and those it has no room for are served and not kept. Used from the
+    worker's event loop. `reading`: row -> the read under way that brings it (a row
+    asked twice at once is read once)."""
 
     __slots__ = ("reader", "arrays", "have", "nbytes", "samples", "sized", "start", "stop", "reading")
 

@@ -1,16 +1,13 @@
 """Blocks a reader already read from the store, handed to the worker that will hold them.
 
-Transparent mode's first reader of a block reads it from the store itself (its caller
-is waiting) and then hands the bytes to the block's planned worker, before it submits
-the block's load task (`dmdask.scheduler.plugin.DatasetsPlugin.open_blocks`). The task
-takes them from here instead of reading the store a second time.
+Transparent mode's first reader of a block reads it from the store itself, hands the
+bytes to the block's planned worker, then submits the block's load task
+(`dmdask.fs.claims`), which takes them from here instead of reading the store again.
 
-Bytes are kept under the claim they came with: a secret of the reading process, which
-it also puts in the block's load task (`FileBlockReader.claim`). A task takes only bytes
-handed over with its own claim, so bytes another client sends for the same key (to
-poison the cache) are never served: that block is read from the store. (A client that
-submits load tasks of its own runs code on the workers, which Dask's trust model lets
-any connected client do: docs/failures.md#trust-model.)
+Bytes are kept under the claim they came with: a secret of the reading process, also in
+the block's load task (`FileBlockReader.claim`). A task takes only bytes handed over
+with its own claim, so another client's bytes for the same key are never served
+(docs/failures.md#trust-model).
 
 Guarantees: memory is bounded (`capacity` bytes; a block that does not fit is dropped,
 and its task then reads the store); a block not taken within `seconds` is dropped; a

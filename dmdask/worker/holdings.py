@@ -6,8 +6,7 @@
 - `ArenaBlock`: a RAM block in a slot of its dataset's arena (shared memory);
 - `Streamed`: a marker for a block that fits no tier (read from the store when asked).
 Their files' formats are `dmdask.shm`'s (training processes read them too). A holding
-serves rows through its worker's `BlockCache` (`serve`: its read threads at a priority,
-its store reads, its stream buffer), which counts what each serve did."""
+serves rows through its worker's `BlockCache`, which counts what each serve did."""
 from __future__ import annotations
 
 import shutil
@@ -37,27 +36,17 @@ def payload_bytes(arrays: Arrays) -> int:
 
 def concat(arrays):
     """One array of the rows of `arrays` (object arrays of per-sample arrays too)."""
-    if len(arrays) == 1:
-        return arrays[0]
-    if arrays and arrays[0].dtype == object:
-        out = np.empty(sum(len(a) for a in arrays), dtype=object)
-        i = 0
-        for a in arrays:
-            out[i:i + len(a)] = a
-            i += len(a)
-        return out
-    return np.concatenate(arrays)
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 
 class Holding:
     """What a worker holds under a block's key, samples `start..stop-1` of a dataset.
 
-    `tier`: the tier it is charged to ("ram", "ssd"; None: in none, streamed); `nbytes`;
-    `describe()`: how a process on this host maps its rows, None when it cannot;
-    `serve(rows, cache, priority)`: (the rows, how many were read from the store for
-    them), reads done in `cache`'s read threads at `priority`; `take(rows)`: the rows of
-    a holding that holds them all; `release()`: when it leaves the tier; `rereadable`:
-    whether unreadable files are read again from the store (`BlockCache._reread`)."""
+    `tier`: the tier it is charged to (None: streamed); `describe()`: how a process on
+    this host maps its rows (None: it cannot); `serve(rows, cache, priority)`: (the rows,
+    how many were read from the store); `take(rows)`: rows of a holding that holds them
+    all; `release()`: when it leaves the tier; `rereadable`: whether unreadable files
+    are read again from the store (`BlockCache._reread`)."""
 
     __slots__ = ()
     tier: Optional[str] = "ram"
@@ -81,10 +70,8 @@ class Holding:
 
 
 class Block(Holding):
-    """Samples `start..stop-1` of a dataset as one array per field (first axis: samples).
-
-    Variable-size fields are object arrays of per-sample `uint8` arrays.
-    """
+    """Samples `start..stop-1` of a dataset as one array per field (first axis: samples);
+    variable-size fields are object arrays of per-sample `uint8` arrays."""
 
     __slots__ = ("arrays", "start", "stop", "nbytes")
 
@@ -106,13 +93,9 @@ class Block(Holding):
 
 
 class Streamed(Holding):
-    """Stands in the worker's data for a block that did not fit any tier.
-
-    Holding the reader (not the bytes), it lets the worker stream the block from the
-    shared store when a rank asks for its rows: just the rows asked for when the store
-    holds one file per sample; otherwise the whole block through the `StreamBuffer`, read
-    once while the ranks take their rows of it.
-    """
+    """Stands in the worker's data for a block that fits no tier: its reader, to stream
+    the rows asked for from the store (one file per sample), else the whole block
+    through the `StreamBuffer`, read once while the ranks take their rows of it."""
 
     __slots__ = ("reader",)
     tier = None
@@ -156,10 +139,8 @@ class _InFiles(Holding):
     def load(self) -> Block:
         return Block(self.take(np.arange(len(self))), self.start, self.stop)
 
-    def __reduce__(self):
-        # Leaving this worker (a graceful retire, a gather): travel as the data itself.
-        block = self.load()
-        return (Block, (block.arrays, block.start, block.stop))
+    def __reduce__(self):  # leaving this worker (a graceful retire, a gather): travel as the data itself
+        return self.load().__reduce__()
 
     def __sizeof__(self) -> int:
         return 256
@@ -167,10 +148,9 @@ class _InFiles(Holding):
 
 class FileBlock(_InFiles):
     """A block kept in files (`dmdask.shm.fileblocks`; shared memory for the RAM tier, the
-    node's disk for the SSD): a take reads only the wanted rows, and a training process on
-    the same host maps the files itself (`describe`). `reader`: the block's `BlockReader`
-    when it was read from the store here (None when it came from another worker), so a
-    block whose files can no longer be read can be read again from the store."""
+    node's disk for the SSD), which a training process on the same host maps itself.
+    `reader`: the block's `BlockReader` when it was read here (None: from another
+    worker), to read it again should its files fail."""
 
     __slots__ = ("path", "start", "stop", "nbytes", "layout", "tier", "reader")
 

@@ -1,12 +1,8 @@
 """dmdask's worker side as a Dask worker plugin, which the scheduler plugin installs on
 every worker (as `distributed.shuffle` does): on a `dmdask.Worker` it starts the
-`BlockCache` over the worker's tiers and registers the handlers of
-`dmdask.protocol.worker`: `dmdask_rows` (rows of held blocks, for this worker or a peer),
-`dmdask_batch` (a rank's group on its own node: rows from their holders, in batch order,
-transformed, returned in shared memory to the same host or over TCP), `dmdask_describe`
-and `dmdask_count_hits` (trainers on this host that map held blocks' files themselves),
-`dmdask_hand_over` (transparent mode: bytes a reader read, for the load tasks, `handover`).
-Handlers use `cache`, `address` and `peers` (a `WorkerAPI`): testable without a cluster.
+`BlockCache` and registers the handlers of `dmdask.protocol.worker` (rows, a rank's
+batches, descriptions and hits of same-host files, hand-overs). Handlers use `cache`,
+`address` and `peers` (a `WorkerAPI`): testable without a cluster.
 """
 from __future__ import annotations
 
@@ -22,6 +18,7 @@ from ..protocol.worker import (Batches, BatchRequest, DescribeRequest, Descripti
                                Missing, Moved, OPS, Rows, RowsRequest, WorkerAPI, handler)
 from ..shm.fileblocks import assemble
 from ..shm.results import shareable, write_batches
+from ..scheduler.placement import STREAMED_TOPIC
 from ..spec import loads_transform
 from .cache import BlockCache
 from .holdings import Holding, payload_bytes
@@ -41,6 +38,7 @@ class WorkerPlugin(distributed.WorkerPlugin):
         self.cache = None
         self.address = None
         self.peers = None
+        self.worker = None
 
     def setup(self, worker) -> None:
         if not isinstance(worker.data, TieredStore):
@@ -50,12 +48,20 @@ class WorkerPlugin(distributed.WorkerPlugin):
             self.cache = BlockCache(worker, worker.data, worker.stream_buffer,
                                     read_threads=int(dask.config.get("dmdask.worker.read-threads")),
                                     transform_threads=int(dask.config.get("dmdask.worker.transform-threads")))
-        self.address, self.peers = worker.address, WorkerAPI(worker.rpc)
+        self.worker, self.address, self.peers = worker, worker.address, WorkerAPI(worker.rpc)
         worker.handlers.update({OPS[kind]: handler(kind, method) for kind, method in (
             (RowsRequest, self.rows), (BatchRequest, self.batch), (DescribeRequest, self.describe),
             (HitsReport, self.count_hits), (HandOver, self.hand_over))})
         worker.extensions["dmdask"] = self.cache
         worker.metrics["dmdask"] = lambda worker: self.cache.stats()
+
+    def transition(self, key, start, finish, **kwargs) -> None:
+        """Tell the scheduler of each block this worker holds as a `Streamed` marker (a
+        joining worker loads it again: `dmdask.scheduler.placement.win_back`)."""
+        if finish == "memory" and self.cache is not None:
+            value = self.cache.store.get(key)
+            if isinstance(value, Holding) and value.tier is None:
+                self.worker.log_event(STREAMED_TOPIC, key)
 
     def teardown(self, worker) -> None:
         if self.cache is not None and worker.status == Status.closing:  # not when added again

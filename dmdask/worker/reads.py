@@ -1,11 +1,8 @@
 """`PriorityPool`: a worker's read threads, serving the most urgent read first.
 
-Ranks ask for the rows of their next batches ahead of time; cold, those rows come from
-the store, and a fair share of the store between all of them would finish every batch
-near the end. Each read carries the priority of the batch that needs it (its position
-in its rank's epoch: lower is sooner), so the threads take the earliest batch's reads
-first, across every rank the worker serves, while later batches' reads fill whatever
-capacity is left.
+Each read carries the priority of the batch that needs it (its position in its rank's
+epoch: lower is sooner), so the threads take the earliest batch's reads first, across
+every rank the worker serves, rather than finish every prefetched batch near the end.
 """
 from __future__ import annotations
 

@@ -1,27 +1,16 @@
 """A worker's tier sizes when no setting gives them: taken from the job it runs in.
 
-RAM tier (when `dmdask.worker.ram` is null and no `ram=` was given):
-    limit = the smallest of the job's memory limits that are set:
-        - Slurm: `SLURM_MEM_PER_NODE` (MiB), else `SLURM_MEM_PER_CPU` x `SLURM_CPUS_ON_NODE`;
-        - cgroup v2: the smallest `memory.max` of this process's cgroup and its parents
-          (Slurm's cgroup plugin, containers, Kubernetes);
-    ram = (limit - headroom) x ram-share  (`dmdask.worker.job`: 512 MiB, 0.5 by default:
-          the worker's own memory first, then half of the rest; the other half is left to
-          the training ranks of the node);
-    with no limit found, 1 GiB. Never more than the free room of the shared-memory
-    folder (`/dev/shm`), where the tier's blocks live.
+RAM tier: (limit - headroom) x ram-share (`dmdask.worker.job`), the limit being the
+smallest of the job's memory limits (Slurm's `SLURM_MEM_PER_NODE`, else
+`SLURM_MEM_PER_CPU` x CPUs; cgroup v2 `memory.max` of this process's cgroup and its
+parents); 1 GiB when none is found; never more than the free room of `/dev/shm`.
+SSD tier: in `ssd-dir`, else `$SLURM_TMPDIR`, else `$TMPDIR` in a batch job, else the
+worker's local directory; ssd-share of the free space there inside a batch job (Slurm,
+PBS, LSF), off outside one. (docs/hpc.md.)
 
-SSD tier (when `dmdask.worker.ssd` is null and no `ssd=` was given):
-    folder = `ssd-dir` when set, else the job's node-local temp dir (`$SLURM_TMPDIR`,
-    else `$TMPDIR` inside a batch job), else the worker's local directory;
-    inside a batch job (Slurm, PBS, LSF) the tier takes ssd-share (0.9) of the free space
-    there; outside one it is off (0), as before.
-
-Explicit settings (keyword arguments, `dmdask.worker.*` config or
-`DASK_DMDASK__WORKER__*` variables) always win. Every size says where it came from
-(`Sized.source`), reported by `dmdask.stats()` as `["ram"]["source"]`.
-This module reads only what it is given (an environment mapping, file paths), so each
-source is unit-tested with fakes.
+Explicit settings always win. Every size says where it came from (`Sized.source`,
+`dmdask.stats()[tier]["source"]`). Reads only what it is given (an environment mapping,
+file paths), so each source is unit-tested with fakes.
 """
 from __future__ import annotations
 

@@ -11,13 +11,9 @@ from .reads import PriorityPool
 
 
 class StreamBuffer:
-    """Blocks beyond the cache, kept briefly while the ranks take their rows of them.
-
-    A block leaves as soon as as many rows were served as it holds (every sample is
-    asked for once per epoch), or earlier when the buffer is full (least recently used
-    first), so it never acts as a cache across epochs. One read per block at a time:
-    concurrent askers wait for the same read. Used only from the worker's event loop.
-    """
+    """A block leaves once as many rows were served as it holds, or when the buffer is
+    full (least recently used first): never a cache across epochs. One read per block at
+    a time. Used from the worker's event loop."""
 
     def __init__(self, capacity_bytes: int, read, executor: PriorityPool):
         self.capacity = capacity_bytes

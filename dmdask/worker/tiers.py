@@ -1,12 +1,8 @@
-"""The worker's storage: a RAM tier and an SSD tier for dmdask blocks, a dict for the rest.
+"""The worker's storage, `TieredStore` (the `data=` mapping of a dmdask worker): dmdask
+blocks in a RAM or SSD tier (their room: `dmdask.worker.tier_space`), a dict for the rest.
 
-Placement is MinIO (CoorDL): a block goes to the fastest tier with room when it is
-first read, and stays there until its key is released; nothing is ever evicted to make
-room, so a fresh shuffle each epoch cannot thrash the cache. A block that fits no tier
-is stored as a `Streamed` marker and read from the shared store when asked for.
-
-`TieredStore` is the `data=` mapping of a dmdask worker. Like every Dask worker
-mapping it never drops a key on its own.
+A block that fits no tier is stored as a `Streamed` marker and read from the shared
+store when asked for. Like every Dask worker mapping it never drops a key on its own.
 """
 from __future__ import annotations
 
@@ -15,70 +11,32 @@ import logging
 import os
 import shutil
 import tempfile
-import threading
 from collections.abc import MutableMapping
-from dataclasses import dataclass
 from typing import Callable, Dict, Optional
 
-import numpy as np
 from dask.utils import format_bytes
 
 from ..shm.arena import Arena, all_fixed
 from ..source import is_block_key, parse_block_key
 from .folders import make_folder, remove_stale
 from .holdings import ArenaBlock, Block, FileBlock, Holding
+from .tier_space import TierSpace
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class TierStats:
-    """What one tier holds and what it served. Read by `dmdask.stats` and the dashboard."""
-
-    capacity: int
-    bytes: int = 0
-    blocks: int = 0
-    reserved: int = 0
-    samples: int = 0  # samples held (or with room reserved)
-    hits: int = 0  # samples served from this tier
-    hit_bytes: int = 0
-    full: bool = False  # set when the device refused a write (SSD out of space)
-    error: Optional[str] = None  # why the tier's folder cannot be used; the tier then takes no blocks
-    read_errors: int = 0  # blocks dropped because their files could not be read
-    warning: Optional[str] = None  # a capacity the device cannot hold (a RAM tier larger than /dev/shm)
-    source: Optional[str] = None  # where the capacity came from (a setting, the job's limits: `sizing`)
-
-    def room(self) -> int:
-        return self.capacity - self.bytes - self.reserved
-
-    def open(self) -> bool:
-        """Whether the tier takes new blocks (not full, no error)."""
-        return not self.full and self.error is None
-
-    def as_dict(self) -> dict:
-        return {"capacity": self.capacity, "bytes": self.bytes, "blocks": self.blocks, "samples": self.samples,
-                "hits": self.hits, "hit_bytes": self.hit_bytes, "full": self.full, "error": self.error,
-                "read_errors": self.read_errors, "warning": self.warning, "source": self.source}
 
 
 def _from(source: Optional[str]) -> str:
     return f" (from {source})" if source else ""
 
 
-class TieredStore(MutableMapping):
-    """Worker storage: dmdask blocks in a RAM or SSD tier, every other key in a dict.
-
-    Capacities are never exceeded: a block is admitted only after space was reserved
-    (`reserve`), so use stays within capacity plus the blocks being read right now.
-    Thread-safe: reservations come from task threads, the mapping is used by the
-    worker's event loop.
-    """
+class TieredStore(TierSpace, MutableMapping):
+    """Worker storage: dmdask blocks in a RAM or SSD tier, every other key in a dict. Use
+    stays within capacity plus the blocks being read right now (`TierSpace.reserve`)."""
 
     def __init__(self, ram: int, ssd: int = 0, ssd_dir: Optional[str] = None, shm_dir: Optional[str] = None,
                  gid: Optional[int] = None):
+        super().__init__(ram, ssd)
         self.gid = gid  # the group that may read the tiers' files too (`dmdask.shm.modes`); None: none
-        self.ram = TierStats(int(ram))
-        self.ssd = TierStats(int(ssd))
         self._roots = {"ram": shm_dir or None, "ssd": ssd_dir}
         self._folders: Dict[str, str] = {}
         self._arenas: Dict[str, Arena] = {}  # dataset identity -> its RAM blocks' arena
@@ -86,55 +44,17 @@ class TieredStore(MutableMapping):
         self._tier_of: Dict[str, str] = {}
         self._other: Dict[str, object] = {}
         self._reservations: Dict[str, tuple] = {}  # key -> (tier, bytes) placed, not yet stored
-        self._lock = threading.Lock()
-        self._closed_to_growth: set = set()  # tiers that refused a sample charged as read
         self.on_block: Optional[Callable[[str], None]] = None  # called with each block key stored
-
-    # -- placement (called from the task that reads a block) -------------------------
-    def reserve(self, nbytes: int) -> Optional[str]:
-        """Reserve room for a block in the fastest tier that has it: "ram", "ssd" or None."""
-        with self._lock:
-            for name, tier in (("ram", self.ram), ("ssd", self.ssd)):
-                if tier.open() and tier.room() >= nbytes:
-                    tier.reserved += nbytes
-                    return name
-        return None
-
-    def charge(self, tier: str, sizes: np.ndarray) -> int:
-        """Charge the first samples of `sizes` (bytes each) that fit to `tier`, for a block
-        whose size is learnt as it is read; returns how many were charged. Once a sample
-        did not fit, the tier takes no more this way (MinIO: what missed the cache in
-        the first epoch stays out, so later epochs read exactly the same bytes)."""
-        with self._lock:
-            stats = getattr(self, tier)
-            if tier in self._closed_to_growth:
-                return 0
-            k = int(np.searchsorted(np.cumsum(sizes), stats.room(), side="right"))
-            if k < len(sizes):
-                self._closed_to_growth.add(tier)
-            stats.bytes += int(np.sum(sizes[:k]))
-            stats.samples += k
-            return k
-
-    def has_room(self, tier: str) -> bool:
-        with self._lock:
-            stats = getattr(self, tier)
-            return stats.open() and stats.room() > 0
-
-    def unreserve(self, tier: str, nbytes: int) -> None:
-        with self._lock:
-            getattr(self, tier).reserved -= nbytes
 
     def place(self, key: str, tier: str, block, reserved: int, reader=None):
         """Turn a reserved read block into the value the worker will store under `key`.
 
-        Returns a `FileBlock` (in shared memory for RAM, on the SSD), the block itself
-        for RAM when it is a `FillingBlock` or the worker has no shared-memory folder, or
-        None when the device
-        refused the write (the tier then stops growing; the caller streams the block
-        instead) or the tier's folder cannot be made (the tier then takes no more blocks,
-        see `open_ssd`). The reservation turns into held bytes when the worker stores the value.
-        A `FileBlock` keeps `reader`, to read the block again should its files fail.
+        Returns a `FileBlock` or `ArenaBlock` (in shared memory for RAM, on the SSD), the
+        block itself for RAM when it is a `FillingBlock` or the worker has no shared-memory
+        folder, or None when the device refused the write (the tier then stops growing;
+        the caller streams the block) or the tier's folder cannot be made (the tier then
+        takes no more blocks, see `open_ssd`). The reservation turns into held bytes when
+        the worker stores the value. A `FileBlock` keeps `reader`, to read the block again.
         """
         if isinstance(block, Block) and (tier == "ssd" or self._roots["ram"]):
             try:
@@ -176,19 +96,10 @@ class TieredStore(MutableMapping):
         with self._lock:
             self._roots["ssd"] = self._roots["ssd"] or root
 
-    def set_capacity(self, tier: str, nbytes: int, source: str) -> None:
-        """A tier's capacity and where it came from (`dmdask.worker.sizing`); set by the
-        worker at start, before any block is placed."""
-        with self._lock:
-            stats = getattr(self, tier)
-            stats.capacity, stats.source = int(nbytes), source
-
     def open_ssd(self) -> Optional[str]:
-        """Make the SSD tier's folder now when the tier has capacity, so that an unusable
-        `ssd_dir` (a file, read-only, under a file) shows at start. Such a tier takes no
-        blocks (they go on to being streamed) and the worker runs on: the reason is
-        logged as a warning and kept in `stats()["ssd"]["error"]`, which it returns (None
-        when the tier is usable or has no capacity)."""
+        """Make the SSD tier's folder now, so that an unusable `ssd_dir` shows at start:
+        such a tier takes no blocks and the worker runs on; the reason is logged as a
+        warning, kept in `stats()["ssd"]["error"]` and returned (None: usable or no tier)."""
         if self.ssd.capacity > 0:
             try:
                 self.folder("ssd")
@@ -197,11 +108,9 @@ class TieredStore(MutableMapping):
         return self.ssd.error
 
     def check_shared_memory(self) -> Optional[str]:
-        """Warn (once, at worker start) when the RAM tier's capacity exceeds the free room
-        of its shared-memory file system: blocks beyond that room are streamed from the
-        shared store instead. The warning, naming both sizes, is kept in
-        `stats()["ram"]["warning"]` (shown by `dmdask status` and the dashboard) and
-        returned; None when the tier fits."""
+        """Warn (at worker start) when the RAM tier's capacity exceeds the free room of its
+        shared-memory file system (blocks beyond it are streamed); the warning is kept in
+        `stats()["ram"]["warning"]` and returned; None when the tier fits."""
         root = self._roots["ram"]
         if not root or self.ram.capacity <= 0:
             return None
@@ -249,28 +158,10 @@ class TieredStore(MutableMapping):
         with self._lock:
             return self._roots[tier]
 
-    def tier_dir(self, tier: str) -> Optional[str]:
-        """Where a tier's blocks are: this worker's folder once made, else its parent
-        folder; None for a RAM tier in the worker's own memory."""
-        with self._lock:
-            return self._folders.get(tier) or self._roots[tier]
-
     def shared_folder(self) -> Optional[str]:
         """This worker's shared-memory folder (made on first use); None when it keeps RAM
         blocks in its own memory."""
         return self.folder("ram") if self._roots["ram"] else None
-
-    # -- reads ------------------------------------------------------------------------
-    def count_read_error(self, tier: str) -> None:
-        """A block of `tier` whose files could not be read (it is then dropped)."""
-        with self._lock:
-            getattr(self, tier).read_errors += 1
-
-    def count_hit(self, tier: str, samples: int, nbytes: int) -> None:
-        with self._lock:
-            stats = getattr(self, tier)
-            stats.hits += samples
-            stats.hit_bytes += nbytes
 
     # -- MutableMapping ---------------------------------------------------------------
     def __setitem__(self, key, value):
@@ -346,7 +237,10 @@ class TieredStore(MutableMapping):
         self.remove_stale()
 
     def stats(self) -> dict:
-        dirs = {tier: self.tier_dir(tier) for tier in ("ram", "ssd")}
+        """Each tier's `TierStats` and `dir` (where its blocks are: this worker's folder once
+        made, else its parent; None: RAM in the worker's memory), and the streamed blocks."""
         with self._lock:
-            return {"ram": dict(self.ram.as_dict(), dir=dirs["ram"]), "ssd": dict(self.ssd.as_dict(), dir=dirs["ssd"]),
-                    "streamed_blocks": sum(v.tier is None for v in self._blocks.values())}
+            stats = {tier: dict(getattr(self, tier).as_dict(), dir=self._folders.get(tier) or self._roots[tier])
+                     for tier in ("ram", "ssd")}
+            stats["streamed_blocks"] = sum(v.tier is None for v in self._blocks.values())
+        return stats

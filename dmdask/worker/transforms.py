@@ -2,21 +2,15 @@
 
 - `transform_in_order`: the batches of a group in order, stopping at the first that
   fails, so the batches before a failure are still delivered.
-- `transform_isolated`: the same in a child process of its own, for a group whose
-  previous try lost a worker (the transform may have killed it: `os._exit`, a crash,
-  the OOM killer). The child sends back each result as it is done; if it dies, the
-  batches done before are kept and the batch it died on gets a `TransformError`
-  naming its samples; the worker lives on. The child inherits the worker's
-  `sys.path`, so it unpickles whatever the worker can; nothing is left behind when it
-  exits or dies. (Dask workers are daemonic processes, which multiprocessing does not
-  let have children: the child is a plain subprocess, `main()` in a new interpreter,
-  fed through its pipes.)
+- `transform_isolated`: the same in a child process, for a group whose previous try
+  lost a worker (the transform may have killed it). If the child dies, the batches done
+  before are kept and the batch it died on gets a `TransformError`; the worker lives on.
+  The child is a plain subprocess (`main()`, the worker's `sys.path`: Dask workers are
+  daemonic, and multiprocessing lets those have no children); nothing is left behind.
 
-The batches' `TransformContext` (epoch and seed, sent with the request) is set around
-each call, so the transform reads it with `dmdask.transform_context()`.
-
-Every failure of the transform (any BaseException, SystemExit included) is a
-`TransformError`, never an OSError a client would take for a lost worker.
+The batches' `TransformContext` is set around each call (`dmdask.transform_context()`).
+Every failure of the transform (any BaseException) is a `TransformError`, never an
+OSError a client would take for a lost worker.
 """
 from __future__ import annotations
 
@@ -40,14 +34,6 @@ def transform_in_order(transform, batches: list, context: Optional[TransformCont
         except TransformError as exc:
             return done, exc
     return done, None
-
-
-def transform_one(blob: bytes, batch: dict, context: Optional[TransformContext] = None) -> tuple:
-    """(the transformed batch, None) or (None, its TransformError)."""
-    try:
-        return _apply(loads_transform(blob), batch, context), None
-    except TransformError as exc:
-        return None, exc
 
 
 def describe_samples(batch: dict) -> str:
@@ -75,8 +61,7 @@ def transform_isolated(blob: bytes, batches: List[dict],
     the child, and that batch's `TransformError`."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     child = subprocess.Popen([sys.executable, "-c", "from dmdask.worker.transforms import main; main()"],
-                             stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, env=env)
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
     done: list = []
     try:
         try:
@@ -108,10 +93,10 @@ def main() -> None:
     blob, batches, context = pickle.load(sys.stdin.buffer)
     out = sys.stdout.buffer
     sys.stdout = sys.stderr  # the transform's prints must not corrupt the results
+    transform = loads_transform(blob)
     for batch in batches:
-        result = transform_one(blob, batch, context)
-        pickle.dump(result, out, protocol=pickle.HIGHEST_PROTOCOL)
+        done, error = transform_in_order(transform, [batch], context)
+        pickle.dump((done[0] if done else None, error), out, protocol=pickle.HIGHEST_PROTOCOL)
         out.flush()
-        if result[1] is not None:
+        if error is not None:
             return
-

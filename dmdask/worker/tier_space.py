@@ -1,0 +1,107 @@
+"""The room of a worker's RAM and SSD tiers: capacities, reservations, what each holds and
+served (`TierStats`), for `dmdask.worker.tiers.TieredStore`.
+
+Placement is MinIO (CoorDL): a block takes the fastest tier with room when it is first
+read and keeps it until its key is released; nothing is evicted to make room.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import numpy as np
+
+
+@dataclass
+class TierStats:
+    """What one tier holds and what it served. Read by `dmdask.stats` and the dashboard."""
+
+    capacity: int
+    bytes: int = 0
+    blocks: int = 0
+    reserved: int = 0
+    samples: int = 0  # samples held (or with room reserved)
+    hits: int = 0  # samples served from this tier
+    hit_bytes: int = 0
+    full: bool = False  # set when the device refused a write (SSD out of space)
+    error: Optional[str] = None  # why the tier's folder cannot be used; the tier then takes no blocks
+    read_errors: int = 0  # blocks dropped because their files could not be read
+    warning: Optional[str] = None  # a capacity the device cannot hold (a RAM tier larger than /dev/shm)
+    source: Optional[str] = None  # where the capacity came from (a setting, the job's limits: `sizing`)
+
+    def room(self) -> int:
+        return self.capacity - self.bytes - self.reserved
+
+    def open(self) -> bool:
+        """Whether the tier takes new blocks (not full, no error)."""
+        return not self.full and self.error is None
+
+    def as_dict(self) -> dict:
+        stats = asdict(self)
+        del stats["reserved"]
+        return stats
+
+
+class TierSpace:
+    """The "ram" and "ssd" tiers' `TierStats`. Capacities are never exceeded: a block is
+    admitted only after room was reserved. Thread-safe (task threads reserve, the
+    worker's event loop stores)."""
+
+    def __init__(self, ram: int, ssd: int):
+        self.ram = TierStats(int(ram))
+        self.ssd = TierStats(int(ssd))
+        self._lock = threading.Lock()
+        self._closed_to_growth: set = set()  # tiers that refused a sample charged as read
+
+    def reserve(self, nbytes: int) -> Optional[str]:
+        """Reserve room for a block in the fastest tier that has it: "ram", "ssd" or None."""
+        with self._lock:
+            for name, tier in (("ram", self.ram), ("ssd", self.ssd)):
+                if tier.open() and tier.room() >= nbytes:
+                    tier.reserved += nbytes
+                    return name
+        return None
+
+    def charge(self, tier: str, sizes: np.ndarray) -> int:
+        """Charge the first samples of `sizes` (bytes each) that fit to `tier`, for a block
+        whose size is learnt as it is read; returns how many were charged. Once a sample
+        did not fit, the tier takes no more this way (MinIO: what missed the cache in
+        the first epoch stays out, so later epochs read exactly the same bytes)."""
+        with self._lock:
+            stats = getattr(self, tier)
+            if tier in self._closed_to_growth:
+                return 0
+            k = int(np.searchsorted(np.cumsum(sizes), stats.room(), side="right"))
+            if k < len(sizes):
+                self._closed_to_growth.add(tier)
+            stats.bytes += int(np.sum(sizes[:k]))
+            stats.samples += k
+            return k
+
+    def has_room(self, tier: str) -> bool:
+        with self._lock:
+            stats = getattr(self, tier)
+            return stats.open() and stats.room() > 0
+
+    def unreserve(self, tier: str, nbytes: int) -> None:
+        with self._lock:
+            getattr(self, tier).reserved -= nbytes
+
+    def set_capacity(self, tier: str, nbytes: int, source: str) -> None:
+        """A tier's capacity and where it came from (`dmdask.worker.sizing`); set by the
+        worker at start, before any block is placed."""
+        with self._lock:
+            stats = getattr(self, tier)
+            stats.capacity, stats.source = int(nbytes), source
+
+    def count_read_error(self, tier: str) -> None:
+        """A block of `tier` whose files could not be read (it is then dropped)."""
+        with self._lock:
+            getattr(self, tier).read_errors += 1
+
+    def count_hit(self, tier: str, samples: int, nbytes: int) -> None:
+        with self._lock:
+            stats = getattr(self, tier)
+            stats.hits += samples
+            stats.hit_bytes += nbytes
