@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Optional
 
 
 class Deadline:
@@ -42,7 +41,7 @@ class Tries:
     def no_pause(self) -> None:
         self._at_once = True
 
-    def _pause(self) -> Optional[float]:
+    def _pause(self) -> float | None:
         """Seconds before the next attempt; None: the deadline passed."""
         if self.count and self.deadline.left() < 0:
             return None

@@ -170,7 +170,7 @@ def failing_transform(batch):
 
 def test_transform_error_surfaces_at_once(client, good, caplog):
     pids = client.run(os.getpid)
-    with caplog.at_level(logging.WARNING, logger="dmdask.client.iterator"):
+    with caplog.at_level(logging.WARNING, logger="dmdask.client.fetch"):
         with pytest.raises(dmdask.TransformError, match="decoder lost its file") as info:
             next(iter(dmdask.batches(client, dmdask.Spec(good, batch_size=10, transform=failing_transform))))
     assert "samples" in str(info.value)

@@ -1,6 +1,7 @@
 """The warm path: a training process takes the rows of blocks held in arenas on its own
 host (`dmdask.shm.arena`) with no request at all, one `np.take` per field over a
-`Window` that maps every arena of the host side by side, straight into pooled memory.
+`Window` that maps every arena of the host side by side, into pooled memory
+(`dmdask.shm.memory`).
 
 Guarantees: every row comes from the block that holds it, in the epoch's order; a block
 released, moved or whose slot was reused while mapped raises `Moved` (the row labels are
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -22,22 +22,16 @@ from ..shm.window import MAX_ARENAS, Window
 
 
 class LocalArenas:
-    """Per process and dataset: the blocks held in arenas on this host, and their rows.
+    """Per process and dataset (`of`): the blocks held in arenas on this host, learnt as
+    the slow path finds them (`Gatherer.gather`) and shared by every iterator of the
+    dataset in the process; a group's rows, straight into pooled memory (`take`).
+    Thread-safe."""
 
-    Filled as the slow path learns where blocks are (`Gatherer.gather`), shared by every
-    iterator of the dataset in the process, so a warm epoch takes its rows with no
-    request at all: every arena of a field is mapped into one `Window`, so a group of
-    batches is one `np.take` per field, in the epoch's order, straight into pooled
-    memory (`dmdask.shm.memory`). Knowledge may go stale (a block released, moved, its
-    slot reused): every take checks the arenas' row labels and raises `Moved` instead of
-    returning rows of another block. Thread-safe.
-    """
-
-    _of: Dict[str, "LocalArenas"] = {}
+    _of: dict[str, LocalArenas] = {}
     _registry = threading.Lock()
 
     @classmethod
-    def of(cls, identity: str, num_samples: int, block_len: int) -> "LocalArenas":
+    def of(cls, identity: str, num_samples: int, block_len: int) -> LocalArenas:
         with cls._registry:
             found = cls._of.get(identity)
             if found is None or (found.num_samples, found.block_len) != (num_samples, block_len):
@@ -50,9 +44,9 @@ class LocalArenas:
         self._lock = threading.Lock()
         self.arena_of = np.full(num_blocks, -1, dtype=np.int32)  # block -> index into self.arenas
         self.first_row = np.zeros(num_blocks, dtype=np.int64)  # block -> its first row in that arena
-        self.arenas: List[Tuple[str, dict]] = []  # (holder, arena fields)
-        self._index: Dict[Tuple[str, str], int] = {}
-        self._windows: Optional[Dict[str, Window]] = None  # field -> its window; {} when none can be made
+        self.arenas: list[tuple[str, dict]] = []  # (holder, arena fields)
+        self._index: dict[tuple[str, str], int] = {}
+        self._windows: dict[str, Window] | None = None  # field -> its window; {} when none can be made
 
     def knows(self, blocks: np.ndarray) -> bool:
         """Whether every block is in a known arena (`take` applies)."""
@@ -81,7 +75,7 @@ class LocalArenas:
             self.first_row[block] = description["first_row"]
             self.arena_of[block] = arena
 
-    def _open_windows(self, fields: dict) -> Dict[str, Window]:
+    def _open_windows(self, fields: dict) -> dict[str, Window]:
         windows = {}
         for name, (_, dtype, shape) in fields.items():
             window = Window.open(self.num_samples, dtype, tuple(shape))
@@ -110,7 +104,7 @@ class LocalArenas:
         if gone:
             self.forget()
 
-    def take(self, group: List[np.ndarray], count) -> List[Dict[str, np.ndarray]]:
+    def take(self, group: list[np.ndarray], count) -> list[dict[str, np.ndarray]]:
         """Batches of sample ids `group` (all in known arenas), each with its "index", in
         the epoch's order. `count(holder, tier, rows, bytes)` records the hits. Raises
         `Moved` when a block is no longer where it was known."""
@@ -149,7 +143,7 @@ def _after_fork() -> None:
 os.register_at_fork(after_in_child=_after_fork)
 
 
-def split_batches(arrays: Dict[str, np.ndarray], ids: np.ndarray, sizes: List[int]) -> List[Dict[str, np.ndarray]]:
+def split_batches(arrays: dict[str, np.ndarray], ids: np.ndarray, sizes: list[int]) -> list[dict[str, np.ndarray]]:
     """A group's arrays cut into its batches (views), each with its "index"."""
     bounds = np.cumsum([0] + sizes).tolist()
     return [{**{f: v[a:b] for f, v in arrays.items()}, "index": ids[a:b]} for a, b in zip(bounds[:-1], bounds[1:])]

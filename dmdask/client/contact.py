@@ -1,20 +1,19 @@
 """A rank's contact with its cluster: whether the scheduler answers, which workers there
 are, and the worker on the rank's own node that serves it.
 
-Guarantees: a scheduler that does not answer (the client reconnecting, a connection
-refused or reset) is asked again until `dmdask.client.scheduler-seconds` have passed,
-then `SchedulerLostError`: it is never taken for a cluster without workers. A cluster
-without workers is waited for up to `dmdask.client.recovery-seconds`, said once per
-outage, then `NoWorkersError`. Rank r is served by local worker r mod n, chosen once
-(and again after `forget_worker`).
+Guarantees: a scheduler that does not answer is asked again until
+`dmdask.client.scheduler-seconds` have passed, then `SchedulerLostError`: it is never taken
+for a cluster without workers. A cluster without workers is waited for up to
+`dmdask.client.recovery-seconds`, said once per outage, then `NoWorkersError`. Rank r is
+served by local worker r mod n, chosen once (and again after `forget_worker`).
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import warnings
 import weakref
-from typing import List, Optional
 
 import dask.config
 from distributed.comm import get_address_host
@@ -22,12 +21,22 @@ from distributed.comm.core import CommClosedError
 
 from ..errors import SchedulerLostError, no_workers, waiting_for_workers
 from ..recovery import Tries
-from .gather import connect_ahead
+from .gather import CONNECT_SECONDS
 from .locate import my_host
 
 logger = logging.getLogger(__name__)
-_reached: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # client -> scheduler its workers were reached on
+_reached: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # client -> scheduler its workers were reached on
 CONNECT_AHEAD = 32  # workers a new iterator connects to while its dataset opens
+
+
+async def connect_ahead(client, address: str) -> None:
+    """A connection to the worker at `address` made now and kept in the client's pool for
+    the next call; never raises (that call meets the error)."""
+    try:
+        comm = await client.rpc.connect(address, timeout=CONNECT_SECONDS)
+    except Exception:  # noqa: BLE001 - best effort
+        return
+    client.rpc.reuse(address, comm)
 
 
 class Contact:
@@ -35,7 +44,7 @@ class Contact:
 
     def __init__(self, client, rank: int):
         self.client, self.rank = client, rank
-        self.worker: Optional[str] = None  # this rank's local worker, once chosen
+        self.worker: str | None = None  # this rank's local worker, once chosen
         self._said_waiting = False  # the wait for workers was logged
 
     def reach_ahead(self, loop) -> None:
@@ -45,9 +54,9 @@ class Contact:
             asyncio.run_coroutine_threadsafe(self.reach_workers(), loop)
 
     async def reach_workers(self) -> None:
-        """While the dataset opens: this rank's local worker chosen and a connection made
-        to the workers its first batches will ask (those on this host first), so the first
-        request pays for neither. Best effort: a failure here surfaces on that request."""
+        """While the dataset opens: this rank's local worker chosen and connections made to
+        the workers (those on this host first), so the first request pays for neither.
+        Best effort: a failure here surfaces on that request."""
         workers = await self.workers(wait=False)
         if workers:
             self._choose_local_worker(workers)
@@ -72,18 +81,16 @@ class Contact:
             "dmdask.client.scheduler-seconds): resume from the last state_dict() once a scheduler runs again")
 
     async def identity(self) -> dict:
-        """The scheduler's identity, asked again while it does not answer (see above)."""
+        """The scheduler's identity, asked again while it does not answer."""
         limit = float(dask.config.get("dmdask.client.scheduler-seconds"))
         tries = Tries(limit, pause=0.2)
         async for _ in tries:
             await self.check_scheduler()
-            try:
+            with contextlib.suppress(OSError, CommClosedError):  # TimeoutError is an OSError
                 return await asyncio.wait_for(self.client.scheduler.identity(), max(0.5, tries.deadline.left()))
-            except (OSError, CommClosedError):  # TimeoutError is an OSError
-                pass
         raise self._scheduler_lost("no answer", limit)
 
-    async def workers(self, wait: bool = True) -> List[str]:
+    async def workers(self, wait: bool = True) -> list[str]:
         """The cluster's workers, waiting up to `dmdask.client.recovery-seconds` while it
         has none (say, every worker restarting); then `NoWorkersError`. wait=False: the
         workers now, maybe none."""
@@ -99,6 +106,15 @@ class Contact:
                 logger.warning(waiting_for_workers(limit))
         raise no_workers(limit)
 
+    async def wait_if_no_workers(self) -> bool:
+        """When the cluster has no workers now: the local worker forgotten and new workers
+        waited for as by `workers()`; True if it waited."""
+        if await self.workers(wait=False):
+            return False
+        self.forget_worker()
+        await self.workers()
+        return True
+
     async def local_worker(self) -> str:
         """A worker on this rank's own node: rank r takes local worker r mod n."""
         if self.worker is None:
@@ -109,7 +125,7 @@ class Contact:
         """The local worker left: the next `local_worker` chooses again."""
         self.worker = None
 
-    def _choose_local_worker(self, workers: List[str]) -> None:
+    def _choose_local_worker(self, workers: list[str]) -> None:
         if self.worker is not None:  # chosen meanwhile (`reach_workers` and `local_worker` may both ask)
             return
         mine = my_host(self.client)

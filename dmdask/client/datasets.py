@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 import weakref
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import numpy as np
 from distributed import Client
@@ -19,7 +19,7 @@ from ..source import DatasetInfo, Source, dataset_name, open_source
 from ..spec import Mix
 from ..tasks import load_block
 
-_registered: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # client -> scheduler address
+_registered: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # client -> scheduler address
 NEED_ORDER_POSITIONS = 8  # positions per block looked at to find the order blocks are first needed
 NO_WORKERS = "the cluster has no workers; start `dask worker ... --worker-class dmdask.Worker`"
 
@@ -51,15 +51,12 @@ def open_dataset(client: Client, spec, epoch: int) -> Ready:
 
 
 def get_or_create(client: Client, name: str, opener: Callable[[], Source],
-                  order: Optional[Callable[[DatasetInfo], list]] = None) -> Ready:
+                  order: Callable[[DatasetInfo], list] | None = None) -> Ready:
     """The registry's dataset `name`, created once per cluster from `opener()` by the
     first process to ask (the others wait for it), every block load submitted in one
     graph. `order(info)`: the order the blocks are first needed (None: index order).
-
-    Asks before it registers the scheduler plugin: a scheduler started as the recipes
-    start it (`--preload dmdask`, `dmdask.LocalCluster`) has it, and registering it from
-    a new process took 4-17 ms of its first epoch on a warm cache. Without it, the
-    scheduler answers None (and logs once that it had no handler)."""
+    The scheduler plugin is registered only when the scheduler answers None (it has no
+    handler): one started as the recipes start it has it, and registering costs ms."""
     claimant, registered = uuid.uuid4().hex, False
     while True:
         reply = _call(client, GetOrClaim(name, claimant))

@@ -1,9 +1,7 @@
 """A training process assembles its batches itself: rows of blocks held in files on its
 own host (shared memory for the RAM tier, the SSD) are taken by indexing the mapped
-files, with no request, pickle or worker event loop; only rows held on other hosts, or
-in no file (blocks filling or streamed), are asked for, one request per holder per
-group of batches. (Warm groups whose blocks all sit in arenas on this host take the
-shortest path, `dmdask.client.arenas`.)
+files, with no request; only rows held on other hosts, or in no file (blocks filling or
+streamed), are asked for, one request per holder per group of batches.
 
 Guarantees: every row comes from the block that holds it, placed at its position in
 the group; a block released (or whose worker went away) while mapped raises `Moved`,
@@ -13,20 +11,22 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import threading
 import time
 from collections import defaultdict
-from typing import Collection, Dict, List, NamedTuple, Optional, Tuple
+from collections.abc import Collection
+from typing import NamedTuple
 
 import numpy as np
 import zict
 from distributed.comm import get_address_host
 
 from ..protocol.worker import Moved, RowsRequest, WorkerAPI
-from ..source import parse_block_key
 from ..shm.arena import ID_FIELD, ArenaMaps
 from ..shm.fileblocks import assemble, map_arrays, readable, take_rows
+from ..source import parse_block_key
 from .arenas import LocalArenas
 
 HITS_TIMEOUT = 2.0  # seconds a hit report may take (a worker that left does not answer)
@@ -36,29 +36,23 @@ MAPPED_BLOCKS = 4096  # blocks kept mapped per process (each costs a mapping per
 
 
 class ForkSafeExecutor(concurrent.futures.Executor):
-    """A thread pool, started at the first submit, that a forked child starts anew (a
-    forked process has none of its parent's threads: work queued on the parent's pool
-    would wait forever, and a lock a parent thread held would never be released)."""
+    """A thread pool (its threads started at the first submit) that a forked child starts
+    anew: a forked process has none of its parent's threads, so work queued on the
+    parent's pool would wait forever."""
 
     def __init__(self, threads: int, name: str):
         self.threads, self.name = threads, name
-        self._forget()
-        os.register_at_fork(after_in_child=self._forget)
+        self._start()
+        os.register_at_fork(after_in_child=self._start)
 
-    def _forget(self) -> None:
-        self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
-        self._lock = threading.Lock()
+    def _start(self) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix=self.name)
 
     def submit(self, fn, /, *args, **kwargs):
-        if self._pool is None:
-            with self._lock:
-                if self._pool is None:
-                    self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix=self.name)
         return self._pool.submit(fn, *args, **kwargs)
 
     def shutdown(self, wait=True, *, cancel_futures=False):
-        if self._pool is not None:
-            self._pool.shutdown(wait, cancel_futures=cancel_futures)
+        self._pool.shutdown(wait, cancel_futures=cancel_futures)
 
 
 _pool = ForkSafeExecutor(2, "dmdask-gather")
@@ -72,8 +66,14 @@ class _Mapped:
     """Per process: descriptions of blocks held in files on this host and their mappings."""
 
     def __init__(self):
+        self.described: dict[tuple[str, str], dict | None] = {}  # (holder, key) -> description or None
+        self._start()
+        os.register_at_fork(after_in_child=self._start)
+
+    def _start(self) -> None:
+        """Also in a forked child: the locks a parent thread may have held at the fork made
+        anew (the LRU's own lock with it: the child maps its blocks again as it uses them)."""
         self.lock = threading.Lock()
-        self.described: Dict[Tuple[str, str], Optional[dict]] = {}  # (holder, key) -> description or None
         self.maps = zict.LRU(MAPPED_BLOCKS, {})  # path -> map_arrays(...), least recently used dropped
 
     def arrays(self, description: dict) -> dict:
@@ -97,15 +97,6 @@ class _Mapped:
 _mapped = _Mapped()
 
 
-def _after_fork() -> None:
-    """In a forked child: locks a parent thread may have held at the fork made anew (the
-    LRU's own lock with it: the child maps its blocks again as it uses them)."""
-    _mapped.lock, _mapped.maps = threading.Lock(), zict.LRU(MAPPED_BLOCKS, {})
-
-
-os.register_at_fork(after_in_child=_after_fork)
-
-
 class FromFile(NamedTuple):
     """Rows a process takes from files on its host: of one block's files, or of several
     blocks in one arena (their rows, positions and ids concatenated)."""
@@ -114,20 +105,20 @@ class FromFile(NamedTuple):
     rows: np.ndarray  # rows of the files
     where: np.ndarray  # their positions in the group
     holder: str
-    keys: List[str]  # the blocks they belong to
-    ids: Optional[np.ndarray]  # their sample ids, checked against an arena's labels; None for a block's files
+    keys: list[str]  # the blocks they belong to
+    ids: np.ndarray | None  # their sample ids, checked against an arena's labels; None for a block's files
 
 
 class Gatherer:
-    """Assembles groups of batches for one iterator; counts the rows it took from
-    workers' files itself and reports them to those workers (`flush_hits`)."""
+    """Assembles groups of batches for one iterator; counts the rows it took from workers'
+    files and reports them to those workers (`flush_hits`)."""
 
-    def __init__(self, client, my_host: Optional[str], arenas: Dict[str, LocalArenas]):
+    def __init__(self, client, my_host: str | None, arenas: dict[str, LocalArenas]):
         self.client = client
         self.workers = WorkerAPI(client.rpc, CONNECT_SECONDS)
         self.my_host = my_host
         self.arenas = arenas  # dataset identity -> its blocks in arenas on this host (a mixture has several)
-        self.hits: Dict[str, Dict[str, List[int]]] = _counters()
+        self.hits: dict[str, dict[str, list[int]]] = _counters()
         self._hits_lock = threading.Lock()
         self._last_flush = time.monotonic()
 
@@ -143,19 +134,19 @@ class Gatherer:
         if local is not None and parsed[1] < len(local.arena_of):
             local.remember(holder, parsed[1], description)
 
-    async def gather(self, plan: Dict[str, Dict[str, np.ndarray]], positions: Dict[str, np.ndarray],
-                     n: int, priority: Optional[int] = None,
-                     loading: Collection[str] = ()) -> Tuple[Dict[str, np.ndarray], int]:
+    async def gather(self, plan: dict[str, dict[str, np.ndarray]], positions: dict[str, np.ndarray],
+                     n: int, priority: int | None = None,
+                     loading: Collection[str] = ()) -> tuple[dict[str, np.ndarray], int]:
         """(the group's rows, field by field, in group order; how many of them the holders
         read from the store for it). `plan`: holder -> block key -> rows; `positions`:
         holder -> where those rows go (in the same order); `priority`: the position of the
         group's first batch in its epoch (holders serve lower ones first); `loading`: keys
         whose holder is still loading them (in no file yet: asked for rows, not described)."""
-        local = [h for h in plan if get_address_host(h) == self.my_host]
+        local = self._local_holders(plan)
         await asyncio.gather(*(self._describe(h, [k for k in plan[h] if k not in loading]) for h in local))
-        from_files: List[FromFile] = []
-        from_arenas: Dict[tuple, FromFile] = {}  # (holder, arena) -> its rows, one take per arena, not per block
-        remote: Dict[str, Tuple[Dict[str, np.ndarray], List[np.ndarray]]] = {}
+        from_files: list[FromFile] = []
+        from_arenas: dict[tuple, FromFile] = {}  # (holder, arena) -> its rows, one take per arena, not per block
+        remote: dict[str, tuple[dict[str, np.ndarray], list[np.ndarray]]] = {}
         for holder, wanted in plan.items():
             offset = 0
             for key, rows in wanted.items():
@@ -184,8 +175,8 @@ class Gatherer:
         arrays = await loop.run_in_executor(_pool, self._assemble, from_files, parts, n)
         return arrays, sum(from_store for _, from_store in replies)
 
-    def take_local(self, plan: Dict[str, Dict[str, np.ndarray]], positions: Dict[str, np.ndarray],
-                   n: int) -> Optional[Dict[str, np.ndarray]]:
+    def take_local(self, plan: dict[str, dict[str, np.ndarray]], positions: dict[str, np.ndarray],
+                   n: int) -> dict[str, np.ndarray] | None:
         """`gather` in the caller's thread, with no request, when every block of `plan` is
         held in files on this host that this process has described already; None
         otherwise (then `gather`). Raises `Moved` like `gather`."""
@@ -203,26 +194,28 @@ class Gatherer:
                 offset += len(rows)
         return self._assemble(from_files, [], n)
 
-    async def learn(self, holders: Dict[str, str]) -> None:
+    def _local_holders(self, holders) -> list[str]:
+        return [h for h in holders if get_address_host(h) == self.my_host]
+
+    async def learn(self, holders: dict[str, str]) -> None:
         """Learn the layout of these blocks (key -> holder) where they are held in files on
         this host, and remember those in arenas (`LocalArenas`), so that groups of them
         take the warm path."""
-        by_holder: Dict[str, List[str]] = defaultdict(list)
+        by_holder: dict[str, list[str]] = defaultdict(list)
         for key, holder in holders.items():
             by_holder[holder].append(key)
         await self.describe(by_holder)
-        for holder, keys in by_holder.items():
-            for key in keys:
-                description = _mapped.described.get((holder, key))
-                if description is not None and "arena" in description:
-                    self._remember(holder, key, description)
+        for key, holder in holders.items():
+            description = _mapped.described.get((holder, key))
+            if description is not None and "arena" in description:
+                self._remember(holder, key, description)
 
-    async def describe(self, keys: Dict[str, List[str]]) -> None:
+    async def describe(self, keys: dict[str, list[str]]) -> None:
         """Learn how blocks held on this host are laid out in files (holder -> keys), ahead
         of `gather` or `take_local`; blocks held elsewhere are left out."""
-        await asyncio.gather(*(self._describe(h, k) for h, k in keys.items() if get_address_host(h) == self.my_host))
+        await asyncio.gather(*(self._describe(h, keys[h]) for h in self._local_holders(keys)))
 
-    async def _describe(self, holder: str, keys: List[str]) -> None:
+    async def _describe(self, holder: str, keys: list[str]) -> None:
         unknown = [k for k in keys if (holder, k) not in _mapped.described]
         if unknown:
             reply = await self.workers.describe(holder, unknown)
@@ -232,13 +225,13 @@ class Gatherer:
                         found = reply[key]  # a worker of another user: its rows come by request
                         _mapped.described[(holder, key)] = found if readable(found) else None
 
-    async def _rows(self, holder: str, wanted: Dict[str, np.ndarray], priority: Optional[int]):
-        """(rows from `holder`, how many it read from the store for them). The holder
-        waits a moment for blocks it is still loading (`locate(planned=True)`)."""
+    async def _rows(self, holder: str, wanted: dict[str, np.ndarray], priority: int | None):
+        """(rows from `holder`, how many it read from the store for them); it waits a
+        moment for blocks it is still loading (`locate(planned=True)`)."""
         reply = await self.workers.call(holder, RowsRequest(wanted, priority, LOAD_WAIT))
         return reply.arrays, reply.from_store
 
-    def _assemble(self, from_files: List[FromFile], parts, n: int) -> Dict[str, np.ndarray]:
+    def _assemble(self, from_files: list[FromFile], parts, n: int) -> dict[str, np.ndarray]:
         """Runs in a thread: take the rows of mapped blocks and put every row in place."""
         for description, rows, where, holder, keys, ids in from_files:
             try:
@@ -278,34 +271,22 @@ class Gatherer:
             hits, self.hits = self.hits, _counters()
 
         async def report(holder, tiers):
-            try:  # a worker that left has nothing to count: never wait long for it
+            with contextlib.suppress(Exception):  # counters only; never wait long for a worker that left
                 await asyncio.wait_for(self.workers.count_hits(holder, {t: list(c) for t, c in tiers.items()}),
                                        HITS_TIMEOUT)
-            except Exception:  # noqa: BLE001 - counters only
-                pass
 
         await asyncio.gather(*(report(holder, tiers) for holder, tiers in hits.items()))
 
 
-async def connect_ahead(client, address: str) -> None:
-    """A connection to the worker at `address` made now and kept in the client's pool for
-    the next call; never raises (that call meets the error)."""
-    try:
-        comm = await client.rpc.connect(address, timeout=CONNECT_SECONDS)
-    except Exception:  # noqa: BLE001 - best effort
-        return
-    client.rpc.reuse(address, comm)
-
-
-def plan_rows(blocks: np.ndarray, offsets: np.ndarray, keys: Dict[int, str], holders: Dict[str, str]):
+def plan_rows(blocks: np.ndarray, offsets: np.ndarray, keys: dict[int, str], holders: dict[str, str]):
     """What `Gatherer.gather` takes: holder -> block key -> rows to take (`offsets` in
     their blocks), and holder -> the positions in the group where those rows go (in the
     same order). `keys`: block index -> key; `holders`: key -> its holder."""
     by_block = np.argsort(blocks, kind="stable")
     uniq, starts = np.unique(blocks[by_block], return_index=True)
     groups = np.split(by_block, starts[1:])
-    plan: Dict[str, Dict[str, np.ndarray]] = {}
-    positions: Dict[str, List[np.ndarray]] = {}
+    plan: dict[str, dict[str, np.ndarray]] = {}
+    positions: dict[str, list[np.ndarray]] = {}
     for k, members in zip(uniq.tolist(), groups):
         key = keys[k]
         holder = holders[key]

@@ -2,15 +2,13 @@
 and where it prefers the holders of blocks (`dmdask.protocol.scheduler.Locate`)."""
 from __future__ import annotations
 
-from typing import Optional
-
 import dask.config
 from distributed.comm import get_address_host
 
 from ..internals import local_address
 
 
-def my_host(client) -> Optional[str]:
+def my_host(client) -> str | None:
     """The host this process counts as its node: `dmdask.client.host` when set (a node
     whose workers listen on another interface than the one the scheduler is reached
     from), else the address it reaches the scheduler from; None while disconnected."""

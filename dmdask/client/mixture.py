@@ -9,19 +9,20 @@ own ids (`batch_fields`).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from dask.base import tokenize
 
 from ..errors import SpecError
 from ..plan.mix import MixOrder, apportion
+from ..shm.memory import empty_batch
 from ..source import DatasetInfo
 from ..spec import Mix
 from .arenas import LocalArenas, split_batches
-from ..shm.memory import empty_batch
 
 SOURCE_FIELD = "source"  # the batch field that holds each row's source index
+_matching: set = set()  # (identity, fields) of mixtures whose sources' rows were found to match
 
 
 class MixedInfo:
@@ -59,13 +60,13 @@ class MixedInfo:
         return MixOrder(self.sizes, self.counts, [s.block_len for s in self.sources], shuffle=shuffle, seed=seed,
                         epoch=epoch, shuffle_window=shuffle_window)
 
-    def split(self, ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    def split(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(source index, sample id in that source) of global ids."""
         ids = np.asarray(ids, dtype=np.int64)
         sources = np.searchsorted(self.offsets, ids, side="right") - 1
         return sources, ids - self.offsets[sources]
 
-    def locate(self, ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    def locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(global block number, row in that block) of global ids."""
         sources, local = self.split(ids)
         blocks = local // self._block_lens[sources]
@@ -75,13 +76,13 @@ class MixedInfo:
         source = int(np.searchsorted(self.block_offsets, k, side="right") - 1)
         return self.sources[source].block_key(k - int(self.block_offsets[source]))
 
-    def batch_fields(self, ids: np.ndarray) -> Tuple[np.ndarray, Dict[str, np.ndarray]]:
+    def batch_fields(self, ids: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """A group's "index" (ids in their sources) and extra fields ("source") from its global ids."""
         sources, index = self.split(ids)
         return index, {SOURCE_FIELD: sources}
 
 
-def _common_fields(sources: Sequence[DatasetInfo]) -> Tuple[str, ...]:
+def _common_fields(sources: Sequence[DatasetInfo]) -> tuple[str, ...]:
     """The fields every source gives (the first source's order); `SpecError` unless all
     give the same ones, none of them "source"."""
     first = sources[0].fields
@@ -97,10 +98,13 @@ def _common_fields(sources: Sequence[DatasetInfo]) -> Tuple[str, ...]:
     return tuple(first)
 
 
-def check_fields_match(mix: MixedInfo, rows: List[Dict[str, np.ndarray]]) -> None:
-    """`SpecError` unless one row of each drawn source (`rows`, None for a source not
-    drawn) has the same dtype and sample shape in every field: a batch mixes their rows."""
-    drawn = [(mix.sources[i], r) for i, r in enumerate(rows) if r is not None]
+def check_fields_match(mix: MixedInfo, first_rows: Callable[[], list[dict[str, np.ndarray] | None]]) -> None:
+    """`SpecError` unless the first row of each source drawn (`first_rows()`, None for a
+    source not drawn) has the same dtype and sample shape in every field: a batch mixes
+    their rows. Checked once per process and mixture."""
+    if (mix.identity, mix.fields) in _matching:
+        return
+    drawn = [(mix.sources[i], r) for i, r in enumerate(first_rows()) if r is not None]
     first_info, first = drawn[0]
     for info, row in drawn[1:]:
         for name in mix.fields:
@@ -110,9 +114,10 @@ def check_fields_match(mix: MixedInfo, rows: List[Dict[str, np.ndarray]]) -> Non
                                 f"shape {a.shape[1:]} in {first_info.url} but {b.dtype} of sample shape "
                                 f"{b.shape[1:]} in {info.url} (cast or reshape it in a source of its own, or "
                                 "leave it out with keys=[...])", mix.mix)
+    _matching.add((mix.identity, mix.fields))
 
 
-def take_mixed(mix: MixedInfo, arenas: List[LocalArenas], group: List[np.ndarray], count) -> List[dict]:
+def take_mixed(mix: MixedInfo, arenas: list[LocalArenas], group: list[np.ndarray], count) -> list[dict]:
     """The warm path of a mixture: each source's rows from its arenas on this host
     (`LocalArenas.take`), put together in the group's order. Raises `Moved` as `take` does."""
     ids = np.concatenate(group)

@@ -2,26 +2,24 @@
 
     epoch 2:  61%|██████▏   | 38/62 [00:04<00:02, 9.37batch/s, hit 97% (RAM 81%, SSD 16%, streamed 3%)]
 
-The rate is tqdm's batches per second. The hit rate is the share of the samples served
-during this epoch, by every worker of the cluster (so every rank and job using it), that
-came from a RAM or SSD tier rather than being streamed from the shared store. It comes
-from the workers' heartbeat metrics as the scheduler holds them: one small scheduler
-request at most every `STATS_INTERVAL` seconds, sent in the background on the client's
-event loop and never awaited by the training loop (no per-batch round trip, no request
-to any worker). It lags the workers by about one heartbeat (0.5 s on small clusters).
+The hit rate is the share of the samples served during this epoch by every worker of the
+cluster that came from a RAM or SSD tier rather than the shared store, from the workers'
+heartbeat metrics held by the scheduler: one small scheduler request at most every
+`STATS_INTERVAL` seconds, in the background, never awaited by the training loop.
 
-When to show it: `progress=True` always, `False` never, `None` (the default) when
-stderr is an interactive terminal and this is rank 0. The dask config key
-`dmdask.progress` (`DASK_DMDASK__PROGRESS=false`) overrides the default. A dict is taken
-as keyword arguments for `tqdm` (and shows the bar).
+When to show it: `progress=True` always, `False` never, `None` (the default) when stderr
+is an interactive terminal and this is rank 0, unless the dask config key
+`dmdask.progress` says otherwise. A dict is taken as keyword arguments for `tqdm`.
 """
 from __future__ import annotations
 
 import asyncio
 import io
+import os
 import sys
 import time
-from typing import Optional
+
+import dask.config
 
 STATS_INTERVAL = 1.0  # seconds between two hit-rate requests (scaled up on large clusters)
 WORKERS_PER_SECOND = 50  # above this many workers, ask less often
@@ -33,8 +31,6 @@ def wanted(progress, rank: int = 0, stream=None) -> bool:
         return True
     if progress is not None:
         return bool(progress)
-    import dask
-
     configured = dask.config.get("dmdask.progress", None)
     if configured is not None:
         return str(configured).lower() not in ("0", "false", "no", "off", "")
@@ -48,17 +44,11 @@ def wanted(progress, rank: int = 0, stream=None) -> bool:
 
 def served(workers_metrics) -> dict:
     """Samples served by tier, summed over the workers' dmdask metrics."""
-    out = {"ram": 0, "ssd": 0, "stream": 0}
-    for m in workers_metrics:
-        if not isinstance(m, dict) or "ram" not in m:
-            continue
-        out["ram"] += m["ram"]["hits"]
-        out["ssd"] += m["ssd"]["hits"]
-        out["stream"] += m["stream"]["hits"]
-    return out
+    metrics = [m for m in workers_metrics if isinstance(m, dict) and "ram" in m]
+    return {tier: sum(m[tier]["hits"] for m in metrics) for tier in ("ram", "ssd", "stream")}
 
 
-def hit_text(before: dict, after: dict) -> Optional[str]:
+def hit_text(before: dict, after: dict) -> str | None:
     """"hit 97% (RAM 81%, SSD 16%, streamed 3%)" for the samples served between two
     `served()` counts; None when none were (counters of a restarted worker restart at 0)."""
     delta = {k: max(0, after[k] - before[k]) for k in after}
@@ -75,8 +65,6 @@ def hit_text(before: dict, after: dict) -> Optional[str]:
 
 def _terminal_size(stream) -> bool:
     """False only for a terminal that reports no size (tqdm would then draw nothing)."""
-    import os
-
     try:
         size = os.get_terminal_size(stream.fileno())
     except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
@@ -96,7 +84,7 @@ async def served_now(client) -> dict:
 class EpochProgress:
     """The bar of one `BatchIterator`: `update()` per batch handed out, `close()` at the end."""
 
-    def __init__(self, iterator, options: Optional[dict] = None):
+    def __init__(self, iterator, options: dict | None = None):
         from tqdm.auto import tqdm
 
         spec = iterator.spec
@@ -109,11 +97,11 @@ class EpochProgress:
         self.bar = tqdm(**kwargs)
         self.client = iterator.client
         self._loop = iterator.client.loop.asyncio_loop
-        self._baseline: Optional[dict] = None
+        self._baseline: dict | None = None
         self._pending = None  # concurrent future of the request in flight
         self._next_ask = 0.0
         self._interval = STATS_INTERVAL
-        self.hit: Optional[str] = None
+        self.hit: str | None = None
         self._ask()
 
     def _ask(self) -> None:
@@ -153,15 +141,8 @@ class EpochProgress:
         self.bar.close()
 
 
-def make(iterator, progress) -> Optional[EpochProgress]:
-    """The bar for `iterator`, or None (not wanted, or tqdm not installed)."""
+def make(iterator, progress) -> EpochProgress | None:
+    """The bar for `iterator`, or None when none is wanted."""
     if not wanted(progress, iterator.spec.rank):
         return None
-    try:
-        return EpochProgress(iterator, progress if isinstance(progress, dict) else None)
-    except ImportError:
-        if progress:
-            import warnings
-
-            warnings.warn("progress=True needs tqdm (pip install tqdm)", RuntimeWarning, stacklevel=3)
-        return None
+    return EpochProgress(iterator, progress if isinstance(progress, dict) else None)

@@ -8,7 +8,7 @@ of a state that was edited into something no iterator writes (`check_state`).
 """
 from __future__ import annotations
 
-from typing import Callable, List
+from collections.abc import Callable
 
 import numpy as np
 
@@ -19,12 +19,13 @@ from ..plan.order import ORDER_VERSION, RankShare
 STATE_FIELDS = ("identity", "epoch", "seed", "shuffle", "shuffle_window", "drop_last")
 
 
-def resume_point(resume, spec, current: dict, share: Callable[[int, int, int, List[dict]], RankShare]) -> tuple:
+def resume_point(resume, spec, current: dict, share: Callable[[int, int, int, list[dict]], RankShare]) -> tuple:
     """(history, position) to start from, for the iterator of `spec` whose own state is
-    `current`; share(rank, world_size, batch_size, history) is a rank's `RankShare`. One state (or every rank's, world size
-    unchanged): this rank's own position, the batches an uninterrupted run would give.
-    Every rank's states from another world size or batch size: the positions none of
-    them handed out, dealt anew to this world (position 0 of a new generation)."""
+    `current`; share(rank, world_size, batch_size, history) is a rank's `RankShare`. One
+    state (or every rank's, world size unchanged): this rank's own position, the batches
+    an uninterrupted run would give. Every rank's states from another world size or batch
+    size: the positions none of them handed out, dealt anew to this world (position 0 of a
+    new generation)."""
     states = [resume] if isinstance(resume, dict) else list(resume) if isinstance(resume, (list, tuple)) else []
     if not states or not all(isinstance(s, dict) and "position" in s for s in states):
         raise SpecError("resume", "a dict from BatchIterator.state_dict(), or the list of every rank's "
@@ -32,7 +33,7 @@ def resume_point(resume, spec, current: dict, share: Callable[[int, int, int, Li
     num_samples = share(spec.rank, spec.world_size, spec.batch_size, []).order.num_samples
     for state in states:
         check_state(state, num_samples)
-        _check_state(state, current)
+        _check_matches(state, current)
     worlds = {(s.get("world_size"), s.get("batch_size")) for s in states}
     if isinstance(resume, dict) or worlds == {(spec.world_size, spec.batch_size)}:
         mine = [s for s in states if s.get("rank") == spec.rank]
@@ -116,7 +117,7 @@ def check_state(state: dict, num_samples: int) -> None:
         left -= sum(int(c) for c in consumed)
 
 
-def _check_state(state: dict, current: dict) -> None:
+def _check_matches(state: dict, current: dict) -> None:
     if state.get("order") != ORDER_VERSION:
         raise SpecError("resume", f"a state of this dmdask's epoch order (version {ORDER_VERSION}); this one "
                         "comes from another order (dmdask 0.1?): resume at the next epoch's start instead",
@@ -128,9 +129,8 @@ def _check_state(state: dict, current: dict) -> None:
 
 
 def _check_position(state: dict, share: RankShare) -> int:
-    position = state["position"]
-    if isinstance(position, np.integer):
-        position = int(position)
-    if isinstance(position, bool) or not isinstance(position, int) or not 0 <= position <= len(share):
+    """The state's position (an integer >= 0, `check_state`) if within the rank's share."""
+    position = int(state["position"])
+    if position > len(share):
         raise SpecError("resume", f"a position in 0..{len(share)}", position)
     return position

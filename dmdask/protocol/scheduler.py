@@ -1,12 +1,10 @@
 """The scheduler plugin's handlers (`dmdask.scheduler`): a request and a reply dataclass
 each, and `SchedulerAPI`, which sends them.
 
-A request travels as one `ToPickle` argument, `request`, and its reply as a `ToPickle`, as
-distributed's shuffle sends its run specs: `DatasetInfo` and the replies keep their types.
-Pickling costs tens of microseconds per message; these are sent a few times per epoch. A
-handler checks its request once (`Request.check`, by the fields' types) before it changes
-anything. Outcomes that are not errors (`NoWorkers`, `Busy`) are replies: callers wait on
-them, and a handler's exception would be logged on the scheduler.
+A request travels as one `ToPickle` argument, `request`, and its reply as a `ToPickle` (as
+distributed's shuffle sends its run specs), so both keep their types; these are sent a few
+times per epoch. A handler checks its request once (`Request.check`, by the fields' types)
+before it changes anything. Outcomes that are not errors (`NoWorkers`, `Busy`) are replies.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, List, Optional
+from typing import Any, ClassVar
 
 import numpy as np
 from distributed.core import send_recv
@@ -41,9 +41,8 @@ class Message:
 class RowsRequest(Message):
     """`dmdask_rows`: block key -> rows (offsets). `priority`: the position of the batch
     waiting for them (lower first; None: last); `wait`: seconds to wait for blocks loading."""
-
-    rows: Dict[str, np.ndarray]
-    priority: Optional[float] = None
+    rows: dict[str, np.ndarray]
+    priority: float | None = None
     wait: float = 0.0
     PAYLOAD: ClassVar[tuple] = ("rows",)
 
@@ -57,15 +56,14 @@ class RowsRequest(Message):
 @dataclass
 class Rows(Message):
     """One array per field, in request order; `from_store`: rows read from the store for it."""
-
-    arrays: Dict[str, np.ndarray]
+    arrays: dict[str, np.ndarray]
     from_store: int = 0
     PAYLOAD: ClassVar[tuple] = ("arrays",)
 
 
 @dataclass
 class Missing(Message):
-    keys: List[str]
+    keys: list[str]
 
 
 @dataclass
@@ -75,18 +73,17 @@ class BatchRequest(Message):
     `extra`: fields given whole (a mixture's "source"); `context`: a `TransformContext`;
     `isolate`: the transform in a process of its own; `same_host`: batches may come back
     in shared memory; `priority`, `wait` as in `RowsRequest`."""
-
-    requests: Dict[str, Dict[str, np.ndarray]]
-    positions: Dict[str, np.ndarray]
+    requests: dict[str, dict[str, np.ndarray]]
+    positions: dict[str, np.ndarray]
     index: np.ndarray
-    sizes: List[int]
-    fields: List[str]
-    transform: Optional[bytes] = None
+    sizes: list[int]
+    fields: list[str]
+    transform: bytes | None = None
     context: Any = None
-    extra: Optional[Dict[str, np.ndarray]] = None
+    extra: dict[str, np.ndarray] | None = None
     isolate: bool = False
     same_host: bool = False
-    priority: Optional[int] = None
+    priority: int | None = None
     wait: float = 0.0
     PAYLOAD: ClassVar[tuple] = ("requests", "positions", "index", "extra", "context", "transform")
 
@@ -121,10 +118,9 @@ class BatchRequest(Message):
 class Batches(Message):
     """The batches, as arrays or written to shared memory on the caller's host (`shared`,
     for `map_batches`); `error`: the first failed transform's `TransformError`."""
-
-    batches: Optional[list] = None
-    shared: Optional[dict] = None
-    error: Optional[BaseException] = None
+    batches: list | None = None
+    shared: dict | None = None
+    error: BaseException | None = None
     from_store: int = 0
     PAYLOAD: ClassVar[tuple] = ("batches", "error")
 
@@ -132,8 +128,7 @@ class Batches(Message):
 @dataclass
 class DescribeRequest(Message):
     """`dmdask_describe`: how to map these blocks' files."""
-
-    keys: List[str]
+    keys: list[str]
 
     def check(self, handler: str) -> None:
         check.texts(handler, "keys", self.keys)
@@ -142,15 +137,13 @@ class DescribeRequest(Message):
 @dataclass
 class Descriptions(Message):
     """Key -> how to map its files (`Holding.describe`; None: in no file); keys not held are left out."""
-
-    blocks: Dict[str, Optional[dict]]
+    blocks: dict[str, dict | None]
 
 
 @dataclass
 class HitsReport(Message):
     """`dmdask_count_hits`: tier -> [samples, bytes] taken from the worker's files by others."""
-
-    hits: Dict[str, List[int]]
+    hits: dict[str, list[int]]
 
     def check(self, handler: str) -> None:
         check.mapping(handler, "hits", self.hits, known=("ram", "ssd"))
@@ -164,8 +157,7 @@ class HitsReport(Message):
 @dataclass
 class HandOver(Message):
     """`dmdask_hand_over`: bytes of blocks a reader read, for their load tasks of `claim`."""
-
-    blocks: Dict[str, bytes]
+    blocks: dict[str, bytes]
     claim: str
     PAYLOAD: ClassVar[tuple] = ("blocks",)
 
@@ -179,7 +171,7 @@ class HandOver(Message):
 
 @dataclass
 class Kept(Message):
-    keys: List[str]  # those whose bytes the worker kept (others had no room)
+    keys: list[str]  # those whose bytes the worker kept (others had no room)
 
 
 OPS = {RowsRequest: "dmdask_rows", BatchRequest: "dmdask_batch", DescribeRequest: "dmdask_describe",
@@ -195,28 +187,25 @@ def to_wire(message: Message) -> dict:
     return wire
 
 
-def received(handler: str, kind: type, wire: dict) -> Message:
-    """The `kind` request that `handler` received as keyword arguments, checked."""
-    name = wire.pop("message", None)
-    if name != kind.__name__:
-        raise check.refuse(handler, "message", f"a {kind.__name__} (send it with WorkerAPI)", name)
-    try:
-        request = kind(**wire)
-    except TypeError:
-        fields = [f.name for f in dataclasses.fields(kind)]
-        raise check.refuse(handler, "arguments", f"the fields {fields} of {kind.__name__}", sorted(wire)) from None
-    request.check(handler)
-    return request
-
-
 def handler(kind: type, method):
-    """`method` (a `kind` request -> a reply or None) as the Dask handler of its op."""
-    async def handle(**wire):
-        reply = method(received(OPS[kind], kind, wire))
+    """`method` (a `kind` request -> a reply or None) as the Dask handler of its op: the
+    request rebuilt from the keyword arguments received, and checked, once."""
+    op = OPS[kind]
+
+    async def handle(message=None, **wire):
+        if message != kind.__name__:
+            raise check.refuse(op, "message", f"a {kind.__name__} (send it with WorkerAPI)", message)
+        try:
+            request = kind(**wire)
+        except TypeError:
+            fields = [f.name for f in dataclasses.fields(kind)]
+            raise check.refuse(op, "arguments", f"the fields {fields} of {kind.__name__}", sorted(wire)) from None
+        request.check(op)
+        reply = method(request)
         reply = (await reply) if inspect.isawaitable(reply) else reply
         return None if reply is None else to_wire(reply)
 
-    handle.__name__ = OPS[kind]
+    handle.__name__ = op
     return handle
 
 
@@ -225,10 +214,10 @@ class WorkerAPI:
     `connect_seconds`: how long a connection may take (None: the pool's timeout), so that
     a worker gone away fails a call with an OSError at once, not after 30 s of retries."""
 
-    def __init__(self, rpc, connect_seconds: Optional[float] = None):
+    def __init__(self, rpc, connect_seconds: float | None = None):
         self.rpc, self.connect_seconds = rpc, connect_seconds
 
-    async def call(self, address: str, request: Message) -> Optional[Message]:
+    async def call(self, address: str, request: Message) -> Message | None:
         """The worker's reply to `request`; `Moved` for blocks it does not hold."""
         comm = await self.rpc.connect(address, timeout=self.connect_seconds)
         try:
@@ -240,11 +229,11 @@ class WorkerAPI:
             raise Moved(reply.keys)
         return reply
 
-    async def describe(self, address: str, keys: List[str]) -> Dict[str, Optional[dict]]:
+    async def describe(self, address: str, keys: list[str]) -> dict[str, dict | None]:
         return (await self.call(address, DescribeRequest(keys))).blocks
 
-    async def count_hits(self, address: str, hits: Dict[str, List[int]]) -> None:
+    async def count_hits(self, address: str, hits: dict[str, list[int]]) -> None:
         await self.call(address, HitsReport(hits))
 
-    async def hand_over(self, address: str, blocks: Dict[str, bytes], claim: str) -> List[str]:
+    async def hand_over(self, address: str, blocks: dict[str, bytes], claim: str) -> list[str]:
         return (await self.call(address, HandOver(blocks, claim))).keys

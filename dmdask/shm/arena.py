@@ -1,23 +1,22 @@
 """RAM-tier blocks of fixed-size fields packed into one shared-memory file per dataset and
 field (an arena), so a training process on the same host takes the rows of many blocks
-with one indexing operation per field instead of one per block.
+with one indexing operation per field.
 
-Block k of a dataset with blocks of L samples occupies a slot of L rows; slots of
-released blocks are reused. A block is written once (when it is loaded) and never
-changed while held, so readers need no lock: they map the file and index rows
-slot * L + offset. Beside the fields, a file of int64 row labels (`ID_FIELD`) says which
-sample each row holds (-1: none); a writer clears a slot's labels before it writes the
-slot's rows and labels them after, so a reader that checks the labels after taking the
-rows never returns rows of a released or reused slot (`NotHeld`), however stale its idea of
-where a block lives. The files only grow while the worker lives; they are removed with
-the worker's shared-memory folder. A `block` here: the worker's `Block` (`arrays`, `start`).
+A block of a dataset with blocks of L samples occupies a slot of L rows (slots of
+released blocks are reused), written once and never changed while held: readers map the
+file and index rows slot * L + offset, with no lock. A file of int64 row labels
+(`ID_FIELD`) says which sample each row holds (-1: none); a writer clears a slot's labels
+before writing its rows and labels them after, so a reader that checks the labels after
+taking the rows never returns rows of a released or reused slot (`NotHeld`). The files
+only grow, and go with the worker's shared-memory folder. A `block` here: the worker's
+`Block` (`arrays`, `start`).
 """
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import threading
-from typing import Dict, List, Tuple
 
 import numpy as np
 
@@ -42,15 +41,15 @@ class Arena:
 
     def __init__(self, folder: str, identity: str, block_len: int, block):
         self.block_len = block_len
-        self.fields: Dict[str, Tuple[str, str, tuple]] = {}  # name -> (path, dtype, row shape)
-        self._fds: Dict[str, int] = {}
+        self.fields: dict[str, tuple[str, str, tuple]] = {}  # name -> (path, dtype, row shape)
+        self._fds: dict[str, int] = {}
         gid = group_of(folder)
         layouts = {name: (arr.dtype.str, tuple(arr.shape[1:])) for name, arr in block.arrays.items()}
         for name, (dtype, row_shape) in {**layouts, ID_FIELD: ("<i8", ())}.items():
             path = os.path.join(folder, f"{identity}.{name}")
             self.fields[name] = (path, dtype, row_shape)
             self._fds[name] = create_file(path, gid, os.O_RDWR)
-        self._free: List[int] = []
+        self._free: list[int] = []
         self._slots = 0
         self._lock = threading.Lock()
 
@@ -77,10 +76,8 @@ class Arena:
 
     def free(self, slot: int) -> None:
         """Give the slot back; its rows read as held by no sample from now on."""
-        try:
+        with contextlib.suppress(OSError):  # shared memory gone: nothing left to read anyway
             self._label(slot, None)
-        except OSError:  # shared memory gone: nothing left to read anyway
-            pass
         with self._lock:
             self._free.append(slot)
 
@@ -108,10 +105,10 @@ class Arena:
 class ArenaMaps:
     """Arena files mapped read-only in one process, remapped when they have grown."""
 
-    shared: "ArenaMaps"
+    shared: ArenaMaps
 
     def __init__(self):
-        self._maps: Dict[str, np.ndarray] = {}
+        self._maps: dict[str, np.ndarray] = {}
         self._lock = threading.Lock()
 
     def rows(self, path: str, dtype: str, row_shape: tuple, needed: int) -> np.ndarray:
@@ -138,15 +135,12 @@ class ArenaMaps:
     def take(self, description: dict, offsets: np.ndarray) -> Arrays:
         """Rows (offsets in the block) of an arena block (`ArenaBlock.describe`)."""
         offsets = np.asarray(offsets, dtype=np.int64)
-        return self.take_rows(description["arena"], description["first_row"] + offsets,
-                              description["start"] + offsets)
+        return self.take_rows(description["arena"], description["first_row"] + offsets, description["start"] + offsets)
 
     def take_rows(self, fields: dict, rows: np.ndarray, ids: np.ndarray) -> Arrays:
         """Arena rows `rows` (int64), which must hold samples `ids`: the fields' values.
-        NotHeld when a row holds another sample (its block was released or its slot
-        reused), FileNotFoundError when the worker is gone. The labels are read after the
-        rows: a writer clears a slot's labels before touching its rows, so a match proves
-        the copy right."""
+        NotHeld when a row holds another sample (the labels are read after the rows),
+        FileNotFoundError when the worker is gone."""
         needed = int(rows.max()) + 1 if len(rows) else 0
         taken = {name: self.rows(path, dtype, shape, needed)[rows]
                  for name, (path, dtype, shape) in fields.items() if name != ID_FIELD}
@@ -160,8 +154,7 @@ class ArenaMaps:
             self._maps.pop(path, None)
 
     def remake_lock(self) -> None:
-        """In a forked child: a parent thread may have held the lock at the fork (the
-        mappings themselves are inherited and stay valid)."""
+        """In a forked child (a parent thread may have held the lock; the mappings stay valid)."""
         self._lock = threading.Lock()
 
 

@@ -1,9 +1,8 @@
 """The file-block format: a block as one raw file per field in a folder of its own, written
 once by its worker (`write`), mapped read-only by processes of its host that may read it
 (`readable`, `map_arrays`, `take_rows`). Variable-size fields (object arrays of uint8
-arrays, numpy strings) are values plus offsets. The layout keeps every dtype and shape,
-so reads parse no file header (`np.load`'s `ast.literal_eval` is not thread-safe on
-CPython 3.11: python/cpython#106905)."""
+arrays, numpy strings) are values plus offsets. The layout keeps every dtype and shape, so
+reads parse no file header (`np.load`'s is not thread-safe on CPython 3.11, #106905)."""
 from __future__ import annotations
 
 import errno
@@ -11,16 +10,15 @@ import mmap
 import os
 import shutil
 import tempfile
-from typing import Dict, Optional, Tuple
 
 import numpy as np
 
 from .modes import create_file, group_of, protect_folder
 
-Arrays = Dict[str, np.ndarray]
+Arrays = dict[str, np.ndarray]
 
 
-def write(directory: str, arrays: Arrays, start: int) -> Tuple[str, tuple]:
+def write(directory: str, arrays: Arrays, start: int) -> tuple[str, tuple]:
     """Write the fields of a block of samples from `start` under a new folder of
     `directory`: (the folder, its layout). On error nothing is left behind."""
     gid = group_of(directory)
@@ -64,7 +62,7 @@ def files_exist(path: str, layout: tuple, samples: int) -> bool:
         return False
 
 
-def readable(description: Optional[dict]) -> bool:
+def readable(description: dict | None) -> bool:
     """Whether this process may map the files of a block's description (a file block's or
     an arena block's, `dmdask.worker.holdings`): a worker's folders are its user's (or
     group's) only, so a process of another user takes the block's rows through the worker."""
@@ -118,6 +116,7 @@ def assemble(parts, n: int) -> Arrays:
             out[name][where] = values
     return out
 
+
 def _map(path: str, dtype: str, shape: tuple) -> np.ndarray:
     """A read-only array over the file's pages (a plain ndarray: indexing it costs what
     indexing memory costs, without `np.memmap`'s per-call Python overhead)."""
@@ -133,6 +132,6 @@ def _map(path: str, dtype: str, shape: tuple) -> np.ndarray:
     return np.frombuffer(pages, dtype=dtype).reshape(shape)
 
 
-def _write(directory: str, name: str, arr: np.ndarray, gid: Optional[int]) -> None:
+def _write(directory: str, name: str, arr: np.ndarray, gid: int | None) -> None:
     with os.fdopen(create_file(os.path.join(directory, name), gid), "wb") as f:  # a full disk: OSError(ENOSPC)
         f.write(memoryview(np.ascontiguousarray(arr)).cast("B"))

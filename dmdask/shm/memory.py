@@ -1,16 +1,11 @@
 """Memory for warm batches, reused once a batch is dropped.
 
-A batch taken from shared memory is one copy into fresh arrays. Fresh memory is the
-expensive part: glibc hands large blocks back to the kernel when they are freed, so
-every new batch faults its pages in again (measured: a trainer that keeps 16 batches
-in flight indexes 3 KB rows at 0.65x the speed of one that drops each at once). Here a
-batch's arrays live in a chunk of a long-lived slab of private anonymous memory (huge
-pages where the kernel allows: Python's default shared anonymous mapping is shmem, which
-most kernels give no huge pages; private, a forked child also gets its own copy);
-the chunk returns to its pool when the last array viewing it is garbage collected,
-however long the user keeps the batch. A pool holds at most `MAX_POOL_BYTES`; beyond
-that (a user keeping many batches), and for batches so large that a slab of them would
-exceed it, batches get ordinary numpy memory.
+Fresh memory is the expensive part of a batch copied from shared memory: glibc gives
+large blocks back to the kernel when freed, so each new batch faults its pages in again.
+Here a batch's arrays live in a chunk of a long-lived slab of private anonymous memory
+(huge pages where the kernel allows; a forked child gets its own copy), back in its pool
+when the last array viewing it is collected. A pool holds at most `MAX_POOL_BYTES`;
+beyond that, and for batches too large for a slab, batches get ordinary numpy memory.
 
 Guarantees: a chunk is never handed out while any array of its batch is alive; the
 arrays are ordinary writable numpy arrays (torch.from_numpy shares them).
@@ -21,7 +16,6 @@ import ctypes
 import mmap
 import threading
 import weakref
-from typing import Dict, List, Tuple
 
 import numpy as np
 
@@ -29,7 +23,7 @@ MAX_POOL_BYTES = 512 << 20  # per batch layout and process
 SLAB_CHUNKS = 8  # chunks added to a pool at a time
 _ALIGN = 64
 
-Layout = Tuple[Tuple[str, str, tuple], ...]  # (field, dtype, row shape) ...
+Layout = tuple[tuple[str, str, tuple], ...]  # (field, dtype, row shape) ...
 
 
 class _Pool:
@@ -38,8 +32,8 @@ class _Pool:
     def __init__(self, chunk_bytes: int):
         self.chunk_bytes = chunk_bytes
         self.max_chunks = MAX_POOL_BYTES // chunk_bytes
-        self._slabs: List[mmap.mmap] = []
-        self._free: List[Tuple[int, int]] = []  # (slab, chunk)
+        self._slabs: list[mmap.mmap] = []
+        self._free: list[tuple[int, int]] = []  # (slab, chunk)
         self._lock = threading.Lock()
 
     def take(self):
@@ -63,7 +57,7 @@ class _Pool:
             self._free.append((slab, chunk))
 
 
-_pools: Dict[int, _Pool] = {}
+_pools: dict[int, _Pool] = {}
 _pools_lock = threading.Lock()
 
 
@@ -71,7 +65,7 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def empty_batch(layout: Layout, rows: int) -> Dict[str, np.ndarray]:
+def empty_batch(layout: Layout, rows: int) -> dict[str, np.ndarray]:
     """Uninitialised arrays of `rows` rows, one per field of `layout`, in pooled memory."""
     nbytes = [rows * np.dtype(dtype).itemsize * int(np.prod(shape, dtype=np.int64)) for _, dtype, shape in layout]
     total = sum(_aligned(n) for n in nbytes)
@@ -92,5 +86,5 @@ def empty_batch(layout: Layout, rows: int) -> Dict[str, np.ndarray]:
     return out
 
 
-def _plain(layout: Layout, rows: int) -> Dict[str, np.ndarray]:
+def _plain(layout: Layout, rows: int) -> dict[str, np.ndarray]:
     return {name: np.empty((rows,) + tuple(shape), dtype=dtype) for name, dtype, shape in layout}

@@ -1,24 +1,20 @@
 """Transformed batches handed to a training process on the same host through shared memory.
 
 A worker that ran `Spec.transform` writes the group's batches into one file of its
-shared-memory folder (`write_batches`) and replies with a small description; the
-training process maps the file copy-on-write and unlinks it at once (`map_batches`),
-so the batches' arrays are views of pages the worker wrote: no pickle, no socket, no
-copy on the trainer's side, and the memory goes back to the system when the last
-array of the group dies.
-
-Lifetimes: a file lives from the write until the trainer maps it (milliseconds); a
-trainer that dies in between leaves it behind, so the worker removes result files
-older than `STALE_SECONDS` as it writes new ones, and its whole folder when it closes
-or when the next worker of the node starts (`dmdask.worker.folders`).
+shared-memory folder (`write_batches`) and replies with its description; the training
+process maps the file copy-on-write and unlinks it at once (`map_batches`): no pickle,
+no socket, no copy on its side; the memory goes back when the group's last array dies.
+A file a trainer died before mapping is removed once older than `STALE_SECONDS` (as the
+worker writes new ones), or with the worker's folder (`dmdask.worker.folders`).
 """
 from __future__ import annotations
 
+import contextlib
+import math
 import mmap
 import os
 import tempfile
 import time
-from typing import List, Optional
 
 import numpy as np
 
@@ -28,14 +24,14 @@ ALIGN = 64  # every array starts on a cache line
 STALE_SECONDS = 120.0
 
 
-def shareable(batches: List[dict]) -> bool:
+def shareable(batches: list[dict]) -> bool:
     """Whether every field of every batch is a plain fixed-size array (object arrays of
     per-sample arrays and strings travel the ordinary way)."""
     return all(isinstance(a, np.ndarray) and a.dtype != object and a.dtype.kind != "T"
                for b in batches for a in b.values())
 
 
-def write_batches(folder: str, batches: List[dict]) -> dict:
+def write_batches(folder: str, batches: list[dict]) -> dict:
     """Write `batches` (dicts of fixed-size arrays) into a new file of `folder`; returns
     its description for `map_batches`. Nothing is left behind on error."""
     _remove_stale(folder)
@@ -63,7 +59,7 @@ def write_batches(folder: str, batches: List[dict]) -> dict:
     return {"path": path, "layout": layout, "nbytes": offset}
 
 
-def map_batches(description: dict) -> List[dict]:
+def map_batches(description: dict) -> list[dict]:
     """The batches of a `write_batches` file as writable arrays over its pages; the file
     is unlinked once mapped (its pages live as long as the arrays)."""
     path = description["path"]
@@ -71,27 +67,17 @@ def map_batches(description: dict) -> List[dict]:
         with open(path, "rb") as f:
             pages = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     finally:
-        _unlink(path)
-    return [{name: np.frombuffer(pages, dtype=dtype, count=_count(shape), offset=at).reshape(shape)
+        with contextlib.suppress(OSError):  # another user's worker folder: the worker removes it when stale
+            os.unlink(path)
+    return [{name: np.frombuffer(pages, dtype=dtype, count=math.prod(shape), offset=at).reshape(shape)
              for name, dtype, shape, at in fields}
             for fields in description["layout"]]
-
-
-def _count(shape) -> int:
-    return int(np.prod(shape, dtype=np.int64))
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:  # another user's worker folder: the worker removes it when stale
-        pass
 
 
 _last_sweep: dict = {}
 
 
-def _remove_stale(folder: str, now: Optional[float] = None) -> None:
+def _remove_stale(folder: str, now: float | None = None) -> None:
     """Remove result files older than STALE_SECONDS (checked at most every few seconds)."""
     now = time.time() if now is None else now
     if now - _last_sweep.get(folder, 0.0) < STALE_SECONDS / 10:
@@ -99,8 +85,6 @@ def _remove_stale(folder: str, now: Optional[float] = None) -> None:
     _last_sweep[folder] = now
     for entry in os.scandir(folder):
         if entry.name.startswith("result-"):
-            try:
+            with contextlib.suppress(OSError):
                 if now - entry.stat().st_mtime > STALE_SECONDS:
                     os.unlink(entry.path)
-            except OSError:
-                pass

@@ -1,22 +1,18 @@
-"""One field's arenas on this host, mapped side by side into one range of address space.
+"""One field's arenas on this host (one per worker, `dmdask.shm.arena`), mapped side by
+side at fixed strides into one reserved range of address space, so a single `np.take`
+reads a group's rows from all of them, in the epoch's order, with one copy: row r of
+arena a is row a * stride + r of the window.
 
-Each worker of a node keeps its RAM blocks of a dataset in an arena file of its own
-(`dmdask.shm.arena`). A training process maps every such file of a field next to the
-others, at fixed strides inside one reservation, so a single `np.take` reads a group's
-rows from all of them, in the epoch's order, with one copy: row r of arena a is row
-a * stride + r of the window.
-
-Guarantees: a mapping only grows while the window lives, so a row index that was valid
-once stays readable; rows never mapped are never read (callers index only rows of
-blocks they know, `LocalArenas`). Linux and macOS (mmap with MAP_FIXED into a reserved
-range); `Window.open` returns None where the range cannot be reserved.
+Guarantees: a mapping only grows while the window lives, so a row index valid once stays
+readable; rows never mapped are never read (callers index only rows of blocks they know,
+`LocalArenas`). Linux and macOS (mmap with MAP_FIXED); `Window.open` returns None where
+the range cannot be reserved.
 """
 from __future__ import annotations
 
 import ctypes
 import mmap
 import os
-from typing import List, Optional
 
 import numpy as np
 
@@ -44,13 +40,13 @@ class Window:
     def __init__(self, base: int, stride: int, row_bytes: int, dtype: str, row_shape: tuple):
         self._base, self.stride, self._row_bytes = base, stride, row_bytes
         self._dtype, self._row_shape = np.dtype(dtype), tuple(row_shape)
-        self._mapped: List[int] = [0] * MAX_ARENAS  # rows mapped per arena
+        self._mapped: list[int] = [0] * MAX_ARENAS  # rows mapped per arena
         total = stride * row_bytes * MAX_ARENAS
         memory = (ctypes.c_char * total).from_address(base)
         self.rows = np.frombuffer(memory, dtype=self._dtype).reshape((stride * MAX_ARENAS,) + self._row_shape)
 
     @classmethod
-    def open(cls, max_rows: int, dtype: str, row_shape: tuple) -> Optional["Window"]:
+    def open(cls, max_rows: int, dtype: str, row_shape: tuple) -> Window | None:
         """A window for arenas of up to `max_rows` rows each (capped by this host's
         memory, which bounds any file in shared memory); None if the address space
         cannot be reserved."""

@@ -1,0 +1,194 @@
+"""Fetching a group of one iterator's batches, on the client's event loop.
+
+The group's blocks are located (`holders_of`); without a transform its rows are assembled
+here (`dmdask.client.gather`: same-host rows from the mapped files, the others one request
+per holder), with a transform by the rank's local worker (`dmdask_batch`). A lost worker or
+a moved block is retried until `dmdask.client.recovery-seconds`; after a corrupt block the
+group is fetched one batch at a time, so every batch before it is still delivered.
+"""
+from __future__ import annotations
+
+import logging
+
+import dask.config
+import numpy as np
+from distributed.comm import get_address_host
+from distributed.comm.core import CommClosedError
+
+from ..errors import BlockReadError, NotADmdaskWorker, no_workers
+from ..plan.order import RankShare
+from ..protocol.scheduler import SchedulerAPI
+from ..protocol.worker import BatchRequest, RowsRequest
+from ..recovery import Tries
+from ..shm.results import map_batches
+from ..transform import TransformContext
+from .arenas import split_batches
+from .contact import Contact
+from .gather import LOAD_WAIT, Gatherer, Moved, plan_rows
+from .locate import my_host
+from .mixture import MixedInfo
+
+logger = logging.getLogger(__name__)
+HITS_SECONDS = 1.0  # how often workers hear of the rows taken from their files (progress bar, dashboard)
+
+
+class GroupFetcher:
+    """Fetches groups of an iterator's batches (`share`); coroutines of the client's loop.
+    `cold`: whether the last group fetched needed rows read from the store."""
+
+    def __init__(self, client, spec, epoch: int, info, share: RankShare, contact: Contact, gatherer: Gatherer,
+                 transform: bytes | None):
+        self.client, self.spec, self.epoch, self.info = client, spec, epoch, info
+        self.mixed = info if isinstance(info, MixedInfo) else None  # a mixture's sources, as one dataset
+        self.share, self.contact, self.gatherer, self.transform = share, contact, gatherer, transform
+        self.holders: dict[str, str] = {}  # block key -> a worker holding it
+        self.cold = True
+
+    async def fetch(self, first: int, stop: int) -> list:
+        """Batches first..stop-1; after a corrupt block, the ones before it and the error."""
+        try:
+            return await self._fetch_group(first, stop)
+        except BlockReadError:
+            if stop - first == 1:
+                raise
+        out: list = []
+        for i in range(first, stop):
+            try:
+                out.extend(await self._fetch_group(i, i + 1))
+            except BlockReadError as exc:
+                out.append(exc)
+                break
+        return out  # without an error: the group's did not come back one batch at a time
+
+    async def _fetch_group(self, first: int, stop: int) -> list[dict[str, np.ndarray]]:
+        group = self.share.batches(first, stop)
+        ids = np.concatenate(group)
+        blocks, offsets = self.info.locate(ids)
+        keys = {int(k): self.info.block_key(int(k)) for k in np.unique(blocks)}
+        last_error: BaseException | None = None
+        recovery = float(dask.config.get("dmdask.client.recovery-seconds"))
+        isolate = False  # set once a worker was lost while this group's transform ran
+        tries = Tries(recovery, pause=lambda attempt: min(1.0, 0.05 * attempt))
+        async for _ in tries:
+            await self.contact.check_scheduler()
+            try:
+                holders, loading = await self.holders_of(list(keys.values()))
+                if len(holders) < len(keys):  # still loading, being recomputed after a loss, or no worker left
+                    if await self.contact.wait_if_no_workers():
+                        tries.deadline.renew()
+                    tries.no_pause()  # the locate waited on the scheduler
+                    continue
+                plan, positions = plan_rows(blocks, offsets, keys, holders)
+                if self.transform is None:  # assembled here: local rows straight from the files
+                    arrays, from_store = await self.gatherer.gather(plan, positions, len(ids), priority=first,
+                                                                    loading=loading)
+                    self.cold = from_store > 0
+                    self.gatherer.flush_hits_every(HITS_SECONDS)
+                    index, extra = self._index(ids)
+                    return split_batches({**arrays, **extra}, index, [len(b) for b in group])
+                return await self._from_local_worker(plan, positions, ids, group, first, isolate)
+            except BlockReadError:
+                raise
+            except (OSError, CommClosedError) as exc:  # a worker left: ask again
+                last_error = exc
+                if self.transform is not None and not isolate:
+                    # the transform may have killed it: the next try runs it where it cannot kill a worker
+                    logger.warning("a worker was lost while it ran the transform of batches %d..%d of rank %d; "
+                                   "running them once more in a process of their own", first, stop - 1,
+                                   self.spec.rank)
+                    isolate = True
+                self.contact.forget_worker()
+                if await self.contact.wait_if_no_workers():
+                    tries.deadline.renew()  # one joined: the group gets its full time again
+            except Moved as exc:
+                last_error = exc
+            except RuntimeError as exc:  # "ConnectionPool is closed": the client is losing its scheduler
+                if self.client.status == "running":
+                    raise
+                last_error = exc
+            self.holders.clear()
+        if not await self.contact.workers(wait=False):
+            raise no_workers(recovery) from last_error
+        raise RuntimeError(f"batches {first}..{stop - 1} of rank {self.spec.rank} still failing after {recovery:.0f} s "
+                           f"({tries.count} tries, dmdask.client.recovery-seconds); is the cluster losing workers?") \
+            from last_error
+
+    async def _from_local_worker(self, plan, positions, ids, group, first: int, isolate: bool) -> list:
+        """Batches gathered and transformed by a worker on this node; when the transform
+        failed on one, the batches before it and its `TransformError`. `isolate`: the
+        transform runs in a process of its own (after a worker loss), so a transform that
+        kills its process fails its batch, not another worker."""
+        worker = await self.contact.local_worker()
+        index, extra = self._index(ids)
+        request = BatchRequest(plan, positions, index, [len(b) for b in group], list(self.info.fields),
+                               self.transform, TransformContext(self.epoch, self.spec.seed), extra,
+                               isolate=isolate, same_host=get_address_host(worker) == my_host(self.client),
+                               priority=first, wait=LOAD_WAIT)
+        reply = await self.gatherer.workers.call(worker, request)  # Moved when a holder lost a block
+        self.cold = reply.from_store > 0
+        # written into the worker's shared memory: mapped, not copied
+        batches = map_batches(reply.shared) if reply.shared is not None else list(reply.batches)
+        return batches + [reply.error] if reply.error is not None else batches
+
+    def _index(self, ids: np.ndarray) -> tuple:
+        """A group's "index" and its fields not read from blocks (a mixture's "source")."""
+        return (ids, {}) if self.mixed is None else self.mixed.batch_fields(ids)
+
+    async def learn(self, keys: list[str]) -> None:
+        """The holders of these blocks among those loaded already, and the layout of those in
+        arenas on this host, so that a new process on a warm cache takes its rows straight
+        from the arenas from its first batch on: one request to the scheduler (it does not
+        wait for blocks still loading) and one per local worker holding some."""
+        await self.contact.check_scheduler()
+        mine = get_address_host(await self.contact.local_worker())
+        holders = (await SchedulerAPI(self.client).locate(keys, mine, wait=0)).holders
+        self.holders.update(holders)
+        await self.gatherer.learn(holders)
+
+    async def first_rows(self) -> list:
+        """The first row of every source of the mixture drawn in an epoch (None for the others)."""
+        out: list = []
+        recovery = float(dask.config.get("dmdask.client.recovery-seconds"))
+        for info, count in zip(self.mixed.sources, self.mixed.counts):
+            if not count:
+                out.append(None)
+                continue
+            key = info.block_key(0)
+            async for _ in Tries(recovery, pause=0.1):
+                await self.contact.check_scheduler()
+                try:
+                    holder = (await self.holders_of([key]))[0].get(key)
+                    if holder is not None:
+                        first_row = RowsRequest({key: np.zeros(1, dtype=np.int64)})
+                        out.append((await self.gatherer.workers.call(holder, first_row)).arrays)
+                        break
+                except BlockReadError:
+                    raise
+                except (Moved, OSError, CommClosedError):  # its holder left or let the block go: ask again
+                    pass
+                self.holders.pop(key, None)
+            else:  # no break: the deadline passed
+                raise RuntimeError(f"the first block of {info.url} is still not available after {recovery:.0f} s "
+                                   "(dmdask.client.recovery-seconds)")
+        return out
+
+    async def holders_of(self, keys: list[str]) -> tuple[dict[str, str], set[str]]:
+        """(holders of the given blocks, the keys among them still loading), asking the
+        scheduler plugin for those not known yet (`locate(planned=True)`: it waits a while
+        for blocks loading, but names at once the worker loading one right now, which waits
+        for it when asked for its rows). Raises the load's error for a block that failed to
+        load, `NotADmdaskWorker` if the dataset was released."""
+        unknown = [k for k in keys if k not in self.holders]
+        loading: dict[str, str] = {}
+        if unknown:
+            found = await SchedulerAPI(self.client).locate(unknown, get_address_host(await self.contact.local_worker()),
+                                                          planned=True)
+            for error in found.erred.values():
+                raise error
+            if found.unknown:
+                raise NotADmdaskWorker(f"the cluster no longer has the blocks of {self.spec.source} "
+                                       f"(released by dmdask.release?): {found.unknown[:2]}")
+            self.holders.update(found.holders)
+            loading = found.loading  # not remembered: located again once loaded
+        holders = {k: self.holders.get(k) or loading[k] for k in keys if k in self.holders or k in loading}
+        return holders, {k for k in loading if k not in self.holders}
