@@ -1,7 +1,5 @@
-"""The warm path: a training process takes the rows of blocks held in arenas on its own
-host (`dmdask.shm.arena`) with no request at all, one `np.take` per field over a
-`Window` that maps every arena of the host side by side, into pooled memory
-(`dmdask.shm.memory`).
+"""The warm path (docs/architecture.md section 3, step 6): rows of blocks in arenas on this
+host taken with no request, one `np.take` per field over a `Window`, into pooled memory.
 
 Guarantees: every row comes from the block that holds it, in the epoch's order; a block
 released, moved or whose slot was reused while mapped raises `Moved` (the row labels are
@@ -23,9 +21,7 @@ from ..shm.window import MAX_ARENAS, Window
 
 class LocalArenas:
     """Per process and dataset (`of`): the blocks held in arenas on this host, learnt as
-    the slow path finds them (`Gatherer.gather`) and shared by every iterator of the
-    dataset in the process; a group's rows, straight into pooled memory (`take`).
-    Thread-safe."""
+    the slow path finds them (`Gatherer.gather`). Thread-safe."""
 
     _of: dict[str, LocalArenas] = {}
     _registry = threading.Lock()
@@ -97,17 +93,17 @@ class LocalArenas:
             self._index.clear()
 
     def forget_if_gone(self) -> None:
-        """Forget everything if a known arena's worker is gone (its files removed): its
-        mapped rows would still read right, but would keep its memory alive."""
+        """Forget everything if a known arena's worker is gone (its mapped files would keep
+        its memory alive)."""
         with self._lock:
             gone = any(not os.path.exists(fields[ID_FIELD][0]) for _, fields in self.arenas)
         if gone:
             self.forget()
 
     def take(self, group: list[np.ndarray], count) -> list[dict[str, np.ndarray]]:
-        """Batches of sample ids `group` (all in known arenas), each with its "index", in
-        the epoch's order. `count(holder, tier, rows, bytes)` records the hits. Raises
-        `Moved` when a block is no longer where it was known."""
+        """Batches of sample ids `group` (all in known arenas), each with its "index";
+        `count(holder, tier, rows, bytes)` records the hits. `Moved` when a block is no
+        longer where it was known."""
         ids = np.concatenate(group)
         blocks = ids // self.block_len
         with self._lock:  # held through the copy: nothing is unmapped while it reads

@@ -33,14 +33,15 @@ def ensure_plugin(client: Client) -> None:
 
 
 def _call(client: Client, request):
-    """One request to the scheduler plugin, from the caller's thread."""
-    return client.sync(SchedulerAPI(client).send, request)
+    """One request to the scheduler plugin, from the caller's thread; `NoWorkers` raised."""
+    reply = client.sync(SchedulerAPI(client).send, request)
+    if isinstance(reply, NoWorkers):
+        raise NotADmdaskWorker(NO_WORKERS)
+    return reply
 
 
 def open_dataset(client: Client, spec, epoch: int) -> Ready:
-    """The dataset of `spec`, created once per cluster: the first rank to ask lists the
-    source and submits every block load in one graph; the others wait for it and get
-    the same blocks."""
+    """The dataset of `spec` (`get_or_create`), its blocks submitted in the order its epoch needs them."""
 
     def order(info: DatasetInfo):
         epoch_order = EpochOrder(info.num_samples, info.block_len, shuffle=spec.shuffle, seed=spec.seed,
@@ -55,8 +56,7 @@ def get_or_create(client: Client, name: str, opener: Callable[[], Source],
     """The registry's dataset `name`, created once per cluster from `opener()` by the
     first process to ask (the others wait for it), every block load submitted in one
     graph. `order(info)`: the order the blocks are first needed (None: index order).
-    The scheduler plugin is registered only when the scheduler answers None (it has no
-    handler): one started as the recipes start it has it, and registering costs ms."""
+    The scheduler plugin is registered only when the scheduler has no handler for it."""
     claimant, registered = uuid.uuid4().hex, False
     while True:
         reply = _call(client, GetOrClaim(name, claimant))
@@ -83,8 +83,6 @@ def get_or_register(client: Client, source: Source) -> bool:
     ensure_plugin(client)
     while True:
         reply = _call(client, GetOrRegister(source.info))
-        if isinstance(reply, NoWorkers):
-            raise NotADmdaskWorker(NO_WORKERS)
         if isinstance(reply, (Ready, Registered)):
             return isinstance(reply, Registered)
         time.sleep(0.05)  # being created by a get_or_create: ready in a moment
@@ -93,17 +91,14 @@ def get_or_register(client: Client, source: Source) -> bool:
 def _create(client: Client, name: str, source: Source, order, claimant: str) -> None:
     info = source.info
     reply = _call(client, Register(name, claimant, info, None if order is None else order(info)))
-    if isinstance(reply, NoWorkers):
-        raise NotADmdaskWorker(NO_WORKERS)
     if not isinstance(reply, Registered):
         return  # the claim passed to another rank: ask again
     del submit_blocks(client, [source.reader(k) for k in range(info.num_blocks)])[:]
 
 
 def submit_blocks(client: Client, readers) -> list:
-    """Submit the loads of these blocks (one graph; a block the cluster has already is
-    left as it is); their futures, which the caller may wait on or drop: the scheduler
-    plugin wants the blocks from now on, as long as their dataset is registered."""
+    """Submit the loads of these blocks in one graph (a block the cluster has is left as it
+    is); their futures, which the caller may drop (the scheduler plugin wants the blocks)."""
     return client.map(load_block, readers, key=[r.key for r in readers], pure=False)
 
 

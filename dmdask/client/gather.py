@@ -1,11 +1,10 @@
-"""A training process assembles its batches itself: rows of blocks held in files on its
-own host (shared memory for the RAM tier, the SSD) are taken by indexing the mapped
-files, with no request; only rows held on other hosts, or in no file (blocks filling or
-streamed), are asked for, one request per holder per group of batches.
+"""A group of batches assembled in the training process (docs/architecture.md section 3,
+step 6, "no transform"): rows of blocks in files on this host taken from the mapped
+files, the others asked of their holders.
 
 Guarantees: every row comes from the block that holds it, placed at its position in
-the group; a block released (or whose worker went away) while mapped raises `Moved`,
-so the caller locates it again; nothing here ever writes to a worker's files.
+the group; a block released (or whose worker went away) while mapped raises `Moved`;
+nothing here writes to a worker's files.
 """
 from __future__ import annotations
 
@@ -36,9 +35,7 @@ MAPPED_BLOCKS = 4096  # blocks kept mapped per process (each costs a mapping per
 
 
 class ForkSafeExecutor(concurrent.futures.Executor):
-    """A thread pool (its threads started at the first submit) that a forked child starts
-    anew: a forked process has none of its parent's threads, so work queued on the
-    parent's pool would wait forever."""
+    """A thread pool that a forked child starts anew (it has none of its parent's threads)."""
 
     def __init__(self, threads: int, name: str):
         self.threads, self.name = threads, name
@@ -56,10 +53,7 @@ class ForkSafeExecutor(concurrent.futures.Executor):
 
 
 _pool = ForkSafeExecutor(2, "dmdask-gather")
-# Warm batches of every iterator in this process are copied by this one thread: one core's
-# worth of copying per training process, overlapping the training step (numpy releases
-# the GIL while it copies), leaving the node's other cores to the other ranks.
-copier = ForkSafeExecutor(1, "dmdask-copy")
+copier = ForkSafeExecutor(1, "dmdask-copy")  # the warm batches of every iterator of the process
 
 
 class _Mapped:
@@ -71,8 +65,7 @@ class _Mapped:
         os.register_at_fork(after_in_child=self._start)
 
     def _start(self) -> None:
-        """Also in a forked child: the locks a parent thread may have held at the fork made
-        anew (the LRU's own lock with it: the child maps its blocks again as it uses them)."""
+        """Also in a forked child: the locks (the LRU's too) made anew; the child maps again."""
         self.lock = threading.Lock()
         self.maps = zict.LRU(MAPPED_BLOCKS, {})  # path -> map_arrays(...), least recently used dropped
 
@@ -137,11 +130,10 @@ class Gatherer:
     async def gather(self, plan: dict[str, dict[str, np.ndarray]], positions: dict[str, np.ndarray],
                      n: int, priority: int | None = None,
                      loading: Collection[str] = ()) -> tuple[dict[str, np.ndarray], int]:
-        """(the group's rows, field by field, in group order; how many of them the holders
-        read from the store for it). `plan`: holder -> block key -> rows; `positions`:
-        holder -> where those rows go (in the same order); `priority`: the position of the
-        group's first batch in its epoch (holders serve lower ones first); `loading`: keys
-        whose holder is still loading them (in no file yet: asked for rows, not described)."""
+        """(the group's rows, field by field, in group order; how many the holders read from
+        the store for it). `plan`, `positions`: `plan_rows`; `priority`: the position of the
+        group's first batch (holders serve lower ones first); `loading`: keys still loading
+        (asked for rows, not described)."""
         local = self._local_holders(plan)
         await asyncio.gather(*(self._describe(h, [k for k in plan[h] if k not in loading]) for h in local))
         from_files: list[FromFile] = []
@@ -198,9 +190,8 @@ class Gatherer:
         return [h for h in holders if get_address_host(h) == self.my_host]
 
     async def learn(self, holders: dict[str, str]) -> None:
-        """Learn the layout of these blocks (key -> holder) where they are held in files on
-        this host, and remember those in arenas (`LocalArenas`), so that groups of them
-        take the warm path."""
+        """Describe these blocks (key -> holder) held on this host, remembering those in
+        arenas (`LocalArenas`) for the warm path."""
         by_holder: dict[str, list[str]] = defaultdict(list)
         for key, holder in holders.items():
             by_holder[holder].append(key)
@@ -211,8 +202,7 @@ class Gatherer:
                 self._remember(holder, key, description)
 
     async def describe(self, keys: dict[str, list[str]]) -> None:
-        """Learn how blocks held on this host are laid out in files (holder -> keys), ahead
-        of `gather` or `take_local`; blocks held elsewhere are left out."""
+        """Learn the file layout of blocks (holder -> keys) held on this host."""
         await asyncio.gather(*(self._describe(h, keys[h]) for h in self._local_holders(keys)))
 
     async def _describe(self, holder: str, keys: list[str]) -> None:
@@ -226,8 +216,8 @@ class Gatherer:
                         _mapped.described[(holder, key)] = found if readable(found) else None
 
     async def _rows(self, holder: str, wanted: dict[str, np.ndarray], priority: int | None):
-        """(rows from `holder`, how many it read from the store for them); it waits a
-        moment for blocks it is still loading (`locate(planned=True)`)."""
+        """(rows from `holder`, how many it read from the store); it waits `LOAD_WAIT`
+        for blocks it is still loading."""
         reply = await self.workers.call(holder, RowsRequest(wanted, priority, LOAD_WAIT))
         return reply.arrays, reply.from_store
 
@@ -279,9 +269,8 @@ class Gatherer:
 
 
 def plan_rows(blocks: np.ndarray, offsets: np.ndarray, keys: dict[int, str], holders: dict[str, str]):
-    """What `Gatherer.gather` takes: holder -> block key -> rows to take (`offsets` in
-    their blocks), and holder -> the positions in the group where those rows go (in the
-    same order). `keys`: block index -> key; `holders`: key -> its holder."""
+    """What `Gatherer.gather` takes: holder -> block key -> rows (`offsets` in their
+    blocks), and holder -> the rows' positions in the group, in the same order."""
     by_block = np.argsort(blocks, kind="stable")
     uniq, starts = np.unique(blocks[by_block], return_index=True)
     groups = np.split(by_block, starts[1:])

@@ -1,11 +1,8 @@
 """A weighted mixture of datasets (`dmdask.Mix`) as the iterator sees it: one dataset.
 
-Each source is a dataset of its own in the cluster (opened, cached, bounded and released
-as when read alone); `MixedInfo` lays their sample ids end to end (global id = the
-source's offset + its sample id) and numbers their blocks the same way, so the
-iterator plans, fetches and deals a mixture with the code of a single dataset. Batches
-then get "source" (which source each row came from) and "index" back in the source's
-own ids (`batch_fields`).
+Each source is a dataset of its own in the cluster (opened, cached and released as when
+read alone); `MixedInfo` lays their sample ids and blocks end to end, so the iterator
+plans, fetches and deals a mixture with the code of a single dataset.
 """
 from __future__ import annotations
 
@@ -26,12 +23,9 @@ _matching: set = set()  # (identity, fields) of mixtures whose sources' rows wer
 
 
 class MixedInfo:
-    """The sources of a mixture as one dataset of global ids (source after source).
-
-    sources: each source's `DatasetInfo`, in `Mix.sources` order; counts: the draws of
-    each source per epoch (`dmdask.plan.mix.apportion` of the epoch size by the weights);
-    identity: a token of the sources' identities and counts (what a resume state must share).
-    """
+    """The sources of a mixture as one dataset of global ids (the source's offset + its
+    sample id). `counts`: each source's draws per epoch; `identity`: a token of the
+    sources' identities and counts (what a resume state must share)."""
 
     def __init__(self, mix: Mix, sources: Sequence[DatasetInfo]):
         self.mix = mix
@@ -118,8 +112,8 @@ def check_fields_match(mix: MixedInfo, first_rows: Callable[[], list[dict[str, n
 
 
 def take_mixed(mix: MixedInfo, arenas: list[LocalArenas], group: list[np.ndarray], count) -> list[dict]:
-    """The warm path of a mixture: each source's rows from its arenas on this host
-    (`LocalArenas.take`), put together in the group's order. Raises `Moved` as `take` does."""
+    """The warm path of a mixture: each source's rows from its arenas (`LocalArenas.take`,
+    `Moved` likewise), put together in the group's order."""
     ids = np.concatenate(group)
     index, extra = mix.batch_fields(ids)
     sources = extra[SOURCE_FIELD]

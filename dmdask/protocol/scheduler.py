@@ -1,10 +1,7 @@
 """The scheduler plugin's handlers (`dmdask.scheduler`): a request and a reply dataclass
-each, and `SchedulerAPI`, which sends them.
-
-A request travels as one `ToPickle` argument, `request`, and its reply as a `ToPickle` (as
-distributed's shuffle sends its run specs), so both keep their types; these are sent a few
-times per epoch. A handler checks its request once (`Request.check`, by the fields' types)
-before it changes anything. Outcomes that are not errors (`NoWorkers`, `Busy`) are replies.
+each, both sent as `ToPickle` so they keep their types, and `SchedulerAPI`, which sends
+them. A handler checks its request once (`Request.check`, by the fields' types) before it
+changes anything. Outcomes that are not errors (`NoWorkers`, `Busy`) are replies.
 """
 from __future__ import annotations
 
@@ -64,8 +61,7 @@ class Request:
     op: ClassVar[str]  # the handler's name on the scheduler
 
     def check(self, op: Optional[str] = None) -> None:
-        """Raise `HandlerArgumentError`, naming `op` and the field, unless each field is of
-        its type and range."""
+        """`HandlerArgumentError`, naming `op` and the field, unless each field is of its type and range."""
         for f in dataclasses.fields(self):
             how = f.metadata["check"] if "check" in f.metadata else _BY_TYPE[f.type]
             if how is not None:

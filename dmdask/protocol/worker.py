@@ -2,8 +2,7 @@
 
 Each handler takes one request dataclass and answers one reply dataclass (or None). On
 the wire a message is the handler's keyword arguments: "message" (its class) and its
-fields, the `PAYLOAD` ones (arrays, bytes) wrapped by `to_serialize` as they always were.
-`received` rebuilds a request and checks it, once. One fact, one type: blocks not held
+fields, the `PAYLOAD` ones (arrays, bytes) wrapped by `to_serialize`. Blocks not held
 where asked are the `Missing` reply on the wire and `Moved` everywhere else.
 """
 from __future__ import annotations
@@ -211,8 +210,7 @@ def handler(kind: type, method):
 
 class WorkerAPI:
     """The workers' handlers over a `ConnectionPool` (`client.rpc`, `worker.rpc`).
-    `connect_seconds`: how long a connection may take (None: the pool's timeout), so that
-    a worker gone away fails a call with an OSError at once, not after 30 s of retries."""
+    `connect_seconds`: how long a connection may take before an OSError (None: the pool's)."""
 
     def __init__(self, rpc, connect_seconds: float | None = None):
         self.rpc, self.connect_seconds = rpc, connect_seconds

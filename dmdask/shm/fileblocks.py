@@ -64,8 +64,7 @@ def files_exist(path: str, layout: tuple, samples: int) -> bool:
 
 def readable(description: dict | None) -> bool:
     """Whether this process may map the files of a block's description (a file block's or
-    an arena block's, `dmdask.worker.holdings`): a worker's folders are its user's (or
-    group's) only, so a process of another user takes the block's rows through the worker."""
+    an arena block's); a process of another user takes the block's rows through the worker."""
     if description is None:
         return False
     path = description["path"] if "path" in description else next(iter(description["arena"].values()))[0]
@@ -118,8 +117,7 @@ def assemble(parts, n: int) -> Arrays:
 
 
 def _map(path: str, dtype: str, shape: tuple) -> np.ndarray:
-    """A read-only array over the file's pages (a plain ndarray: indexing it costs what
-    indexing memory costs, without `np.memmap`'s per-call Python overhead)."""
+    """A read-only array over the file's pages (a plain ndarray: no `np.memmap` overhead per call)."""
     if 0 in shape:
         return np.zeros(shape, dtype=dtype)
     expected = np.dtype(dtype).itemsize * int(np.prod(shape, dtype=np.int64))

@@ -1,11 +1,7 @@
-"""Transformed batches handed to a training process on the same host through shared memory.
-
-A worker that ran `Spec.transform` writes the group's batches into one file of its
-shared-memory folder (`write_batches`) and replies with its description; the training
-process maps the file copy-on-write and unlinks it at once (`map_batches`): no pickle,
-no socket, no copy on its side; the memory goes back when the group's last array dies.
-A file a trainer died before mapping is removed once older than `STALE_SECONDS` (as the
-worker writes new ones), or with the worker's folder (`dmdask.worker.folders`).
+"""Transformed batches handed to a training process on the same host through one file of
+the worker's shared-memory folder (`write_batches`), which the process maps copy-on-write
+and unlinks at once (`map_batches`). A file a trainer died before mapping is removed once
+older than `STALE_SECONDS` (as the worker writes new ones), or with the worker's folder.
 """
 from __future__ import annotations
 
