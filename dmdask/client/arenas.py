@@ -49,8 +49,7 @@ class LocalArenas:
         return bool(len(blocks)) and bool((self.arena_of[blocks] >= 0).all())
 
     def remember(self, holder: str, block: int, description: dict) -> None:
-        """Block `block` is in `holder`'s arena (`ArenaBlock.describe`); ignored when its
-        arena cannot be mapped (the slow path keeps serving it)."""
+        """Block `block` is in `holder`'s arena (`ArenaBlock.describe`); ignored if unmappable."""
         fields = description["arena"]
         ident = (holder, fields[ID_FIELD][0])
         rows = description["first_row"] + min(self.block_len, self.num_samples - block * self.block_len)
@@ -93,17 +92,15 @@ class LocalArenas:
             self._index.clear()
 
     def forget_if_gone(self) -> None:
-        """Forget everything if a known arena's worker is gone (its mapped files would keep
-        its memory alive)."""
+        """Forget everything if a known arena's worker is gone (mapped, its memory stays alive)."""
         with self._lock:
             gone = any(not os.path.exists(fields[ID_FIELD][0]) for _, fields in self.arenas)
         if gone:
             self.forget()
 
     def take(self, group: list[np.ndarray], count) -> list[dict[str, np.ndarray]]:
-        """Batches of sample ids `group` (all in known arenas), each with its "index";
-        `count(holder, tier, rows, bytes)` records the hits. `Moved` when a block is no
-        longer where it was known."""
+        """Batches of sample ids `group` (all in known arenas), each with its "index"; hits
+        recorded by `count(holder, tier, rows, bytes)`. `Moved` for a block no longer there."""
         ids = np.concatenate(group)
         blocks = ids // self.block_len
         with self._lock:  # held through the copy: nothing is unmapped while it reads

@@ -30,8 +30,7 @@ CONNECT_AHEAD = 32  # workers a new iterator connects to while its dataset opens
 
 
 async def connect_ahead(client, address: str) -> None:
-    """A connection to the worker at `address` made now and kept in the client's pool for
-    the next call; never raises (that call meets the error)."""
+    """A connection to `address` made now for the client's pool; never raises (the next call would)."""
     try:
         comm = await client.rpc.connect(address, timeout=CONNECT_SECONDS)
     except Exception:  # noqa: BLE001 - best effort
@@ -89,8 +88,7 @@ class Contact:
         raise self._scheduler_lost("no answer", limit)
 
     async def workers(self, wait: bool = True) -> list[str]:
-        """The cluster's workers, waited for while it has none (or `NoWorkersError`);
-        wait=False: the workers now, maybe none."""
+        """The cluster's workers, waited for while none (or `NoWorkersError`); wait=False: maybe none."""
         limit = float(dask.config.get("dmdask.client.recovery-seconds"))
         async for _ in Tries(limit, pause=0.5):
             workers = sorted((await self.identity())["workers"])
@@ -104,8 +102,7 @@ class Contact:
         raise no_workers(limit)
 
     async def wait_if_no_workers(self) -> bool:
-        """When the cluster has no workers: the local worker forgotten and new workers
-        waited for (`workers()`); True if it waited."""
+        """If the cluster has no workers: the local worker forgotten, `workers()` awaited, True."""
         if await self.workers(wait=False):
             return False
         self.forget_worker()

@@ -25,8 +25,7 @@ NO_WORKERS = "the cluster has no workers; start `dask worker ... --worker-class 
 
 
 def ensure_plugin(client: Client) -> None:
-    """Register the scheduler plugin unless the scheduler has it (idempotent, race-free;
-    asked once per client and scheduler)."""
+    """Register the scheduler plugin, once per client and scheduler (idempotent, race-free)."""
     if _registered.get(client) != client.scheduler.address:
         client.register_plugin(DatasetsPlugin())
         _registered[client] = client.scheduler.address
@@ -77,9 +76,8 @@ def get_or_create(client: Client, name: str, opener: Callable[[], Source],
 
 
 def get_or_register(client: Client, source: Source) -> bool:
-    """Register `source`'s dataset lazily unless the registry has it (one request): none
-    of its blocks is loaded until someone submits it (`submit_blocks`). True when it was
-    registered now, so that none of its blocks exists yet."""
+    """Register `source`'s dataset lazily unless the registry has it: no block is loaded
+    until submitted (`submit_blocks`). True when registered now (none of its blocks exists)."""
     ensure_plugin(client)
     while True:
         reply = _call(client, GetOrRegister(source.info))

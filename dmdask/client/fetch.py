@@ -111,9 +111,8 @@ class GroupFetcher:
             from last_error
 
     async def _from_local_worker(self, plan, positions, ids, group, first: int, isolate: bool) -> list:
-        """Batches gathered and transformed by a worker on this node; when the transform
-        failed on one, the batches before it and its `TransformError`. `isolate`: the
-        transform runs in a process of its own (after a worker loss)."""
+        """Batches gathered and transformed by a worker on this node (`isolate`: in a process
+        of its own); when the transform failed on one, the batches before it and its error."""
         worker = await self.contact.local_worker()
         index, extra = self._index(ids)
         request = BatchRequest(plan, positions, index, [len(b) for b in group], list(self.info.fields),

@@ -48,9 +48,6 @@ class ForkSafeExecutor(concurrent.futures.Executor):
     def submit(self, fn, /, *args, **kwargs):
         return self._pool.submit(fn, *args, **kwargs)
 
-    def shutdown(self, wait=True, *, cancel_futures=False):
-        self._pool.shutdown(wait, cancel_futures=cancel_futures)
-
 
 _pool = ForkSafeExecutor(2, "dmdask-gather")
 copier = ForkSafeExecutor(1, "dmdask-copy")  # the warm batches of every iterator of the process
@@ -159,13 +156,14 @@ class Gatherer:
                     asked, places = remote.setdefault(holder, ({}, []))
                     asked[key] = rows
                     places.append(where)
-        replies = await asyncio.gather(*(self._rows(h, asked, priority) for h, (asked, _) in remote.items()))
-        parts = [(np.concatenate(places), rows) for (_, places), (rows, _) in zip(remote.values(), replies)]
+        replies = await asyncio.gather(*(self.workers.call(h, RowsRequest(asked, priority, LOAD_WAIT))
+                                         for h, (asked, _) in remote.items()))  # holders wait for blocks loading
+        parts = [(np.concatenate(places), reply.arrays) for (_, places), reply in zip(remote.values(), replies)]
         loop = asyncio.get_running_loop()
         from_files += [taken._replace(rows=np.concatenate(taken.rows), where=np.concatenate(taken.where),
                                       ids=np.concatenate(taken.ids)) for taken in from_arenas.values()]
         arrays = await loop.run_in_executor(_pool, self._assemble, from_files, parts, n)
-        return arrays, sum(from_store for _, from_store in replies)
+        return arrays, sum(reply.from_store for reply in replies)
 
     def take_local(self, plan: dict[str, dict[str, np.ndarray]], positions: dict[str, np.ndarray],
                    n: int) -> dict[str, np.ndarray] | None:
@@ -214,12 +212,6 @@ class Gatherer:
                     if key in reply:  # not held yet (still loading): asked again next time
                         found = reply[key]  # a worker of another user: its rows come by request
                         _mapped.described[(holder, key)] = found if readable(found) else None
-
-    async def _rows(self, holder: str, wanted: dict[str, np.ndarray], priority: int | None):
-        """(rows from `holder`, how many it read from the store); it waits `LOAD_WAIT`
-        for blocks it is still loading."""
-        reply = await self.workers.call(holder, RowsRequest(wanted, priority, LOAD_WAIT))
-        return reply.arrays, reply.from_store
 
     def _assemble(self, from_files: list[FromFile], parts, n: int) -> dict[str, np.ndarray]:
         """Runs in a thread: take the rows of mapped blocks and put every row in place."""

@@ -116,8 +116,7 @@ class BatchIterator:
 
     @property
     def progress(self):
-        """The epoch's progress bar (`dmdask.client.progress.EpochProgress`, its tqdm bar
-        as `.bar`); None when none is shown or once the epoch ended."""
+        """The epoch's `EpochProgress` (its tqdm bar as `.bar`); None when none is shown or after the epoch."""
         return self._progress
 
     def __len__(self) -> int:

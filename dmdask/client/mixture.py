@@ -93,9 +93,8 @@ def _common_fields(sources: Sequence[DatasetInfo]) -> tuple[str, ...]:
 
 
 def check_fields_match(mix: MixedInfo, first_rows: Callable[[], list[dict[str, np.ndarray] | None]]) -> None:
-    """`SpecError` unless the first row of each source drawn (`first_rows()`, None for a
-    source not drawn) has the same dtype and sample shape in every field: a batch mixes
-    their rows. Checked once per process and mixture."""
+    """`SpecError` unless the first rows of the sources drawn (`first_rows()`, None for the
+    others) match in every field's dtype and sample shape; once per process and mixture."""
     if (mix.identity, mix.fields) in _matching:
         return
     drawn = [(mix.sources[i], r) for i, r in enumerate(first_rows()) if r is not None]

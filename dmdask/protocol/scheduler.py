@@ -184,8 +184,7 @@ class FsOpenBlocks(Request):
 
 @message
 class Ready:
-    """The dataset exists: its description, and how many of its blocks were held then
-    (about 0 just after its creation: it decides whether a rank asks where they are)."""
+    """The dataset exists: its description, and how many of its blocks were held then."""
     info: DatasetInfo
     loaded: int
 
@@ -257,8 +256,7 @@ class DatasetSummary:
 
 
 def serve(handlers: Dict[Type[Request], Callable]) -> Dict[str, Callable]:
-    """Scheduler handlers (op -> handler) that check their request, call the plugin's
-    method with it and send its reply typed."""
+    """Scheduler handlers (op -> handler) that check their request, call `method` with it, reply typed."""
 
     def one(kind: Type[Request], method: Callable) -> Callable:
         async def handler(request: Request = None, **untyped):
@@ -281,8 +279,7 @@ class SchedulerAPI:
         self.client = client
 
     async def send(self, request: Request):
-        """`request`'s reply; a refused request raises `HandlerArgumentError`, a lost
-        connection `OSError` (callers retry with `dmdask.recovery.Tries`)."""
+        """`request`'s reply; `HandlerArgumentError` if refused, `OSError` if the connection is lost."""
         reply = await getattr(self.client.scheduler, request.op)(request=ToPickle(request))
         return reply.data if isinstance(reply, ToPickle) else reply  # an inproc comm passes a reply as it is
 

@@ -187,8 +187,7 @@ def to_wire(message: Message) -> dict:
 
 
 def handler(kind: type, method):
-    """`method` (a `kind` request -> a reply or None) as the Dask handler of its op: the
-    request rebuilt from the keyword arguments received, and checked, once."""
+    """`method` (a `kind` request -> a reply or None) as the Dask handler of its op, which checks the request."""
     op = OPS[kind]
 
     async def handle(message=None, **wire):

@@ -54,8 +54,7 @@ class Arena:
             for n, arr in block.arrays.items()) and len(block) <= self.block_len
 
     def write(self, block) -> int:
-        """Copy `block` into a free slot; returns the slot. OSError (ENOSPC) when shared
-        memory is full, with nothing held."""
+        """Copy `block` into a free slot: the slot. OSError (ENOSPC), nothing held, when full."""
         with self._lock:
             slot = self._free.pop() if self._free else self._slots
             self._slots = max(self._slots, slot + 1)
@@ -131,9 +130,8 @@ class ArenaMaps:
         return self.take_rows(description["arena"], description["first_row"] + offsets, description["start"] + offsets)
 
     def take_rows(self, fields: dict, rows: np.ndarray, ids: np.ndarray) -> Arrays:
-        """Arena rows `rows` (int64), which must hold samples `ids`: the fields' values.
-        NotHeld when a row holds another sample (the labels are read after the rows),
-        FileNotFoundError when the worker is gone."""
+        """The fields' values at arena rows `rows`, which must hold samples `ids` (else
+        NotHeld: the labels are read after the rows); FileNotFoundError when the worker is gone."""
         needed = int(rows.max()) + 1 if len(rows) else 0
         taken = {name: self.rows(path, dtype, shape, needed)[rows]
                  for name, (path, dtype, shape) in fields.items() if name != ID_FIELD}

@@ -41,8 +41,7 @@ class Window:
 
     @classmethod
     def open(cls, max_rows: int, dtype: str, row_shape: tuple) -> Window | None:
-        """A window for arenas of up to `max_rows` rows each (capped by this host's
-        memory, which bounds any file in shared memory); None if it cannot be reserved."""
+        """A window for arenas of up to `max_rows` rows each (at most this host's memory); None if unreservable."""
         row_bytes = np.dtype(dtype).itemsize * int(np.prod(row_shape, dtype=np.int64))
         if row_bytes == 0:
             return None
@@ -57,8 +56,7 @@ class Window:
         return cls(base, stride, row_bytes, dtype, row_shape)
 
     def map(self, arena: int, path: str, rows: int) -> None:
-        """Arena `arena`'s file mapped with at least `rows` rows. FileNotFoundError when
-        the file is gone or holds fewer rows."""
+        """Arena `arena`'s file mapped with at least `rows` rows, else FileNotFoundError."""
         if rows <= self._mapped[arena]:
             return
         with open(path, "rb") as f:
