@@ -1,5 +1,4 @@
-"""Waiting out a failure: attempts until a deadline (`Tries`), for every wait of
-`dmdask.batches` and transparent mode on a lost worker, scheduler or block.
+"""Waiting out a lost worker, scheduler or block: attempts until a deadline (`Tries`).
 
 `for _ in Tries(seconds, pause):` (`async for` on an event loop) runs its body at once,
 then every `pause` seconds (a number, or a function of the attempt number) until the

@@ -1,9 +1,7 @@
 """The warm path (docs/architecture.md section 3, step 6): rows of blocks in arenas on this
 host taken with no request, one `np.take` per field over a `Window`, into pooled memory.
-
-Guarantees: every row comes from the block that holds it, in the epoch's order; a block
-released, moved or whose slot was reused while mapped raises `Moved` (the row labels are
-checked after the copy), never rows of another block; nothing here writes to a
+A block released, moved or whose slot was reused while mapped raises `Moved` (the row
+labels are checked after the copy), never rows of another block; nothing here writes to a
 worker's files.
 """
 from __future__ import annotations
@@ -20,8 +18,7 @@ from ..shm.window import MAX_ARENAS, Window
 
 
 class LocalArenas:
-    """Per process and dataset (`of`): the blocks held in arenas on this host, learnt as
-    the slow path finds them (`Gatherer.gather`). Thread-safe."""
+    """Per process and dataset (`of`): the blocks in arenas on this host, as `Gatherer` finds them. Thread-safe."""
 
     _of: dict[str, LocalArenas] = {}
     _registry = threading.Lock()

@@ -1,11 +1,6 @@
 """A rank's contact with its cluster: whether the scheduler answers, which workers there
-are, and the worker on the rank's own node that serves it.
-
-Guarantees: a scheduler that does not answer is asked again until
-`dmdask.client.scheduler-seconds` have passed, then `SchedulerLostError`: it is never taken
-for a cluster without workers. A cluster without workers is waited for up to
-`dmdask.client.recovery-seconds`, said once per outage, then `NoWorkersError`. Rank r is
-served by local worker r mod n, chosen once (and again after `forget_worker`).
+are, and the worker on the rank's own node that serves it (rank r: local worker r mod n).
+Its guarantees on a lost scheduler or no workers: docs/architecture.md section 2.
 """
 from __future__ import annotations
 
@@ -53,8 +48,7 @@ class Contact:
             asyncio.run_coroutine_threadsafe(self.reach_workers(), loop)
 
     async def reach_workers(self) -> None:
-        """Best effort, while the dataset opens: this rank's local worker chosen and
-        connections made to the workers (those on this host first)."""
+        """Best effort, while the dataset opens: the local worker chosen, connections made (this host's first)."""
         workers = await self.workers(wait=False)
         if workers:
             self._choose_local_worker(workers)

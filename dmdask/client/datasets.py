@@ -52,10 +52,9 @@ def open_dataset(client: Client, spec, epoch: int) -> Ready:
 
 def get_or_create(client: Client, name: str, opener: Callable[[], Source],
                   order: Callable[[DatasetInfo], list] | None = None) -> Ready:
-    """The registry's dataset `name`, created once per cluster from `opener()` by the
-    first process to ask (the others wait for it), every block load submitted in one
-    graph. `order(info)`: the order the blocks are first needed (None: index order).
-    The scheduler plugin is registered only when the scheduler has no handler for it."""
+    """The registry's dataset `name`, created once per cluster from `opener()` by the first
+    process to ask (the others wait), every block load submitted in one graph, in the
+    order `order(info)` (None: index order). Registers the plugin if the scheduler lacks it."""
     claimant, registered = uuid.uuid4().hex, False
     while True:
         reply = _call(client, GetOrClaim(name, claimant))
@@ -101,10 +100,9 @@ def submit_blocks(client: Client, readers) -> list:
 
 
 def release(client: Client, spec) -> bool:
-    """Drop the cluster's cache of `spec.source`: its blocks leave RAM and SSD now (an
-    iterator still reading it fails with `NotADmdaskWorker`), and the next `batches`
-    lists and reads the source afresh. True if the cluster held it. For a `dmdask.Mix`,
-    every source of the mixture (True if the cluster held any)."""
+    """Drop the cluster's cache of `spec.source` (every source of a `dmdask.Mix`): its blocks
+    leave RAM and SSD now (an iterator still reading it fails with `NotADmdaskWorker`), and
+    the next `batches` reads the source afresh. True if the cluster held it (or any)."""
     ensure_plugin(client)
     if isinstance(spec.source, Mix):
         return any([_call(client, Release(dataset_name(s))) for s in spec.source.specs(spec)])

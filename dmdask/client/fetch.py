@@ -1,7 +1,6 @@
-"""Fetching a group of one iterator's batches, on the client's event loop (docs/architecture.md
-section 3, steps 5-6). A lost worker or a moved block is retried until
-`dmdask.client.recovery-seconds`; after a corrupt block the group is fetched one batch at a
-time, so every batch before it is still delivered.
+"""Fetching a group of one iterator's batches on the client's event loop (docs/architecture.md
+section 3, steps 5-6), retried after a lost worker or a moved block until
+`dmdask.client.recovery-seconds`; after a corrupt block, one batch at a time.
 """
 from __future__ import annotations
 
@@ -88,8 +87,7 @@ class GroupFetcher:
                 raise
             except (OSError, CommClosedError) as exc:  # a worker left: ask again
                 last_error = exc
-                if self.transform is not None and not isolate:
-                    # the transform may have killed it: the next try runs it where it cannot kill a worker
+                if self.transform is not None and not isolate:  # the transform may have killed it
                     logger.warning("a worker was lost while it ran the transform of batches %d..%d of rank %d; "
                                    "running them once more in a process of their own", first, stop - 1,
                                    self.spec.rank)
@@ -166,9 +164,8 @@ class GroupFetcher:
         return out
 
     async def holders_of(self, keys: list[str]) -> tuple[dict[str, str], set[str]]:
-        """(holders of the given blocks, the keys among them still loading), asking the
-        scheduler for those not known yet (`Locate`, `planned`). Raises the load's error
-        for a block that failed to load, `NotADmdaskWorker` if the dataset was released."""
+        """(holders of the given blocks, the keys among them still loading), the unknown located
+        (`planned`). Raises the load's error of a block that failed, `NotADmdaskWorker` if released."""
         unknown = [k for k in keys if k not in self.holders]
         loading: dict[str, str] = {}
         if unknown:

@@ -1,10 +1,7 @@
 """A group of batches assembled in the training process (docs/architecture.md section 3,
-step 6, "no transform"): rows of blocks in files on this host taken from the mapped
-files, the others asked of their holders.
-
-Guarantees: every row comes from the block that holds it, placed at its position in
-the group; a block released (or whose worker went away) while mapped raises `Moved`;
-nothing here writes to a worker's files.
+step 6): rows of blocks in files on this host taken from the mapped files, the others
+asked of their holders. Every row comes from the block that holds it, at its position; a
+block gone while mapped raises `Moved`; nothing here writes to a worker's files.
 """
 from __future__ import annotations
 
@@ -88,8 +85,7 @@ _mapped = _Mapped()
 
 
 class FromFile(NamedTuple):
-    """Rows a process takes from files on its host: of one block's files, or of several
-    blocks in one arena (their rows, positions and ids concatenated)."""
+    """Rows taken from files on this host: of one block's files, or of several blocks of one arena."""
 
     description: dict  # the block's layout (`dmdask_describe`), or {"arena": fields, "tier": "ram"}
     rows: np.ndarray  # rows of the files
@@ -100,8 +96,7 @@ class FromFile(NamedTuple):
 
 
 class Gatherer:
-    """Assembles groups of batches for one iterator; counts the rows it took from workers'
-    files and reports them to those workers (`flush_hits`)."""
+    """Assembles groups of batches for one iterator, counting the rows taken from workers' files."""
 
     def __init__(self, client, my_host: str | None, arenas: dict[str, LocalArenas]):
         self.client = client
@@ -127,10 +122,9 @@ class Gatherer:
     async def gather(self, plan: dict[str, dict[str, np.ndarray]], positions: dict[str, np.ndarray],
                      n: int, priority: int | None = None,
                      loading: Collection[str] = ()) -> tuple[dict[str, np.ndarray], int]:
-        """(the group's rows, field by field, in group order; how many the holders read from
-        the store for it). `plan`, `positions`: `plan_rows`; `priority`: the position of the
-        group's first batch (holders serve lower ones first); `loading`: keys still loading
-        (asked for rows, not described)."""
+        """(the group's rows, field by field, in group order; how many the holders read from the
+        store for it). `plan`, `positions`: `plan_rows`; `priority`: the group's first batch's
+        position (holders serve lower ones first); `loading`: keys asked for rows, not described."""
         local = self._local_holders(plan)
         await asyncio.gather(*(self._describe(h, [k for k in plan[h] if k not in loading]) for h in local))
         from_files: list[FromFile] = []
@@ -167,9 +161,8 @@ class Gatherer:
 
     def take_local(self, plan: dict[str, dict[str, np.ndarray]], positions: dict[str, np.ndarray],
                    n: int) -> dict[str, np.ndarray] | None:
-        """`gather` in the caller's thread, with no request, when every block of `plan` is
-        held in files on this host that this process has described already; None
-        otherwise (then `gather`). Raises `Moved` like `gather`."""
+        """`gather` in the caller's thread, with no request, when every block of `plan` is in
+        files on this host described already; None otherwise. Raises `Moved` like `gather`."""
         from_files = []
         for holder, wanted in plan.items():
             if get_address_host(holder) != self.my_host:
@@ -188,8 +181,7 @@ class Gatherer:
         return [h for h in holders if get_address_host(h) == self.my_host]
 
     async def learn(self, holders: dict[str, str]) -> None:
-        """Describe these blocks (key -> holder) held on this host, remembering those in
-        arenas (`LocalArenas`) for the warm path."""
+        """Describe these blocks (key -> holder) held on this host; those in arenas remembered (`LocalArenas`)."""
         by_holder: dict[str, list[str]] = defaultdict(list)
         for key, holder in holders.items():
             by_holder[holder].append(key)

@@ -97,8 +97,7 @@ class BatchIterator:
             check_fields_match(self._mixed, lambda: self._run(self._fetcher.first_rows()))
         self.wait_seconds = 0.0  # time the consumer spent waiting for batches
         self.requests = 0  # requests sent to workers (batches taken from arenas on this host need none)
-        # several batches a request, up to REQUEST_BYTES, keeping two requests in flight
-        self.group = max(1, spec.prefetch // 2)
+        self.group = max(1, spec.prefetch // 2)  # batches a request: two in flight, each up to REQUEST_BYTES
         if info.nbytes is not None:
             batch_bytes = spec.batch_size * info.nbytes / max(1, info.num_samples)
             self.group = int(max(1, min(self.group, REQUEST_BYTES // max(1, batch_bytes))))
@@ -161,8 +160,7 @@ class BatchIterator:
             self._next_request = stop
 
     def _request(self, first: int, stop: int):
-        """A future of batches first..stop-1: copied from the arenas by the copier thread
-        when no transform and every block is known there, else fetched (`_fetch`)."""
+        """A future of batches first..stop-1, copied from the arenas where it can be, else fetched."""
         group = self._batches.batches(first, stop)
         if self._transform is None and self._known(group):
             return copier.submit(self._copy_known, first, stop, group)

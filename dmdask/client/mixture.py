@@ -1,8 +1,6 @@
-"""A weighted mixture of datasets (`dmdask.Mix`) as the iterator sees it: one dataset.
-
-Each source is a dataset of its own in the cluster (opened, cached and released as when
-read alone); `MixedInfo` lays their sample ids and blocks end to end, so the iterator
-plans, fetches and deals a mixture with the code of a single dataset.
+"""A weighted mixture of datasets (`dmdask.Mix`) as one dataset (`MixedInfo`), so the
+iterator plans, fetches and deals it with the code of a single dataset; each source stays
+a dataset of its own in the cluster.
 """
 from __future__ import annotations
 
@@ -23,9 +21,8 @@ _matching: set = set()  # (identity, fields) of mixtures whose sources' rows wer
 
 
 class MixedInfo:
-    """The sources of a mixture as one dataset of global ids (the source's offset + its
-    sample id). `counts`: each source's draws per epoch; `identity`: a token of the
-    sources' identities and counts (what a resume state must share)."""
+    """The sources of a mixture as one dataset of global ids (the source's offset + its sample
+    id). `counts`: each source's draws per epoch; `identity`: what a resume state must share."""
 
     def __init__(self, mix: Mix, sources: Sequence[DatasetInfo]):
         self.mix = mix
@@ -77,8 +74,7 @@ class MixedInfo:
 
 
 def _common_fields(sources: Sequence[DatasetInfo]) -> tuple[str, ...]:
-    """The fields every source gives (the first source's order); `SpecError` unless all
-    give the same ones, none of them "source"."""
+    """The fields every source gives (the first's order); `SpecError` unless all give the same, none "source"."""
     first = sources[0].fields
     if SOURCE_FIELD in first:
         raise SpecError("keys", f"fields without {SOURCE_FIELD!r}, the batch field of a mixture that tells each "

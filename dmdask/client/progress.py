@@ -1,7 +1,6 @@
-"""A progress bar per epoch for `dmdask.batches(..., progress=...)`: when it shows and what
-its hit rate counts is docs/dashboard.md, "Progress bars". The training loop never waits
-for the hit rate: one scheduler request at most every `STATS_INTERVAL` s, in the background.
-"""
+"""A progress bar per epoch for `dmdask.batches(..., progress=...)` (docs/dashboard.md, "Progress
+bars"); its hit rate costs one scheduler request at most every `STATS_INTERVAL` s, in the
+background, which the training loop never waits for."""
 from __future__ import annotations
 
 import asyncio

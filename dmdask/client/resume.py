@@ -15,12 +15,11 @@ STATE_FIELDS = ("identity", "epoch", "seed", "shuffle", "shuffle_window", "drop_
 
 
 def resume_point(resume, spec, current: dict, share: Callable[[int, int, int, list[dict]], RankShare]) -> tuple:
-    """(history, position) to start from: the generations of ranks before this one in the
-    epoch (`dmdask.plan.elastic`) and the batches of this rank's share handed out, for the
-    iterator of `spec` whose own state is `current`; share(rank, world_size, batch_size,
-    history) is a rank's `RankShare`. One state (or every rank's, world size unchanged):
-    this rank's own position. Every rank's states from another world or batch size: the
-    positions none of them handed out, dealt anew (position 0 of a new generation)."""
+    """(history, position) for the iterator of `spec` whose own state is `current`: the
+    generations of ranks before this one in the epoch (`dmdask.plan.elastic`), and the
+    batches of this rank's share handed out (0 when every rank's states of another world or
+    batch size start a new generation). share(rank, world_size, batch_size, history): a
+    rank's `RankShare`."""
     states = [resume] if isinstance(resume, dict) else list(resume) if isinstance(resume, (list, tuple)) else []
     if not states or not all(isinstance(s, dict) and "position" in s for s in states):
         raise SpecError("resume", "a dict from BatchIterator.state_dict(), or the list of every rank's "
@@ -79,8 +78,7 @@ _FIELDS = {  # a state's fields: (type check, what it must be)
 
 
 def check_state(state: dict, num_samples: int) -> None:
-    """`SpecError` naming the field unless `state` has only the keys, types and ranges an
-    iterator's `state_dict()` writes (a `history` of one consumed count per rank)."""
+    """`SpecError` naming the field unless `state` has only the keys, types and ranges of a `state_dict()`."""
     unknown = sorted(set(state) - set(_FIELDS))
     if unknown:
         raise SpecError(f"resume[{unknown[0]!r}]", f"only the keys of a state_dict(): {sorted(_FIELDS)}",

@@ -1,8 +1,7 @@
-"""The scheduler plugin's handlers (`dmdask.scheduler`): a request and a reply dataclass
-each, both sent as `ToPickle` so they keep their types, and `SchedulerAPI`, which sends
-them. A handler checks its request once (`Request.check`, by the fields' types) before it
-changes anything. Outcomes that are not errors (`NoWorkers`, `Busy`) are replies.
-"""
+"""The scheduler plugin's handlers (`dmdask.scheduler`): a request and a reply dataclass each,
+both sent as `ToPickle` so they keep their types, and `SchedulerAPI`, which sends them. A
+handler checks its request once (`Request.check`, by the fields' types) before it changes
+anything. Outcomes that are not errors (`NoWorkers`, `Busy`) are replies."""
 from __future__ import annotations
 
 import dataclasses
@@ -78,9 +77,8 @@ class GetOrClaim(Request):
 
 @message
 class Register(Request):
-    """Plan the blocks of a claimed dataset (`Registered`, `Busy` or `NoWorkers`):
-    `order`, the order they are first needed (None: index order); `lazy`: ready now, each
-    block loaded when first wanted."""
+    """Plan the blocks of a claimed dataset (`Registered`, `Busy` or `NoWorkers`): `order`, the
+    order they are first needed (None: index order); `lazy`: ready now, each loaded when wanted."""
     op = "dmdask_register"
     name: str
     claimant: str

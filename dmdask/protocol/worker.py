@@ -1,9 +1,7 @@
-"""The workers' handlers as typed messages, and `WorkerAPI`, which sends them.
-
-Each handler takes one request dataclass and answers one reply dataclass (or None). On
-the wire a message is the handler's keyword arguments: "message" (its class) and its
-fields, the `PAYLOAD` ones (arrays, bytes) wrapped by `to_serialize`. Blocks not held
-where asked are the `Missing` reply on the wire and `Moved` everywhere else.
+"""The workers' handlers as typed messages, and `WorkerAPI`, which sends them. On the wire a
+message is the handler's keyword arguments: "message" (its class) and its fields, the
+`PAYLOAD` ones (arrays, bytes) wrapped by `to_serialize`. Blocks not held where asked are
+the `Missing` reply on the wire and `Moved` everywhere else.
 """
 from __future__ import annotations
 
@@ -67,11 +65,10 @@ class Missing(Message):
 
 @dataclass
 class BatchRequest(Message):
-    """`dmdask_batch`: consecutive batches gathered from their holders (`requests`: holder
-    -> block key -> rows; `positions`: holder -> where its rows go), in batch order;
-    `extra`: fields given whole (a mixture's "source"); `context`: a `TransformContext`;
-    `isolate`: the transform in a process of its own; `same_host`: batches may come back
-    in shared memory; `priority`, `wait` as in `RowsRequest`."""
+    """`dmdask_batch`: consecutive batches gathered from their holders (`requests`, `positions`:
+    `plan_rows`); `extra`: fields given whole (a mixture's "source"); `context`: a
+    `TransformContext`; `isolate`: the transform in a process of its own; `same_host`: batches
+    may come back in shared memory; `priority`, `wait` as in `RowsRequest`."""
     requests: dict[str, dict[str, np.ndarray]]
     positions: dict[str, np.ndarray]
     index: np.ndarray

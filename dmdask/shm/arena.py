@@ -1,11 +1,10 @@
 """RAM-tier blocks of fixed-size fields packed into one shared-memory file per dataset and
-field (an arena): a block of L samples occupies a slot of L rows (slots of released
-blocks are reused), written once and never changed while held; readers index rows
-slot * L + offset with no lock. A file of int64 row labels (`ID_FIELD`, -1: none) is
-cleared before a slot is written and labelled after, so a reader that checks the labels
-after taking the rows never returns rows of a released or reused slot (`NotHeld`). The
-files only grow. A `block` here: the worker's `Block` (`arrays`, `start`).
-"""
+field (an arena): a block of L samples occupies a slot of L rows (slots of released blocks
+are reused), written once and never changed while held; readers index rows slot * L +
+offset with no lock. A file of int64 row labels (`ID_FIELD`, -1: none) is cleared before a
+slot is written and labelled after, so a reader that checks the labels after taking the
+rows never returns rows of a released or reused slot (`NotHeld`). The files only grow. A
+`block` here: the worker's `Block` (`arrays`, `start`)."""
 from __future__ import annotations
 
 import contextlib

@@ -1,8 +1,7 @@
 """The file-block format: a block as one raw file per field in a folder of its own, written
-once by its worker (`write`), mapped read-only by processes of its host (`map_arrays`).
-Variable-size fields (object arrays of uint8 arrays, numpy strings) are values plus
-offsets. The layout keeps every dtype and shape: reads parse no header (`np.load`'s is not
-thread-safe on CPython 3.11, #106905)."""
+once by its worker (`write`), mapped read-only by processes of its host (`map_arrays`);
+variable-size fields (ragged, strings) as values plus offsets. The layout keeps every dtype
+and shape, so reads parse no header (`np.load`'s is not thread-safe on CPython 3.11)."""
 from __future__ import annotations
 
 import errno

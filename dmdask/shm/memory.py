@@ -1,10 +1,8 @@
 """Memory for warm batches, reused once a batch is dropped (fresh memory would fault its
-pages in again for every batch). A batch's arrays live in a chunk of a long-lived slab
-of private anonymous memory (huge pages where allowed), back in its pool when the last
-array viewing it is collected; beyond `MAX_POOL_BYTES`, batches get ordinary memory.
-
-Guarantees: a chunk is never handed out while any array of its batch is alive; the
-arrays are ordinary writable numpy arrays (torch.from_numpy shares them).
+pages in again for every batch): a chunk of a long-lived slab of private anonymous memory
+(huge pages where allowed) per batch, back in its pool when the last array viewing it is
+collected, never before; beyond `MAX_POOL_BYTES`, ordinary memory. The arrays are ordinary
+writable numpy arrays (torch.from_numpy shares them).
 """
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""One field's arenas on this host (one per worker), mapped side by side at fixed strides
-into one reserved range of address space, so one `np.take` reads a group's rows from all
-of them: row r of arena a is row a * stride + r of the window.
-
-Guarantees: a mapping only grows while the window lives, so a row index valid once stays
-readable; rows never mapped are never read (callers index only rows of blocks they know).
-Linux and macOS (MAP_FIXED); `Window.open` returns None where it cannot reserve the range.
+"""One field's arenas on this host (one per worker), mapped side by side at fixed strides in
+one reserved range of address space: row r of arena a is row a * stride + r of the window,
+so one `np.take` reads a group's rows from all of them. A mapping only grows while the
+window lives, so a row index valid once stays readable. Linux and macOS (MAP_FIXED).
 """
 from __future__ import annotations
 
@@ -28,8 +25,7 @@ _PROT_NONE = 0
 
 
 class Window:
-    """Arena files of one field, mapped read-only at strides of `stride` rows. Not
-    thread-safe: its owner serialises `map`, `rows` and `close`."""
+    """Arena files of one field, mapped read-only `stride` rows apart. Not thread-safe: its owner serialises."""
 
     def __init__(self, base: int, stride: int, row_bytes: int, dtype: str, row_shape: tuple):
         self._base, self.stride, self._row_bytes = base, stride, row_bytes
