@@ -10,8 +10,8 @@ Read from the variables the launcher sets, in this order: torchrun's (`RANK`,
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, Optional
 
 __all__ = ["Rank", "rank_from_environment"]
 
@@ -37,7 +37,7 @@ class Rank:
         return f"cuda:{self.local_rank}"
 
 
-def rank_from_environment(env: Optional[Mapping[str, str]] = None) -> Rank:
+def rank_from_environment(env: Mapping[str, str] | None = None) -> Rank:
     """This process's rank (see the module's docstring). ValueError naming the variable
     when one is not a number or the rank is outside 0..world_size-1."""
     env = os.environ if env is None else env

@@ -11,7 +11,7 @@ the info is put) the run's other processes wait for it. Used from the scheduler'
 from __future__ import annotations
 
 import time
-from typing import Dict, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 import zict
 
@@ -23,7 +23,7 @@ PROBE_SECONDS = 10.0  # how long a claim to read a file's info stands (its claim
 
 
 class _Entry:
-    __slots__ = ("value", "runs")
+    __slots__ = ("runs", "value")
 
     def __init__(self, value, run: str):
         self.value, self.runs = value, [run]
@@ -37,12 +37,12 @@ class _Entry:
 
 
 class _Folder:
-    __slots__ = ("listing", "infos", "probing")
+    __slots__ = ("infos", "listing", "probing")
 
     def __init__(self):
-        self.listing: Optional[_Entry] = None
-        self.infos: Dict[str, _Entry] = {}
-        self.probing: Dict[tuple, float] = {}  # (run, path) -> when its info was claimed
+        self.listing: _Entry | None = None
+        self.infos: dict[str, _Entry] = {}
+        self.probing: dict[tuple, float] = {}  # (run, path) -> when its info was claimed
 
 
 class FileMetadata:
@@ -67,7 +67,7 @@ class FileMetadata:
             else:
                 entry.infos[path] = _Entry(value, run)
 
-    def get(self, run: str, folders: Sequence[str]) -> Dict[str, FolderEntries]:
+    def get(self, run: str, folders: Sequence[str]) -> dict[str, FolderEntries]:
         """What `run` read of these folders (those it read nothing of left out)."""
         out = {}
         for folder in folders:
@@ -78,7 +78,7 @@ class FileMetadata:
             out[folder] = FolderEntries(listing, {p: e.value for p, e in entry.infos.items() if run in e.runs})
         return out
 
-    def claim(self, run: str, claim: Sequence[Tuple[str, str]]) -> InfoClaims:
+    def claim(self, run: str, claim: Sequence[tuple[str, str]]) -> InfoClaims:
         """(folder, path) of infos the caller will read from the store unless known to
         `run` (answered in `known`), claimed by another process of the run (`probing`: ask
         again shortly), or read by another run only (`elsewhere`, not claimed: the caller

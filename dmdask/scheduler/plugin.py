@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
-from typing import Dict, List, Optional, Union
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
@@ -45,16 +44,16 @@ class DatasetState:
         self.name = name
         self.claimant = claimant
         self.claimed_at = time.monotonic()
-        self.info: Optional[DatasetInfo] = None
-        self.planned: List[Optional[str]] = []  # worker address per block
-        self.priority: List[int] = []  # higher loads first
+        self.info: DatasetInfo | None = None
+        self.planned: list[str | None] = []  # worker address per block
+        self.priority: list[int] = []  # higher loads first
         self.ready = asyncio.Event()  # set once the blocks exist on the scheduler (or the claim is dropped)
         self.loaded = 0  # blocks in memory somewhere
         self.erred: set = set()  # block indices whose load failed
         self.lazy = False  # blocks are submitted when first wanted, not at creation
 
     @property
-    def identity(self) -> Optional[str]:
+    def identity(self) -> str | None:
         return None if self.info is None else self.info.identity
 
     @property
@@ -62,7 +61,7 @@ class DatasetState:
         """The pseudo-client that keeps the blocks alive."""
         return f"dmdask-dataset-{self.name}"
 
-    def keys(self) -> List[str]:
+    def keys(self) -> list[str]:
         return [block_key(self.identity, k) for k in range(len(self.planned))]
 
     def summary(self) -> DatasetSummary:
@@ -82,8 +81,8 @@ class DatasetsPlugin(SchedulerPlugin):
 
     def __init__(self):
         self.scheduler = None
-        self.datasets: Dict[str, DatasetState] = {}
-        self.by_identity: Dict[str, DatasetState] = {}
+        self.datasets: dict[str, DatasetState] = {}
+        self.by_identity: dict[str, DatasetState] = {}
         self.files = FileMetadata()
         self.reads = BlockReads(self)
         self.streamed: set = set()  # keys of blocks held as `Streamed` markers (`placement.STREAMED_TOPIC`)
@@ -113,7 +112,7 @@ class DatasetsPlugin(SchedulerPlugin):
         await scheduler.register_worker_plugin(None, dumps(WorkerPlugin()), name=WorkerPlugin.name, idempotent=True)
 
     # -- get or create ---------------------------------------------------------------
-    async def get_or_claim(self, request: GetOrClaim) -> Union[Ready, Claimed]:
+    async def get_or_claim(self, request: GetOrClaim) -> Ready | Claimed:
         """Erred blocks of a dataset that exists are retried (a repaired file is read again)."""
         name, claimant = request.name, request.claimant
         while True:
@@ -140,7 +139,7 @@ class DatasetsPlugin(SchedulerPlugin):
             if self.datasets.get(name) is not ds:  # abandoned: claim it afresh
                 continue
 
-    def register(self, request: Register) -> Union[Registered, Busy, NoWorkers]:
+    def register(self, request: Register) -> Registered | Busy | NoWorkers:
         """A lazy dataset is ready now and its plan starts where the previous lazy one's stopped."""
         info, order = request.info, request.order
         ds = self.datasets.get(request.name)
@@ -160,7 +159,7 @@ class DatasetsPlugin(SchedulerPlugin):
             ds.ready.set()
         return Registered()
 
-    def get_or_register(self, request: GetOrRegister) -> Union[Ready, Registered, Busy, NoWorkers]:
+    def get_or_register(self, request: GetOrRegister) -> Ready | Registered | Busy | NoWorkers:
         """For datasets whose description needs no I/O (transparent mode's files); erred
         blocks of one that exists are retried."""
         info = request.info
@@ -187,7 +186,7 @@ class DatasetsPlugin(SchedulerPlugin):
     def update_graph(self, scheduler, *, client: str, keys, tasks=(), stimulus_id=None, **kwargs) -> None:
         """Pin the new block tasks of a registered dataset to their planned workers before
         they are first scheduled, and have the dataset's pseudo-client want them."""
-        wanted: Dict[DatasetState, list] = defaultdict(list)
+        wanted: dict[DatasetState, list] = defaultdict(list)
         restrictions = {}
         for key in tasks:
             parsed = parse_block_key(key)
@@ -280,7 +279,7 @@ class DatasetsPlugin(SchedulerPlugin):
         ds.ready.set()
         return True
 
-    def summaries(self) -> List[DatasetSummary]:
+    def summaries(self) -> list[DatasetSummary]:
         """One summary per dataset (name, url, samples, blocks, loaded, erred, ...)."""
         return [ds.summary() for ds in self.datasets.values()]
 
