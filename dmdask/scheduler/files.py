@@ -28,12 +28,14 @@ class _Entry:
     def __init__(self, value, run: str):
         self.value, self.runs = value, [run]
 
-    def seen(self, value, run: str) -> None:
-        """`run` read `value` from the store."""
-        if value != self.value:
-            self.value, self.runs = value, [run]
-        elif run not in self.runs:
-            self.runs = self.runs[-(RUNS_KEPT - 1):] + [run]
+
+def _seen(entry: _Entry | None, value, run: str) -> _Entry:
+    """`entry` once `run` read `value` from the store (a new one when the value is new)."""
+    if entry is None or value != entry.value:
+        return _Entry(value, run)
+    if run not in entry.runs:
+        entry.runs = entry.runs[-(RUNS_KEPT - 1):] + [run]
+    return entry
 
 
 class _Folder:
@@ -58,14 +60,9 @@ class FileMetadata:
             entry = self._folder(folder)
             entry.probing.pop((run, path), None)
             if kind == "listing":
-                if entry.listing is None:
-                    entry.listing = _Entry(value, run)
-                else:
-                    entry.listing.seen(value, run)
-            elif path in entry.infos:
-                entry.infos[path].seen(value, run)
+                entry.listing = _seen(entry.listing, value, run)
             else:
-                entry.infos[path] = _Entry(value, run)
+                entry.infos[path] = _seen(entry.infos.get(path), value, run)
 
     def get(self, run: str, folders: Sequence[str]) -> dict[str, FolderEntries]:
         """What `run` read of these folders (those it read nothing of left out)."""

@@ -1,9 +1,7 @@
-"""`DatasetsPlugin`: dmdask's scheduler side, the one owner of every dataset's blocks.
-
-It keeps a registry (dataset name -> description, blocks, planned worker of each block),
-hands out get-or-create claims, pins each block load to its planned worker, and keeps
-the blocks alive (a pseudo-client wants them, as Dask's published datasets do) until
-`release`.
+"""`DatasetsPlugin`: dmdask's scheduler side, the one owner of every dataset's blocks: a
+registry (name -> description, blocks, planned worker of each), get-or-create claims, and
+the blocks kept alive (a pseudo-client wants them, as Dask's published datasets do) until
+`release`. Where blocks are, and who reads lazy ones: `dmdask.scheduler.reads`.
 
 Guarantees:
 - get-or-create is race-free (the scheduler's event loop): one caller at a time holds
@@ -15,11 +13,11 @@ Guarantees:
 - lazy datasets (`get_or_register`, `register` with `lazy`; transparent mode's files):
   ready once registered; a block's load is submitted by whoever first wants it. Their
   blocks are planned round-robin from where the previous lazy dataset stopped.
-- where blocks are, and the claims of lazy blocks nobody holds: `dmdask.scheduler.reads`.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import defaultdict
 
@@ -72,9 +70,8 @@ class DatasetState:
 
 
 class DatasetsPlugin(SchedulerPlugin):
-    """The `dmdask` scheduler plugin; see the module docstring. Register it with
-    `dask scheduler --preload dmdask.dashboard` (page and plugin) or let the first
-    `dmdask.batches` call register it (idempotent)."""
+    """Registered by `dask scheduler --preload dmdask.dashboard` (page and plugin) or by
+    the first `dmdask.batches` call (idempotent)."""
 
     name = "dmdask"
     idempotent = True
@@ -132,12 +129,8 @@ class DatasetsPlugin(SchedulerPlugin):
             if left <= 0:  # its creator is gone: the caller takes the claim over
                 ds.claimant, ds.claimed_at = claimant, time.monotonic()
                 return Claimed()
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):  # then look again (abandoned: claim it afresh)
                 await asyncio.wait_for(asyncio.shield(ds.ready.wait()), timeout=left)
-            except asyncio.TimeoutError:
-                pass
-            if self.datasets.get(name) is not ds:  # abandoned: claim it afresh
-                continue
 
     def register(self, request: Register) -> Registered | Busy | NoWorkers:
         """A lazy dataset is ready now and its plan starts where the previous lazy one's stopped."""
@@ -246,8 +239,7 @@ class DatasetsPlugin(SchedulerPlugin):
             del self.by_identity[ds.identity]
 
     def _retry_erred(self, ds: DatasetState) -> None:
-        keys = [block_key(ds.identity, k) for k in ds.erred
-                if self.scheduler.tasks.get(block_key(ds.identity, k)) is not None]
+        keys = [key for key in (block_key(ds.identity, k) for k in ds.erred) if key in self.scheduler.tasks]
         if keys:
             self.scheduler.stimulus_retry(keys=keys, client=ds.holder_client)
 
@@ -282,4 +274,3 @@ class DatasetsPlugin(SchedulerPlugin):
     def summaries(self) -> list[DatasetSummary]:
         """One summary per dataset (name, url, samples, blocks, loaded, erred, ...)."""
         return [ds.summary() for ds in self.datasets.values()]
-
