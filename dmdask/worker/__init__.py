@@ -54,13 +54,8 @@ class Worker(distributed.Worker):
         ram_size = _sized_ram(config("ram", ram), shm)
         ssd_setting = config("ssd", ssd)
         ssd_root, ssd_dir_source = sizing.ssd_folder(os.environ, config("ssd-dir", ssd_dir))
-        store = TieredStore(
-            ram=ram_size.bytes,
-            ssd=capacity(ssd_setting, "ssd") if ssd_setting is not None else 0,
-            ssd_dir=ssd_root,
-            shm_dir=shm,
-            gid=group_id(config("group", group)),
-        )
+        store = TieredStore(ram_size.bytes, capacity(ssd_setting, "ssd") if ssd_setting is not None else 0,
+                            ssd_dir=ssd_root, shm_dir=shm, gid=group_id(config("group", group)))
         store.set_capacity("ram", ram_size.bytes, ram_size.source)
         kwargs["data"] = store
         super().__init__(*args, **kwargs)

@@ -91,12 +91,20 @@ class Streamed(Holding):
     the rows asked for from the store (one file per sample), else the whole block
     through the `StreamBuffer`, read once while the ranks take their rows of it."""
 
-    __slots__ = ("reader", "start", "stop")
+    __slots__ = ("reader",)
     tier = None
     nbytes = 0
 
     def __init__(self, reader):
-        self.reader, self.start, self.stop = reader, reader.start, reader.stop
+        self.reader = reader
+
+    @property
+    def start(self) -> int:
+        return self.reader.start
+
+    @property
+    def stop(self) -> int:
+        return self.reader.stop
 
     async def serve(self, rows: np.ndarray, cache, priority: float) -> tuple[Arrays, int]:
         if self.reader.row_granular:  # nothing is held afterwards
