@@ -1,12 +1,10 @@
-"""`FileMetadata`: what transparent mode (`dmdask.fs`) learnt about files on the store:
-folder listings and file infos (size, modification time or ETag), kept on the scheduler.
+"""`FileMetadata`: the folder listings and file infos (size, modification time or ETag)
+transparent mode (`dmdask.fs`) read from the store, kept on the scheduler, by folder.
 
-Each entry remembers the runs (`dmdask.fs.run`) that read it from the store, and a
-process is answered only with entries its own run read: within a run a folder is listed
-and a file's info fetched once, whoever asks; a new run sees a file changed since.
-Entries are grouped by folder (one request gets a folder's). A process about to read a
-file's info claims it first (`claim`): while the claim stands (`PROBE_SECONDS`, or until
-the info is put) the run's other processes wait for it. Used from the scheduler's loop.
+A process is answered only with entries its own run (`dmdask.fs.run`) read: within a run
+a folder is listed and a file's info fetched once, whoever asks; a new run sees a file
+changed since. A process about to read a file's info claims it first (`claim`): while the
+claim stands (`PROBE_SECONDS`, or until the info is put) the run's other processes wait.
 """
 from __future__ import annotations
 
@@ -48,8 +46,8 @@ class _Folder:
 
 
 class FileMetadata:
-    """Listings and file infos by folder (`folder` keys name the store and its options
-    too), each valid for the runs that read it (see the module docstring)."""
+    """See the module docstring (`folder` keys name the store and its options too). Used
+    from the scheduler's event loop."""
 
     def __init__(self):
         self.folders = zict.LRU(FOLDERS_KEPT, {})  # folder -> _Folder (least recently asked for dropped first)

@@ -1,9 +1,7 @@
 """`BlockReads`, part of the `DatasetsPlugin`: where blocks are (`Locate`), and who reads
-the lazy blocks nobody holds (`OpenBlocks`; transparent mode's `FsClaim`, `FsOpenBlocks`).
-
-Guarantees: a lazy block nobody holds is read from the store by one reader at a time,
-the first to ask (its claim), the others waiting for its load task. A claim ends when the
-task arrives or its reader's client leaves.
+the lazy blocks nobody holds (`OpenBlocks`; transparent mode's `FsClaim`, `FsOpenBlocks`):
+one reader at a time, the first to ask (its claim), the others waiting for its load task.
+A claim ends when the task arrives or its reader's client leaves.
 """
 from __future__ import annotations
 
@@ -20,7 +18,7 @@ from . import placement
 
 
 class BlockReads:
-    """See the module docstring; used on the scheduler's event loop."""
+    """Used on the scheduler's event loop."""
 
     def __init__(self, plugin):
         self.plugin = plugin

@@ -1,9 +1,6 @@
-"""The dmdask worker: Dask's worker with tiered block storage (`TieredStore`); its handlers
-come with the worker plugin the scheduler plugin installs (`dmdask.worker.plugin`).
-
-Start it with `dask worker SCHEDULER --worker-class dmdask.Worker`; capacities come
-from the `dmdask.worker` config namespace (or keyword arguments).
-"""
+"""The dmdask worker (`dask worker SCHEDULER --worker-class dmdask.Worker`): Dask's worker
+with tiered block storage (`TieredStore`); its handlers come with the worker plugin the
+scheduler plugin installs (`dmdask.worker.plugin`)."""
 from __future__ import annotations
 
 import logging

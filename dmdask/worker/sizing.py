@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -103,10 +104,9 @@ def free_bytes(folder: str | None) -> int | None:
     while not os.path.exists(path) and os.path.dirname(path) != path:
         path = os.path.dirname(path)
     try:
-        fs = os.statvfs(path)
+        return shutil.disk_usage(path).free
     except OSError:
         return None
-    return fs.f_bavail * fs.f_frsize
 
 
 def ram_size(env: Mapping[str, str], shm_dir: str | None, headroom: int, share: float,

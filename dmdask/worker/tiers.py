@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import shutil
 import tempfile
 from collections.abc import Callable, MutableMapping
@@ -108,15 +107,14 @@ class TieredStore(TierSpace, MutableMapping):
         if not root or self.ram.capacity <= 0:
             return None
         try:
-            fs = os.statvfs(root)
+            total, _, free = shutil.disk_usage(root)
         except OSError:
             return None  # made when first used; `place` reports what goes wrong then
-        free = fs.f_bavail * fs.f_frsize
         if self.ram.capacity <= free:
             return None
         self.ram.warning = (
             f"the RAM tier ({format_bytes(self.ram.capacity)}) does not fit in {root} "
-            f"({format_bytes(free)} free of {format_bytes(fs.f_blocks * fs.f_frsize)}): blocks beyond "
+            f"({format_bytes(free)} free of {format_bytes(total)}): blocks beyond "
             f"{format_bytes(free)} are streamed from the shared store; enlarge {root} (docker --shm-size, "
             "a tmpfs size) or lower dmdask.worker.ram")
         logger.warning("dmdask: %s", self.ram.warning)
