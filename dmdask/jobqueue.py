@@ -10,7 +10,7 @@ from __future__ import annotations
 from .cluster import ReleasesOnClose, with_dashboard_preload
 
 CLUSTERS = ("PBSCluster", "SLURMCluster")  # made by `__getattr__` on first use, when dask-jobqueue is imported
-__all__ = ["dmdask_options", *CLUSTERS]
+__all__ = ["dmdask_options"] + list(CLUSTERS)
 
 WORKER_ARGS = ["--worker-class", "dmdask.Worker"]
 
