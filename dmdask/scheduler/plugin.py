@@ -110,7 +110,6 @@ class DatasetsPlugin(SchedulerPlugin):
 
     # -- get or create ---------------------------------------------------------------
     async def get_or_claim(self, request: GetOrClaim) -> Ready | Claimed:
-        """Erred blocks of a dataset that exists are retried (a repaired file is read again)."""
         name, claimant = request.name, request.claimant
         while True:
             ds = self.datasets.get(name)
@@ -118,8 +117,7 @@ class DatasetsPlugin(SchedulerPlugin):
                 self.datasets[name] = DatasetState(name, claimant)
                 return Claimed()
             if ds.ready.is_set() and not self._lost(ds):
-                self._retry_erred(ds)
-                return Ready(ds.info, ds.loaded)
+                return self._ready(ds)
             if ds.ready.is_set():  # its blocks were forgotten (`client.restart()`): create them again
                 self._forget(ds)
                 continue
@@ -153,13 +151,11 @@ class DatasetsPlugin(SchedulerPlugin):
         return Registered()
 
     def get_or_register(self, request: GetOrRegister) -> Ready | Registered | Busy | NoWorkers:
-        """For datasets whose description needs no I/O (transparent mode's files); erred
-        blocks of one that exists are retried."""
+        """For datasets whose description needs no I/O (transparent mode's files)."""
         info = request.info
         ds = self.datasets.get(info.name)
         if ds is not None and ds.ready.is_set() and ds.info is not None:
-            self._retry_erred(ds)
-            return Ready(ds.info, ds.loaded)
+            return self._ready(ds)
         if ds is not None:
             return Busy()
         claimant = f"dmdask-register-{info.name}"
@@ -238,10 +234,13 @@ class DatasetsPlugin(SchedulerPlugin):
         if ds.identity and self.by_identity.get(ds.identity) is ds:
             del self.by_identity[ds.identity]
 
-    def _retry_erred(self, ds: DatasetState) -> None:
+    def _ready(self, ds: DatasetState) -> Ready:
+        """The answer for a dataset that exists; its erred blocks are retried (a repaired
+        file is read again)."""
         keys = [key for key in (block_key(ds.identity, k) for k in ds.erred) if key in self.scheduler.tasks]
         if keys:
             self.scheduler.stimulus_retry(keys=keys, client=ds.holder_client)
+        return Ready(ds.info, ds.loaded)
 
     # -- workers come and go -----------------------------------------------------------
     def remove_worker(self, scheduler, worker: str, *, stimulus_id: str, **kwargs) -> None:

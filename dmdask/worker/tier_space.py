@@ -35,9 +35,7 @@ class TierStats:
         return not self.full and self.error is None
 
     def as_dict(self) -> dict:
-        stats = asdict(self)
-        del stats["reserved"]
-        return stats
+        return {name: value for name, value in asdict(self).items() if name != "reserved"}
 
 
 class TierSpace:
