@@ -6,6 +6,7 @@ OSError a client would take for a lost worker.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import subprocess
@@ -57,11 +58,9 @@ def transform_isolated(blob: bytes, batches: list[dict], context: TransformConte
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
     done: list = []
     try:
-        try:
+        with contextlib.suppress(BrokenPipeError):  # the child died: its exit code tells why
             pickle.dump((blob, batches, context), child.stdin, protocol=pickle.HIGHEST_PROTOCOL)
             child.stdin.close()
-        except BrokenPipeError:
-            pass
         while len(done) < len(batches):
             try:
                 out, error = pickle.load(child.stdout)
