@@ -3,14 +3,14 @@ worker, a task finishing on the scheduler)."""
 from __future__ import annotations
 
 import asyncio
-from typing import Dict, Iterable, List
+from collections.abc import Iterable
 
 
 class Arrivals:
     """Futures waiting per key, each woken by `wake(key)`. Used from one event loop."""
 
     def __init__(self):
-        self._waiting: Dict[str, List[asyncio.Future]] = {}
+        self._waiting: dict[str, list[asyncio.Future]] = {}
 
     async def wait(self, keys: Iterable[str], timeout: float) -> None:
         """Until each of `keys` was woken, or `timeout` seconds passed."""

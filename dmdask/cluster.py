@@ -35,14 +35,12 @@ class ReleasesOnClose:
 
 
 class LocalCluster(ReleasesOnClose, distributed.LocalCluster):
-    """A `distributed.LocalCluster` whose workers carry dmdask's RAM and SSD tiers.
+    """A `distributed.LocalCluster` whose workers carry dmdask's RAM and SSD tiers and whose
+    scheduler runs the `dmdask.dashboard` preload (dmdask's plugin, page and Prometheus metrics).
 
-    ram, ssd, ssd_dir, shm_dir, stream_buffer: per-worker cache capacities (bytes or
-    strings such as "4 GiB"; ssd=0 means no SSD tier) and the parent folders of the
-    workers' SSD and shared-memory RAM tiers; unset ones come from the `dmdask.worker`
-    config namespace. The scheduler runs the `dmdask.dashboard` preload (dmdask's plugin,
-    dashboard page and Prometheus metrics). Other keyword arguments go to
-    `distributed.LocalCluster` (n_workers, processes, dashboard_address, scheduler_kwargs, ...).
+    ram, ssd, ssd_dir, shm_dir, stream_buffer: those of each `dmdask.Worker` (bytes or
+    "4 GiB"; ssd=0: no SSD tier); unset, from the `dmdask.worker` config. Other keyword
+    arguments go to `distributed.LocalCluster`.
     """
 
     def __init__(self, n_workers: int = 2, ram=None, ssd=None, ssd_dir=None, shm_dir=None,

@@ -3,8 +3,6 @@
 it: a release that changes one of these breaks it here, and only here."""
 from __future__ import annotations
 
-from typing import Optional
-
 from distributed.core import clean_exception
 from distributed.protocol.serialize import Serialized, deserialize
 
@@ -32,7 +30,7 @@ def reraise(exception):
     return clean_exception(exception)[1]
 
 
-def local_address(client) -> Optional[str]:
+def local_address(client) -> str | None:
     """The address this process reaches the scheduler from (its host on the cluster's
     network): the local end of the client's connection. None while disconnected."""
     comm = client.scheduler_comm.comm if client.scheduler_comm is not None else None

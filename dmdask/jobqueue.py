@@ -1,9 +1,4 @@
-"""dask-jobqueue clusters of dmdask workers: `SLURMCluster`, `PBSCluster`.
-
-    from dmdask.jobqueue import SLURMCluster
-    cluster = SLURMCluster(cores=8, memory="64 GiB", walltime="02:00:00", job_extra_directives=["--tmp=500G"])
-    cluster.scale(jobs=4)                      # four batch jobs, one dmdask worker each
-    client = distributed.Client(cluster)
+"""dask-jobqueue clusters of dmdask workers: `SLURMCluster`, `PBSCluster` (docs/hpc.md (b)).
 
 Each job runs `dask worker ... --worker-class dmdask.Worker`, its tiers sized from what
 the job actually got (`dmdask.worker.sizing`), not from the `memory=` asked for. The
@@ -14,18 +9,10 @@ from __future__ import annotations
 
 from .cluster import ReleasesOnClose, with_dashboard_preload
 
-__all__ = ["PBSCluster", "SLURMCluster", "dmdask_options"]
+CLUSTERS = ("PBSCluster", "SLURMCluster")  # made by `__getattr__` on first use, when dask-jobqueue is imported
+__all__ = ["dmdask_options"] + list(CLUSTERS)
 
 WORKER_ARGS = ["--worker-class", "dmdask.Worker"]
-
-
-def _jobqueue():
-    try:
-        import dask_jobqueue
-    except ImportError:
-        raise ImportError('dmdask.jobqueue needs dask-jobqueue: pip install "dmdask[jobqueue]" '
-                          "(or pip install dask-jobqueue)") from None
-    return dask_jobqueue
 
 
 def dmdask_options(kwargs: dict) -> dict:
@@ -42,7 +29,12 @@ def dmdask_options(kwargs: dict) -> dict:
 
 
 def _cluster_class(name: str):
-    base = getattr(_jobqueue(), name)
+    try:
+        import dask_jobqueue
+    except ImportError:
+        raise ImportError('dmdask.jobqueue needs dask-jobqueue: pip install "dmdask[jobqueue]" '
+                          "(or pip install dask-jobqueue)") from None
+    base = getattr(dask_jobqueue, name)
 
     class Cluster(ReleasesOnClose, base):  # as dmdask.LocalCluster: no "lost" warnings as jobs end
         __doc__ = f"`dask_jobqueue.{name}` whose jobs run dmdask workers sized from their job (dmdask.jobqueue)."
@@ -56,8 +48,8 @@ def _cluster_class(name: str):
 
 
 def __getattr__(name):
-    """`SLURMCluster` and `PBSCluster`, made on first use (dask-jobqueue is imported then)."""
-    if name in ("SLURMCluster", "PBSCluster"):
+    """The `CLUSTERS`, each made on first use."""
+    if name in CLUSTERS:
         cls = _cluster_class(name)
         globals()[name] = cls
         return cls

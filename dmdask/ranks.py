@@ -1,17 +1,10 @@
 """This process's place in a launch (`torchrun`, `srun`, a plain run): `rank_from_environment`.
-
-    rank = dmdask.rank_from_environment()          # torchrun, else Slurm, else one process
-    spec = dmdask.Spec(source=..., batch_size=256, rank=rank.rank, world_size=rank.world_size)
-
-Read from the variables the launcher sets, in this order: torchrun's (`RANK`,
-`WORLD_SIZE`, `LOCAL_RANK`), then Slurm's (`SLURM_PROCID`, `SLURM_NTASKS`,
-`SLURM_LOCALID`), else rank 0 of 1. Imports no framework.
-"""
+Imports no framework."""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, Optional
 
 __all__ = ["Rank", "rank_from_environment"]
 
@@ -37,9 +30,11 @@ class Rank:
         return f"cuda:{self.local_rank}"
 
 
-def rank_from_environment(env: Optional[Mapping[str, str]] = None) -> Rank:
-    """This process's rank (see the module's docstring). ValueError naming the variable
-    when one is not a number or the rank is outside 0..world_size-1."""
+def rank_from_environment(env: Mapping[str, str] | None = None) -> Rank:
+    """This process's rank, from the variables the launcher sets: torchrun's (`RANK`,
+    `WORLD_SIZE`, `LOCAL_RANK`), else Slurm's (`SLURM_PROCID`, `SLURM_NTASKS`,
+    `SLURM_LOCALID`), else rank 0 of 1. ValueError naming the variable when one is not a
+    number or the rank is outside 0..world_size-1."""
     env = os.environ if env is None else env
     for launcher, rank_name, size_name, local_name in _LAUNCHERS:
         if env.get(rank_name) is None or env.get(size_name) is None:

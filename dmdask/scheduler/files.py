@@ -1,17 +1,15 @@
-"""`FileMetadata`: what transparent mode (`dmdask.fs`) learnt about files on the store:
-folder listings and file infos (size, modification time or ETag), kept on the scheduler.
+"""`FileMetadata`: the folder listings and file infos (size, modification time or ETag)
+transparent mode (`dmdask.fs`) read from the store, kept on the scheduler, by folder.
 
-Each entry remembers the runs (`dmdask.fs.run`) that read it from the store, and a
-process is answered only with entries its own run read: within a run a folder is listed
-and a file's info fetched once, whoever asks; a new run sees a file changed since.
-Entries are grouped by folder (one request gets a folder's). A process about to read a
-file's info claims it first (`claim`): while the claim stands (`PROBE_SECONDS`, or until
-the info is put) the run's other processes wait for it. Used from the scheduler's loop.
+A process is answered only with entries its own run (`dmdask.fs.run`) read: within a run
+a folder is listed and a file's info fetched once, whoever asks; a new run sees a file
+changed since. A process about to read a file's info claims it first (`claim`): while the
+claim stands (`PROBE_SECONDS`, or until the info is put) the run's other processes wait.
 """
 from __future__ import annotations
 
 import time
-from typing import Dict, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 import zict
 
@@ -23,31 +21,33 @@ PROBE_SECONDS = 10.0  # how long a claim to read a file's info stands (its claim
 
 
 class _Entry:
-    __slots__ = ("value", "runs")
+    __slots__ = ("runs", "value")
 
     def __init__(self, value, run: str):
         self.value, self.runs = value, [run]
 
-    def seen(self, value, run: str) -> None:
-        """`run` read `value` from the store."""
-        if value != self.value:
-            self.value, self.runs = value, [run]
-        elif run not in self.runs:
-            self.runs = self.runs[-(RUNS_KEPT - 1):] + [run]
+
+def _seen(entry: _Entry | None, value, run: str) -> _Entry:
+    """`entry` once `run` read `value` from the store (a new one when the value is new)."""
+    if entry is None or value != entry.value:
+        return _Entry(value, run)
+    if run not in entry.runs:
+        entry.runs = entry.runs[-(RUNS_KEPT - 1):] + [run]
+    return entry
 
 
 class _Folder:
-    __slots__ = ("listing", "infos", "probing")
+    __slots__ = ("infos", "listing", "probing")
 
     def __init__(self):
-        self.listing: Optional[_Entry] = None
-        self.infos: Dict[str, _Entry] = {}
-        self.probing: Dict[tuple, float] = {}  # (run, path) -> when its info was claimed
+        self.listing: _Entry | None = None
+        self.infos: dict[str, _Entry] = {}
+        self.probing: dict[tuple, float] = {}  # (run, path) -> when its info was claimed
 
 
 class FileMetadata:
-    """Listings and file infos by folder (`folder` keys name the store and its options
-    too), each valid for the runs that read it (see the module docstring)."""
+    """See the module docstring (`folder` keys name the store and its options too). Used
+    from the scheduler's event loop."""
 
     def __init__(self):
         self.folders = zict.LRU(FOLDERS_KEPT, {})  # folder -> _Folder (least recently asked for dropped first)
@@ -58,16 +58,11 @@ class FileMetadata:
             entry = self._folder(folder)
             entry.probing.pop((run, path), None)
             if kind == "listing":
-                if entry.listing is None:
-                    entry.listing = _Entry(value, run)
-                else:
-                    entry.listing.seen(value, run)
-            elif path in entry.infos:
-                entry.infos[path].seen(value, run)
+                entry.listing = _seen(entry.listing, value, run)
             else:
-                entry.infos[path] = _Entry(value, run)
+                entry.infos[path] = _seen(entry.infos.get(path), value, run)
 
-    def get(self, run: str, folders: Sequence[str]) -> Dict[str, FolderEntries]:
+    def get(self, run: str, folders: Sequence[str]) -> dict[str, FolderEntries]:
         """What `run` read of these folders (those it read nothing of left out)."""
         out = {}
         for folder in folders:
@@ -78,7 +73,7 @@ class FileMetadata:
             out[folder] = FolderEntries(listing, {p: e.value for p, e in entry.infos.items() if run in e.runs})
         return out
 
-    def claim(self, run: str, claim: Sequence[Tuple[str, str]]) -> InfoClaims:
+    def claim(self, run: str, claim: Sequence[tuple[str, str]]) -> InfoClaims:
         """(folder, path) of infos the caller will read from the store unless known to
         `run` (answered in `known`), claimed by another process of the run (`probing`: ask
         again shortly), or read by another run only (`elsewhere`, not claimed: the caller

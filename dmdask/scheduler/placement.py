@@ -4,7 +4,7 @@ registry's `DatasetState`s, used by the `DatasetsPlugin` on the scheduler's even
 from __future__ import annotations
 
 import logging
-from typing import Iterable, List, Optional, Set
+from collections.abc import Iterable
 
 from ..source.base import block_key
 
@@ -12,7 +12,7 @@ logger = logging.getLogger(__name__)
 STREAMED_TOPIC = "dmdask-streamed"  # the event a worker logs with the key of each block it holds as `Streamed`
 
 
-def plan(ds, workers: List[str], order: Optional[List[int]], first: int) -> None:
+def plan(ds, workers: list[str], order: list[int] | None, first: int) -> None:
     """The i-th block of `order` (None: index order) goes to worker first + i mod W, and
     loads with priority -i."""
     n = ds.info.num_blocks
@@ -32,7 +32,7 @@ def live_planned(scheduler, ds, k: int) -> str:
     return worker
 
 
-def win_back(scheduler, datasets: Iterable, streamed: Set[str], worker: str, stimulus_id: str) -> None:
+def win_back(scheduler, datasets: Iterable, streamed: set[str], worker: str, stimulus_id: str) -> None:
     """Capacity lost with a worker comes back when one joins: blocks held as `Streamed`
     markers (`streamed`, as their holders reported them under `STREAMED_TOPIC`; read from
     the store every epoch) are loaded again on the new worker, as many as its free room

@@ -1,9 +1,7 @@
-"""`DatasetsPlugin`: dmdask's scheduler side, the one owner of every dataset's blocks.
-
-It keeps a registry (dataset name -> description, blocks, planned worker of each block),
-hands out get-or-create claims, pins each block load to its planned worker, and keeps
-the blocks alive (a pseudo-client wants them, as Dask's published datasets do) until
-`release`.
+"""`DatasetsPlugin`: dmdask's scheduler side, the one owner of every dataset's blocks: a
+registry (name -> description, blocks, planned worker of each), get-or-create claims, and
+the blocks kept alive (a pseudo-client wants them, as Dask's published datasets do) until
+`release`. Where blocks are, and who reads lazy ones: `dmdask.scheduler.reads`.
 
 Guarantees:
 - get-or-create is race-free (the scheduler's event loop): one caller at a time holds
@@ -15,14 +13,13 @@ Guarantees:
 - lazy datasets (`get_or_register`, `register` with `lazy`; transparent mode's files):
   ready once registered; a block's load is submitted by whoever first wants it. Their
   blocks are planned round-robin from where the previous lazy dataset stopped.
-- where blocks are, and the claims of lazy blocks nobody holds: `dmdask.scheduler.reads`.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import defaultdict
-from typing import Dict, List, Optional, Union
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
@@ -45,16 +42,16 @@ class DatasetState:
         self.name = name
         self.claimant = claimant
         self.claimed_at = time.monotonic()
-        self.info: Optional[DatasetInfo] = None
-        self.planned: List[Optional[str]] = []  # worker address per block
-        self.priority: List[int] = []  # higher loads first
+        self.info: DatasetInfo | None = None
+        self.planned: list[str | None] = []  # worker address per block
+        self.priority: list[int] = []  # higher loads first
         self.ready = asyncio.Event()  # set once the blocks exist on the scheduler (or the claim is dropped)
         self.loaded = 0  # blocks in memory somewhere
         self.erred: set = set()  # block indices whose load failed
         self.lazy = False  # blocks are submitted when first wanted, not at creation
 
     @property
-    def identity(self) -> Optional[str]:
+    def identity(self) -> str | None:
         return None if self.info is None else self.info.identity
 
     @property
@@ -62,7 +59,7 @@ class DatasetState:
         """The pseudo-client that keeps the blocks alive."""
         return f"dmdask-dataset-{self.name}"
 
-    def keys(self) -> List[str]:
+    def keys(self) -> list[str]:
         return [block_key(self.identity, k) for k in range(len(self.planned))]
 
     def summary(self) -> DatasetSummary:
@@ -73,17 +70,16 @@ class DatasetState:
 
 
 class DatasetsPlugin(SchedulerPlugin):
-    """The `dmdask` scheduler plugin; see the module docstring. Register it with
-    `dask scheduler --preload dmdask.dashboard` (page and plugin) or let the first
-    `dmdask.batches` call register it (idempotent)."""
+    """Registered by `dask scheduler --preload dmdask.dashboard` (page and plugin) or by
+    the first `dmdask.batches` call (idempotent)."""
 
     name = "dmdask"
     idempotent = True
 
     def __init__(self):
         self.scheduler = None
-        self.datasets: Dict[str, DatasetState] = {}
-        self.by_identity: Dict[str, DatasetState] = {}
+        self.datasets: dict[str, DatasetState] = {}
+        self.by_identity: dict[str, DatasetState] = {}
         self.files = FileMetadata()
         self.reads = BlockReads(self)
         self.streamed: set = set()  # keys of blocks held as `Streamed` markers (`placement.STREAMED_TOPIC`)
@@ -113,8 +109,7 @@ class DatasetsPlugin(SchedulerPlugin):
         await scheduler.register_worker_plugin(None, dumps(WorkerPlugin()), name=WorkerPlugin.name, idempotent=True)
 
     # -- get or create ---------------------------------------------------------------
-    async def get_or_claim(self, request: GetOrClaim) -> Union[Ready, Claimed]:
-        """Erred blocks of a dataset that exists are retried (a repaired file is read again)."""
+    async def get_or_claim(self, request: GetOrClaim) -> Ready | Claimed:
         name, claimant = request.name, request.claimant
         while True:
             ds = self.datasets.get(name)
@@ -122,8 +117,7 @@ class DatasetsPlugin(SchedulerPlugin):
                 self.datasets[name] = DatasetState(name, claimant)
                 return Claimed()
             if ds.ready.is_set() and not self._lost(ds):
-                self._retry_erred(ds)
-                return Ready(ds.info, ds.loaded)
+                return self._ready(ds)
             if ds.ready.is_set():  # its blocks were forgotten (`client.restart()`): create them again
                 self._forget(ds)
                 continue
@@ -133,14 +127,10 @@ class DatasetsPlugin(SchedulerPlugin):
             if left <= 0:  # its creator is gone: the caller takes the claim over
                 ds.claimant, ds.claimed_at = claimant, time.monotonic()
                 return Claimed()
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):  # then look again (abandoned: claim it afresh)
                 await asyncio.wait_for(asyncio.shield(ds.ready.wait()), timeout=left)
-            except asyncio.TimeoutError:
-                pass
-            if self.datasets.get(name) is not ds:  # abandoned: claim it afresh
-                continue
 
-    def register(self, request: Register) -> Union[Registered, Busy, NoWorkers]:
+    def register(self, request: Register) -> Registered | Busy | NoWorkers:
         """A lazy dataset is ready now and its plan starts where the previous lazy one's stopped."""
         info, order = request.info, request.order
         ds = self.datasets.get(request.name)
@@ -160,14 +150,12 @@ class DatasetsPlugin(SchedulerPlugin):
             ds.ready.set()
         return Registered()
 
-    def get_or_register(self, request: GetOrRegister) -> Union[Ready, Registered, Busy, NoWorkers]:
-        """For datasets whose description needs no I/O (transparent mode's files); erred
-        blocks of one that exists are retried."""
+    def get_or_register(self, request: GetOrRegister) -> Ready | Registered | Busy | NoWorkers:
+        """For datasets whose description needs no I/O (transparent mode's files)."""
         info = request.info
         ds = self.datasets.get(info.name)
         if ds is not None and ds.ready.is_set() and ds.info is not None:
-            self._retry_erred(ds)
-            return Ready(ds.info, ds.loaded)
+            return self._ready(ds)
         if ds is not None:
             return Busy()
         claimant = f"dmdask-register-{info.name}"
@@ -187,7 +175,7 @@ class DatasetsPlugin(SchedulerPlugin):
     def update_graph(self, scheduler, *, client: str, keys, tasks=(), stimulus_id=None, **kwargs) -> None:
         """Pin the new block tasks of a registered dataset to their planned workers before
         they are first scheduled, and have the dataset's pseudo-client want them."""
-        wanted: Dict[DatasetState, list] = defaultdict(list)
+        wanted: dict[DatasetState, list] = defaultdict(list)
         restrictions = {}
         for key in tasks:
             parsed = parse_block_key(key)
@@ -246,11 +234,13 @@ class DatasetsPlugin(SchedulerPlugin):
         if ds.identity and self.by_identity.get(ds.identity) is ds:
             del self.by_identity[ds.identity]
 
-    def _retry_erred(self, ds: DatasetState) -> None:
-        keys = [block_key(ds.identity, k) for k in ds.erred
-                if self.scheduler.tasks.get(block_key(ds.identity, k)) is not None]
+    def _ready(self, ds: DatasetState) -> Ready:
+        """The answer for a dataset that exists; its erred blocks are retried (a repaired
+        file is read again)."""
+        keys = [key for key in (block_key(ds.identity, k) for k in ds.erred) if key in self.scheduler.tasks]
         if keys:
             self.scheduler.stimulus_retry(keys=keys, client=ds.holder_client)
+        return Ready(ds.info, ds.loaded)
 
     # -- workers come and go -----------------------------------------------------------
     def remove_worker(self, scheduler, worker: str, *, stimulus_id: str, **kwargs) -> None:
@@ -280,7 +270,6 @@ class DatasetsPlugin(SchedulerPlugin):
         ds.ready.set()
         return True
 
-    def summaries(self) -> List[DatasetSummary]:
+    def summaries(self) -> list[DatasetSummary]:
         """One summary per dataset (name, url, samples, blocks, loaded, erred, ...)."""
         return [ds.summary() for ds in self.datasets.values()]
-

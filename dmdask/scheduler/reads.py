@@ -1,14 +1,11 @@
 """`BlockReads`, part of the `DatasetsPlugin`: where blocks are (`Locate`), and who reads
-the lazy blocks nobody holds (`OpenBlocks`; transparent mode's `FsClaim`, `FsOpenBlocks`).
-
-Guarantees: a lazy block nobody holds is read from the store by one reader at a time,
-the first to ask (its claim), the others waiting for its load task. A claim ends when the
-task arrives or its reader's client leaves.
+the lazy blocks nobody holds (`OpenBlocks`; transparent mode's `FsClaim`, `FsOpenBlocks`):
+one reader at a time, the first to ask (its claim), the others waiting for its load task.
+A claim ends when the task arrives or its reader's client leaves.
 """
 from __future__ import annotations
 
 import time
-from typing import Dict, Optional, Union
 
 from distributed.comm import get_address_host
 
@@ -21,11 +18,11 @@ from . import placement
 
 
 class BlockReads:
-    """See the module docstring; used on the scheduler's event loop."""
+    """Used on the scheduler's event loop."""
 
     def __init__(self, plugin):
         self.plugin = plugin
-        self.claims: Dict[str, str] = {}  # block key -> the client reading it from the store
+        self.claims: dict[str, str] = {}  # block key -> the client reading it from the store
         self.waiters = Arrivals()  # `locate` calls waiting for tasks to finish
 
     @property
@@ -56,7 +53,7 @@ class BlockReads:
                 return Located(holders, erred, unknown, pending, loading)
             await self.waiters.wait(pending, left)
 
-    def open_blocks(self, request: OpenBlocks) -> Union[BlocksOpened, NoWorkers]:
+    def open_blocks(self, request: OpenBlocks) -> BlocksOpened | NoWorkers:
         """Register the request's datasets when new, then name the holders of its keys and
         claim for its client those of lazy datasets that nobody holds, loads or reads."""
         for info in request.datasets:
@@ -79,14 +76,14 @@ class BlockReads:
         files.put(request.run, request.put)
         return Folders(files.get(request.run, request.get))
 
-    def fs_claim(self, request: FsClaim) -> Union[InfoClaims, NoWorkers]:
+    def fs_claim(self, request: FsClaim) -> InfoClaims | NoWorkers:
         """Transparent mode's look before reading new files' infos from the store; nothing
         is claimed while the cluster has no workers (the caller waits for one)."""
         if not self.scheduler.workers:
             return NoWorkers()
         return self.plugin.files.claim(request.run, request.claim)
 
-    def fs_open_blocks(self, request: FsOpenBlocks) -> Union[BlocksOpened, NoWorkers]:
+    def fs_open_blocks(self, request: FsOpenBlocks) -> BlocksOpened | NoWorkers:
         """After a reader read claimed files' first blocks with their infos (`FsClaim`), open
         those blocks and share the infos with the run (ending the claims) at once: a reader
         of the run that waited for an info finds its block claimed, and waits for that."""
@@ -105,7 +102,7 @@ class BlockReads:
             self.waiters.wake(key)
 
 
-def _holder(ts, host: Optional[str]) -> str:
+def _holder(ts, host: str | None) -> str:
     """A worker holding the task's result, one on `host` if any."""
     addresses = sorted(ws.address for ws in ts.who_has)
     local = [a for a in addresses if host and get_address_host(a) == host]

@@ -1,9 +1,6 @@
-"""The dmdask worker: Dask's worker with tiered block storage (`TieredStore`); its handlers
-come with the worker plugin the scheduler plugin installs (`dmdask.worker.plugin`).
-
-Start it with `dask worker SCHEDULER --worker-class dmdask.Worker`; capacities come
-from the `dmdask.worker` config namespace (or keyword arguments).
-"""
+"""The dmdask worker (`dask worker SCHEDULER --worker-class dmdask.Worker`): Dask's worker
+with tiered block storage (`TieredStore`); its handlers come with the worker plugin the
+scheduler plugin installs (`dmdask.worker.plugin`)."""
 from __future__ import annotations
 
 import logging
@@ -16,9 +13,9 @@ from dask.utils import parse_bytes
 from ..errors import SpecError
 from ..shm.modes import group_id
 from ..tasks import load_block
+from . import sizing
 from .cache import NO_COUNTS, BlockCache
 from .plugin import WorkerPlugin
-from . import sizing
 from .tiers import TieredStore
 
 DEFAULT_SHM = "/dev/shm"
@@ -39,17 +36,10 @@ def capacity(value, name: str) -> int:
 class Worker(distributed.Worker):
     """A Dask worker whose storage holds dmdask blocks in a RAM and an SSD tier.
 
-    ram, ssd: per-worker capacities (bytes or "4 GiB"); ssd=0 disables the SSD tier.
-    Unset (and null in config), they come from the job the worker runs in: its memory
-    limit (Slurm, cgroup v2) and the free space of its temp dir (`dmdask.worker.sizing`).
-    ssd_dir: folder of the SSD tier (default: $SLURM_TMPDIR, else a batch job's $TMPDIR,
-    else the worker's local directory); an unusable one does not stop the worker.
-    shm_dir: shared-memory folder of the RAM tier (default /dev/shm; "" keeps RAM blocks
-    in the worker's own memory, readable only through it).
-    stream_buffer: bytes for blocks beyond the cache while ranks take their rows.
-    group: a group (name or id) that may read the tiers' files too (default none: only
-    the worker's user; `dmdask.shm.modes`).
-    Unset values come from the `dmdask.worker` dask config namespace.
+    Each keyword (ram, ssd, ssd_dir, shm_dir, stream_buffer, group) overrides the
+    `dmdask.worker` config key of that name (`dmdask.yaml` says what each means); unset
+    ram and ssd are sized from the job (`dmdask.worker.sizing`). An unusable ssd_dir
+    does not stop the worker.
     """
 
     def __init__(self, *args, ram=None, ssd=None, ssd_dir=None, shm_dir=None, stream_buffer=None,
@@ -61,26 +51,21 @@ class Worker(distributed.Worker):
         ram_size = _sized_ram(config("ram", ram), shm)
         ssd_setting = config("ssd", ssd)
         ssd_root, ssd_dir_source = sizing.ssd_folder(os.environ, config("ssd-dir", ssd_dir))
-        store = TieredStore(
-            ram=ram_size.bytes,
-            ssd=capacity(ssd_setting, "ssd") if ssd_setting is not None else 0,
-            ssd_dir=ssd_root,
-            shm_dir=shm,
-            gid=group_id(config("group", group)),
-        )
+        store = TieredStore(ram_size.bytes, capacity(ssd_setting, "ssd") if ssd_setting is not None else 0,
+                            ssd_dir=ssd_root, shm_dir=shm, gid=group_id(config("group", group)))
         store.set_capacity("ram", ram_size.bytes, ram_size.source)
         kwargs["data"] = store
         super().__init__(*args, **kwargs)
         store.default_ssd_root(self.local_directory)
-        if ssd_setting is None:  # sized from the free space where the tier goes (dmdask.worker.sizing)
+        if ssd_setting is None:
             ssd_size = sizing.ssd_size(os.environ, store.root("ssd"),
                                        float(dask.config.get("dmdask.worker.job.ssd-share")))
         else:
             ssd_size = sizing.explicit(store.ssd.capacity, "ssd")
         store.set_capacity("ssd", ssd_size.bytes, f"{ssd_size.source}; folder: {ssd_dir_source}")
-        store.remove_stale()  # what crashed workers of this node left behind
-        store.open_ssd()  # an unusable ssd_dir: a warning and stats()["ssd"]["error"], not a crash
-        store.check_shared_memory()  # a RAM tier larger than /dev/shm: a warning and stats()["ram"]["warning"]
+        store.remove_stale()
+        store.open_ssd()
+        store.check_shared_memory()
         self.stream_buffer = capacity(config("stream-buffer", stream_buffer), "stream_buffer")
         # the tiers until the worker plugin's cache adds its counts: the scheduler reads a
         # joining worker's room from this metric (`dmdask.scheduler.placement.win_back`)
@@ -98,8 +83,7 @@ class Worker(distributed.Worker):
             self.data.close()
 
 
-def _sized_ram(setting, shm_dir) -> "sizing.Sized":
-    """The RAM tier's size: `setting` when given, else from the job (`dmdask.worker.sizing`)."""
+def _sized_ram(setting, shm_dir) -> sizing.Sized:
     if setting is not None:
         return sizing.explicit(capacity(setting, "ram"), "ram")
     return sizing.ram_size(os.environ, shm_dir,

@@ -1,27 +1,19 @@
-"""`BlockCache`: dmdask's state on one worker and its block loads and row serving.
-
-- `load_block` (a Dask task, one per block, stable key): reads the block from the
-  shared store once and admits it into the fastest tier with room, or leaves a
-  `Streamed` marker when no tier has room. Its future is the block's cache entry.
-- `serve`: rows of the blocks this worker holds (`Holding.serve`), for its handlers
-  (`dmdask.worker.plugin`), counted per tier; a block whose files cannot be read any
-  more is read again from the store (`_reread`).
-"""
+"""`BlockCache`: dmdask's state on one worker, its block loads (`load`, the body of the
+`load_block` task) and row serving (`serve`, for the handlers of `dmdask.worker.plugin`)."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, Tuple
 
 import distributed
 import numpy as np
 
 from ..arrivals import Arrivals
 from ..protocol.worker import Moved
-from .handover import Handovers
 from .filling import FillingBlock
+from .handover import Handovers
 from .holdings import Arrays, Block, FileBlock, Holding, Streamed, concat, payload_bytes
 from .reads import LAST, PriorityPool
 from .stream import StreamBuffer
@@ -31,8 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 class StoreCounters:
-    """Reads from the shared store made by this worker (blocks and decoded bytes), and
-    the retries of reads that met a transient error."""
+    """This worker's reads from the shared store (blocks, decoded bytes, transient-error retries)."""
 
     def __init__(self):
         self.requests = 0
@@ -57,9 +48,8 @@ class BlockCache:
                  read_threads: int = 16, transform_threads: int = 2):
         self.worker = worker
         self.store = store
-        # Two pools of their own: one job's slow transform never holds up another's reads
-        # (and neither waits behind Dask's or other extensions' use of the default executor).
-        self.reads = PriorityPool(read_threads, "dmdask-read")  # the earliest batch's reads first
+        # pools of their own: a slow transform never holds up reads, nor either Dask's executor
+        self.reads = PriorityPool(read_threads, "dmdask-read")
         self.transforms = ThreadPoolExecutor(transform_threads, thread_name_prefix="dmdask-transform")
         self.store_reads = StoreCounters()
         self.stream = StreamBuffer(stream_buffer, self.read, self.reads)
@@ -69,9 +59,8 @@ class BlockCache:
         self.handovers = Handovers()
         self.arrivals = Arrivals()  # requests waiting for load tasks of this worker
         store.on_block = self._arrived
-        self._rereads: Dict[str, asyncio.Future] = {}  # key -> (block, value) being read again (`_reread`)
+        self._rereads: dict[str, asyncio.Future] = {}  # key -> (block, value) being read again (`_reread`)
 
-    # -- reading from the shared store -------------------------------------------------
     def read(self, reader) -> Block:
         """The block, read from the store, or as a reader handed it over (read from the
         store by that reader for this block: counted as this worker's store read)."""
@@ -114,21 +103,21 @@ class BlockCache:
         block = self.read(reader)
         tier = self.store.reserve(block.nbytes)
         if tier is None:
-            if not reader.row_granular:
-                self.worker.loop.add_callback(self.stream.put, reader.key, block)
-            return Streamed(reader)
+            return self._streamed(reader, block)
         return self._place(reader, tier, block, block.nbytes)
 
     def _place(self, reader, tier: str, block: Block, reserved: int):
         value = self.store.place(reader.key, tier, block, reserved, reader)
-        if value is None:  # the SSD refused the write: keep what was read for this epoch
-            if not reader.row_granular:
-                self.worker.loop.add_callback(self.stream.put, reader.key, block)
-            return Streamed(reader)
-        return value
+        return self._streamed(reader, block) if value is None else value  # None: the SSD refused the write
 
-    # -- serving rows ------------------------------------------------------------------
-    async def take(self, key: str, rows: np.ndarray, priority: float = LAST) -> Tuple[Arrays, int]:
+    def _streamed(self, reader, block: Block) -> Streamed:
+        """The marker of a block read and kept in no tier; a whole block stays in the
+        stream buffer for this epoch."""
+        if not reader.row_granular:
+            self.worker.loop.add_callback(self.stream.put, reader.key, block)
+        return Streamed(reader)
+
+    async def take(self, key: str, rows: np.ndarray, priority: float = LAST) -> tuple[Arrays, int]:
         """(rows of a block this worker holds, how many were read from the store for this
         request); KeyError if it holds no such block, ValueError (`check_rows`) unless
         `rows` are offsets inside the block. Its reads run at `priority` (`PriorityPool`)."""
@@ -162,15 +151,6 @@ class BlockCache:
         loop, so also a request that found it missing just before it was stored."""
         self.worker.loop.add_callback(self.arrivals.wake, key)  # thread-safe
 
-    async def _wait_for_loads(self, keys, seconds: float) -> None:
-        """Wait up to `seconds` for those of `keys` whose load task this worker has (the
-        scheduler sent it): a rank sent there by `locate(planned=True)` does not wait for
-        a round trip through the scheduler once the block is in."""
-        tasks = self.worker.state.tasks
-        coming = [k for k in keys if k in tasks and tasks[k].state in LOADING_STATES]
-        if coming:
-            await self.arrivals.wait(coming, seconds)
-
     def _reread(self, key: str, broken: FileBlock, exc: OSError) -> None:
         """Drop a block whose files cannot be read (counted in `read_errors`, logged) and
         read it again from the store, once: requests for it wait for that read, and the
@@ -197,14 +177,18 @@ class BlockCache:
         tier = self.store.reserve(block.nbytes)
         return block, Streamed(reader) if tier is None else self._place(reader, tier, block, block.nbytes)
 
-    async def serve(self, requests: Dict[str, np.ndarray], priority: float = LAST,
-                    wait: float = 0.0) -> Tuple[Arrays, int]:
+    async def serve(self, requests: dict[str, np.ndarray], priority: float = LAST,
+                    wait: float = 0.0) -> tuple[Arrays, int]:
         """(the rows of several held blocks, one array per field in request order; how
         many were read from the store for this request). A block whose load task this
-        worker has is waited for, up to `wait` seconds; `Moved` names those not held then."""
+        worker has is waited for, up to `wait` seconds (a rank sent here by
+        `locate(planned=True)` needs no round trip through the scheduler); `Moved` names
+        those not held then."""
         missing = [key for key in requests if key not in self.store]
-        if missing and wait > 0:
-            await self._wait_for_loads(missing, wait)
+        tasks = self.worker.state.tasks
+        coming = [k for k in missing if k in tasks and tasks[k].state in LOADING_STATES]
+        if coming and wait > 0:
+            await self.arrivals.wait(coming, wait)
             missing = [key for key in requests if key not in self.store]
         if missing:
             raise Moved(missing)
@@ -216,7 +200,6 @@ class BlockCache:
         self.reads.shutdown(wait=False, cancel_futures=True)
         self.transforms.shutdown(wait=False, cancel_futures=True)
 
-    # -- accounting --------------------------------------------------------------------
     def stats(self) -> dict:
         """The worker's `dmdask` metric and `dmdask.stats`: its tiers' and the cache's counters."""
         return {**self.store.stats(),

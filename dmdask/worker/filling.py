@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Dict, Tuple
 
 import numpy as np
 
@@ -11,14 +10,12 @@ from .holdings import Block, Holding, concat
 
 
 class FillingBlock(Holding):
-    """A RAM block of a one-file-per-sample source, each sample read from the store the
-    first time a rank wants it and kept. `sized`: the block's room was reserved at
-    creation; otherwise (an HTTP folder lists no sizes) each sample is charged to the
-    tier when read, and those it has no room for are served and not kept. Used from the
-    worker's event loop. `reading`: row -> the read under way that brings it (a row
-    asked twice at once is read once)."""
+    """Each sample is read from the store the first time a rank wants it, and kept.
+    `sized`: the block's room was reserved at creation; otherwise (an HTTP folder lists no
+    sizes) each sample is charged to the tier when read, and those it has no room for are
+    served and not kept. Used from the worker's event loop."""
 
-    __slots__ = ("reader", "arrays", "have", "nbytes", "samples", "sized", "start", "stop", "reading")
+    __slots__ = ("arrays", "have", "nbytes", "reader", "reading", "samples", "sized", "start", "stop")
 
     def __init__(self, reader, sized: bool = True):
         n = reader.stop - reader.start
@@ -29,11 +26,7 @@ class FillingBlock(Holding):
         self.nbytes = reader.nbytes if sized else 0
         self.samples = n if sized else 0  # samples charged to the tier
         self.start, self.stop = reader.start, reader.stop
-        self.reading: Dict[int, "asyncio.Future"] = {}
-
-    def missing(self, rows: np.ndarray) -> np.ndarray:
-        """The rows not read yet, each once, in increasing order."""
-        return np.unique(rows[~self.have[rows]])
+        self.reading: dict[int, asyncio.Future] = {}  # row -> the read under way that brings it
 
     def fill(self, rows: np.ndarray, arrays: Arrays) -> None:
         if not len(rows):
@@ -46,10 +39,6 @@ class FillingBlock(Holding):
         for name, values in arrays.items():
             self.arrays[name][rows] = values
         self.have[rows] = True
-
-    @property
-    def complete(self) -> bool:
-        return bool(self.have.all())
 
     def take(self, rows: np.ndarray, spare_rows=None, spare: Arrays = None) -> Arrays:
         """The given rows: held ones from the block, the others from `spare` (the arrays
@@ -67,11 +56,11 @@ class FillingBlock(Holding):
             out[name] = col
         return out
 
-    async def serve(self, rows: np.ndarray, cache, priority: float) -> Tuple[Arrays, int]:
+    async def serve(self, rows: np.ndarray, cache, priority: float) -> tuple[Arrays, int]:
         """Rows not held yet are read now, at `priority`, unless a read under way for
         another request brings them: then that read is awaited, so each row is read once
         and a request waits only for the reads of its own rows."""
-        missing = self.missing(rows)
+        missing = np.unique(rows[~self.have[rows]])
         under_way = {id(f): f for f in map(self.reading.get, missing.tolist()) if f is not None}
         mine = np.array([r for r in missing.tolist() if r not in self.reading], dtype=np.int64)
         reads = list(under_way.values())
@@ -107,7 +96,7 @@ class FillingBlock(Holding):
 
     def __reduce__(self):
         # Leaving the worker (a graceful retirement): travel as a complete block.
-        arrays = self.arrays if self.complete else self.reader.read()
+        arrays = self.arrays if self.have.all() else self.reader.read()
         return (Block, (arrays, self.start, self.stop))
 
     def __sizeof__(self) -> int:

@@ -7,14 +7,13 @@ import os
 import re
 import shutil
 import tempfile
-from typing import Optional
 
 from ..shm.modes import protect_folder
 
 _NAME = re.compile(r"^dmdask-(ram|ssd)-(\d+)-[A-Za-z0-9_]+$")
 
 
-def make_folder(root: str, tier: str, gid: Optional[int] = None) -> str:
+def make_folder(root: str, tier: str, gid: int | None = None) -> str:
     """A new folder of this process under `root`, after removing those of dead processes:
     readable by this user only (0700), or by group `gid` too (`dmdask.shm.modes`)."""
     os.makedirs(root, exist_ok=True)

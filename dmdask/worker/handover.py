@@ -1,36 +1,29 @@
-"""Blocks a reader already read from the store, handed to the worker that will hold them.
+"""Blocks transparent mode's first reader already read from the store, handed to the
+block's planned worker for its load task to take instead of reading again (`dmdask.fs.claims`).
 
-Transparent mode's first reader of a block reads it from the store itself, hands the
-bytes to the block's planned worker, then submits the block's load task
-(`dmdask.fs.claims`), which takes them from here instead of reading the store again.
-
-Bytes are kept under the claim they came with: a secret of the reading process, also in
-the block's load task (`FileBlockReader.claim`). A task takes only bytes handed over
-with its own claim, so another client's bytes for the same key are never served
-(docs/failures.md#trust-model).
-
-Guarantees: memory is bounded (`capacity` bytes; a block that does not fit is dropped,
-and its task then reads the store); a block not taken within `seconds` is dropped; a
-block is taken at most once, and only with the claim it was handed over with.
+Bytes are kept under the claim they came with, a secret of the reading process also in
+the block's load task (`FileBlockReader.claim`), so another client's bytes for the same
+key are never served (docs/failures.md#trust-model). Memory is bounded (`capacity`
+bytes; a block that does not fit is dropped, and its task reads the store); a block not
+taken within `seconds` is dropped; a block is taken at most once.
 """
 from __future__ import annotations
 
 import threading
 import time
 from collections import OrderedDict
-from typing import Optional
 
 HANDOVER_BYTES = 256 << 20
 HANDOVER_SECONDS = 120.0
 
 
 class Handovers:
-    """Bytes handed over per block key (see the module docstring). Thread-safe."""
+    """Bytes handed over per (block key, claim). Thread-safe."""
 
     def __init__(self, capacity: int = HANDOVER_BYTES, seconds: float = HANDOVER_SECONDS):
         self.capacity, self.seconds = capacity, seconds
         self.bytes = 0
-        self._blocks: "OrderedDict[tuple, tuple]" = OrderedDict()  # (key, claim) -> (bytes, when)
+        self._blocks: OrderedDict[tuple, tuple] = OrderedDict()  # (key, claim) -> (bytes, when)
         self._lock = threading.Lock()
 
     def put(self, key: str, claim: str, content: bytes) -> bool:
@@ -45,7 +38,7 @@ class Handovers:
             self.bytes += len(content)
             return True
 
-    def take(self, key: str, claim: Optional[str]) -> Optional[bytes]:
+    def take(self, key: str, claim: str | None) -> bytes | None:
         """The bytes handed over for `key` with `claim` (removed), or None."""
         with self._lock:
             found = self._blocks.pop((key, claim), None) if claim is not None else None

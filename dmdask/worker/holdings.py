@@ -1,16 +1,9 @@
-"""What a worker holds under a block's key: `Holding`s, one protocol for all of them.
-
-- `Block`: the samples in the worker's memory, one array per field;
-- `FillingBlock` (`filling`): a RAM block of a one-file-per-sample source, filled as ranks ask;
-- `FileBlock`: the samples in files (shared memory for RAM, the SSD), mapped to take rows;
-- `ArenaBlock`: a RAM block in a slot of its dataset's arena (shared memory);
-- `Streamed`: a marker for a block that fits no tier (read from the store when asked).
-Their files' formats are `dmdask.shm`'s (training processes read them too). A holding
-serves rows through its worker's `BlockCache`, which counts what each serve did."""
+"""What a worker holds under a block's key: `Holding`s, one protocol for all of them
+(`FillingBlock`, the one filled as ranks ask, is in `dmdask.worker.filling`). Their files'
+formats are `dmdask.shm`'s: training processes read them too."""
 from __future__ import annotations
 
 import shutil
-from typing import Optional, Tuple
 
 import numpy as np
 
@@ -49,7 +42,7 @@ class Holding:
     are read again from the store (`BlockCache._reread`)."""
 
     __slots__ = ()
-    tier: Optional[str] = "ram"
+    tier: str | None = "ram"
     rereadable = False
 
     def __len__(self) -> int:
@@ -57,12 +50,13 @@ class Holding:
 
     @property
     def samples(self) -> int:
-        return self.stop - self.start
+        """Samples charged to the tier (a `FillingBlock` charges them as read)."""
+        return len(self)
 
-    def describe(self) -> Optional[dict]:
+    def describe(self) -> dict | None:
         return None
 
-    async def serve(self, rows: np.ndarray, cache, priority: float) -> Tuple[Arrays, int]:
+    async def serve(self, rows: np.ndarray, cache, priority: float) -> tuple[Arrays, int]:
         return self.take(rows), 0
 
     def release(self) -> None:
@@ -73,7 +67,7 @@ class Block(Holding):
     """Samples `start..stop-1` of a dataset as one array per field (first axis: samples);
     variable-size fields are object arrays of per-sample `uint8` arrays."""
 
-    __slots__ = ("arrays", "start", "stop", "nbytes")
+    __slots__ = ("arrays", "nbytes", "start", "stop")
 
     def __init__(self, arrays: Arrays, start: int, stop: int):
         self.arrays = arrays
@@ -112,7 +106,7 @@ class Streamed(Holding):
     def stop(self) -> int:
         return self.reader.stop
 
-    async def serve(self, rows: np.ndarray, cache, priority: float) -> Tuple[Arrays, int]:
+    async def serve(self, rows: np.ndarray, cache, priority: float) -> tuple[Arrays, int]:
         if self.reader.row_granular:  # nothing is held afterwards
             return await cache.in_thread(priority, cache.read_rows, self.reader, rows), len(rows)
         block = await cache.stream.get(self.reader, priority)
@@ -133,14 +127,11 @@ class _InFiles(Holding):
 
     __slots__ = ()
 
-    async def serve(self, rows: np.ndarray, cache, priority: float) -> Tuple[Arrays, int]:
+    async def serve(self, rows: np.ndarray, cache, priority: float) -> tuple[Arrays, int]:
         return await cache.in_thread(priority, self.take, rows), 0
 
-    def load(self) -> Block:
-        return Block(self.take(np.arange(len(self))), self.start, self.stop)
-
     def __reduce__(self):  # leaving this worker (a graceful retire, a gather): travel as the data itself
-        return self.load().__reduce__()
+        return (Block, (self.take(np.arange(len(self))), self.start, self.stop))
 
     def __sizeof__(self) -> int:
         return 256
@@ -152,7 +143,7 @@ class FileBlock(_InFiles):
     `reader`: the block's `BlockReader` when it was read here (None: from another
     worker), to read it again should its files fail."""
 
-    __slots__ = ("path", "start", "stop", "nbytes", "layout", "tier", "reader")
+    __slots__ = ("layout", "nbytes", "path", "reader", "start", "stop", "tier")
 
     def __init__(self, path: str, start: int, stop: int, nbytes: int, layout: tuple, tier: str, reader=None):
         self.path, self.start, self.stop, self.nbytes = path, start, stop, nbytes
@@ -161,7 +152,7 @@ class FileBlock(_InFiles):
         self.reader = reader
 
     @classmethod
-    def write(cls, directory: str, block: Block, tier: str, reader=None) -> "FileBlock":
+    def write(cls, directory: str, block: Block, tier: str, reader=None) -> FileBlock:
         """Write `block` under a new folder of `directory`; on error nothing is left behind."""
         path, layout = fileblocks.write(directory, block.arrays, block.start)
         return cls(path, block.start, block.stop, block.nbytes, layout, tier, reader)
@@ -173,7 +164,7 @@ class FileBlock(_InFiles):
     def _description(self) -> dict:
         return {"path": self.path, "layout": self.layout, "tier": self.tier}
 
-    def describe(self) -> Optional[dict]:
+    def describe(self) -> dict | None:
         """What a process on the same host needs to map this block (`map_arrays`); None
         when a file is gone or of another size (rows then come through the worker,
         which reads the block again)."""
@@ -190,7 +181,7 @@ class FileBlock(_InFiles):
 class ArenaBlock(_InFiles):
     """A RAM-tier block held in a slot of its dataset's arena (`dmdask.shm.arena`)."""
 
-    __slots__ = ("arena", "slot", "start", "stop", "nbytes", "tier")
+    __slots__ = ("arena", "nbytes", "slot", "start", "stop", "tier")
 
     def __init__(self, arena: Arena, slot: int, start: int, stop: int, nbytes: int):
         self.arena, self.slot, self.start, self.stop, self.nbytes = arena, slot, start, stop, nbytes

@@ -1,9 +1,5 @@
 """dmdask's worker side as a Dask worker plugin, which the scheduler plugin installs on
-every worker (as `distributed.shuffle` does): on a `dmdask.Worker` it starts the
-`BlockCache` and registers the handlers of `dmdask.protocol.worker` (rows, a rank's
-batches, descriptions and hits of same-host files, hand-overs). Handlers use `cache`,
-`address` and `peers` (a `WorkerAPI`): testable without a cluster.
-"""
+every worker (as `distributed.shuffle` does), with the handlers of `dmdask.protocol.worker`."""
 from __future__ import annotations
 
 import asyncio
@@ -16,9 +12,9 @@ from distributed.core import Status
 
 from ..protocol.worker import (Batches, BatchRequest, DescribeRequest, Descriptions, HandOver, HitsReport, Kept,
                                Missing, Moved, OPS, Rows, RowsRequest, WorkerAPI, handler)
+from ..scheduler.placement import STREAMED_TOPIC
 from ..shm.fileblocks import assemble
 from ..shm.results import shareable, write_batches
-from ..scheduler.placement import STREAMED_TOPIC
 from ..spec import loads_transform
 from .cache import BlockCache
 from .holdings import Holding, payload_bytes
@@ -29,7 +25,8 @@ from .transforms import transform_in_order, transform_isolated
 
 class WorkerPlugin(distributed.WorkerPlugin):
     """dmdask on one worker: its `BlockCache` (`worker.extensions["dmdask"]`) and handlers.
-    A worker without dmdask's tiers (a plain Dask worker) is left as it is."""
+    A worker without dmdask's tiers (a plain Dask worker) is left as it is. Handlers use
+    `cache`, `address` and `peers` (a `WorkerAPI`) only: testable without a cluster."""
 
     name = "dmdask"
     idempotent = True
@@ -106,11 +103,10 @@ class WorkerPlugin(distributed.WorkerPlugin):
             return Batches(batches=batches, from_store=from_store)
         loop = asyncio.get_running_loop()
         if request.isolate:  # after a worker loss: in a process of its own, which may die
-            done, error = await loop.run_in_executor(self.cache.transforms, transform_isolated, request.transform,
-                                                     batches, request.context)
+            work = (transform_isolated, request.transform)
         else:
-            done, error = await loop.run_in_executor(self.cache.transforms, transform_in_order,
-                                                     loads_transform(request.transform), batches, request.context)
+            work = (transform_in_order, loads_transform(request.transform))
+        done, error = await loop.run_in_executor(self.cache.transforms, *work, batches, request.context)
         folder = self.cache.store.shared_folder() if request.same_host else None
         if folder is not None and done and shareable(done):  # the trainer maps them: no pickle, no socket
             shared = await loop.run_in_executor(self.cache.transforms, write_batches, folder, done)

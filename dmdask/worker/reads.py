@@ -1,16 +1,12 @@
-"""`PriorityPool`: a worker's read threads, serving the most urgent read first.
-
-Each read carries the priority of the batch that needs it (its position in its rank's
-epoch: lower is sooner), so the threads take the earliest batch's reads first, across
-every rank the worker serves, rather than finish every prefetched batch near the end.
-"""
+"""`PriorityPool`: a worker's read threads, the earliest batch's reads first across every
+rank the worker serves (a read's priority: its batch's position in its rank's epoch)."""
 from __future__ import annotations
 
 import concurrent.futures
 import heapq
 import itertools
 import threading
-from typing import Callable, List
+from collections.abc import Callable
 
 LAST = float("inf")  # the priority of work no batch waits for (background loads, rereads)
 
@@ -21,7 +17,7 @@ class PriorityPool(concurrent.futures.Executor):
     priority `LAST`. After `shutdown`, queued calls are cancelled and new ones refused."""
 
     def __init__(self, threads: int, name: str = "dmdask-read"):
-        self._queue: List[tuple] = []
+        self._queue: list[tuple] = []
         self._order = itertools.count()
         self._ready = threading.Condition()
         self._closed = False

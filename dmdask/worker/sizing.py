@@ -1,23 +1,15 @@
-"""A worker's tier sizes when no setting gives them: taken from the job it runs in.
-
-RAM tier: (limit - headroom) x ram-share (`dmdask.worker.job`), the limit being the
-smallest of the job's memory limits (Slurm's `SLURM_MEM_PER_NODE`, else
-`SLURM_MEM_PER_CPU` x CPUs; cgroup v2 `memory.max` of this process's cgroup and its
-parents); 1 GiB when none is found; never more than the free room of `/dev/shm`.
-SSD tier: in `ssd-dir`, else `$SLURM_TMPDIR`, else `$TMPDIR` in a batch job, else the
-worker's local directory; ssd-share of the free space there inside a batch job (Slurm,
-PBS, LSF), off outside one. (docs/hpc.md.)
-
-Explicit settings always win. Every size says where it came from (`Sized.source`,
-`dmdask.stats()[tier]["source"]`). Reads only what it is given (an environment mapping,
-file paths), so each source is unit-tested with fakes.
+"""A worker's tier sizes when no setting gives them, taken from the job it runs in: the
+rules are docs/hpc.md#a-worker-sized-from-its-job. Every size says where it came from
+(`Sized.source`). Reads only what it is given (an environment mapping, file paths), so
+each source is unit-tested with fakes.
 """
 from __future__ import annotations
 
 import os
 import re
+import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, Optional, Tuple
 
 from dask.utils import format_bytes
 
@@ -35,7 +27,7 @@ class Sized:
     source: str
 
 
-def slurm_memory(env: Mapping[str, str]) -> Optional[Sized]:
+def slurm_memory(env: Mapping[str, str]) -> Sized | None:
     """The memory Slurm granted this job on this node; None outside Slurm or with no
     limit (`--mem=0` means the whole node). A value Slurm would not write raises
     ValueError naming the variable."""
@@ -62,7 +54,7 @@ def _slurm_bytes(name: str, text: str) -> int:
     return int(match.group(1)) * _UNITS[match.group(2)]
 
 
-def cgroup_memory(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> Optional[Sized]:
+def cgroup_memory(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> Sized | None:
     """The smallest cgroup v2 `memory.max` of this process's cgroup and its ancestors;
     None on cgroup v1, without a limit ("max"), or when nothing can be read. Never raises."""
     try:
@@ -87,7 +79,7 @@ def cgroup_memory(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/c
     return None if best is None else Sized(best[0], f"cgroup {best[1]}")
 
 
-def _read_limit(path: str) -> Optional[int]:
+def _read_limit(path: str) -> int | None:
     try:
         with open(path) as f:
             text = f.read().strip()
@@ -97,13 +89,13 @@ def _read_limit(path: str) -> Optional[int]:
 
 
 def job_memory(env: Mapping[str, str], proc_cgroup: str = "/proc/self/cgroup",
-               cgroup_root: str = "/sys/fs/cgroup") -> Optional[Sized]:
+               cgroup_root: str = "/sys/fs/cgroup") -> Sized | None:
     """The smallest memory limit of this process's job (Slurm's grant, cgroup v2), or None."""
     found = [s for s in (slurm_memory(env), cgroup_memory(proc_cgroup, cgroup_root)) if s is not None]
     return min(found, key=lambda s: s.bytes) if found else None
 
 
-def free_bytes(folder: Optional[str]) -> Optional[int]:
+def free_bytes(folder: str | None) -> int | None:
     """Free bytes of the file system that holds `folder` (or its nearest existing parent);
     None when there is no such folder or it cannot be read. Never raises."""
     if not folder:
@@ -112,15 +104,15 @@ def free_bytes(folder: Optional[str]) -> Optional[int]:
     while not os.path.exists(path) and os.path.dirname(path) != path:
         path = os.path.dirname(path)
     try:
-        fs = os.statvfs(path)
+        return shutil.disk_usage(path).free
     except OSError:
         return None
-    return fs.f_bavail * fs.f_frsize
 
 
-def ram_size(env: Mapping[str, str], shm_dir: Optional[str], headroom: int, share: float,
+def ram_size(env: Mapping[str, str], shm_dir: str | None, headroom: int, share: float,
              proc_cgroup: str = "/proc/self/cgroup", cgroup_root: str = "/sys/fs/cgroup") -> Sized:
-    """The RAM tier of a worker given no size (see the module's docstring)."""
+    """The RAM tier of a worker given no size: (the job's memory limit - headroom) x share,
+    1 GiB when no limit is found, never more than the free room of `shm_dir`."""
     limit = job_memory(env, proc_cgroup, cgroup_root)
     if limit is None:
         sized = Sized(DEFAULT_RAM, "default (no job memory limit found)")
@@ -139,7 +131,7 @@ def in_batch_job(env: Mapping[str, str]) -> bool:
     return any(env.get(name) for name in JOB_ID_VARIABLES)
 
 
-def ssd_folder(env: Mapping[str, str], configured: Optional[str]) -> Tuple[Optional[str], str]:
+def ssd_folder(env: Mapping[str, str], configured: str | None) -> tuple[str | None, str]:
     """The SSD tier's parent folder and why: `configured` (ssd-dir) when set, else the
     job's temp dir (`$SLURM_TMPDIR`, else `$TMPDIR` in a batch job), else None (the
     worker's local directory)."""

@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Dict
 
 import zict
 
 from .holdings import Block
-from .reads import PriorityPool
+from .reads import LAST, PriorityPool
 
 
 class StreamBuffer:
@@ -19,12 +18,12 @@ class StreamBuffer:
         self.capacity = capacity_bytes
         self._read = read
         self._executor = executor
-        self._served: Dict[str, int] = {}  # key -> rows served
+        self._served: dict[str, int] = {}  # key -> rows served
         self._blocks = zict.LRU(capacity_bytes, {}, weight=lambda key, block: block.nbytes,
                                 on_evict=lambda key, block: self._served.pop(key, None))
-        self._loading: Dict[str, asyncio.Future] = {}
+        self._loading: dict[str, asyncio.Future] = {}
 
-    async def get(self, reader, priority: float = float("inf")) -> Block:
+    async def get(self, reader, priority: float = LAST) -> Block:
         """The block of `reader`, read once (in the `PriorityPool` at `priority`) however
         many ask at once."""
         key = reader.key

@@ -1,14 +1,11 @@
-"""The room of a worker's RAM and SSD tiers: capacities, reservations, what each holds and
-served (`TierStats`), for `dmdask.worker.tiers.TieredStore`.
-
-Placement is MinIO (CoorDL): a block takes the fastest tier with room when it is first
-read and keeps it until its key is released; nothing is evicted to make room.
+"""The room of a worker's RAM and SSD tiers (`TierSpace`): capacities, reservations, what
+each holds and served. Placement is MinIO (CoorDL): a block takes the fastest tier with
+room when it is first read and keeps it until its key is released; nothing is evicted.
 """
 from __future__ import annotations
 
 import threading
 from dataclasses import asdict, dataclass
-from typing import Optional
 
 import numpy as np
 
@@ -25,10 +22,10 @@ class TierStats:
     hits: int = 0  # samples served from this tier
     hit_bytes: int = 0
     full: bool = False  # set when the device refused a write (SSD out of space)
-    error: Optional[str] = None  # why the tier's folder cannot be used; the tier then takes no blocks
+    error: str | None = None  # why the tier's folder cannot be used; the tier then takes no blocks
     read_errors: int = 0  # blocks dropped because their files could not be read
-    warning: Optional[str] = None  # a capacity the device cannot hold (a RAM tier larger than /dev/shm)
-    source: Optional[str] = None  # where the capacity came from (a setting, the job's limits: `sizing`)
+    warning: str | None = None  # a capacity the device cannot hold (a RAM tier larger than /dev/shm)
+    source: str | None = None  # where the capacity came from (a setting, the job's limits: `sizing`)
 
     def room(self) -> int:
         return self.capacity - self.bytes - self.reserved
@@ -38,9 +35,7 @@ class TierStats:
         return not self.full and self.error is None
 
     def as_dict(self) -> dict:
-        stats = asdict(self)
-        del stats["reserved"]
-        return stats
+        return {name: value for name, value in asdict(self).items() if name != "reserved"}
 
 
 class TierSpace:
@@ -54,7 +49,7 @@ class TierSpace:
         self._lock = threading.Lock()
         self._closed_to_growth: set = set()  # tiers that refused a sample charged as read
 
-    def reserve(self, nbytes: int) -> Optional[str]:
+    def reserve(self, nbytes: int) -> str | None:
         """Reserve room for a block in the fastest tier that has it: "ram", "ssd" or None."""
         with self._lock:
             for name, tier in (("ram", self.ram), ("ssd", self.ssd)):

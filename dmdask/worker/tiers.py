@@ -1,18 +1,11 @@
-"""The worker's storage, `TieredStore` (the `data=` mapping of a dmdask worker): dmdask
-blocks in a RAM or SSD tier (their room: `dmdask.worker.tier_space`), a dict for the rest.
-
-A block that fits no tier is stored as a `Streamed` marker and read from the shared
-store when asked for. Like every Dask worker mapping it never drops a key on its own.
-"""
+"""`TieredStore`, the `data=` mapping of a dmdask worker (their room: `dmdask.worker.tier_space`)."""
 from __future__ import annotations
 
 import errno
 import logging
-import os
 import shutil
 import tempfile
-from collections.abc import MutableMapping
-from typing import Callable, Dict, Optional
+from collections.abc import Callable, MutableMapping
 
 from dask.utils import format_bytes
 
@@ -25,37 +18,36 @@ from .tier_space import TierSpace
 logger = logging.getLogger(__name__)
 
 
-def _from(source: Optional[str]) -> str:
+def _from(source: str | None) -> str:
     return f" (from {source})" if source else ""
 
 
 class TieredStore(TierSpace, MutableMapping):
-    """Worker storage: dmdask blocks in a RAM or SSD tier, every other key in a dict. Use
-    stays within capacity plus the blocks being read right now (`TierSpace.reserve`)."""
+    """Worker storage: dmdask blocks in a RAM or SSD tier (a `Streamed` marker for one that
+    fits no tier), every other key in a dict. Use stays within capacity plus the blocks
+    being read right now (`TierSpace.reserve`). Like every Dask worker mapping it never
+    drops a key on its own."""
 
-    def __init__(self, ram: int, ssd: int = 0, ssd_dir: Optional[str] = None, shm_dir: Optional[str] = None,
-                 gid: Optional[int] = None):
+    def __init__(self, ram: int, ssd: int = 0, ssd_dir: str | None = None, shm_dir: str | None = None,
+                 gid: int | None = None):
         super().__init__(ram, ssd)
         self.gid = gid  # the group that may read the tiers' files too (`dmdask.shm.modes`); None: none
         self._roots = {"ram": shm_dir or None, "ssd": ssd_dir}
-        self._folders: Dict[str, str] = {}
-        self._arenas: Dict[str, Arena] = {}  # dataset identity -> its RAM blocks' arena
-        self._blocks: Dict[str, object] = {}
-        self._tier_of: Dict[str, str] = {}
-        self._other: Dict[str, object] = {}
-        self._reservations: Dict[str, tuple] = {}  # key -> (tier, bytes) placed, not yet stored
-        self.on_block: Optional[Callable[[str], None]] = None  # called with each block key stored
+        self._folders: dict[str, str] = {}
+        self._arenas: dict[str, Arena] = {}  # dataset identity -> its RAM blocks' arena
+        self._blocks: dict[str, Holding] = {}
+        self._tier_of: dict[str, str] = {}
+        self._other: dict[str, object] = {}
+        self._reservations: dict[str, tuple] = {}  # key -> (tier, bytes) placed, not yet stored
+        self.on_block: Callable[[str], None] | None = None  # called with each block key stored
 
     def place(self, key: str, tier: str, block, reserved: int, reader=None):
-        """Turn a reserved read block into the value the worker will store under `key`.
-
-        Returns a `FileBlock` or `ArenaBlock` (in shared memory for RAM, on the SSD), the
-        block itself for RAM when it is a `FillingBlock` or the worker has no shared-memory
-        folder, or None when the device refused the write (the tier then stops growing;
-        the caller streams the block) or the tier's folder cannot be made (the tier then
-        takes no more blocks, see `open_ssd`). The reservation turns into held bytes when
-        the worker stores the value. A `FileBlock` keeps `reader`, to read the block again.
-        """
+        """The value the worker will store under `key` for a read block with room reserved:
+        a `FileBlock` (keeping `reader`, to read the block again) or `ArenaBlock` (in shared
+        memory for RAM, on the SSD), the block itself for RAM when it is a `FillingBlock` or
+        the worker has no shared-memory folder; None when the device refused the write (the
+        tier stops growing) or the tier's folder cannot be made (it takes no more blocks).
+        The reservation turns into held bytes when the worker stores the value."""
         if isinstance(block, Block) and (tier == "ssd" or self._roots["ram"]):
             try:
                 self.folder(tier)
@@ -96,7 +88,7 @@ class TieredStore(TierSpace, MutableMapping):
         with self._lock:
             self._roots["ssd"] = self._roots["ssd"] or root
 
-    def open_ssd(self) -> Optional[str]:
+    def open_ssd(self) -> str | None:
         """Make the SSD tier's folder now, so that an unusable `ssd_dir` shows at start:
         such a tier takes no blocks and the worker runs on; the reason is logged as a
         warning, kept in `stats()["ssd"]["error"]` and returned (None: usable or no tier)."""
@@ -107,7 +99,7 @@ class TieredStore(TierSpace, MutableMapping):
                 self._unusable("ssd", exc)
         return self.ssd.error
 
-    def check_shared_memory(self) -> Optional[str]:
+    def check_shared_memory(self) -> str | None:
         """Warn (at worker start) when the RAM tier's capacity exceeds the free room of its
         shared-memory file system (blocks beyond it are streamed); the warning is kept in
         `stats()["ram"]["warning"]` and returned; None when the tier fits."""
@@ -115,15 +107,14 @@ class TieredStore(TierSpace, MutableMapping):
         if not root or self.ram.capacity <= 0:
             return None
         try:
-            fs = os.statvfs(root)
+            total, _, free = shutil.disk_usage(root)
         except OSError:
             return None  # made when first used; `place` reports what goes wrong then
-        free = fs.f_bavail * fs.f_frsize
         if self.ram.capacity <= free:
             return None
         self.ram.warning = (
             f"the RAM tier ({format_bytes(self.ram.capacity)}) does not fit in {root} "
-            f"({format_bytes(free)} free of {format_bytes(fs.f_blocks * fs.f_frsize)}): blocks beyond "
+            f"({format_bytes(free)} free of {format_bytes(total)}): blocks beyond "
             f"{format_bytes(free)} are streamed from the shared store; enlarge {root} (docker --shm-size, "
             "a tmpfs size) or lower dmdask.worker.ram")
         logger.warning("dmdask: %s", self.ram.warning)
@@ -153,12 +144,12 @@ class TieredStore(TierSpace, MutableMapping):
                 self._folders[tier] = make_folder(self._roots[tier] or tempfile.gettempdir(), tier, self.gid)
             return self._folders[tier]
 
-    def root(self, tier: str) -> Optional[str]:
+    def root(self, tier: str) -> str | None:
         """The folder a tier's own folder is made in (None: RAM in the worker's memory)."""
         with self._lock:
             return self._roots[tier]
 
-    def shared_folder(self) -> Optional[str]:
+    def shared_folder(self) -> str | None:
         """This worker's shared-memory folder (made on first use); None when it keeps RAM
         blocks in its own memory."""
         return self.folder("ram") if self._roots["ram"] else None

@@ -1,30 +1,22 @@
 """Applying `Spec.transform` on a worker, in its transform threads or in a child process.
 
-- `transform_in_order`: the batches of a group in order, stopping at the first that
-  fails, so the batches before a failure are still delivered.
-- `transform_isolated`: the same in a child process, for a group whose previous try
-  lost a worker (the transform may have killed it). If the child dies, the batches done
-  before are kept and the batch it died on gets a `TransformError`; the worker lives on.
-  The child is a plain subprocess (`main()`, the worker's `sys.path`: Dask workers are
-  daemonic, and multiprocessing lets those have no children); nothing is left behind.
-
 The batches' `TransformContext` is set around each call (`dmdask.transform_context()`).
 Every failure of the transform (any BaseException) is a `TransformError`, never an
 OSError a client would take for a lost worker.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import subprocess
 import sys
-from typing import List, Optional, Tuple
 
 from ..errors import TransformError
 from ..spec import TransformContext, loads_transform, using_context
 
 
-def transform_in_order(transform, batches: list, context: Optional[TransformContext] = None) -> tuple:
+def transform_in_order(transform, batches: list, context: TransformContext | None = None) -> tuple:
     """(transformed batches, None), or those before the first that failed and its
     `TransformError`: the batches before a failure are still delivered."""
     done = []
@@ -41,7 +33,7 @@ def describe_samples(batch: dict) -> str:
     return f"{index[:4].tolist()}{'...' if len(index) > 4 else ''} ({len(index)} samples)"
 
 
-def _apply(transform, batch: dict, context: Optional[TransformContext] = None) -> dict:
+def _apply(transform, batch: dict, context: TransformContext | None = None) -> dict:
     try:
         with using_context(context):
             out = transform(batch)
@@ -55,20 +47,20 @@ def _apply(transform, batch: dict, context: Optional[TransformContext] = None) -
     return out
 
 
-def transform_isolated(blob: bytes, batches: List[dict],
-                       context: Optional[TransformContext] = None) -> Tuple[list, object]:
-    """(transformed batches, None), or those before the first that failed or killed
-    the child, and that batch's `TransformError`."""
+def transform_isolated(blob: bytes, batches: list[dict], context: TransformContext | None = None) -> tuple:
+    """`transform_in_order` in a child process, for a group whose previous try lost a
+    worker (the transform may have killed it): a batch the child dies on gets a
+    `TransformError` and the worker lives on. The child is a plain subprocess (`main()`,
+    the worker's `sys.path`: Dask workers are daemonic, and multiprocessing lets those
+    have no children); nothing is left behind."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     child = subprocess.Popen([sys.executable, "-c", "from dmdask.worker.transforms import main; main()"],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
     done: list = []
     try:
-        try:
+        with contextlib.suppress(BrokenPipeError):  # the child died: its exit code tells why
             pickle.dump((blob, batches, context), child.stdin, protocol=pickle.HIGHEST_PROTOCOL)
             child.stdin.close()
-        except BrokenPipeError:
-            pass
         while len(done) < len(batches):
             try:
                 out, error = pickle.load(child.stdout)
