@@ -5,9 +5,8 @@ Guarantees: a block is read from the store once while the cluster holds it, by t
 process that wants it: it claims it (`OpenBlocks`; for a file new to the run, also its info,
 `FsClaim`, from the same ranged GET: `dmdask.fs.probe`), reads it and returns at once; in
 the background it hands the bytes to the block's planned worker and submits its load,
-which takes them in place of a store read. Processes that want it meanwhile wait for that
-worker; should the hand-over fail, the worker reads the block itself. A process's exit
-waits at most `HANDOVER_EXIT_SECONDS` for its hand-overs.
+which takes them in place of a store read. Should the hand-over fail, the worker reads the
+block itself. A process's exit waits at most `HANDOVER_EXIT_SECONDS` for its hand-overs.
 """
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ import asyncio
 import logging
 import secrets
 import threading
-from typing import Dict, List, Optional
 
 import fsspec
 
@@ -32,26 +30,26 @@ logger = logging.getLogger(__name__)
 HANDOVER_EXIT_SECONDS = 10.0  # the most a process's exit waits for its hand-overs to reach the workers
 # Blocks read from the store within HANDOVER_DELAY are handed over together (one graph of
 # loads), those read with their infos within OPEN_DELAY opened together (one request), up
-# to HANDOVER_BYTES queued (shorter delays made a DataLoader's first epoch up to 1.8x slower).
+# to HANDOVER_BYTES queued.
 HANDOVER_DELAY = 0.25
 OPEN_DELAY = 0.05
 HANDOVER_BYTES = 64 << 20
 
 
 class Claims:
-    """One process's first reads and hand-overs (see the module docstring). Thread-safe."""
+    """One process's first reads and hand-overs. Thread-safe."""
 
     def __init__(self, session):
         self.session = session
         self._lock = session.lock
         self._claim = secrets.token_hex(16)  # what this process hands blocks over with (`Handovers`)
-        self.handing: Dict[str, dict] = {}  # block key -> its rows, read here, being handed to its worker
+        self.handing: dict[str, dict] = {}  # block key -> its rows, read here, being handed to its worker
         self._handed = threading.Condition(self._lock)  # notified as hand-overs finish
-        self.to_hand: List[tuple] = []  # (worker, reader, bytes) queued for the next hand-over
+        self.to_hand: list[tuple] = []  # (worker, reader, bytes) queued for the next hand-over
         self._queued_bytes = 0  # bytes in to_hand and to_open
-        self.to_open: List[tuple] = []  # (info put, reader or None, its DatasetInfo or None, bytes): `first_info`
+        self.to_open: list[tuple] = []  # (info put, reader or None, its DatasetInfo or None, bytes): `first_info`
 
-    def first_info(self, fs, path: str, start: Optional[int] = 0) -> dict:
+    def first_info(self, fs, path: str, start: int | None = 0) -> dict:
         """The info of file `path` of `fs` (a `DmdaskFileSystem`) for reading it from byte
         `start` on (None: from its end). On HTTP, a file new to the run is claimed and asked
         with the ranged GET of the block holding `start`, whose bytes the read that follows
@@ -90,7 +88,7 @@ class Claims:
         self._schedule_hand_over(first, OPEN_DELAY, len(content))
         return info
 
-    def first_reads(self, fs, wanted: Dict[str, tuple]) -> Dict[str, dict]:
+    def first_reads(self, fs, wanted: dict[str, tuple]) -> dict[str, dict]:
         """Blocks of `wanted` (key -> (source, index)) this process has no holder for:
         one `OpenBlocks` request registers their files, claims the blocks nobody holds or
         reads, and names the holders of the others. The claimed ones are read here (and
@@ -174,7 +172,7 @@ class Claims:
             self._handed.wait_for(lambda: not self.handing or self.session.connected is None, timeout)
             return not self.handing
 
-    async def _open_read(self, opening: List[tuple]) -> List[tuple]:
+    async def _open_read(self, opening: list[tuple]) -> list[tuple]:
         """For blocks read with their files' infos (`first_info`): one `dmdask_fs_open_blocks`
         request shares the infos, registers the files and claims the blocks nobody holds or
         reads; those are returned as (worker, reader, bytes) to hand over."""
@@ -195,11 +193,11 @@ class Claims:
         blocks.holders.update(reply.holders)
         return [(reply.mine[reader.key], reader, content) for reader, content in readers if reader.key in reply.mine]
 
-    async def _hand_queued(self, queued: List[tuple]) -> None:
+    async def _hand_queued(self, queued: list[tuple]) -> None:
         client = self.session.client
         if not queued:
             return
-        by_worker: Dict[str, dict] = {}
+        by_worker: dict[str, dict] = {}
         for worker, reader, content in queued:
             by_worker.setdefault(worker, {})[reader.key] = content
             reader.claim = self._claim  # its load task takes only the bytes handed over with it

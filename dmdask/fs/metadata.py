@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Dict, List, Optional
 
+import dask.config
 import fsspec
 import fsspec.asyn
 
@@ -24,13 +24,12 @@ logger = logging.getLogger(__name__)
 TELL_DELAY = 0.25  # infos read from the store within this delay are told to the scheduler together
 ELSEWHERE = object()  # `claim_info`: another run read the info
 CLAIM_POLL_SECONDS = 0.02  # how often a process waiting for a file's info another one reads asks again
-# what identifies a version of a file, among the keys of fsspec infos (local, S3, GCS, HTTP, ...)
+# the keys of fsspec infos (local, S3, GCS, HTTP, ...) that change when a file is rewritten
 VERSION_KEYS = ("mtime", "LastModified", "last_modified", "Last-Modified", "ETag", "etag", "updated",
                 "generation", "VersionId", "version_id")
 
 
 def version_of(info: dict) -> list:
-    """The fields of an info that change when the file is rewritten."""
     return [[k, str(info[k])] for k in VERSION_KEYS if info.get(k) is not None]
 
 
@@ -47,17 +46,17 @@ class Metadata:
     """What one process knows of files (keys `fsid|path`, `fsid|folder`). Thread-safe
     (`session.lock`); a forked child starts with its parent's knowledge of the same run."""
 
-    def __init__(self, session, parent: Optional["Metadata"] = None):
+    def __init__(self, session, parent: Metadata | None = None):
         self.session = session
         self._lock = session.lock
         self.run = start_run()
         known = parent if parent is not None and parent.run == self.run else None
-        self.infos: Dict[str, dict] = dict(known.infos) if known else {}  # fsid|path -> info
-        self.listings: Dict[str, list] = dict(known.listings) if known else {}  # fsid|folder -> entries
+        self.infos: dict[str, dict] = dict(known.infos) if known else {}  # fsid|path -> info
+        self.listings: dict[str, list] = dict(known.listings) if known else {}  # fsid|folder -> entries
         self.asked: set = set(known.asked) if known else set()  # folders asked of the cluster
         self.asked_infos: set = set(known.asked_infos) if known else set()  # ... for their files' infos
-        self.files: Dict[str, set] = {k: set(v) for k, v in known.files.items()} if known else {}  # folder -> paths
-        self.to_tell: List[FileEntry] = []  # metadata queued for the scheduler
+        self.files: dict[str, set] = {k: set(v) for k, v in known.files.items()} if known else {}  # folder -> paths
+        self.to_tell: list[FileEntry] = []  # metadata queued for the scheduler
 
     def _ask(self, fsid: str, folder: str) -> None:
         """Everything this run knows of `folder` now (one request)."""
@@ -75,7 +74,7 @@ class Metadata:
         self.infos[f"{fsid}|{path}"] = info
         self.files.setdefault(f"{fsid}|{folder_of(path)}", set()).add(path)
 
-    def tell(self, fsid: str, puts: List[FileEntry]) -> None:
+    def tell(self, fsid: str, puts: list[FileEntry]) -> None:
         """Share infos read from the store with the run, in the background, a batch at a time."""
         client = self.session.client
         with self._lock:
@@ -93,7 +92,7 @@ class Metadata:
             except Exception:  # noqa: BLE001 - shared metadata is an optimisation
                 logger.debug("could not share file metadata with the scheduler", exc_info=True)
 
-    def known_info(self, fsid: str, path: str) -> Optional[dict]:
+    def known_info(self, fsid: str, path: str) -> dict | None:
         """The info of `path` this run read, or None (no store request)."""
         key = f"{fsid}|{path}"
         found = self.infos.get(key)
@@ -110,7 +109,7 @@ class Metadata:
         another run read it (its blocks may be cached: check its version with `info`).
         While the cluster has no workers, waits for one (`Session.call_with_workers`)."""
         folder = f"{fsid}|{folder_of(path)}"
-        for _ in Tries(self.session.recovery_seconds(), pause=CLAIM_POLL_SECONDS):
+        for _ in Tries(float(dask.config.get("dmdask.client.recovery-seconds")), pause=CLAIM_POLL_SECONDS):
             found = self.infos.get(f"{fsid}|{path}")  # read by another thread of this process meanwhile
             if found is not None:
                 return found
@@ -136,7 +135,7 @@ class Metadata:
                 self.know(fsid, path, found)
         return found
 
-    def learn_infos(self, fs, paths: List[str]) -> None:
+    def learn_infos(self, fs, paths: list[str]) -> None:
         """Read the infos of `paths` this run does not know yet, concurrently on an async
         store, ahead of reading many files. A path whose info cannot be read is left to `info`."""
         fsid = fs.target_id

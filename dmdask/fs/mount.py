@@ -1,18 +1,12 @@
 """`dmdask mount URL MOUNTPOINT`: the transparent cache as a read-only POSIX folder, for
-loaders that only `open()` paths (tf.data, C++ readers).
+loaders that only `open()` paths (tf.data, C++ readers); its limits: docs/transparent.md.
 
-A FUSE file system (libfuse 2 or 3 through `mfusepy`) over a `DmdaskFileSystem`: the
-same blocks, placement and accounting as `dmdask::` URLs. Folders come from the store's
-listings (once per run: the mount is one run), with each entry's type, so a walk of the
-tree asks nothing per file. A file's size and time come from its listing entry or (HTTP)
-from the ranged GET of its first block (`DmdaskFileSystem.open_info`). A read is a byte
-range (`cat_file`); opens and closes ask nothing of this process (Linux >= 4.20's
-no-open mode). Writes fail with EROFS.
-
-Guarantees: requests are served concurrently (libfuse's multithreaded loop; the
-session is thread-safe), except the lookups of names in one folder, which the kernel
-sends one at a time. Listings, attributes and file pages stay in the kernel's caches for
-the mount's lifetime (`CACHE_SECONDS`, `kernel_cache`), so a re-read costs no request.
+A FUSE file system (libfuse 2 or 3 through `mfusepy`) over a `DmdaskFileSystem`: folders
+from the store's listings (the mount is one run), a file's size from its listing entry or
+(HTTP) from the ranged GET of its first block (`DmdaskFileSystem.open_info`), a read a byte
+range (`cat_file`). Guarantees: requests are served concurrently (libfuse's multithreaded
+loop; the session is thread-safe); listings, attributes and file pages stay in the kernel's
+caches for the mount's lifetime (`CACHE_SECONDS`, `kernel_cache`).
 """
 from __future__ import annotations
 
@@ -21,9 +15,8 @@ import functools
 import logging
 import os
 import stat
-from typing import Dict
 
-from . import DmdaskFileSystem  # noqa: F401  (operations take one)
+from . import DmdaskFileSystem
 
 TIME_KEYS = ("mtime", "LastModified", "last_modified", "updated", "created")
 CACHE_SECONDS = 86400.0  # how long the kernel keeps names and attributes (the mount is one run)
@@ -57,7 +50,7 @@ def _answering(FuseOSError, op):
 def _fuse():
     try:
         import mfusepy
-    except (ImportError, OSError, EnvironmentError) as exc:  # no mfusepy, or no libfuse on this machine
+    except (ImportError, OSError) as exc:  # no mfusepy, or no libfuse on this machine
         raise RuntimeError(f"dmdask mount needs mfusepy and libfuse (pip install 'dmdask[fuse]'; "
                            f"apt-get install fuse3): {exc}") from exc
     return mfusepy
@@ -89,12 +82,12 @@ def operations(fs: DmdaskFileSystem, root: str):
 
         def __init__(self):
             self.root = root.rstrip("/")
-            self._folders: Dict[str, Dict[str, dict]] = {}  # mount path -> {name: listing entry}
+            self._folders: dict[str, dict[str, dict]] = {}  # mount path -> {name: listing entry}
 
         def _target(self, path: str) -> str:
             return self.root if path in ("", "/") else f"{self.root}/{path.lstrip('/')}"
 
-        def _entries(self, path: str) -> Dict[str, dict]:
+        def _entries(self, path: str) -> dict[str, dict]:
             found = self._folders.get(path)
             if found is None:
                 try:
