@@ -101,8 +101,7 @@ class DmdaskFileSystem(_Base):
         return self.fs.isdir(self.target_path(path))
 
     def invalidate_cache(self, path=None):
-        """Forget every listing and info this process knows: a new run, which reads them
-        from the store again."""
+        """Forget every listing and info this process knows: a new run, which asks the store again."""
         self._session().forget()
         super().invalidate_cache(path)
 
@@ -135,9 +134,7 @@ class DmdaskFileSystem(_Base):
         info, source = self._file(path, 0 if start is None else start)
         if source is None:
             return b"" if info.get("size") == 0 else self.fs.cat_file(self.target_path(path), start=start, end=end)
-        size = source.size
-        start = 0 if start is None else (max(0, size + start) if start < 0 else min(start, size))
-        end = size if end is None else (max(0, size + end) if end < 0 else min(end, size))
+        start, end, _ = slice(start, end).indices(source.size)  # negative from the end, clamped to the file
         return source, start, end
 
     def cat_file(self, path, start=None, end=None, **kwargs):
@@ -209,6 +206,5 @@ class DmdaskFile(AbstractBufferedFile):
 
 
 def gopen(url, mode="rb", bufsize=8192, **kwargs):
-    """webdataset's opener for `dmdask::` URLs (installed in `webdataset.gopen.gopen_schemes`
-    by `import dmdask`)."""
+    """webdataset's opener for `dmdask::` URLs (in `webdataset.gopen.gopen_schemes` once `dmdask` is imported)."""
     return fsspec.open(url, mode).open()

@@ -70,11 +70,9 @@ class Blocks:
                 out.append(b"")
                 continue
             source, start, stop, rows, blocks, offsets, keys = cut
-            data = np.empty(len(rows), dtype=object)
-            for i, (b, offset) in enumerate(zip(blocks.tolist(), offsets.tolist())):
-                found = have.get(keys[b])
-                data[i] = found["data"][offset] if found is not None else next(gathered)
-            joined = data[0] if len(data) == 1 else np.concatenate(list(data))
+            data = [have[keys[b]]["data"][offset] if keys[b] in have else next(gathered)
+                    for b, offset in zip(blocks.tolist(), offsets.tolist())]
+            joined = data[0] if len(data) == 1 else np.concatenate(data)
             first = start - int(rows[0]) * ROW_BYTES
             out.append(joined[first:first + stop - start].tobytes())
         gatherer = self.session.gatherer

@@ -1,14 +1,11 @@
 """Keep a parent's fsspec filesystems working after it forks (a `DataLoader` worker).
 
-A forked child drops the fsspec filesystems it inherited (fsspec's at-fork hook clears
-its instance cache); finalising an async one (HTTP) closes the inherited aiohttp
-connections, unregistering their sockets from the epoll instance the child shares with
-its parent, whose next request through that filesystem then times out.
-
-Guarantee: once `keep_across_forks` ran (`import dmdask` runs it), a forked child keeps a
-reference to each inherited instance until it exits, so none is finalised. fsspec has no
-public way to list its cached instances: this reads the `_cache` of each
-`AbstractFileSystem` subclass (fsspec 2023-2026.9).
+A forked child drops the fsspec filesystems it inherited (fsspec's at-fork hook clears its
+instance cache); finalising an async one (HTTP) closes the inherited aiohttp connections,
+unregistering their sockets from the epoll instance it shares with its parent, whose next
+request through that filesystem then times out. So a child keeps a reference to each
+inherited instance until it exits. fsspec has no public way to list its cached instances:
+this reads the `_cache` of each `AbstractFileSystem` subclass (fsspec 2023-2026.9).
 """
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
-"""`dmdask mount URL MOUNTPOINT`: the transparent cache as a read-only POSIX folder, for
-loaders that only `open()` paths (tf.data, C++ readers); its limits: docs/transparent.md.
+"""`dmdask mount URL MOUNTPOINT`: the transparent cache as a read-only POSIX folder (FUSE through
+`mfusepy`, over a `DmdaskFileSystem`) for loaders that only `open()` paths; docs/transparent.md.
 
-A FUSE file system (libfuse 2 or 3 through `mfusepy`) over a `DmdaskFileSystem`: folders
-from the store's listings (the mount is one run), a file's size from its listing entry or
-(HTTP) from the ranged GET of its first block (`DmdaskFileSystem.open_info`), a read a byte
-range (`cat_file`). Guarantees: requests are served concurrently (libfuse's multithreaded
-loop; the session is thread-safe); listings, attributes and file pages stay in the kernel's
-caches for the mount's lifetime (`CACHE_SECONDS`, `kernel_cache`).
+Guarantees: requests are served concurrently (libfuse's multithreaded loop; the session is
+thread-safe); listings, attributes and file pages stay in the kernel's caches for the mount's
+lifetime (`CACHE_SECONDS`, `kernel_cache`).
 """
 from __future__ import annotations
 
@@ -15,6 +12,8 @@ import functools
 import logging
 import os
 import stat
+
+import fsspec
 
 from . import DmdaskFileSystem
 
@@ -25,10 +24,9 @@ logger = logging.getLogger(__name__)
 
 
 def _answering(FuseOSError, op):
-    """`op` with its errors as the errno a reader of a local file system expects: a
-    missing path ENOENT, a folder EISDIR, anything else (a lost scheduler, no workers
-    within `dmdask.client.recovery-seconds`, a store error) EIO, logged with its message
-    (never libfuse's default EINVAL)."""
+    """`op` with its errors as the errno a reader of a local file system expects: a missing
+    path ENOENT, a folder EISDIR, anything else (a lost scheduler, no workers, a store error)
+    EIO, logged with its message (never libfuse's default EINVAL)."""
 
     @functools.wraps(op)
     def answer(*args):
@@ -137,8 +135,6 @@ def operations(fs: DmdaskFileSystem, root: str):
 def mount(url: str, mountpoint: str, scheduler=None, block_size=None, debug: bool = False) -> None:
     """Serve `url` (a folder, through the dmdask cluster at `scheduler`) read-only at
     `mountpoint` until unmounted (`fusermount3 -u MOUNTPOINT`) or interrupted."""
-    import fsspec
-
     if not os.path.isdir(mountpoint):
         raise NotADirectoryError(f"mount point {mountpoint!r} is not a folder")
     chained = url if url.startswith(("dmdask::", "dmdask://")) else f"dmdask::{url}"

@@ -3,9 +3,7 @@ shared by file metadata (`fs.metadata`), first reads (`fs.claims`) and range rea
 
 Guarantees: a process never uses a connection made by another one. A forked child (a
 `DataLoader` worker) keeps what its parent knew and makes its own `distributed.Client`;
-a spawned one finds the scheduler through `DMDASK_FS_SCHEDULER`. Waits: docs/transparent.md
-("Waits"). A process's exit hands over its first reads, shares its metadata and reports its
-hits, each bounded.
+a spawned one finds the scheduler through `DMDASK_FS_SCHEDULER`.
 """
 from __future__ import annotations
 
@@ -37,8 +35,7 @@ EXIT_SECONDS = 2.0  # the most a process's exit waits to report its last hits
 
 
 class Session:
-    """One process's connection to one cluster and its parts (see the module docstring).
-    Thread-safe: the parts share `lock`."""
+    """One process's connection to one cluster and its parts; thread-safe (they share `lock`)."""
 
     def __init__(self, address: str, parent: Session | None = None):
         self.address = address
@@ -89,8 +86,7 @@ class Session:
             self._best_effort(self.gatherer.flush_hits)
 
     def _best_effort(self, call: Callable) -> None:
-        """`call()` on the client's loop, given up after `EXIT_SECONDS` or on failure (what it
-        does is an optimisation or counters)."""
+        """`call()` on the client's loop, given up on failure or after `EXIT_SECONDS`."""
         client = self.connected
         if client is None or client.status != "running":
             return
