@@ -74,10 +74,16 @@ class Metadata:
         self.infos[f"{fsid}|{path}"] = info
         self.files.setdefault(f"{fsid}|{folder_of(path)}", set()).add(path)
 
-    def tell(self, fsid: str, puts: list[FileEntry]) -> None:
-        """Share infos read from the store with the run, in the background, a batch at a time."""
+    def learn(self, fsid: str, puts: list[FileEntry]) -> None:
+        """Know what this process read from the store (`puts`) and share it with the run, in the
+        background, a batch at a time."""
         client = self.session.client
         with self._lock:
+            for put in puts:
+                if put.kind == "listing":
+                    self.listings[f"{fsid}|{put.path}"] = put.value
+                else:
+                    self.know(fsid, put.path, put.value)
             first = not self.to_tell
             self.to_tell.extend(e._replace(folder=f"{fsid}|{e.folder}") for e in puts)
         if first:  # the timer set on the loop's own thread (call_later is not thread-safe)
@@ -130,9 +136,7 @@ class Metadata:
         found = self.known_info(fsid, path)
         if found is None:
             found = plain(target.info(path))
-            self.tell(fsid, [FileEntry(folder_of(path), "info", path, found)])
-            with self._lock:
-                self.know(fsid, path, found)
+            self.learn(fsid, [FileEntry(folder_of(path), "info", path, found)])
         return found
 
     def learn_infos(self, fs, paths: list[str]) -> None:
@@ -155,11 +159,8 @@ class Metadata:
         found = fsspec.asyn.sync(target.loop, all_infos)
         puts = [FileEntry(folder_of(p), "info", p, plain(info)) for p, info in zip(unknown, found)
                 if isinstance(info, dict)]
-        with self._lock:
-            for _, _, path, info in puts:
-                self.know(fsid, path, info)
         if puts:
-            self.tell(fsid, puts)
+            self.learn(fsid, puts)
 
     def ls(self, fsid: str, target, path: str) -> list:
         """The target's detailed listing of folder `path`, read from the store once per run.
@@ -173,12 +174,8 @@ class Metadata:
         if found is None:
             found = [plain(e) for e in target.ls(path, detail=True)]
             files = [e for e in found if e.get("type") == "file" and e.get("size") is not None and version_of(e)]
-            self.tell(fsid, [FileEntry(path, "listing", path, found)]
-                      + [FileEntry(folder_of(e["name"]), "info", e["name"], e) for e in files])
-            with self._lock:
-                self.listings[key] = found
-                for e in files:
-                    self.know(fsid, e["name"], e)
+            self.learn(fsid, [FileEntry(path, "listing", path, found)]
+                       + [FileEntry(folder_of(e["name"]), "info", e["name"], e) for e in files])
         return found
 
     def forget(self) -> None:

@@ -167,8 +167,7 @@ os.register_at_fork(after_in_child=_after_fork)
 
 
 def get_session(address: str | None = None) -> Session:
-    """This process's session with the cluster at `address` (None: `dmdask.fs.scheduler`
-    from dask config, else the scheduler of the default Dask client)."""
+    """This process's session with the cluster at `address` (None: `default_address()`)."""
     if os.getpid() != _pid:  # a fork that did not run the hook (os.fork from C code)
         _after_fork()
     address = address or default_address()
