@@ -179,7 +179,6 @@ class Metadata:
         return found
 
     def forget(self) -> None:
-        """Drop what this process knows of files; the next looks ask the store (a new run)."""
         self.run = new_run()
         with self._lock:
             for known in (self.infos, self.listings, self.asked, self.asked_infos, self.files):

@@ -18,7 +18,6 @@ WEBDATASET_OPENERS = "webdataset.gopen"
 
 
 def register() -> None:
-    """The protocol, webdataset's opener, and this job's run token (`dmdask.fs.run`)."""
     keep_across_forks()  # a forked child keeps its parent's filesystems working
     start()
     fsspec.register_implementation(PROTOCOL, "dmdask.fs.DmdaskFileSystem", clobber=True)

@@ -104,7 +104,6 @@ class Session:
             client.close(timeout=EXIT_SECONDS)
 
     def forget(self) -> None:
-        """Drop what this process knows of files; the next looks ask the store (a new run)."""
         self.metadata.forget()
         self.blocks.located.clear()
 
