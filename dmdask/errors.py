@@ -77,6 +77,10 @@ class SchedulerLostError(DmdaskError, ConnectionError):
     resume from the last `state_dict()` once a scheduler runs again."""
 
 
+class NoClusterError(DmdaskError, RuntimeError):
+    """Transparent mode (`dmdask::`) found no cluster to read through."""
+
+
 class SourceNotAllowedError(DmdaskError, ValueError):
     """A source outside the workers' `dmdask.worker.allowed-sources` (the message names
     the URL and the allowed prefixes). A `ValueError` like `SpecError`: bad input, never

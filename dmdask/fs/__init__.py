@@ -1,47 +1,25 @@
-"""Transparent mode: the `dmdask::` fsspec protocol, so unmodified loaders read through
-the cluster's tiered cache.
+"""Transparent mode: the `dmdask::` fsspec protocol (also spelt `dmdask://`, for webdataset),
+so unmodified loaders read through the cluster's tiered cache.
 
-    fsspec.open("dmdask::https://host/train/x.jpg")
-    zarr.open("dmdask::https://host/ds.zarr", mode="r")
-    webdataset.WebDataset("dmdask://https://host/train-{000000..000099}.tar")
-
-(`dmdask://URL` is the same as `dmdask::URL`; webdataset splits its string of URLs at
-"::", so give it that spelling, or a list of URLs.)
-
-`DmdaskFileSystem` is a read-only filesystem chained over any other (its target). A
-file read through it is a dataset of the cluster's registry (`dmdask.source.files`):
-byte blocks of `dmdask.fs.block-size`, each loaded by its planned worker when any
-process first reads a byte of it, held once in the cluster like any block.
-
-Guarantees:
-- a block leaves the store once while the cluster holds it; blocks that fit nowhere are
-  read once per request that needs them, so E epochs cost E*D - C*(E-1) bytes at most,
-  C the part the cache holds;
-- a file is identified by URL, storage options, size and version (modification time,
-  ETag) as the store reports them once per run: a rewritten file is never served stale;
-- listings and infos are asked of the store once per run, and of the scheduler once per
-  process and folder;
-- works from threads, `DataLoader` worker processes (fork, forkserver, spawn) and
-  several jobs at once (`dmdask.fs.session`).
-
-The cluster: storage option `scheduler=ADDRESS`, else the dask config
-`dmdask.fs.scheduler`, else the current default `distributed.Client`'s scheduler.
+`DmdaskFileSystem` is a read-only filesystem chained over any other (its target). A file
+read through it is a dataset of the cluster's registry (`dmdask.source.files`): byte blocks
+of `dmdask.fs.block-size`, each loaded by its planned worker when any process first reads a
+byte of it. Guarantees, the cluster it finds and limits: docs/transparent.md.
 """
 from __future__ import annotations
-
-from typing import Optional
 
 import dask.config
 import fsspec
 from dask.utils import parse_bytes
 from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 
+from ..errors import NoClusterError
 from ..internals import strip_protocol
 from ..source.base import options_json, protocol_of
 from ..source.files import FileSource
 from . import globbing, probe
 from .metadata import version_of
-from .session import NoClusterError, close, get_session
+from .session import close, get_session
 
 try:  # fsspec >= 2025.x: the marker that makes `url_to_fs` hand the inner path over
     from fsspec.implementations.chained import ChainedFileSystem as _Base
@@ -51,14 +29,13 @@ except ImportError:  # pragma: no cover - older fsspec
 PROTOCOL = "dmdask"
 CACHED_BLOCKS = 2  # blocks an open file keeps (so small reads in one block cost one fetch)
 
-__all__ = ["DmdaskFile", "DmdaskFileSystem", "NoClusterError", "close", "gopen", "PROTOCOL"]
+__all__ = ["PROTOCOL", "DmdaskFile", "DmdaskFileSystem", "NoClusterError", "close", "gopen"]
 
 
 class DmdaskFileSystem(_Base):
     """A read-only filesystem over `target_protocol` (or `fs`) whose reads go through
-    the dmdask cluster at `scheduler` (see the module docstring). block_size: bytes per
-    block (default `dmdask.fs.block-size`). `target_options` travel to the workers: plain
-    values (JSON) only."""
+    the dmdask cluster at `scheduler`. block_size: default `dmdask.fs.block-size`.
+    `target_options` travel to the workers: plain values (JSON) only."""
 
     protocol = PROTOCOL
     root_marker = ""
@@ -84,8 +61,7 @@ class DmdaskFileSystem(_Base):
     def _strip_protocol(cls, path):
         path = fsspec.utils.stringify_path(path)
         for prefix in (f"{PROTOCOL}::", f"{PROTOCOL}://"):
-            if path.startswith(prefix):
-                path = path[len(prefix):]
+            path = path.removeprefix(prefix)
         return path
 
     @staticmethod
@@ -97,7 +73,6 @@ class DmdaskFileSystem(_Base):
         return {"target_protocol": protocol} if protocol else {}
 
     def target_path(self, path: str) -> str:
-        """`path` as the target names it."""
         return strip_protocol(self.fs, self._strip_protocol(path))
 
     def unstrip_protocol(self, name: str) -> str:
@@ -106,7 +81,6 @@ class DmdaskFileSystem(_Base):
     def _session(self):
         return get_session(self.scheduler)
 
-    # -- metadata -----------------------------------------------------------------------
     def ls(self, path, detail=True, **kwargs):
         entries = self._session().metadata.ls(self.target_id, self.fs, self.target_path(path))
         return [dict(e) for e in entries] if detail else [e["name"] for e in entries]
@@ -127,19 +101,17 @@ class DmdaskFileSystem(_Base):
         return self.fs.isdir(self.target_path(path))
 
     def invalidate_cache(self, path=None):
-        """Forget every listing and info this process knows: a new run, which reads them
-        from the store again."""
+        """Forget every listing and info this process knows: a new run, which asks the store again."""
         self._session().forget()
         super().invalidate_cache(path)
 
-    # -- reading ------------------------------------------------------------------------
     def source(self, path: str, info: dict) -> FileSource:
         """The dataset of file `path` (target naming) as `info` describes it."""
         url = self.fs.unstrip_protocol(path)
         return FileSource(url, self.target_protocol, self._options, path, int(info["size"]), version_of(info),
                           self.block_bytes)
 
-    def _file(self, path: str, start: Optional[int] = 0):
+    def _file(self, path: str, start: int | None = 0):
         """(info, source) of a file about to be read from byte `start` (None: from its
         end); source is None when it is empty or its size unknown."""
         info = dict(self._session().claims.first_info(self, self.target_path(path), start))
@@ -162,9 +134,7 @@ class DmdaskFileSystem(_Base):
         info, source = self._file(path, 0 if start is None else start)
         if source is None:
             return b"" if info.get("size") == 0 else self.fs.cat_file(self.target_path(path), start=start, end=end)
-        size = source.size
-        start = 0 if start is None else (max(0, size + start) if start < 0 else min(start, size))
-        end = size if end is None else (max(0, size + end) if end < 0 else min(end, size))
+        start, end, _ = slice(start, end).indices(source.size)  # negative from the end, clamped to the file
         return source, start, end
 
     def cat_file(self, path, start=None, end=None, **kwargs):
@@ -236,6 +206,5 @@ class DmdaskFile(AbstractBufferedFile):
 
 
 def gopen(url, mode="rb", bufsize=8192, **kwargs):
-    """webdataset's opener for `dmdask::` URLs (installed in `webdataset.gopen.gopen_schemes`
-    by `import dmdask`)."""
+    """webdataset's opener for `dmdask::` URLs (in `webdataset.gopen.gopen_schemes` once `dmdask` is imported)."""
     return fsspec.open(url, mode).open()

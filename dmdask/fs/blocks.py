@@ -10,8 +10,7 @@ otherwise a RuntimeError naming the files.
 """
 from __future__ import annotations
 
-from typing import Dict, List
-
+import dask.config
 import numpy as np
 from distributed.comm.core import CommClosedError
 
@@ -29,7 +28,7 @@ FOLDER_FILES = 10_000  # other files of a folder located along with the first on
 class Blocks:
     """One process's reads of byte ranges and what it knows of block holders. Thread-safe."""
 
-    def __init__(self, session, holders: Dict[str, str]):
+    def __init__(self, session, holders: dict[str, str]):
         self.session = session
         self.holders = dict(holders)  # block key -> a holder (a forked child keeps its parent's)
         self.located: set = set()  # folders whose files' first blocks this process located
@@ -37,10 +36,10 @@ class Blocks:
         self.registered: set = set()  # datasets this process found or put in the registry
         self.retried: set = set()  # datasets whose erred blocks this process had retried
 
-    def read_ranges(self, fs, ranges: List[tuple]) -> List[bytes]:
+    def read_ranges(self, fs, ranges: list[tuple]) -> list[bytes]:
         """The bytes of each (source `FileSource`, start, stop; 0 <= start <= stop <= size),
         with one scheduler request for the blocks new to this process."""
-        deadline = Deadline(self.session.recovery_seconds())
+        deadline = Deadline(float(dask.config.get("dmdask.client.recovery-seconds")))
         cuts, wanted = [], {}
         for source, start, stop in ranges:
             if stop <= start:
@@ -71,11 +70,9 @@ class Blocks:
                 out.append(b"")
                 continue
             source, start, stop, rows, blocks, offsets, keys = cut
-            data = np.empty(len(rows), dtype=object)
-            for i, (b, offset) in enumerate(zip(blocks.tolist(), offsets.tolist())):
-                found = have.get(keys[b])
-                data[i] = found["data"][offset] if found is not None else next(gathered)
-            joined = data[0] if len(data) == 1 else np.concatenate(list(data))
+            data = [have[keys[b]]["data"][offset] if keys[b] in have else next(gathered)
+                    for b, offset in zip(blocks.tolist(), offsets.tolist())]
+            joined = data[0] if len(data) == 1 else np.concatenate(data)
             first = start - int(rows[0]) * ROW_BYTES
             out.append(joined[first:first + stop - start].tobytes())
         gatherer = self.session.gatherer
@@ -83,7 +80,7 @@ class Blocks:
             self.session.client.loop.add_callback(gatherer.flush_hits_every, HITS_SECONDS)
         return out
 
-    def _gather(self, wanted: Dict[str, tuple], blocks: np.ndarray, offsets: np.ndarray, keys: Dict[int, str],
+    def _gather(self, wanted: dict[str, tuple], blocks: np.ndarray, offsets: np.ndarray, keys: dict[int, str],
                 deadline: Deadline) -> np.ndarray:
         """Rows (block number, offset; `keys`: number -> block key; `wanted`: key ->
         (source, index)) from the blocks' holders, as an object array."""
@@ -106,7 +103,7 @@ class Blocks:
         urls = sorted({wanted[k][0].info.url for k in keys.values()})
         raise RuntimeError(f"{', '.join(urls[:3])} still failing after dmdask.client.recovery-seconds") from error
 
-    def _holders(self, wanted: Dict[str, tuple], keys: List[str], deadline: Deadline) -> Dict[str, str]:
+    def _holders(self, wanted: dict[str, tuple], keys: list[str], deadline: Deadline) -> dict[str, str]:
         """A holder of each block (`wanted`: key -> (source, index)), waiting for blocks
         loading or read by another process, submitting those the cluster does not have."""
         session, client = self.session, self.session.client
@@ -156,7 +153,8 @@ class Blocks:
         api = SchedulerAPI(session.client)
         holders = session.sync(Locate.op, lambda: api.locate(wanted, session.my_host, wait=0)).holders
         self.holders.update(holders)
-        by_holder: Dict[str, List[str]] = {}
+        by_holder: dict[str, list[str]] = {}
         for key, holder in holders.items():
             by_holder.setdefault(holder, []).append(key)
-        session.client.sync(session.gatherer.describe, by_holder, callback_timeout=session.recovery_seconds())
+        limit = float(dask.config.get("dmdask.client.recovery-seconds"))
+        session.client.sync(session.gatherer.describe, by_holder, callback_timeout=limit)

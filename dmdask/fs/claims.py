@@ -1,13 +1,9 @@
-"""First reads in transparent mode: blocks nobody holds are claimed from the scheduler,
-read from the store by the claimant and handed over to their planned workers.
-
-Guarantees: a block is read from the store once while the cluster holds it, by the first
-process that wants it: it claims it (`OpenBlocks`; for a file new to the run, also its info,
-`FsClaim`, from the same ranged GET: `dmdask.fs.probe`), reads it and returns at once; in
-the background it hands the bytes to the block's planned worker and submits its load,
-which takes them in place of a store read. Processes that want it meanwhile wait for that
-worker; should the hand-over fail, the worker reads the block itself. A process's exit
-waits at most `HANDOVER_EXIT_SECONDS` for its hand-overs.
+"""First reads in transparent mode: blocks nobody holds are claimed from the scheduler
+(`OpenBlocks`; a file new to the run also its info, `FsClaim`, from the same ranged GET:
+`dmdask.fs.probe`), read from the store by the claimant and handed over in the background to
+their planned workers, whose loads take those bytes (docs/transparent.md, "Blocks"). Should
+the hand-over fail, the worker reads the block itself. A process's exit waits at most
+`HANDOVER_EXIT_SECONDS` for its hand-overs.
 """
 from __future__ import annotations
 
@@ -15,7 +11,6 @@ import asyncio
 import logging
 import secrets
 import threading
-from typing import Dict, List, Optional
 
 import fsspec
 
@@ -32,30 +27,29 @@ logger = logging.getLogger(__name__)
 HANDOVER_EXIT_SECONDS = 10.0  # the most a process's exit waits for its hand-overs to reach the workers
 # Blocks read from the store within HANDOVER_DELAY are handed over together (one graph of
 # loads), those read with their infos within OPEN_DELAY opened together (one request), up
-# to HANDOVER_BYTES queued (shorter delays made a DataLoader's first epoch up to 1.8x slower).
+# to HANDOVER_BYTES queued.
 HANDOVER_DELAY = 0.25
 OPEN_DELAY = 0.05
 HANDOVER_BYTES = 64 << 20
 
 
 class Claims:
-    """One process's first reads and hand-overs (see the module docstring). Thread-safe."""
+    """One process's first reads and hand-overs. Thread-safe."""
 
     def __init__(self, session):
         self.session = session
         self._lock = session.lock
         self._claim = secrets.token_hex(16)  # what this process hands blocks over with (`Handovers`)
-        self.handing: Dict[str, dict] = {}  # block key -> its rows, read here, being handed to its worker
+        self.handing: dict[str, dict] = {}  # block key -> its rows, read here, being handed to its worker
         self._handed = threading.Condition(self._lock)  # notified as hand-overs finish
-        self.to_hand: List[tuple] = []  # (worker, reader, bytes) queued for the next hand-over
+        self.to_hand: list[tuple] = []  # (worker, reader, bytes) queued for the next hand-over
         self._queued_bytes = 0  # bytes in to_hand and to_open
-        self.to_open: List[tuple] = []  # (info put, reader or None, its DatasetInfo or None, bytes): `first_info`
+        self.to_open: list[tuple] = []  # (info put, reader or None, its DatasetInfo or None, bytes): `first_info`
 
-    def first_info(self, fs, path: str, start: Optional[int] = 0) -> dict:
-        """The info of file `path` of `fs` (a `DmdaskFileSystem`) for reading it from byte
-        `start` on (None: from its end). On HTTP, a file new to the run is claimed and asked
-        with the ranged GET of the block holding `start`, whose bytes the read that follows
-        takes (`handing`): a first read is one scheduler and one store round trip."""
+    def first_info(self, fs, path: str, start: int | None = 0) -> dict:
+        """The info of `path` for reading it from byte `start` (None: from its end). On HTTP a
+        file new to the run is claimed and asked with the ranged GET of the block holding
+        `start`, whose bytes the read that follows takes: one scheduler and one store round trip."""
         fsid, metadata = fs.target_id, self.session.metadata
         found = metadata.known_info(fsid, path)
         if found is not None:
@@ -90,12 +84,10 @@ class Claims:
         self._schedule_hand_over(first, OPEN_DELAY, len(content))
         return info
 
-    def first_reads(self, fs, wanted: Dict[str, tuple]) -> Dict[str, dict]:
-        """Blocks of `wanted` (key -> (source, index)) this process has no holder for:
-        one `OpenBlocks` request registers their files, claims the blocks nobody holds or
-        reads, and names the holders of the others. The claimed ones are read here (and
-        handed over); their rows are returned (key -> arrays), with those this process is
-        handing over. The rest are left to `Blocks` (held, loading, or read elsewhere)."""
+    def first_reads(self, fs, wanted: dict[str, tuple]) -> dict[str, dict]:
+        """The rows (key -> arrays) of the blocks of `wanted` (key -> (source, index)) this
+        process is handing over or has claimed (one `OpenBlocks` request for those it has no
+        holder for), read here and handed over. The rest are left to `Blocks`."""
         session, blocks = self.session, self.session.blocks
         with self._lock:
             have = {key: self.handing[key] for key in wanted if key in self.handing}
@@ -134,8 +126,7 @@ class Claims:
         return have
 
     def _schedule_hand_over(self, first: bool, delay: float, nbytes: int) -> None:
-        """Hand over what is queued after `delay` (`first`: the first of a batch), or at
-        once when more than `HANDOVER_BYTES` are queued."""
+        """Hand over after `delay` from the first of a batch, at once past `HANDOVER_BYTES`."""
         with self._lock:
             self._queued_bytes += nbytes
             full = self._queued_bytes > HANDOVER_BYTES
@@ -146,9 +137,9 @@ class Claims:
             loop.add_callback(loop.call_later, delay, self.hand_over)
 
     async def hand_over(self) -> None:
-        """Give the planned workers the bytes of the blocks read here lately (one request
-        per worker), then submit those blocks' loads (one graph), which take the bytes in
-        place of a store read; done once the blocks are held (or `HANDOVER_EXIT_SECONDS`)."""
+        """Give the planned workers the bytes of the blocks read here lately (one request per
+        worker), then submit their loads (one graph); done once the blocks are held (or
+        `HANDOVER_EXIT_SECONDS`)."""
         with self._lock:
             queued, self.to_hand = self.to_hand, []
             opening, self.to_open = self.to_open, []
@@ -160,24 +151,20 @@ class Claims:
                 queued = queued + await self._open_read(opening)
             await self._hand_queued(queued)
         finally:
+            done = [reader for _, reader, _ in queued] + [reader for _, reader, _, _ in opening if reader is not None]
             with self._handed:
-                for _, reader, _ in queued:
+                for reader in done:
                     self.handing.pop(reader.key, None)
-                for _, reader, _, _ in opening:
-                    if reader is not None:
-                        self.handing.pop(reader.key, None)
                 self._handed.notify_all()
 
-    def wait_handed_over(self, timeout: float) -> bool:
+    def wait_handed_over(self, timeout: float) -> None:
         """Wait until the blocks this process read from the store are with their workers."""
         with self._handed:
             self._handed.wait_for(lambda: not self.handing or self.session.connected is None, timeout)
-            return not self.handing
 
-    async def _open_read(self, opening: List[tuple]) -> List[tuple]:
-        """For blocks read with their files' infos (`first_info`): one `dmdask_fs_open_blocks`
-        request shares the infos, registers the files and claims the blocks nobody holds or
-        reads; those are returned as (worker, reader, bytes) to hand over."""
+    async def _open_read(self, opening: list[tuple]) -> list[tuple]:
+        """One `FsOpenBlocks` request for blocks read with their files' infos (`first_info`):
+        those it claims, as (worker, reader, bytes) to hand over."""
         session, blocks = self.session, self.session.blocks
         readers = [(reader, content) for _, reader, _, content in opening if reader is not None]
         datasets = {info.name: info for _, _, info, _ in opening if info is not None}
@@ -195,11 +182,11 @@ class Claims:
         blocks.holders.update(reply.holders)
         return [(reply.mine[reader.key], reader, content) for reader, content in readers if reader.key in reply.mine]
 
-    async def _hand_queued(self, queued: List[tuple]) -> None:
+    async def _hand_queued(self, queued: list[tuple]) -> None:
         client = self.session.client
         if not queued:
             return
-        by_worker: Dict[str, dict] = {}
+        by_worker: dict[str, dict] = {}
         for worker, reader, content in queued:
             by_worker.setdefault(worker, {})[reader.key] = content
             reader.claim = self._claim  # its load task takes only the bytes handed over with it

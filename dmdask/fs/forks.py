@@ -1,14 +1,11 @@
 """Keep a parent's fsspec filesystems working after it forks (a `DataLoader` worker).
 
-A forked child drops the fsspec filesystems it inherited (fsspec's at-fork hook clears
-its instance cache); finalising an async one (HTTP) closes the inherited aiohttp
-connections, unregistering their sockets from the epoll instance the child shares with
-its parent, whose next request through that filesystem then times out.
-
-Guarantee: a child forked after `import dmdask` keeps a reference to each inherited
-instance until it exits, so none is finalised. fsspec has no public way to list its
-cached instances: this reads the `_cache` of each `AbstractFileSystem` subclass
-(fsspec 2023-2026.9).
+A forked child drops the fsspec filesystems it inherited (fsspec's at-fork hook clears its
+instance cache); finalising an async one (HTTP) closes the inherited aiohttp connections,
+unregistering their sockets from the epoll instance it shares with its parent, whose next
+request through that filesystem then times out. So a child keeps a reference to each
+inherited instance until it exits. fsspec has no public way to list its cached instances:
+this reads the `_cache` of each `AbstractFileSystem` subclass (fsspec 2023-2026.9).
 """
 from __future__ import annotations
 
@@ -32,8 +29,6 @@ def _hold() -> None:
                      for inst in list((cls.__dict__.get("_cache") or {}).values())]
 
 
-def _release_in_parent() -> None:
-    _inherited.clear()
-
-
-os.register_at_fork(before=_hold, after_in_parent=_release_in_parent)
+def keep_across_forks() -> None:
+    """Install the at-fork hooks (once per process: `dmdask.fs.register`)."""
+    os.register_at_fork(before=_hold, after_in_parent=_inherited.clear)

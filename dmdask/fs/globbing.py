@@ -1,11 +1,8 @@
-"""`glob` as the target filesystem answers it, over a `DmdaskFileSystem`'s own (cached)
-`find`, by HTTP's rules (`HTTPFileSystem._glob`: a listing's folders match `dir/*`; "?"
-starts a URL's query) or every other filesystem's (`AbstractFileSystem.glob`), fsspec
-2024-2026: the generic glob over a chained filesystem drops HTTP's folders and finds
-nothing for a pattern ending in "/".
-
-Guarantee: the same paths (or infos, `detail=True`) in the same order as the target's
-`glob`, given the same listings.
+"""`glob` as the target filesystem answers it (the same paths or infos in the same order,
+given the same listings), over a `DmdaskFileSystem`'s own cached `find`: by HTTP's rules
+(`HTTPFileSystem._glob`: a listing's folders match `dir/*`; "?" starts a URL's query) or the
+generic ones (`AbstractFileSystem.glob`), fsspec 2024-2026. The generic glob over a chained
+filesystem drops HTTP's folders and finds nothing for a pattern ending in "/".
 """
 from __future__ import annotations
 
@@ -17,8 +14,7 @@ from fsspec.utils import glob_translate
 
 
 def glob(fs, path: str, maxdepth=None, url_rules: bool = False, **kwargs):
-    """The paths of `fs` (a `DmdaskFileSystem`) matching glob `path`, by HTTP's rules
-    (`url_rules`) or the generic ones."""
+    """The paths of `fs` (a `DmdaskFileSystem`) matching `path`, by HTTP's rules if `url_rules`."""
     if maxdepth is not None and maxdepth < 1:
         raise ValueError("maxdepth must be at least 1")
     seps = ("/",) if url_rules else ((os.path.sep, os.path.altsep) if os.path.altsep else (os.path.sep,))

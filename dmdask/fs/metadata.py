@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Dict, List, Optional
 
+import dask.config
 import fsspec
 import fsspec.asyn
 
@@ -24,13 +24,12 @@ logger = logging.getLogger(__name__)
 TELL_DELAY = 0.25  # infos read from the store within this delay are told to the scheduler together
 ELSEWHERE = object()  # `claim_info`: another run read the info
 CLAIM_POLL_SECONDS = 0.02  # how often a process waiting for a file's info another one reads asks again
-# what identifies a version of a file, among the keys of fsspec infos (local, S3, GCS, HTTP, ...)
+# the keys of fsspec infos (local, S3, GCS, HTTP, ...) that change when a file is rewritten
 VERSION_KEYS = ("mtime", "LastModified", "last_modified", "Last-Modified", "ETag", "etag", "updated",
                 "generation", "VersionId", "version_id")
 
 
 def version_of(info: dict) -> list:
-    """The fields of an info that change when the file is rewritten."""
     return [[k, str(info[k])] for k in VERSION_KEYS if info.get(k) is not None]
 
 
@@ -47,17 +46,17 @@ class Metadata:
     """What one process knows of files (keys `fsid|path`, `fsid|folder`). Thread-safe
     (`session.lock`); a forked child starts with its parent's knowledge of the same run."""
 
-    def __init__(self, session, parent: Optional["Metadata"] = None):
+    def __init__(self, session, parent: Metadata | None = None):
         self.session = session
         self._lock = session.lock
         self.run = start_run()
         known = parent if parent is not None and parent.run == self.run else None
-        self.infos: Dict[str, dict] = dict(known.infos) if known else {}  # fsid|path -> info
-        self.listings: Dict[str, list] = dict(known.listings) if known else {}  # fsid|folder -> entries
+        self.infos: dict[str, dict] = dict(known.infos) if known else {}  # fsid|path -> info
+        self.listings: dict[str, list] = dict(known.listings) if known else {}  # fsid|folder -> entries
         self.asked: set = set(known.asked) if known else set()  # folders asked of the cluster
         self.asked_infos: set = set(known.asked_infos) if known else set()  # ... for their files' infos
-        self.files: Dict[str, set] = {k: set(v) for k, v in known.files.items()} if known else {}  # folder -> paths
-        self.to_tell: List[FileEntry] = []  # metadata queued for the scheduler
+        self.files: dict[str, set] = {k: set(v) for k, v in known.files.items()} if known else {}  # folder -> paths
+        self.to_tell: list[FileEntry] = []  # metadata queued for the scheduler
 
     def _ask(self, fsid: str, folder: str) -> None:
         """Everything this run knows of `folder` now (one request)."""
@@ -75,10 +74,16 @@ class Metadata:
         self.infos[f"{fsid}|{path}"] = info
         self.files.setdefault(f"{fsid}|{folder_of(path)}", set()).add(path)
 
-    def tell(self, fsid: str, puts: List[FileEntry]) -> None:
-        """Share infos read from the store with the run, in the background, a batch at a time."""
+    def learn(self, fsid: str, puts: list[FileEntry]) -> None:
+        """Know what this process read from the store (`puts`) and share it with the run, in the
+        background, a batch at a time."""
         client = self.session.client
         with self._lock:
+            for put in puts:
+                if put.kind == "listing":
+                    self.listings[f"{fsid}|{put.path}"] = put.value
+                else:
+                    self.know(fsid, put.path, put.value)
             first = not self.to_tell
             self.to_tell.extend(e._replace(folder=f"{fsid}|{e.folder}") for e in puts)
         if first:  # the timer set on the loop's own thread (call_later is not thread-safe)
@@ -93,7 +98,7 @@ class Metadata:
             except Exception:  # noqa: BLE001 - shared metadata is an optimisation
                 logger.debug("could not share file metadata with the scheduler", exc_info=True)
 
-    def known_info(self, fsid: str, path: str) -> Optional[dict]:
+    def known_info(self, fsid: str, path: str) -> dict | None:
         """The info of `path` this run read, or None (no store request)."""
         key = f"{fsid}|{path}"
         found = self.infos.get(key)
@@ -110,7 +115,7 @@ class Metadata:
         another run read it (its blocks may be cached: check its version with `info`).
         While the cluster has no workers, waits for one (`Session.call_with_workers`)."""
         folder = f"{fsid}|{folder_of(path)}"
-        for _ in Tries(self.session.recovery_seconds(), pause=CLAIM_POLL_SECONDS):
+        for _ in Tries(float(dask.config.get("dmdask.client.recovery-seconds")), pause=CLAIM_POLL_SECONDS):
             found = self.infos.get(f"{fsid}|{path}")  # read by another thread of this process meanwhile
             if found is not None:
                 return found
@@ -131,12 +136,10 @@ class Metadata:
         found = self.known_info(fsid, path)
         if found is None:
             found = plain(target.info(path))
-            self.tell(fsid, [FileEntry(folder_of(path), "info", path, found)])
-            with self._lock:
-                self.know(fsid, path, found)
+            self.learn(fsid, [FileEntry(folder_of(path), "info", path, found)])
         return found
 
-    def learn_infos(self, fs, paths: List[str]) -> None:
+    def learn_infos(self, fs, paths: list[str]) -> None:
         """Read the infos of `paths` this run does not know yet, concurrently on an async
         store, ahead of reading many files. A path whose info cannot be read is left to `info`."""
         fsid = fs.target_id
@@ -156,11 +159,8 @@ class Metadata:
         found = fsspec.asyn.sync(target.loop, all_infos)
         puts = [FileEntry(folder_of(p), "info", p, plain(info)) for p, info in zip(unknown, found)
                 if isinstance(info, dict)]
-        with self._lock:
-            for _, _, path, info in puts:
-                self.know(fsid, path, info)
         if puts:
-            self.tell(fsid, puts)
+            self.learn(fsid, puts)
 
     def ls(self, fsid: str, target, path: str) -> list:
         """The target's detailed listing of folder `path`, read from the store once per run.
@@ -174,16 +174,11 @@ class Metadata:
         if found is None:
             found = [plain(e) for e in target.ls(path, detail=True)]
             files = [e for e in found if e.get("type") == "file" and e.get("size") is not None and version_of(e)]
-            self.tell(fsid, [FileEntry(path, "listing", path, found)]
-                      + [FileEntry(folder_of(e["name"]), "info", e["name"], e) for e in files])
-            with self._lock:
-                self.listings[key] = found
-                for e in files:
-                    self.know(fsid, e["name"], e)
+            self.learn(fsid, [FileEntry(path, "listing", path, found)]
+                       + [FileEntry(folder_of(e["name"]), "info", e["name"], e) for e in files])
         return found
 
     def forget(self) -> None:
-        """Drop what this process knows of files; the next looks ask the store (a new run)."""
         self.run = new_run()
         with self._lock:
             for known in (self.infos, self.listings, self.asked, self.asked_infos, self.files):

@@ -1,18 +1,9 @@
-"""`dmdask mount URL MOUNTPOINT`: the transparent cache as a read-only POSIX folder, for
-loaders that only `open()` paths (tf.data, C++ readers).
+"""`dmdask mount URL MOUNTPOINT`: the transparent cache as a read-only POSIX folder (FUSE through
+`mfusepy`, over a `DmdaskFileSystem`) for loaders that only `open()` paths; docs/transparent.md.
 
-A FUSE file system (libfuse 2 or 3 through `mfusepy`) over a `DmdaskFileSystem`: the
-same blocks, placement and accounting as `dmdask::` URLs. Folders come from the store's
-listings (once per run: the mount is one run), with each entry's type, so a walk of the
-tree asks nothing per file. A file's size and time come from its listing entry or (HTTP)
-from the ranged GET of its first block (`DmdaskFileSystem.open_info`). A read is a byte
-range (`cat_file`); opens and closes ask nothing of this process (Linux >= 4.20's
-no-open mode). Writes fail with EROFS.
-
-Guarantees: requests are served concurrently (libfuse's multithreaded loop; the
-session is thread-safe), except the lookups of names in one folder, which the kernel
-sends one at a time. Listings, attributes and file pages stay in the kernel's caches for
-the mount's lifetime (`CACHE_SECONDS`, `kernel_cache`), so a re-read costs no request.
+Guarantees: requests are served concurrently (libfuse's multithreaded loop; the session is
+thread-safe); listings, attributes and file pages stay in the kernel's caches for the mount's
+lifetime (`CACHE_SECONDS`, `kernel_cache`).
 """
 from __future__ import annotations
 
@@ -21,9 +12,10 @@ import functools
 import logging
 import os
 import stat
-from typing import Dict
 
-from . import DmdaskFileSystem  # noqa: F401  (operations take one)
+import fsspec
+
+from . import DmdaskFileSystem
 
 TIME_KEYS = ("mtime", "LastModified", "last_modified", "updated", "created")
 CACHE_SECONDS = 86400.0  # how long the kernel keeps names and attributes (the mount is one run)
@@ -32,10 +24,9 @@ logger = logging.getLogger(__name__)
 
 
 def _answering(FuseOSError, op):
-    """`op` with its errors as the errno a reader of a local file system expects: a
-    missing path ENOENT, a folder EISDIR, anything else (a lost scheduler, no workers
-    within `dmdask.client.recovery-seconds`, a store error) EIO, logged with its message
-    (never libfuse's default EINVAL)."""
+    """`op` with its errors as the errno a reader of a local file system expects: a missing
+    path ENOENT, a folder EISDIR, anything else (a lost scheduler, no workers, a store error)
+    EIO, logged with its message (never libfuse's default EINVAL)."""
 
     @functools.wraps(op)
     def answer(*args):
@@ -57,7 +48,7 @@ def _answering(FuseOSError, op):
 def _fuse():
     try:
         import mfusepy
-    except (ImportError, OSError, EnvironmentError) as exc:  # no mfusepy, or no libfuse on this machine
+    except (ImportError, OSError) as exc:  # no mfusepy, or no libfuse on this machine
         raise RuntimeError(f"dmdask mount needs mfusepy and libfuse (pip install 'dmdask[fuse]'; "
                            f"apt-get install fuse3): {exc}") from exc
     return mfusepy
@@ -89,12 +80,12 @@ def operations(fs: DmdaskFileSystem, root: str):
 
         def __init__(self):
             self.root = root.rstrip("/")
-            self._folders: Dict[str, Dict[str, dict]] = {}  # mount path -> {name: listing entry}
+            self._folders: dict[str, dict[str, dict]] = {}  # mount path -> {name: listing entry}
 
         def _target(self, path: str) -> str:
             return self.root if path in ("", "/") else f"{self.root}/{path.lstrip('/')}"
 
-        def _entries(self, path: str) -> Dict[str, dict]:
+        def _entries(self, path: str) -> dict[str, dict]:
             found = self._folders.get(path)
             if found is None:
                 try:
@@ -144,8 +135,6 @@ def operations(fs: DmdaskFileSystem, root: str):
 def mount(url: str, mountpoint: str, scheduler=None, block_size=None, debug: bool = False) -> None:
     """Serve `url` (a folder, through the dmdask cluster at `scheduler`) read-only at
     `mountpoint` until unmounted (`fusermount3 -u MOUNTPOINT`) or interrupted."""
-    import fsspec
-
     if not os.path.isdir(mountpoint):
         raise NotADirectoryError(f"mount point {mountpoint!r} is not a folder")
     chained = url if url.startswith(("dmdask::", "dmdask://")) else f"dmdask::{url}"

@@ -6,8 +6,6 @@ for the same file (so both name the same blocks), or it returns None.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
-
 import fsspec.asyn
 
 try:
@@ -23,7 +21,7 @@ def applies(target) -> bool:
     return HTTPFileSystem is not None and isinstance(target, HTTPFileSystem)
 
 
-def first_block(target, url: str, first: int, nbytes: int) -> Optional[Tuple[dict, bytes]]:
+def first_block(target, url: str, first: int, nbytes: int) -> tuple[dict, bytes] | None:
     """(info, the file's bytes first..first+nbytes-1, fewer at its end, none past it)
     from one ranged GET of `url` on HTTP filesystem `target`; None when the answer does
     not say the size (the caller then reads the info the usual way). A missing file
@@ -57,7 +55,7 @@ async def _first_block(target, url: str, first: int, nbytes: int):
         return _info(url, r, size), content
 
 
-def _total(content_range: str) -> Optional[int]:
+def _total(content_range: str) -> int | None:
     """The size in a Content-Range header (`bytes 0-99/1234`, `bytes */1234`)."""
     total = content_range.rpartition("/")[2].strip()
     return int(total) if total.isdigit() else None

@@ -10,15 +10,15 @@ import sys
 
 import fsspec
 
-PROTOCOL = "dmdask"
+from . import PROTOCOL, gopen
+from .forks import keep_across_forks
+from .run import start
+
 WEBDATASET_OPENERS = "webdataset.gopen"
 
 
 def register() -> None:
-    """The protocol, webdataset's opener, and this job's run token (`dmdask.fs.run`)."""
-    from . import forks  # noqa: F401  (a forked child keeps its parent's filesystems working)
-    from .run import start
-
+    keep_across_forks()  # a forked child keeps its parent's filesystems working
     start()
     fsspec.register_implementation(PROTOCOL, "dmdask.fs.DmdaskFileSystem", clobber=True)
     if WEBDATASET_OPENERS in sys.modules:
@@ -28,8 +28,6 @@ def register() -> None:
 
 
 def _add_opener(module) -> None:
-    from . import gopen
-
     module.gopen_schemes.setdefault(PROTOCOL, gopen)
 
 

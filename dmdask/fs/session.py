@@ -1,14 +1,9 @@
 """Transparent mode in one process: its own connection to each cluster it reads through,
-and the parts that share it: file metadata (`dmdask.fs.metadata`), first reads and their
-hand-over (`dmdask.fs.claims`), reads of byte ranges from block holders (`dmdask.fs.blocks`).
+shared by file metadata (`fs.metadata`), first reads (`fs.claims`) and range reads (`fs.blocks`).
 
 Guarantees: a process never uses a connection made by another one. A forked child (a
 `DataLoader` worker) keeps what its parent knew and makes its own `distributed.Client`;
-a spawned one finds the scheduler through `DMDASK_FS_SCHEDULER`. A scheduler request
-waits at most `dmdask.client.recovery-seconds`, then `SchedulerLostError`; one that needs
-workers waits that long for one (a warning once per process), then `NoWorkersError`. A
-process's exit hands over its first reads, shares its metadata and reports its hits,
-each bounded.
+a spawned one finds the scheduler through `DMDASK_FS_SCHEDULER`.
 """
 from __future__ import annotations
 
@@ -17,17 +12,16 @@ import logging
 import multiprocessing.util
 import os
 import threading
-from typing import Callable, Dict, Optional
+from collections.abc import Callable
 
 import dask.config
 import distributed
 from distributed.comm.core import CommClosedError
 
 from ..client.datasets import ensure_plugin
-from ..client.arenas import LocalArenas
 from ..client.gather import Gatherer
 from ..client.locate import my_host
-from ..errors import DmdaskError, SchedulerLostError, no_workers, waiting_for_workers
+from ..errors import DmdaskError, NoClusterError, SchedulerLostError, no_workers, waiting_for_workers
 from ..protocol.scheduler import NoWorkers, Request, SchedulerAPI
 from ..recovery import Tries
 from .blocks import Blocks
@@ -40,30 +34,20 @@ SCHEDULER_ENV = "DMDASK_FS_SCHEDULER"  # set for child processes: the scheduler 
 EXIT_SECONDS = 2.0  # the most a process's exit waits to report its last hits
 
 
-class NoClusterError(DmdaskError, RuntimeError):
-    """Transparent mode found no cluster to read through."""
-
-
 class Session:
-    """One process's connection to one cluster and its parts (see the module docstring).
-    Thread-safe: the parts share `lock`."""
+    """One process's connection to one cluster and its parts; thread-safe (they share `lock`)."""
 
-    def __init__(self, address: str, parent: Optional["Session"] = None):
+    def __init__(self, address: str, parent: Session | None = None):
         self.address = address
         self.lock = threading.Lock()
-        self.connected: Optional[distributed.Client] = None  # made by `client`, in this process
-        self.my_host: Optional[str] = None
-        self.gatherer: Optional[Gatherer] = None
+        self.connected: distributed.Client | None = None  # made by `client`, in this process
+        self.my_host: str | None = None
+        self.gatherer: Gatherer | None = None
         self.metadata = Metadata(self, parent.metadata if parent else None)
         self.claims = Claims(self)
         self.blocks = Blocks(self, parent.blocks.holders if parent else {})
         self._exit_hook = False
         self._said_waiting = False
-
-    @staticmethod
-    def recovery_seconds() -> float:
-        """The most any wait of transparent mode lasts (`dmdask.client.recovery-seconds`)."""
-        return float(dask.config.get("dmdask.client.recovery-seconds"))
 
     @property
     def client(self) -> distributed.Client:
@@ -80,7 +64,7 @@ class Session:
                             "option scheduler=ADDRESS or the dask config dmdask.fs.scheduler") from exc
                     ensure_plugin(client)
                     self.my_host = my_host(client)
-                    self.gatherer = Gatherer(client, self.my_host, LocalArenas(0, 1))
+                    self.gatherer = Gatherer(client, self.my_host, {})
                     self.connected = client
                     if not self._exit_hook:
                         self._exit_hook = True
@@ -91,17 +75,25 @@ class Session:
 
     def at_exit(self) -> None:
         """Hand over the blocks read here, share the infos read here with the run and
-        report the last hits; each bounded in time."""
+        report the rows taken from workers' files; each bounded in time."""
         client, claims = self.connected, self.claims
         if client is not None and (claims.to_hand or claims.to_open):
             client.loop.add_callback(claims.hand_over)
         claims.wait_handed_over(HANDOVER_EXIT_SECONDS)
-        if client is not None and self.metadata.to_tell and client.status == "running":
-            try:
-                client.sync(self.metadata.tell_queued, callback_timeout=EXIT_SECONDS)
-            except Exception:  # noqa: BLE001 - shared metadata is an optimisation
-                pass
-        self.flush_hits()
+        if self.metadata.to_tell:
+            self._best_effort(self.metadata.tell_queued)
+        if self.gatherer is not None and self.gatherer.has_hits():
+            self._best_effort(self.gatherer.flush_hits)
+
+    def _best_effort(self, call: Callable) -> None:
+        """`call()` on the client's loop, given up on failure or after `EXIT_SECONDS`."""
+        client = self.connected
+        if client is None or client.status != "running":
+            return
+        try:
+            client.sync(call, callback_timeout=EXIT_SECONDS)
+        except Exception:  # noqa: BLE001 - an optimisation or counters: never fail an exit
+            pass
 
     def close(self) -> None:
         """Hand over, report the last hits and close the connection."""
@@ -112,7 +104,6 @@ class Session:
             client.close(timeout=EXIT_SECONDS)
 
     def forget(self) -> None:
-        """Drop what this process knows of files; the next looks ask the store (a new run)."""
         self.metadata.forget()
         self.blocks.located.clear()
 
@@ -120,7 +111,7 @@ class Session:
         """`call()`'s result (a coroutine function of the scheduler request `op`), waiting at
         most `dmdask.client.recovery-seconds`, then `SchedulerLostError`."""
         client = self.client
-        limit = self.recovery_seconds()
+        limit = float(dask.config.get("dmdask.client.recovery-seconds"))
 
         async def checked():
             if client.scheduler is None or client.status != "running":
@@ -142,9 +133,10 @@ class Session:
         return self.sync(request.op, lambda: SchedulerAPI(self.client).send(request))
 
     def call_with_workers(self, request: Request):
-        """The scheduler plugin's reply to `request`; while it answers `NoWorkers`, waits
-        for one to join (see the module docstring)."""
-        limit = self.recovery_seconds()
+        """The scheduler plugin's reply to `request`; while it answers `NoWorkers`, waits up to
+        `dmdask.client.recovery-seconds` for a worker to join (a warning once per process), then
+        `NoWorkersError`."""
+        limit = float(dask.config.get("dmdask.client.recovery-seconds"))
         for _ in Tries(limit, pause=0.5):
             reply = self.call(request)
             if not isinstance(reply, NoWorkers):
@@ -154,18 +146,8 @@ class Session:
                 logger.warning("dmdask:: %s", waiting_for_workers(limit, f"the cluster at {self.address}"))
         raise no_workers(limit, f"the cluster at {self.address}")
 
-    def flush_hits(self) -> None:
-        """Report the rows this process took from workers' files (best effort, bounded)."""
-        client, gatherer = self.connected, self.gatherer
-        if client is None or gatherer is None or not gatherer.has_hits() or client.status != "running":
-            return
-        try:
-            client.sync(gatherer.flush_hits, callback_timeout=EXIT_SECONDS)
-        except Exception:  # noqa: BLE001 - counters only
-            pass
 
-
-_sessions: Dict[str, Session] = {}
+_sessions: dict[str, Session] = {}
 _pid = os.getpid()
 _lock = threading.Lock()
 
@@ -183,9 +165,8 @@ def _after_fork() -> None:
 os.register_at_fork(after_in_child=_after_fork)
 
 
-def get_session(address: Optional[str] = None) -> Session:
-    """This process's session with the cluster at `address` (None: `dmdask.fs.scheduler`
-    from dask config, else the scheduler of the default Dask client)."""
+def get_session(address: str | None = None) -> Session:
+    """This process's session with the cluster at `address` (None: `default_address()`)."""
     if os.getpid() != _pid:  # a fork that did not run the hook (os.fork from C code)
         _after_fork()
     address = address or default_address()
