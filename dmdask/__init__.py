@@ -3,7 +3,7 @@
 `dask scheduler --preload dmdask` installs the scheduler plugin; without the preload the
 first `dmdask.batches` call registers it.
 """
-from . import config as _config  # noqa: F401  (registers the dmdask config namespace)
+from .config import register as _register_config
 from .client import BatchIterator, batches, release
 from .cluster import LocalCluster
 from .errors import (BlockReadError, DmdaskError, HandlerArgumentError, NoWorkersError, NotADmdaskWorker,
@@ -15,6 +15,7 @@ from .stats import stats
 from .worker import Worker
 from .fs.register import register as _register_fs
 
+_register_config()  # the `dmdask` namespace of dask config
 _register_fs()  # `dmdask::` URLs for fsspec (and webdataset)
 
 __version__ = "0.1.0"

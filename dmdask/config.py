@@ -10,4 +10,7 @@ import yaml
 with open(os.path.join(os.path.dirname(__file__), "dmdask.yaml")) as f:
     defaults = yaml.safe_load(f)
 
-dask.config.update_defaults(defaults)
+
+def register() -> None:
+    """Put dmdask's defaults into dask's config (idempotent; `import dmdask` does it)."""
+    dask.config.update_defaults(defaults)

@@ -14,7 +14,7 @@ import weakref
 from distributed.http.utils import RequestHandler
 
 from . import prometheus
-from .figures import Monitor, monitor, snapshot  # noqa: F401  (public helpers)
+from .figures import monitor
 
 logger = logging.getLogger(__name__)
 
