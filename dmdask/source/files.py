@@ -66,8 +66,7 @@ def _precondition(protocol: str, version) -> dict:
 class FileSource(Source):
     """A file of known size and version, as byte rows."""
 
-    def __init__(self, url: str, protocol: str, options: str, path: str, size: int, version,
-                 block_bytes: int):
+    def __init__(self, url: str, protocol: str, options: str, path: str, size: int, version, block_bytes: int):
         if size <= 0:
             raise ValueError(f"{url}: an empty file has no blocks")
         block_bytes = self.block_bytes_of(block_bytes)

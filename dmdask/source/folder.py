@@ -17,13 +17,6 @@ LIST_THREADS = 16  # class folders listed at once
 FIELDS = ("data", "label")
 
 
-def folder_fields(spec) -> tuple:
-    fields = tuple(sorted(spec.keys or FIELDS))
-    if any(f not in FIELDS for f in fields):
-        raise SpecError("keys", f"names among {list(FIELDS)} for a folder source", list(spec.keys))
-    return fields
-
-
 class FolderSource(Source):
     def __init__(self, info: DatasetInfo, protocol: str, options: str, files: list[str], labels: np.ndarray,
                  sizes: np.ndarray | None):
@@ -40,7 +33,9 @@ class FolderSource(Source):
 def open_folder(place: Place) -> FolderSource:
     """Check the spec's keys, list the class folders and describe the blocks."""
     fs, url, spec = place.fs, place.url, place.spec
-    fields = folder_fields(spec)
+    fields = tuple(sorted(spec.keys or FIELDS))
+    if any(f not in FIELDS for f in fields):
+        raise SpecError("keys", f"names among {list(FIELDS)} for a folder source", list(spec.keys))
     files, labels, sizes = _list(place)
     block_len = spec.block_size or DEFAULT_FILES_PER_BLOCK
     root = place.path.rstrip("/")

@@ -135,7 +135,7 @@ def open_parquet(place: Place) -> ParquetSource:
         first += meta.num_rows
     schema = metas[0].schema.to_arrow_schema()
     fields, kinds = _fields(schema, spec, files[0])
-    groups = _check_and_list(files, metas, fields)
+    groups = _check_and_list(files, metas, schema, fields)
     n = int(groups["rows"].sum())
     if n == 0:
         raise SourceError(f"dataset {url} has no samples: its Parquet files hold no rows")
@@ -173,9 +173,8 @@ def _fields(schema, spec, path: str):
     return fields, {f: kinds[f] for f in fields}
 
 
-def _check_and_list(files: list[str], metas: list, fields: tuple[str, ...]) -> np.ndarray:
-    """Every file has the fields, with the first file's types; its non-empty row groups."""
-    first = metas[0].schema.to_arrow_schema()
+def _check_and_list(files: list[str], metas: list, first, fields: tuple[str, ...]) -> np.ndarray:
+    """Every file has the fields, with the types of the `first` file's schema; its non-empty row groups."""
     rows, start = [], 0
     for f, (path, meta) in enumerate(zip(files, metas)):
         schema = meta.schema.to_arrow_schema()

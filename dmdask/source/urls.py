@@ -85,6 +85,5 @@ def check_source(url: str, prefixes: list[str] | None = None) -> None:
     (normalised) `prefixes` otherwise (default: the config's, so a worker's own config decides)."""
     prefixes = allowed_prefixes() if prefixes is None else prefixes
     if prefixes and not is_allowed(url, prefixes):
-        raise SourceNotAllowedError(
-            f"{url} is outside the sources this cluster's workers read: {prefixes} "
-            "(dmdask.worker.allowed-sources in the workers' dask config)")
+        raise SourceNotAllowedError(f"{url} is outside the sources this cluster's workers read: {prefixes} "
+                                    "(dmdask.worker.allowed-sources in the workers' dask config)")

@@ -86,9 +86,8 @@ def index_shard(fs, path: str, url: str) -> tuple[int, list[Sample]]:
                         samples.append((split[0], {}))
                     if info.offset_data + info.size > size:
                         sample = f" (sample {split[0]!r}, the shard's sample {len(samples) - 1})" if split else ""
-                        raise SourceError(
-                            f"WebDataset shard {url} is truncated: its member {info.name}{sample} needs bytes up "
-                            f"to {info.offset_data + info.size} but the shard has {size}")
+                        raise SourceError(f"WebDataset shard {url} is truncated: its member {info.name}{sample} "
+                                          f"needs bytes up to {info.offset_data + info.size} but the shard has {size}")
                     if split is None:
                         continue
                     key, ext = split

@@ -61,8 +61,7 @@ def _random_bytes(rng, head: str, min_size: int, max_size: int) -> bytes:
     return head.encode() + rng.integers(0, 256, size=max(0, size - len(head)), dtype=np.uint8).tobytes()
 
 
-def write_folder(path: str, classes: int = 3, per_class: int = 20, min_size: int = 16,
-                 max_size: int = 2048) -> str:
+def write_folder(path: str, classes: int = 3, per_class: int = 20, min_size: int = 16, max_size: int = 2048) -> str:
     """A folder of class subfolders `class-XX`, files `s-XXXXXXXX.bin`, one per sample: sample
     `i` (in dmdask's order) has label `i // per_class` and bytes `folder_sample(i)`."""
     for c in range(classes):
