@@ -32,7 +32,7 @@ def read_blocks(readers) -> list:
     the version its dataset was opened at). The readers are of files on one filesystem."""
     first = readers[0]
     try:
-        fs = fsspec.filesystem(first.protocol, **json.loads(first.options))
+        fs = fsspec.filesystem(first.protocol, **json.loads(first.options))  # this process's own (fsspec's cache)
         if not getattr(fs, "async_impl", False):
             return [_or_error(r.read_bytes, fs) for r in readers]
         return fsspec.asyn.sync(fs.loop, asyncio.gather, *(r.read_bytes_async(fs) for r in readers),
