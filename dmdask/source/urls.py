@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import posixpath
-from collections.abc import Iterable
 
 import dask.config
 
@@ -63,27 +62,20 @@ def public(url: str) -> str:
     return "::".join(parts)
 
 
-def allowed_prefixes() -> list[str]:
-    """`dmdask.worker.allowed-sources`, normalised; [] (the default) for any source."""
+def check_source(url: str) -> None:
+    """Nothing when this process's `dmdask.worker.allowed-sources` (URL prefixes; empty, the
+    default: any source) lets workers read `url`; `SourceNotAllowedError` naming it and the
+    prefixes otherwise. A prefix matches whole path components (`/data` allows `/data/x`, not
+    `/database`), both normalised, so `..` cannot climb out of an allowed folder."""
     prefixes = dask.config.get("dmdask.worker.allowed-sources", None) or []
     if isinstance(prefixes, str):
         prefixes = [prefixes]
     if not all(isinstance(p, str) and p for p in prefixes):
         raise SpecError("dmdask.worker.allowed-sources", "a list of URL prefixes (empty: any source)", prefixes)
-    return [normalize(p) for p in prefixes]
-
-
-def is_allowed(url: str, prefixes: Iterable[str]) -> bool:
-    """Whether a prefix matches whole path components of `url` (`/data` allows `/data/x`, not
-    `/database`), both normalised, so `..` cannot climb out of an allowed folder."""
+    prefixes = [normalize(p) for p in prefixes]
+    if not prefixes:
+        return
     normal = normalize(url)
-    return any(normal == p or normal.startswith(p.rstrip("/") + "/") for p in prefixes)
-
-
-def check_source(url: str, prefixes: list[str] | None = None) -> None:
-    """Nothing when workers may read `url`; `SourceNotAllowedError` naming it and the allowed
-    (normalised) `prefixes` otherwise (default: the config's, so a worker's own config decides)."""
-    prefixes = allowed_prefixes() if prefixes is None else prefixes
-    if prefixes and not is_allowed(url, prefixes):
+    if not any(normal == p or normal.startswith(p.rstrip("/") + "/") for p in prefixes):
         raise SourceNotAllowedError(f"{url} is outside the sources this cluster's workers read: {prefixes} "
                                     "(dmdask.worker.allowed-sources in the workers' dask config)")
