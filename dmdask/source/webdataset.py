@@ -156,8 +156,7 @@ def open_webdataset(place: Place) -> WebDatasetSource:
         raise SourceError(f"dataset {label} has no samples: its WebDataset shards hold no members named "
                           "key.extension")
     exts = tuple(sorted({k for k in spec.keys or present if k != KEY}))
-    unknown = [e for e in exts if e not in present]
-    if unknown or (spec.keys is not None and not exts):
+    if any(e not in present for e in exts) or (spec.keys is not None and not exts):
         raise SpecError("keys", f"extensions among {present} of the shards {label}", list(spec.keys))
     if "index" in exts:
         raise SourceError(f"WebDataset shards {label} have members with extension 'index', a reserved field "
