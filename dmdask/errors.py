@@ -3,11 +3,8 @@ from __future__ import annotations
 
 
 class DmdaskError(Exception):
-    """Base of every error dmdask raises on purpose.
-
-    Every subclass pickles (a worker's or the scheduler's error reaches the client, a
-    nanny's reaches its parent): it is rebuilt from its message and attributes, not by
-    calling its `__init__` again, whatever arguments that takes."""
+    """Base of every error dmdask raises on purpose. Every subclass pickles (a worker's error
+    reaches the client): it is rebuilt from its message and attributes, not its `__init__`."""
 
     def __reduce__(self):
         return (_rebuild, (type(self), self.args, dict(self.__dict__)))
@@ -37,11 +34,8 @@ class SourceError(DmdaskError, ValueError):
 
 
 class BlockReadError(DmdaskError, OSError):
-    """A block could not be read or decoded from the shared store.
-
-    The message names the URL and the sample range (and `detail`, such as the retries
-    made); nothing already cached is affected.
-    """
+    """A block could not be read or decoded from the shared store (nothing cached is affected);
+    the message names the URL and the sample range (and `detail`, such as the retries made)."""
 
     def __init__(self, url: str, block: int, start: int, stop: int, cause: BaseException, detail: str = ""):
         self.url, self.block, self.start, self.stop = url, block, start, stop
@@ -79,9 +73,8 @@ def waiting_for_workers(seconds: float, cluster: str = "the cluster") -> str:
 
 
 class SchedulerLostError(DmdaskError, ConnectionError):
-    """The client lost its scheduler (it stopped, or cannot be reached) for longer than
-    `dmdask.client.scheduler-seconds`. Resume from the last `state_dict()` once a
-    scheduler runs again."""
+    """The client lost its scheduler for longer than `dmdask.client.scheduler-seconds`;
+    resume from the last `state_dict()` once a scheduler runs again."""
 
 
 class SourceNotAllowedError(DmdaskError, ValueError):

@@ -1,14 +1,11 @@
-"""Waiting out a failure: attempts until a deadline (`Tries`), for every wait of
-`dmdask.batches` and transparent mode on a lost worker, scheduler or block.
+"""Waiting out a lost worker, scheduler or block: attempts until a deadline (`Tries`).
 
 `for _ in Tries(seconds, pause):` (`async for` on an event loop) runs its body at once,
-then again `pause` seconds later (a number, or a function of the attempt number) while
-the deadline has not passed. The body leaves with `return` or `break` on success; after
-the loop the caller raises its own error, naming what failed and the setting that bounds
-the wait. Guarantees: there is always a first attempt; the deadline is checked after each
-attempt, so there is no pause once it passed; `deadline.renew()` in the body gives the
-loop its full time again; `no_pause()` starts the next attempt at once; time is
-`time.monotonic()`.
+then every `pause` seconds (a number, or a function of the attempt number) until the
+deadline; the body leaves with `return` or `break` on success, and after the loop the
+caller raises its own error. Guarantees: there is always a first attempt; no pause once
+the deadline passed; `deadline.renew()` gives the loop its full time again; `no_pause()`
+starts the next attempt at once; time is `time.monotonic()`.
 """
 from __future__ import annotations
 

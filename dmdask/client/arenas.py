@@ -1,11 +1,7 @@
-"""The warm path: a training process takes the rows of blocks held in arenas on its own
-host (`dmdask.shm.arena`) with no request at all, one `np.take` per field over a
-`Window` that maps every arena of the host side by side, into pooled memory
-(`dmdask.shm.memory`).
-
-Guarantees: every row comes from the block that holds it, in the epoch's order; a block
-released, moved or whose slot was reused while mapped raises `Moved` (the row labels are
-checked after the copy), never rows of another block; nothing here writes to a
+"""The warm path (docs/architecture.md section 3, step 6): rows of blocks in arenas on this
+host taken with no request, one `np.take` per field over a `Window`, into pooled memory.
+A block released, moved or whose slot was reused while mapped raises `Moved` (the row
+labels are checked after the copy), never rows of another block; nothing here writes to a
 worker's files.
 """
 from __future__ import annotations
@@ -22,10 +18,7 @@ from ..shm.window import MAX_ARENAS, Window
 
 
 class LocalArenas:
-    """Per process and dataset (`of`): the blocks held in arenas on this host, learnt as
-    the slow path finds them (`Gatherer.gather`) and shared by every iterator of the
-    dataset in the process; a group's rows, straight into pooled memory (`take`).
-    Thread-safe."""
+    """Per process and dataset (`of`): the blocks in arenas on this host, as `Gatherer` finds them. Thread-safe."""
 
     _of: dict[str, LocalArenas] = {}
     _registry = threading.Lock()
@@ -53,8 +46,7 @@ class LocalArenas:
         return bool(len(blocks)) and bool((self.arena_of[blocks] >= 0).all())
 
     def remember(self, holder: str, block: int, description: dict) -> None:
-        """Block `block` is in `holder`'s arena (`ArenaBlock.describe`); ignored when its
-        arena cannot be mapped (the slow path keeps serving it)."""
+        """Block `block` is in `holder`'s arena (`ArenaBlock.describe`); ignored if unmappable."""
         fields = description["arena"]
         ident = (holder, fields[ID_FIELD][0])
         rows = description["first_row"] + min(self.block_len, self.num_samples - block * self.block_len)
@@ -97,17 +89,15 @@ class LocalArenas:
             self._index.clear()
 
     def forget_if_gone(self) -> None:
-        """Forget everything if a known arena's worker is gone (its files removed): its
-        mapped rows would still read right, but would keep its memory alive."""
+        """Forget everything if a known arena's worker is gone (mapped, its memory stays alive)."""
         with self._lock:
             gone = any(not os.path.exists(fields[ID_FIELD][0]) for _, fields in self.arenas)
         if gone:
             self.forget()
 
     def take(self, group: list[np.ndarray], count) -> list[dict[str, np.ndarray]]:
-        """Batches of sample ids `group` (all in known arenas), each with its "index", in
-        the epoch's order. `count(holder, tier, rows, bytes)` records the hits. Raises
-        `Moved` when a block is no longer where it was known."""
+        """Batches of sample ids `group` (all in known arenas), each with its "index"; hits
+        recorded by `count(holder, tier, rows, bytes)`. `Moved` for a block no longer there."""
         ids = np.concatenate(group)
         blocks = ids // self.block_len
         with self._lock:  # held through the copy: nothing is unmapped while it reads

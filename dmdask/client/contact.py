@@ -1,11 +1,6 @@
 """A rank's contact with its cluster: whether the scheduler answers, which workers there
-are, and the worker on the rank's own node that serves it.
-
-Guarantees: a scheduler that does not answer is asked again until
-`dmdask.client.scheduler-seconds` have passed, then `SchedulerLostError`: it is never taken
-for a cluster without workers. A cluster without workers is waited for up to
-`dmdask.client.recovery-seconds`, said once per outage, then `NoWorkersError`. Rank r is
-served by local worker r mod n, chosen once (and again after `forget_worker`).
+are, and the worker on the rank's own node that serves it (rank r: local worker r mod n).
+Its guarantees on a lost scheduler or no workers: docs/architecture.md section 2.
 """
 from __future__ import annotations
 
@@ -30,8 +25,7 @@ CONNECT_AHEAD = 32  # workers a new iterator connects to while its dataset opens
 
 
 async def connect_ahead(client, address: str) -> None:
-    """A connection to the worker at `address` made now and kept in the client's pool for
-    the next call; never raises (that call meets the error)."""
+    """A connection to `address` made now for the client's pool; never raises (the next call would)."""
     try:
         comm = await client.rpc.connect(address, timeout=CONNECT_SECONDS)
     except Exception:  # noqa: BLE001 - best effort
@@ -54,9 +48,7 @@ class Contact:
             asyncio.run_coroutine_threadsafe(self.reach_workers(), loop)
 
     async def reach_workers(self) -> None:
-        """While the dataset opens: this rank's local worker chosen and connections made to
-        the workers (those on this host first), so the first request pays for neither.
-        Best effort: a failure here surfaces on that request."""
+        """Best effort, while the dataset opens: the local worker chosen, connections made (this host's first)."""
         workers = await self.workers(wait=False)
         if workers:
             self._choose_local_worker(workers)
@@ -65,8 +57,7 @@ class Contact:
         await asyncio.gather(*(connect_ahead(self.client, w) for w in nearest))
 
     async def check_scheduler(self) -> None:
-        """Wait while the client reconnects to its scheduler; `SchedulerLostError` once it
-        was unreachable for `dmdask.client.scheduler-seconds`."""
+        """Wait while the client reconnects to its scheduler (or `SchedulerLostError`)."""
         limit = float(dask.config.get("dmdask.client.scheduler-seconds"))
         async for _ in Tries(limit, pause=0.2):
             if self.client.status == "running" and self.client.scheduler is not None:
@@ -91,9 +82,7 @@ class Contact:
         raise self._scheduler_lost("no answer", limit)
 
     async def workers(self, wait: bool = True) -> list[str]:
-        """The cluster's workers, waiting up to `dmdask.client.recovery-seconds` while it
-        has none (say, every worker restarting); then `NoWorkersError`. wait=False: the
-        workers now, maybe none."""
+        """The cluster's workers, waited for while none (or `NoWorkersError`); wait=False: maybe none."""
         limit = float(dask.config.get("dmdask.client.recovery-seconds"))
         async for _ in Tries(limit, pause=0.5):
             workers = sorted((await self.identity())["workers"])
@@ -101,14 +90,13 @@ class Contact:
                 self._said_waiting = False
             if workers or not wait:
                 return workers
-            if not self._said_waiting:  # once per iterator and outage: a pause explained
+            if not self._said_waiting:
                 self._said_waiting = True
                 logger.warning(waiting_for_workers(limit))
         raise no_workers(limit)
 
     async def wait_if_no_workers(self) -> bool:
-        """When the cluster has no workers now: the local worker forgotten and new workers
-        waited for as by `workers()`; True if it waited."""
+        """If the cluster has no workers: the local worker forgotten, `workers()` awaited, True."""
         if await self.workers(wait=False):
             return False
         self.forget_worker()
@@ -116,7 +104,6 @@ class Contact:
         return True
 
     async def local_worker(self) -> str:
-        """A worker on this rank's own node: rank r takes local worker r mod n."""
         if self.worker is None:
             self._choose_local_worker(await self.workers())
         return self.worker

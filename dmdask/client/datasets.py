@@ -25,22 +25,22 @@ NO_WORKERS = "the cluster has no workers; start `dask worker ... --worker-class 
 
 
 def ensure_plugin(client: Client) -> None:
-    """Register the scheduler plugin unless the scheduler has it (idempotent, race-free;
-    asked once per client and scheduler)."""
+    """Register the scheduler plugin, once per client and scheduler (idempotent, race-free)."""
     if _registered.get(client) != client.scheduler.address:
         client.register_plugin(DatasetsPlugin())
         _registered[client] = client.scheduler.address
 
 
 def _call(client: Client, request):
-    """One request to the scheduler plugin, from the caller's thread."""
-    return client.sync(SchedulerAPI(client).send, request)
+    """One request to the scheduler plugin, from the caller's thread; `NoWorkers` raised."""
+    reply = client.sync(SchedulerAPI(client).send, request)
+    if isinstance(reply, NoWorkers):
+        raise NotADmdaskWorker(NO_WORKERS)
+    return reply
 
 
 def open_dataset(client: Client, spec, epoch: int) -> Ready:
-    """The dataset of `spec`, created once per cluster: the first rank to ask lists the
-    source and submits every block load in one graph; the others wait for it and get
-    the same blocks."""
+    """The dataset of `spec` (`get_or_create`), its blocks submitted in the order its epoch needs them."""
 
     def order(info: DatasetInfo):
         epoch_order = EpochOrder(info.num_samples, info.block_len, shuffle=spec.shuffle, seed=spec.seed,
@@ -52,11 +52,9 @@ def open_dataset(client: Client, spec, epoch: int) -> Ready:
 
 def get_or_create(client: Client, name: str, opener: Callable[[], Source],
                   order: Callable[[DatasetInfo], list] | None = None) -> Ready:
-    """The registry's dataset `name`, created once per cluster from `opener()` by the
-    first process to ask (the others wait for it), every block load submitted in one
-    graph. `order(info)`: the order the blocks are first needed (None: index order).
-    The scheduler plugin is registered only when the scheduler answers None (it has no
-    handler): one started as the recipes start it has it, and registering costs ms."""
+    """The registry's dataset `name`, created once per cluster from `opener()` by the first
+    process to ask (the others wait), every block load submitted in one graph, in the
+    order `order(info)` (None: index order). Registers the plugin if the scheduler lacks it."""
     claimant, registered = uuid.uuid4().hex, False
     while True:
         reply = _call(client, GetOrClaim(name, claimant))
@@ -77,14 +75,11 @@ def get_or_create(client: Client, name: str, opener: Callable[[], Source],
 
 
 def get_or_register(client: Client, source: Source) -> bool:
-    """Register `source`'s dataset lazily unless the registry has it (one request): none
-    of its blocks is loaded until someone submits it (`submit_blocks`). True when it was
-    registered now, so that none of its blocks exists yet."""
+    """Register `source`'s dataset lazily unless the registry has it: no block is loaded
+    until submitted (`submit_blocks`). True when registered now (none of its blocks exists)."""
     ensure_plugin(client)
     while True:
         reply = _call(client, GetOrRegister(source.info))
-        if isinstance(reply, NoWorkers):
-            raise NotADmdaskWorker(NO_WORKERS)
         if isinstance(reply, (Ready, Registered)):
             return isinstance(reply, Registered)
         time.sleep(0.05)  # being created by a get_or_create: ready in a moment
@@ -93,25 +88,21 @@ def get_or_register(client: Client, source: Source) -> bool:
 def _create(client: Client, name: str, source: Source, order, claimant: str) -> None:
     info = source.info
     reply = _call(client, Register(name, claimant, info, None if order is None else order(info)))
-    if isinstance(reply, NoWorkers):
-        raise NotADmdaskWorker(NO_WORKERS)
     if not isinstance(reply, Registered):
         return  # the claim passed to another rank: ask again
     del submit_blocks(client, [source.reader(k) for k in range(info.num_blocks)])[:]
 
 
 def submit_blocks(client: Client, readers) -> list:
-    """Submit the loads of these blocks (one graph; a block the cluster has already is
-    left as it is); their futures, which the caller may wait on or drop: the scheduler
-    plugin wants the blocks from now on, as long as their dataset is registered."""
+    """Submit the loads of these blocks in one graph (a block the cluster has is left as it
+    is); their futures, which the caller may drop (the scheduler plugin wants the blocks)."""
     return client.map(load_block, readers, key=[r.key for r in readers], pure=False)
 
 
 def release(client: Client, spec) -> bool:
-    """Drop the cluster's cache of `spec.source`: its blocks leave RAM and SSD now (an
-    iterator still reading it fails with `NotADmdaskWorker`), and the next `batches`
-    lists and reads the source afresh. True if the cluster held it. For a `dmdask.Mix`,
-    every source of the mixture (True if the cluster held any)."""
+    """Drop the cluster's cache of `spec.source` (every source of a `dmdask.Mix`): its blocks
+    leave RAM and SSD now (an iterator still reading it fails with `NotADmdaskWorker`), and
+    the next `batches` reads the source afresh. True if the cluster held it (or any)."""
     ensure_plugin(client)
     if isinstance(spec.source, Mix):
         return any([_call(client, Release(dataset_name(s))) for s in spec.source.specs(spec)])

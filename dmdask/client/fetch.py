@@ -1,10 +1,6 @@
-"""Fetching a group of one iterator's batches, on the client's event loop.
-
-The group's blocks are located (`holders_of`); without a transform its rows are assembled
-here (`dmdask.client.gather`: same-host rows from the mapped files, the others one request
-per holder), with a transform by the rank's local worker (`dmdask_batch`). A lost worker or
-a moved block is retried until `dmdask.client.recovery-seconds`; after a corrupt block the
-group is fetched one batch at a time, so every batch before it is still delivered.
+"""Fetching a group of one iterator's batches on the client's event loop (docs/architecture.md
+section 3, steps 5-6), retried after a lost worker or a moved block until
+`dmdask.client.recovery-seconds`; after a corrupt block, one batch at a time.
 """
 from __future__ import annotations
 
@@ -91,8 +87,7 @@ class GroupFetcher:
                 raise
             except (OSError, CommClosedError) as exc:  # a worker left: ask again
                 last_error = exc
-                if self.transform is not None and not isolate:
-                    # the transform may have killed it: the next try runs it where it cannot kill a worker
+                if self.transform is not None and not isolate:  # the transform may have killed it
                     logger.warning("a worker was lost while it ran the transform of batches %d..%d of rank %d; "
                                    "running them once more in a process of their own", first, stop - 1,
                                    self.spec.rank)
@@ -114,10 +109,8 @@ class GroupFetcher:
             from last_error
 
     async def _from_local_worker(self, plan, positions, ids, group, first: int, isolate: bool) -> list:
-        """Batches gathered and transformed by a worker on this node; when the transform
-        failed on one, the batches before it and its `TransformError`. `isolate`: the
-        transform runs in a process of its own (after a worker loss), so a transform that
-        kills its process fails its batch, not another worker."""
+        """Batches gathered and transformed by a worker on this node (`isolate`: in a process
+        of its own); when the transform failed on one, the batches before it and its error."""
         worker = await self.contact.local_worker()
         index, extra = self._index(ids)
         request = BatchRequest(plan, positions, index, [len(b) for b in group], list(self.info.fields),
@@ -135,10 +128,8 @@ class GroupFetcher:
         return (ids, {}) if self.mixed is None else self.mixed.batch_fields(ids)
 
     async def learn(self, keys: list[str]) -> None:
-        """The holders of these blocks among those loaded already, and the layout of those in
-        arenas on this host, so that a new process on a warm cache takes its rows straight
-        from the arenas from its first batch on: one request to the scheduler (it does not
-        wait for blocks still loading) and one per local worker holding some."""
+        """The holders of these blocks among those loaded already, and the layout of those
+        in arenas on this host (docs/architecture.md section 3, step 3)."""
         await self.contact.check_scheduler()
         mine = get_address_host(await self.contact.local_worker())
         holders = (await SchedulerAPI(self.client).locate(keys, mine, wait=0)).holders
@@ -173,11 +164,8 @@ class GroupFetcher:
         return out
 
     async def holders_of(self, keys: list[str]) -> tuple[dict[str, str], set[str]]:
-        """(holders of the given blocks, the keys among them still loading), asking the
-        scheduler plugin for those not known yet (`locate(planned=True)`: it waits a while
-        for blocks loading, but names at once the worker loading one right now, which waits
-        for it when asked for its rows). Raises the load's error for a block that failed to
-        load, `NotADmdaskWorker` if the dataset was released."""
+        """(holders of the given blocks, the keys among them still loading), the unknown located
+        (`planned`). Raises the load's error of a block that failed, `NotADmdaskWorker` if released."""
         unknown = [k for k in keys if k not in self.holders]
         loading: dict[str, str] = {}
         if unknown:

@@ -1,11 +1,7 @@
-"""A training process assembles its batches itself: rows of blocks held in files on its
-own host (shared memory for the RAM tier, the SSD) are taken by indexing the mapped
-files, with no request; only rows held on other hosts, or in no file (blocks filling or
-streamed), are asked for, one request per holder per group of batches.
-
-Guarantees: every row comes from the block that holds it, placed at its position in
-the group; a block released (or whose worker went away) while mapped raises `Moved`,
-so the caller locates it again; nothing here ever writes to a worker's files.
+"""A group of batches assembled in the training process (docs/architecture.md section 3,
+step 6): rows of blocks in files on this host taken from the mapped files, the others
+asked of their holders. Every row comes from the block that holds it, at its position; a
+block gone while mapped raises `Moved`; nothing here writes to a worker's files.
 """
 from __future__ import annotations
 
@@ -36,9 +32,7 @@ MAPPED_BLOCKS = 4096  # blocks kept mapped per process (each costs a mapping per
 
 
 class ForkSafeExecutor(concurrent.futures.Executor):
-    """A thread pool (its threads started at the first submit) that a forked child starts
-    anew: a forked process has none of its parent's threads, so work queued on the
-    parent's pool would wait forever."""
+    """A thread pool that a forked child starts anew (it has none of its parent's threads)."""
 
     def __init__(self, threads: int, name: str):
         self.threads, self.name = threads, name
@@ -51,15 +45,9 @@ class ForkSafeExecutor(concurrent.futures.Executor):
     def submit(self, fn, /, *args, **kwargs):
         return self._pool.submit(fn, *args, **kwargs)
 
-    def shutdown(self, wait=True, *, cancel_futures=False):
-        self._pool.shutdown(wait, cancel_futures=cancel_futures)
-
 
 _pool = ForkSafeExecutor(2, "dmdask-gather")
-# Warm batches of every iterator in this process are copied by this one thread: one core's
-# worth of copying per training process, overlapping the training step (numpy releases
-# the GIL while it copies), leaving the node's other cores to the other ranks.
-copier = ForkSafeExecutor(1, "dmdask-copy")
+copier = ForkSafeExecutor(1, "dmdask-copy")  # the warm batches of every iterator of the process
 
 
 class _Mapped:
@@ -71,8 +59,7 @@ class _Mapped:
         os.register_at_fork(after_in_child=self._start)
 
     def _start(self) -> None:
-        """Also in a forked child: the locks a parent thread may have held at the fork made
-        anew (the LRU's own lock with it: the child maps its blocks again as it uses them)."""
+        """Also in a forked child: the locks (the LRU's too) made anew; the child maps again."""
         self.lock = threading.Lock()
         self.maps = zict.LRU(MAPPED_BLOCKS, {})  # path -> map_arrays(...), least recently used dropped
 
@@ -98,8 +85,7 @@ _mapped = _Mapped()
 
 
 class FromFile(NamedTuple):
-    """Rows a process takes from files on its host: of one block's files, or of several
-    blocks in one arena (their rows, positions and ids concatenated)."""
+    """Rows taken from files on this host: of one block's files, or of several blocks of one arena."""
 
     description: dict  # the block's layout (`dmdask_describe`), or {"arena": fields, "tier": "ram"}
     rows: np.ndarray  # rows of the files
@@ -110,8 +96,7 @@ class FromFile(NamedTuple):
 
 
 class Gatherer:
-    """Assembles groups of batches for one iterator; counts the rows it took from workers'
-    files and reports them to those workers (`flush_hits`)."""
+    """Assembles groups of batches for one iterator, counting the rows taken from workers' files."""
 
     def __init__(self, client, my_host: str | None, arenas: dict[str, LocalArenas]):
         self.client = client
@@ -137,11 +122,9 @@ class Gatherer:
     async def gather(self, plan: dict[str, dict[str, np.ndarray]], positions: dict[str, np.ndarray],
                      n: int, priority: int | None = None,
                      loading: Collection[str] = ()) -> tuple[dict[str, np.ndarray], int]:
-        """(the group's rows, field by field, in group order; how many of them the holders
-        read from the store for it). `plan`: holder -> block key -> rows; `positions`:
-        holder -> where those rows go (in the same order); `priority`: the position of the
-        group's first batch in its epoch (holders serve lower ones first); `loading`: keys
-        whose holder is still loading them (in no file yet: asked for rows, not described)."""
+        """(the group's rows, field by field, in group order; how many the holders read from the
+        store for it). `plan`, `positions`: `plan_rows`; `priority`: the group's first batch's
+        position (holders serve lower ones first); `loading`: keys asked for rows, not described."""
         local = self._local_holders(plan)
         await asyncio.gather(*(self._describe(h, [k for k in plan[h] if k not in loading]) for h in local))
         from_files: list[FromFile] = []
@@ -167,19 +150,19 @@ class Gatherer:
                     asked, places = remote.setdefault(holder, ({}, []))
                     asked[key] = rows
                     places.append(where)
-        replies = await asyncio.gather(*(self._rows(h, asked, priority) for h, (asked, _) in remote.items()))
-        parts = [(np.concatenate(places), rows) for (_, places), (rows, _) in zip(remote.values(), replies)]
+        replies = await asyncio.gather(*(self.workers.call(h, RowsRequest(asked, priority, LOAD_WAIT))
+                                         for h, (asked, _) in remote.items()))  # holders wait for blocks loading
+        parts = [(np.concatenate(places), reply.arrays) for (_, places), reply in zip(remote.values(), replies)]
         loop = asyncio.get_running_loop()
         from_files += [taken._replace(rows=np.concatenate(taken.rows), where=np.concatenate(taken.where),
                                       ids=np.concatenate(taken.ids)) for taken in from_arenas.values()]
         arrays = await loop.run_in_executor(_pool, self._assemble, from_files, parts, n)
-        return arrays, sum(from_store for _, from_store in replies)
+        return arrays, sum(reply.from_store for reply in replies)
 
     def take_local(self, plan: dict[str, dict[str, np.ndarray]], positions: dict[str, np.ndarray],
                    n: int) -> dict[str, np.ndarray] | None:
-        """`gather` in the caller's thread, with no request, when every block of `plan` is
-        held in files on this host that this process has described already; None
-        otherwise (then `gather`). Raises `Moved` like `gather`."""
+        """`gather` in the caller's thread, with no request, when every block of `plan` is in
+        files on this host described already; None otherwise. Raises `Moved` like `gather`."""
         from_files = []
         for holder, wanted in plan.items():
             if get_address_host(holder) != self.my_host:
@@ -198,9 +181,7 @@ class Gatherer:
         return [h for h in holders if get_address_host(h) == self.my_host]
 
     async def learn(self, holders: dict[str, str]) -> None:
-        """Learn the layout of these blocks (key -> holder) where they are held in files on
-        this host, and remember those in arenas (`LocalArenas`), so that groups of them
-        take the warm path."""
+        """Describe these blocks (key -> holder) held on this host; those in arenas remembered (`LocalArenas`)."""
         by_holder: dict[str, list[str]] = defaultdict(list)
         for key, holder in holders.items():
             by_holder[holder].append(key)
@@ -211,8 +192,7 @@ class Gatherer:
                 self._remember(holder, key, description)
 
     async def describe(self, keys: dict[str, list[str]]) -> None:
-        """Learn how blocks held on this host are laid out in files (holder -> keys), ahead
-        of `gather` or `take_local`; blocks held elsewhere are left out."""
+        """Learn the file layout of blocks (holder -> keys) held on this host."""
         await asyncio.gather(*(self._describe(h, keys[h]) for h in self._local_holders(keys)))
 
     async def _describe(self, holder: str, keys: list[str]) -> None:
@@ -224,12 +204,6 @@ class Gatherer:
                     if key in reply:  # not held yet (still loading): asked again next time
                         found = reply[key]  # a worker of another user: its rows come by request
                         _mapped.described[(holder, key)] = found if readable(found) else None
-
-    async def _rows(self, holder: str, wanted: dict[str, np.ndarray], priority: int | None):
-        """(rows from `holder`, how many it read from the store for them); it waits a
-        moment for blocks it is still loading (`locate(planned=True)`)."""
-        reply = await self.workers.call(holder, RowsRequest(wanted, priority, LOAD_WAIT))
-        return reply.arrays, reply.from_store
 
     def _assemble(self, from_files: list[FromFile], parts, n: int) -> dict[str, np.ndarray]:
         """Runs in a thread: take the rows of mapped blocks and put every row in place."""
@@ -279,9 +253,8 @@ class Gatherer:
 
 
 def plan_rows(blocks: np.ndarray, offsets: np.ndarray, keys: dict[int, str], holders: dict[str, str]):
-    """What `Gatherer.gather` takes: holder -> block key -> rows to take (`offsets` in
-    their blocks), and holder -> the positions in the group where those rows go (in the
-    same order). `keys`: block index -> key; `holders`: key -> its holder."""
+    """What `Gatherer.gather` takes: holder -> block key -> rows (`offsets` in their
+    blocks), and holder -> the rows' positions in the group, in the same order."""
     by_block = np.argsort(blocks, kind="stable")
     uniq, starts = np.unique(blocks[by_block], return_index=True)
     groups = np.split(by_block, starts[1:])

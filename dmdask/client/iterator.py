@@ -1,12 +1,5 @@
-"""`dmdask.batches(client, spec)`: one epoch of one rank's batches.
-
-The data path of a batch: the rank computes the sample ids of its next batches from
-(seed, epoch, rank, world_size, batch index) alone (`dmdask.plan.order`); each block of
-the dataset is one Dask task with a stable key, created once per cluster
-(`dmdask.client.datasets`). A group of batches whose blocks all sit in arenas on this
-host is copied from them with no request (`dmdask.client.arenas`); any other group is
-fetched (`dmdask.client.fetch`). Up to `spec.prefetch` batches are in flight at once.
-"""
+"""`dmdask.batches(client, spec)`: one epoch of one rank's batches; the data path of a
+batch is docs/architecture.md section 3."""
 from __future__ import annotations
 
 import asyncio
@@ -40,28 +33,20 @@ def batches(client: Client, spec: Spec, epoch: int = 0, resume: dict | None = No
     """An iterator over this rank's batches of one epoch.
 
     Each batch is a dict of numpy arrays, one per field of the source, plus "index": the
-    global sample ids (int64) of its rows. For a mixture (`Spec(source=dmdask.Mix(...))`)
-    also "source" (int64, the index of each row's source in the mixture), and "index"
-    holds the ids within those sources; what the ranks share is then the epoch's
-    positions (`dmdask.Mix`). Across `spec.world_size` ranks every sample of
-    the epoch is delivered exactly once. `resume` takes a `state_dict()` of an earlier
-    iterator of the same spec and epoch and continues right after its last batch; or
-    the list of every rank's `state_dict()` from a run of another world size (or batch
-    size): the samples none of those ranks handed out are dealt to this run's ranks,
-    and over both runs every sample of the epoch is delivered exactly once.
-    `progress`: a tqdm bar for the epoch with batches/s and the cluster's hit rate; True,
-    False, or None (default: when stderr is an interactive terminal, on rank 0); see
-    `dmdask.client.progress`.
+    global sample ids (int64) of its rows; a mixture (`dmdask.Mix`) adds "source" (int64,
+    each row's source in the mixture) and "index" holds ids within those sources. Across
+    `spec.world_size` ranks every sample of the epoch is delivered exactly once.
+    `resume`: a `state_dict()` of an earlier iterator of the same spec and epoch (continues
+    right after its last batch), or the list of every rank's from a run of another world
+    or batch size (docs/failures.md, "Resuming"). `progress`: a tqdm bar (True, False, a
+    dict of tqdm options, or None: on rank 0 when stderr is a terminal; docs/dashboard.md).
     """
     return BatchIterator(client, spec, epoch, resume, progress=progress)
 
 
 class BatchIterator:
-    """One epoch of one rank's batches, with bounded prefetch and `state_dict()`.
-
-    `len()` is the number of batches this rank gets in the epoch. The position in
-    `state_dict()` counts batches handed out, not batches prefetched.
-    """
+    """One epoch of one rank's batches, with bounded prefetch; `len()`: the batches this
+    rank gets; `state_dict()` counts batches handed out, not batches prefetched."""
 
     def __init__(self, client: Client, spec: Spec, epoch: int = 0, resume: dict | None = None, progress=None):
         epoch = as_int("epoch", epoch, low=0)
@@ -112,8 +97,7 @@ class BatchIterator:
             check_fields_match(self._mixed, lambda: self._run(self._fetcher.first_rows()))
         self.wait_seconds = 0.0  # time the consumer spent waiting for batches
         self.requests = 0  # requests sent to workers (batches taken from arenas on this host need none)
-        # several batches a request, up to REQUEST_BYTES, keeping two requests in flight
-        self.group = max(1, spec.prefetch // 2)
+        self.group = max(1, spec.prefetch // 2)  # batches a request: two in flight, each up to REQUEST_BYTES
         if info.nbytes is not None:
             batch_bytes = spec.batch_size * info.nbytes / max(1, info.num_samples)
             self.group = int(max(1, min(self.group, REQUEST_BYTES // max(1, batch_bytes))))
@@ -126,14 +110,12 @@ class BatchIterator:
 
     @property
     def requested(self) -> int:
-        """Batches of this epoch requested so far: handed out, ready or in flight (at most
-        `position + spec.prefetch`)."""
+        """Batches handed out, ready or in flight (at most `position + spec.prefetch`)."""
         return self._next_request
 
     @property
     def progress(self):
-        """The epoch's progress bar (`dmdask.client.progress.EpochProgress`, its tqdm bar
-        as `.bar`); None when none is shown or once the epoch ended."""
+        """The epoch's `EpochProgress` (its tqdm bar as `.bar`); None when none is shown or after the epoch."""
         return self._progress
 
     def __len__(self) -> int:
@@ -166,10 +148,8 @@ class BatchIterator:
         return batch
 
     def _fill(self) -> None:
-        """Keep up to `spec.prefetch` batches requested or ready, earliest first (workers
-        serve a request at the priority of its first batch's position). While cold (the
-        last group fetched needed reads from the store) each batch is a request of its
-        own, handed out as soon as its rows are in; warm, `self.group` batches share one."""
+        """Keep up to `spec.prefetch` batches requested or ready, earliest first: one batch a
+        request while cold (`GroupFetcher.cold`), `self.group` batches while warm."""
         while self._next_request < len(self._batches):
             group = 1 if self._fetcher.cold else self.group
             pending = self._next_request - self._position
@@ -180,9 +160,7 @@ class BatchIterator:
             self._next_request = stop
 
     def _request(self, first: int, stop: int):
-        """A future of batches first..stop-1. Warm (no transform, every block of the group
-        known in an arena on this host): copied by this process's copier thread, no
-        request at all; otherwise fetched on the client's event loop (`_fetch`)."""
+        """A future of batches first..stop-1, copied from the arenas where it can be, else fetched."""
         group = self._batches.batches(first, stop)
         if self._transform is None and self._known(group):
             return copier.submit(self._copy_known, first, stop, group)
@@ -197,12 +175,10 @@ class BatchIterator:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     def _all_known(self) -> bool:
-        """Whether every block of every dataset read is in a known arena on this host."""
         return all(a.knows(np.arange(d.num_blocks)) for d, a in zip(self._datasets, self._locals))
 
     def _known(self, group: list[np.ndarray]) -> bool:
-        """Whether the arenas on this host hold every block of the group (a mixture: of
-        every source) as far as this process knows (`LocalArenas.take` applies)."""
+        """Whether every block of the group (a mixture: of every source) is in a known arena."""
         if self._mixed is not None:
             return self._all_known()
         return self._local.knows(np.concatenate(group) // self.info.block_len)
@@ -230,8 +206,7 @@ class BatchIterator:
         self._next_request = len(self._batches)
 
     def _end_progress(self) -> None:
-        """At the end of the epoch or on close: the bar closes, and the workers hear of the
-        rows this process took from their files (their hit counters)."""
+        """The bar closed and the hits reported to the workers."""
         if self._progress is not None:
             self._progress.close()
             self._progress = None

@@ -1,5 +1,4 @@
-"""Which host is this process's own (`my_host`): whose workers' files it reads itself,
-and where it prefers the holders of blocks (`dmdask.protocol.scheduler.Locate`)."""
+"""Which host is this process's own (`my_host`): whose workers' files it reads itself."""
 from __future__ import annotations
 
 import dask.config
@@ -9,9 +8,9 @@ from ..internals import local_address
 
 
 def my_host(client) -> str | None:
-    """The host this process counts as its node: `dmdask.client.host` when set (a node
-    whose workers listen on another interface than the one the scheduler is reached
-    from), else the address it reaches the scheduler from; None while disconnected."""
+    """`dmdask.client.host` when set (workers listening on another interface than the one
+    the scheduler is reached from), else the address it reaches the scheduler from; None
+    while disconnected."""
     host = dask.config.get("dmdask.client.host", None)
     if host:
         return host

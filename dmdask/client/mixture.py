@@ -1,11 +1,6 @@
-"""A weighted mixture of datasets (`dmdask.Mix`) as the iterator sees it: one dataset.
-
-Each source is a dataset of its own in the cluster (opened, cached, bounded and released
-as when read alone); `MixedInfo` lays their sample ids end to end (global id = the
-source's offset + its sample id) and numbers their blocks the same way, so the
-iterator plans, fetches and deals a mixture with the code of a single dataset. Batches
-then get "source" (which source each row came from) and "index" back in the source's
-own ids (`batch_fields`).
+"""A weighted mixture of datasets (`dmdask.Mix`) as one dataset (`MixedInfo`), so the
+iterator plans, fetches and deals it with the code of a single dataset; each source stays
+a dataset of its own in the cluster.
 """
 from __future__ import annotations
 
@@ -26,12 +21,8 @@ _matching: set = set()  # (identity, fields) of mixtures whose sources' rows wer
 
 
 class MixedInfo:
-    """The sources of a mixture as one dataset of global ids (source after source).
-
-    sources: each source's `DatasetInfo`, in `Mix.sources` order; counts: the draws of
-    each source per epoch (`dmdask.plan.mix.apportion` of the epoch size by the weights);
-    identity: a token of the sources' identities and counts (what a resume state must share).
-    """
+    """The sources of a mixture as one dataset of global ids (the source's offset + its sample
+    id). `counts`: each source's draws per epoch; `identity`: what a resume state must share."""
 
     def __init__(self, mix: Mix, sources: Sequence[DatasetInfo]):
         self.mix = mix
@@ -83,8 +74,7 @@ class MixedInfo:
 
 
 def _common_fields(sources: Sequence[DatasetInfo]) -> tuple[str, ...]:
-    """The fields every source gives (the first source's order); `SpecError` unless all
-    give the same ones, none of them "source"."""
+    """The fields every source gives (the first's order); `SpecError` unless all give the same, none "source"."""
     first = sources[0].fields
     if SOURCE_FIELD in first:
         raise SpecError("keys", f"fields without {SOURCE_FIELD!r}, the batch field of a mixture that tells each "
@@ -99,9 +89,8 @@ def _common_fields(sources: Sequence[DatasetInfo]) -> tuple[str, ...]:
 
 
 def check_fields_match(mix: MixedInfo, first_rows: Callable[[], list[dict[str, np.ndarray] | None]]) -> None:
-    """`SpecError` unless the first row of each source drawn (`first_rows()`, None for a
-    source not drawn) has the same dtype and sample shape in every field: a batch mixes
-    their rows. Checked once per process and mixture."""
+    """`SpecError` unless the first rows of the sources drawn (`first_rows()`, None for the
+    others) match in every field's dtype and sample shape; once per process and mixture."""
     if (mix.identity, mix.fields) in _matching:
         return
     drawn = [(mix.sources[i], r) for i, r in enumerate(first_rows()) if r is not None]
@@ -118,8 +107,8 @@ def check_fields_match(mix: MixedInfo, first_rows: Callable[[], list[dict[str, n
 
 
 def take_mixed(mix: MixedInfo, arenas: list[LocalArenas], group: list[np.ndarray], count) -> list[dict]:
-    """The warm path of a mixture: each source's rows from its arenas on this host
-    (`LocalArenas.take`), put together in the group's order. Raises `Moved` as `take` does."""
+    """The warm path of a mixture: each source's rows from its arenas (`LocalArenas.take`,
+    `Moved` likewise), put together in the group's order."""
     ids = np.concatenate(group)
     index, extra = mix.batch_fields(ids)
     sources = extra[SOURCE_FIELD]

@@ -1,16 +1,6 @@
-"""A progress bar per epoch for `dmdask.batches(..., progress=...)`.
-
-    epoch 2:  61%|██████▏   | 38/62 [00:04<00:02, 9.37batch/s, hit 97% (RAM 81%, SSD 16%, streamed 3%)]
-
-The hit rate is the share of the samples served during this epoch by every worker of the
-cluster that came from a RAM or SSD tier rather than the shared store, from the workers'
-heartbeat metrics held by the scheduler: one small scheduler request at most every
-`STATS_INTERVAL` seconds, in the background, never awaited by the training loop.
-
-When to show it: `progress=True` always, `False` never, `None` (the default) when stderr
-is an interactive terminal and this is rank 0, unless the dask config key
-`dmdask.progress` says otherwise. A dict is taken as keyword arguments for `tqdm`.
-"""
+"""A progress bar per epoch for `dmdask.batches(..., progress=...)` (docs/dashboard.md, "Progress
+bars"); its hit rate costs one scheduler request at most every `STATS_INTERVAL` s, in the
+background, which the training loop never waits for."""
 from __future__ import annotations
 
 import asyncio
@@ -50,17 +40,13 @@ def served(workers_metrics) -> dict:
 
 def hit_text(before: dict, after: dict) -> str | None:
     """"hit 97% (RAM 81%, SSD 16%, streamed 3%)" for the samples served between two
-    `served()` counts; None when none were (counters of a restarted worker restart at 0)."""
+    `served()` counts; None when none were."""
     delta = {k: max(0, after[k] - before[k]) for k in after}
     n = sum(delta.values())
     if not n:
         return None
-
-    def pct(x: float) -> str:
-        return f"{100 * x:.0f}%"
-
-    return (f"hit {pct((delta['ram'] + delta['ssd']) / n)} (RAM {pct(delta['ram'] / n)}, "
-            f"SSD {pct(delta['ssd'] / n)}, streamed {pct(delta['stream'] / n)})")
+    return (f"hit {(delta['ram'] + delta['ssd']) / n:.0%} (RAM {delta['ram'] / n:.0%}, "
+            f"SSD {delta['ssd'] / n:.0%}, streamed {delta['stream'] / n:.0%})")
 
 
 def _terminal_size(stream) -> bool:
@@ -73,7 +59,7 @@ def _terminal_size(stream) -> bool:
 
 
 async def served_now(client) -> dict:
-    """Samples served per tier by all workers (`served`), and `_workers`: a bar's one stats request."""
+    """`served` by all workers, and `_workers`: their number."""
     info = await client.scheduler.identity(n_workers=-1)
     workers = info.get("workers", {})
     counts = served((w.get("metrics") or {}).get("dmdask") for w in workers.values())

@@ -1,11 +1,6 @@
-"""Where a resumed iterator starts: its own state, or every rank's states of another run.
-
-`resume_point` checks a `state_dict()` (or the list of every rank's) against the
-iterator being made and returns (history, position): the generations of ranks before
-this one in the epoch (`dmdask.plan.elastic`) and the batches of this rank's share
-already handed out. Every refusal is a `SpecError` naming what differs, or the field
-of a state that was edited into something no iterator writes (`check_state`).
-"""
+"""Where a resumed iterator starts (`resume_point`): its own state, or every rank's states
+of another run. Every refusal is a `SpecError` naming what differs, or the field of a
+state edited into something no iterator writes (`check_state`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -20,12 +15,11 @@ STATE_FIELDS = ("identity", "epoch", "seed", "shuffle", "shuffle_window", "drop_
 
 
 def resume_point(resume, spec, current: dict, share: Callable[[int, int, int, list[dict]], RankShare]) -> tuple:
-    """(history, position) to start from, for the iterator of `spec` whose own state is
-    `current`; share(rank, world_size, batch_size, history) is a rank's `RankShare`. One
-    state (or every rank's, world size unchanged): this rank's own position, the batches
-    an uninterrupted run would give. Every rank's states from another world size or batch
-    size: the positions none of them handed out, dealt anew to this world (position 0 of a
-    new generation)."""
+    """(history, position) for the iterator of `spec` whose own state is `current`: the
+    generations of ranks before this one in the epoch (`dmdask.plan.elastic`), and the
+    batches of this rank's share handed out (0 when every rank's states of another world or
+    batch size start a new generation). share(rank, world_size, batch_size, history): a
+    rank's `RankShare`."""
     states = [resume] if isinstance(resume, dict) else list(resume) if isinstance(resume, (list, tuple)) else []
     if not states or not all(isinstance(s, dict) and "position" in s for s in states):
         raise SpecError("resume", "a dict from BatchIterator.state_dict(), or the list of every rank's "
@@ -63,12 +57,11 @@ def resume_point(resume, spec, current: dict, share: Callable[[int, int, int, li
     return history + [{"world_size": world, "consumed": consumed}], 0
 
 
-# a state's fields: (type check, what it must be)
 def _is_int(low):
     return lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) and v >= low
 
 
-_FIELDS = {
+_FIELDS = {  # a state's fields: (type check, what it must be)
     "order": (_is_int(0), "an integer (the order's version)"),
     "identity": (lambda v: isinstance(v, str) and bool(v), "the dataset's identity (a string)"),
     "epoch": (_is_int(0), "an integer >= 0"),
@@ -85,9 +78,7 @@ _FIELDS = {
 
 
 def check_state(state: dict, num_samples: int) -> None:
-    """`SpecError` naming the field unless every field of a `state_dict()` has the type and
-    range an iterator writes: known keys only, ints in range, a `history` whose
-    generations each list one consumed count (0..that rank's share) per rank."""
+    """`SpecError` naming the field unless `state` has only the keys, types and ranges of a `state_dict()`."""
     unknown = sorted(set(state) - set(_FIELDS))
     if unknown:
         raise SpecError(f"resume[{unknown[0]!r}]", f"only the keys of a state_dict(): {sorted(_FIELDS)}",

@@ -1,11 +1,7 @@
-"""The scheduler plugin's handlers (`dmdask.scheduler`): a request and a reply dataclass
-each, and `SchedulerAPI`, which sends them.
-
-A request travels as one `ToPickle` argument, `request`, and its reply as a `ToPickle` (as
-distributed's shuffle sends its run specs), so both keep their types; these are sent a few
-times per epoch. A handler checks its request once (`Request.check`, by the fields' types)
-before it changes anything. Outcomes that are not errors (`NoWorkers`, `Busy`) are replies.
-"""
+"""The scheduler plugin's handlers (`dmdask.scheduler`): a request and a reply dataclass each,
+both sent as `ToPickle` so they keep their types, and `SchedulerAPI`, which sends them. A
+handler checks its request once (`Request.check`, by the fields' types) before it changes
+anything. Outcomes that are not errors (`NoWorkers`, `Busy`) are replies."""
 from __future__ import annotations
 
 import dataclasses
@@ -64,8 +60,7 @@ class Request:
     op: ClassVar[str]  # the handler's name on the scheduler
 
     def check(self, op: Optional[str] = None) -> None:
-        """Raise `HandlerArgumentError`, naming `op` and the field, unless each field is of
-        its type and range."""
+        """`HandlerArgumentError`, naming `op` and the field, unless each field is of its type and range."""
         for f in dataclasses.fields(self):
             how = f.metadata["check"] if "check" in f.metadata else _BY_TYPE[f.type]
             if how is not None:
@@ -82,9 +77,8 @@ class GetOrClaim(Request):
 
 @message
 class Register(Request):
-    """Plan the blocks of a claimed dataset (`Registered`, `Busy` or `NoWorkers`):
-    `order`, the order they are first needed (None: index order); `lazy`: ready now, each
-    block loaded when first wanted."""
+    """Plan the blocks of a claimed dataset (`Registered`, `Busy` or `NoWorkers`): `order`, the
+    order they are first needed (None: index order); `lazy`: ready now, each loaded when wanted."""
     op = "dmdask_register"
     name: str
     claimant: str
@@ -188,8 +182,7 @@ class FsOpenBlocks(Request):
 
 @message
 class Ready:
-    """The dataset exists: its description, and how many of its blocks were held then
-    (about 0 just after its creation: it decides whether a rank asks where they are)."""
+    """The dataset exists: its description, and how many of its blocks were held then."""
     info: DatasetInfo
     loaded: int
 
@@ -261,8 +254,7 @@ class DatasetSummary:
 
 
 def serve(handlers: Dict[Type[Request], Callable]) -> Dict[str, Callable]:
-    """Scheduler handlers (op -> handler) that check their request, call the plugin's
-    method with it and send its reply typed."""
+    """Scheduler handlers (op -> handler) that check their request, call `method` with it, reply typed."""
 
     def one(kind: Type[Request], method: Callable) -> Callable:
         async def handler(request: Request = None, **untyped):
@@ -285,8 +277,7 @@ class SchedulerAPI:
         self.client = client
 
     async def send(self, request: Request):
-        """`request`'s reply; a refused request raises `HandlerArgumentError`, a lost
-        connection `OSError` (callers retry with `dmdask.recovery.Tries`)."""
+        """`request`'s reply; `HandlerArgumentError` if refused, `OSError` if the connection is lost."""
         reply = await getattr(self.client.scheduler, request.op)(request=ToPickle(request))
         return reply.data if isinstance(reply, ToPickle) else reply  # an inproc comm passes a reply as it is
 

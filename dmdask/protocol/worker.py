@@ -1,10 +1,7 @@
-"""The workers' handlers as typed messages, and `WorkerAPI`, which sends them.
-
-Each handler takes one request dataclass and answers one reply dataclass (or None). On
-the wire a message is the handler's keyword arguments: "message" (its class) and its
-fields, the `PAYLOAD` ones (arrays, bytes) wrapped by `to_serialize` as they always were.
-`received` rebuilds a request and checks it, once. One fact, one type: blocks not held
-where asked are the `Missing` reply on the wire and `Moved` everywhere else.
+"""The workers' handlers as typed messages, and `WorkerAPI`, which sends them. On the wire a
+message is the handler's keyword arguments: "message" (its class) and its fields, the
+`PAYLOAD` ones (arrays, bytes) wrapped by `to_serialize`. Blocks not held where asked are
+the `Missing` reply on the wire and `Moved` everywhere else.
 """
 from __future__ import annotations
 
@@ -68,11 +65,10 @@ class Missing(Message):
 
 @dataclass
 class BatchRequest(Message):
-    """`dmdask_batch`: consecutive batches gathered from their holders (`requests`: holder
-    -> block key -> rows; `positions`: holder -> where its rows go), in batch order;
-    `extra`: fields given whole (a mixture's "source"); `context`: a `TransformContext`;
-    `isolate`: the transform in a process of its own; `same_host`: batches may come back
-    in shared memory; `priority`, `wait` as in `RowsRequest`."""
+    """`dmdask_batch`: consecutive batches gathered from their holders (`requests`, `positions`:
+    `plan_rows`); `extra`: fields given whole (a mixture's "source"); `context`: a
+    `TransformContext`; `isolate`: the transform in a process of its own; `same_host`: batches
+    may come back in shared memory; `priority`, `wait` as in `RowsRequest`."""
     requests: dict[str, dict[str, np.ndarray]]
     positions: dict[str, np.ndarray]
     index: np.ndarray
@@ -188,8 +184,7 @@ def to_wire(message: Message) -> dict:
 
 
 def handler(kind: type, method):
-    """`method` (a `kind` request -> a reply or None) as the Dask handler of its op: the
-    request rebuilt from the keyword arguments received, and checked, once."""
+    """`method` (a `kind` request -> a reply or None) as the Dask handler of its op, which checks the request."""
     op = OPS[kind]
 
     async def handle(message=None, **wire):
@@ -211,8 +206,7 @@ def handler(kind: type, method):
 
 class WorkerAPI:
     """The workers' handlers over a `ConnectionPool` (`client.rpc`, `worker.rpc`).
-    `connect_seconds`: how long a connection may take (None: the pool's timeout), so that
-    a worker gone away fails a call with an OSError at once, not after 30 s of retries."""
+    `connect_seconds`: how long a connection may take before an OSError (None: the pool's)."""
 
     def __init__(self, rpc, connect_seconds: float | None = None):
         self.rpc, self.connect_seconds = rpc, connect_seconds

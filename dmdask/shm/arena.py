@@ -1,16 +1,10 @@
 """RAM-tier blocks of fixed-size fields packed into one shared-memory file per dataset and
-field (an arena), so a training process on the same host takes the rows of many blocks
-with one indexing operation per field.
-
-A block of a dataset with blocks of L samples occupies a slot of L rows (slots of
-released blocks are reused), written once and never changed while held: readers map the
-file and index rows slot * L + offset, with no lock. A file of int64 row labels
-(`ID_FIELD`) says which sample each row holds (-1: none); a writer clears a slot's labels
-before writing its rows and labels them after, so a reader that checks the labels after
-taking the rows never returns rows of a released or reused slot (`NotHeld`). The files
-only grow, and go with the worker's shared-memory folder. A `block` here: the worker's
-`Block` (`arrays`, `start`).
-"""
+field (an arena): a block of L samples occupies a slot of L rows (slots of released blocks
+are reused), written once and never changed while held; readers index rows slot * L +
+offset with no lock. A file of int64 row labels (`ID_FIELD`, -1: none) is cleared before a
+slot is written and labelled after, so a reader that checks the labels after taking the
+rows never returns rows of a released or reused slot (`NotHeld`). The files only grow. A
+`block` here: the worker's `Block` (`arrays`, `start`)."""
 from __future__ import annotations
 
 import contextlib
@@ -59,8 +53,7 @@ class Arena:
             for n, arr in block.arrays.items()) and len(block) <= self.block_len
 
     def write(self, block) -> int:
-        """Copy `block` into a free slot; returns the slot. OSError (ENOSPC) when shared
-        memory is full, with nothing held."""
+        """Copy `block` into a free slot: the slot. OSError (ENOSPC), nothing held, when full."""
         with self._lock:
             slot = self._free.pop() if self._free else self._slots
             self._slots = max(self._slots, slot + 1)
@@ -123,9 +116,7 @@ class ArenaMaps:
             if size < needed * row_bytes:
                 raise NotHeld(f"{path} holds fewer rows than {needed}")
             pages = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
-        # Whole rows only: a writer extending the file (a block written into a new slot)
-        # makes its size grow a page at a time, so a reader may see any page-aligned size.
-        rows = size // row_bytes
+        rows = size // row_bytes  # whole rows only: a file being extended grows a page at a time
         count = rows * (row_bytes // np.dtype(dtype).itemsize)
         array = np.frombuffer(pages, dtype=dtype, count=count).reshape((rows,) + tuple(row_shape))
         with self._lock:
@@ -138,9 +129,8 @@ class ArenaMaps:
         return self.take_rows(description["arena"], description["first_row"] + offsets, description["start"] + offsets)
 
     def take_rows(self, fields: dict, rows: np.ndarray, ids: np.ndarray) -> Arrays:
-        """Arena rows `rows` (int64), which must hold samples `ids`: the fields' values.
-        NotHeld when a row holds another sample (the labels are read after the rows),
-        FileNotFoundError when the worker is gone."""
+        """The fields' values at arena rows `rows`, which must hold samples `ids` (else
+        NotHeld: the labels are read after the rows); FileNotFoundError when the worker is gone."""
         needed = int(rows.max()) + 1 if len(rows) else 0
         taken = {name: self.rows(path, dtype, shape, needed)[rows]
                  for name, (path, dtype, shape) in fields.items() if name != ID_FIELD}

@@ -1,8 +1,7 @@
 """The file-block format: a block as one raw file per field in a folder of its own, written
-once by its worker (`write`), mapped read-only by processes of its host that may read it
-(`readable`, `map_arrays`, `take_rows`). Variable-size fields (object arrays of uint8
-arrays, numpy strings) are values plus offsets. The layout keeps every dtype and shape, so
-reads parse no file header (`np.load`'s is not thread-safe on CPython 3.11, #106905)."""
+once by its worker (`write`), mapped read-only by processes of its host (`map_arrays`);
+variable-size fields (ragged, strings) as values plus offsets. The layout keeps every dtype
+and shape, so reads parse no header (`np.load`'s is not thread-safe on CPython 3.11)."""
 from __future__ import annotations
 
 import errno
@@ -47,8 +46,7 @@ def write(directory: str, arrays: Arrays, start: int) -> tuple[str, tuple]:
 
 
 def files_exist(path: str, layout: tuple, samples: int) -> bool:
-    """Whether every file of a block of `samples` samples is still there with the size its
-    layout says (they may have been deleted or replaced)."""
+    """Whether every file of a block of `samples` samples is still there with the size its layout says."""
     sizes = {}
     for name, kind, dtype, shape in layout:
         nbytes = np.dtype(dtype).itemsize * int(np.prod(shape, dtype=np.int64))
@@ -64,8 +62,7 @@ def files_exist(path: str, layout: tuple, samples: int) -> bool:
 
 def readable(description: dict | None) -> bool:
     """Whether this process may map the files of a block's description (a file block's or
-    an arena block's, `dmdask.worker.holdings`): a worker's folders are its user's (or
-    group's) only, so a process of another user takes the block's rows through the worker."""
+    an arena block's); a process of another user takes the block's rows through the worker."""
     if description is None:
         return False
     path = description["path"] if "path" in description else next(iter(description["arena"].values()))[0]
@@ -73,9 +70,8 @@ def readable(description: dict | None) -> bool:
 
 
 def map_arrays(description: dict) -> dict:
-    """The fields of a file block (its description: path, layout) mapped read-only: an
-    array per fixed field, and (values, offsets) per variable-size field. Raises
-    FileNotFoundError once the block was released."""
+    """The fields of a file block (its description: path, layout) mapped read-only, as
+    `take_rows` takes them; FileNotFoundError once the block was released."""
     path, out = description["path"], {}
     for name, kind, dtype, shape in description["layout"]:
         if kind == "fixed":
@@ -106,8 +102,7 @@ def take_rows(mapped: dict, rows: np.ndarray) -> Arrays:
 
 
 def assemble(parts, n: int) -> Arrays:
-    """A group of `n` rows from `parts`, (positions, arrays) pairs: each part's rows put at
-    its positions, field by field (the worker's batch handler and a trainer's gatherer)."""
+    """A group of `n` rows from `parts`, (positions, arrays) pairs, each part's rows at its positions."""
     out: Arrays = {}
     for where, arrays in parts:
         for name, values in arrays.items():
@@ -118,8 +113,7 @@ def assemble(parts, n: int) -> Arrays:
 
 
 def _map(path: str, dtype: str, shape: tuple) -> np.ndarray:
-    """A read-only array over the file's pages (a plain ndarray: indexing it costs what
-    indexing memory costs, without `np.memmap`'s per-call Python overhead)."""
+    """A read-only array over the file's pages (a plain ndarray: no `np.memmap` overhead per call)."""
     if 0 in shape:
         return np.zeros(shape, dtype=dtype)
     expected = np.dtype(dtype).itemsize * int(np.prod(shape, dtype=np.int64))

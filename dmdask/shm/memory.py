@@ -1,14 +1,8 @@
-"""Memory for warm batches, reused once a batch is dropped.
-
-Fresh memory is the expensive part of a batch copied from shared memory: glibc gives
-large blocks back to the kernel when freed, so each new batch faults its pages in again.
-Here a batch's arrays live in a chunk of a long-lived slab of private anonymous memory
-(huge pages where the kernel allows; a forked child gets its own copy), back in its pool
-when the last array viewing it is collected. A pool holds at most `MAX_POOL_BYTES`;
-beyond that, and for batches too large for a slab, batches get ordinary numpy memory.
-
-Guarantees: a chunk is never handed out while any array of its batch is alive; the
-arrays are ordinary writable numpy arrays (torch.from_numpy shares them).
+"""Memory for warm batches, reused once a batch is dropped (fresh memory would fault its
+pages in again for every batch): a chunk of a long-lived slab of private anonymous memory
+(huge pages where allowed) per batch, back in its pool when the last array viewing it is
+collected, never before; beyond `MAX_POOL_BYTES`, ordinary memory. The arrays are ordinary
+writable numpy arrays (torch.from_numpy shares them).
 """
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Who may read a worker's files: the modes of its tier and result folders and files.
-
-Default: only the worker's user (folders 0700, files 0600, whatever the umask), so
-cached data is never readable by other users of the node; training processes of the
-same user map the files read-only. `dmdask.worker.group` (a group name or id) opens
-them to that group instead: folders 2750 (new files inherit the group), files 0640.
+"""Who may read a worker's files (docs/failures.md, "Trust model"): only the worker's user
+(folders 0700, files 0600, whatever the umask), or the group `dmdask.worker.group`
+(folders 2750, so new files inherit the group; files 0640).
 """
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""Transformed batches handed to a training process on the same host through shared memory.
-
-A worker that ran `Spec.transform` writes the group's batches into one file of its
-shared-memory folder (`write_batches`) and replies with its description; the training
-process maps the file copy-on-write and unlinks it at once (`map_batches`): no pickle,
-no socket, no copy on its side; the memory goes back when the group's last array dies.
-A file a trainer died before mapping is removed once older than `STALE_SECONDS` (as the
-worker writes new ones), or with the worker's folder (`dmdask.worker.folders`).
+"""Transformed batches handed to a training process on the same host through one file of
+the worker's shared-memory folder (`write_batches`), which the process maps copy-on-write
+and unlinks at once (`map_batches`). A file a trainer died before mapping is removed once
+older than `STALE_SECONDS` (as the worker writes new ones), or with the worker's folder.
 """
 from __future__ import annotations
 
@@ -25,15 +21,14 @@ STALE_SECONDS = 120.0
 
 
 def shareable(batches: list[dict]) -> bool:
-    """Whether every field of every batch is a plain fixed-size array (object arrays of
-    per-sample arrays and strings travel the ordinary way)."""
+    """Whether every field of every batch is a plain fixed-size array."""
     return all(isinstance(a, np.ndarray) and a.dtype != object and a.dtype.kind != "T"
                for b in batches for a in b.values())
 
 
 def write_batches(folder: str, batches: list[dict]) -> dict:
-    """Write `batches` (dicts of fixed-size arrays) into a new file of `folder`; returns
-    its description for `map_batches`. Nothing is left behind on error."""
+    """Write `batches` into a new file of `folder`: its description for `map_batches`.
+    Nothing is left behind on error."""
     _remove_stale(folder)
     layout, offset = [], 0
     for batch in batches:
@@ -60,8 +55,7 @@ def write_batches(folder: str, batches: list[dict]) -> dict:
 
 
 def map_batches(description: dict) -> list[dict]:
-    """The batches of a `write_batches` file as writable arrays over its pages; the file
-    is unlinked once mapped (its pages live as long as the arrays)."""
+    """The batches of a `write_batches` file as writable arrays over its pages, the file unlinked."""
     path = description["path"]
     try:
         with open(path, "rb") as f:
@@ -77,9 +71,9 @@ def map_batches(description: dict) -> list[dict]:
 _last_sweep: dict = {}
 
 
-def _remove_stale(folder: str, now: float | None = None) -> None:
+def _remove_stale(folder: str) -> None:
     """Remove result files older than STALE_SECONDS (checked at most every few seconds)."""
-    now = time.time() if now is None else now
+    now = time.time()
     if now - _last_sweep.get(folder, 0.0) < STALE_SECONDS / 10:
         return
     _last_sweep[folder] = now

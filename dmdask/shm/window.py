@@ -1,12 +1,7 @@
-"""One field's arenas on this host (one per worker, `dmdask.shm.arena`), mapped side by
-side at fixed strides into one reserved range of address space, so a single `np.take`
-reads a group's rows from all of them, in the epoch's order, with one copy: row r of
-arena a is row a * stride + r of the window.
-
-Guarantees: a mapping only grows while the window lives, so a row index valid once stays
-readable; rows never mapped are never read (callers index only rows of blocks they know,
-`LocalArenas`). Linux and macOS (mmap with MAP_FIXED); `Window.open` returns None where
-the range cannot be reserved.
+"""One field's arenas on this host (one per worker), mapped side by side at fixed strides in
+one reserved range of address space: row r of arena a is row a * stride + r of the window,
+so one `np.take` reads a group's rows from all of them. A mapping only grows while the
+window lives, so a row index valid once stays readable. Linux and macOS (MAP_FIXED).
 """
 from __future__ import annotations
 
@@ -29,13 +24,8 @@ _MAP_NORESERVE = 0x4000 if os.uname().sysname == "Linux" else 0
 _PROT_NONE = 0
 
 
-def _physical_memory() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 class Window:
-    """Arena files of one field, mapped read-only at strides of `stride` rows. Not
-    thread-safe: its owner serialises `map`, `rows` and `close`."""
+    """Arena files of one field, mapped read-only `stride` rows apart. Not thread-safe: its owner serialises."""
 
     def __init__(self, base: int, stride: int, row_bytes: int, dtype: str, row_shape: tuple):
         self._base, self.stride, self._row_bytes = base, stride, row_bytes
@@ -47,15 +37,14 @@ class Window:
 
     @classmethod
     def open(cls, max_rows: int, dtype: str, row_shape: tuple) -> Window | None:
-        """A window for arenas of up to `max_rows` rows each (capped by this host's
-        memory, which bounds any file in shared memory); None if the address space
-        cannot be reserved."""
+        """A window for arenas of up to `max_rows` rows each (at most this host's memory); None if unreservable."""
         row_bytes = np.dtype(dtype).itemsize * int(np.prod(row_shape, dtype=np.int64))
         if row_bytes == 0:
             return None
         page = mmap.PAGESIZE
         unit = int(np.lcm(row_bytes, page)) // row_bytes  # rows per stride step, so arenas start on pages
-        stride = int(-(-min(max_rows, _physical_memory() // row_bytes + 1) // unit) * unit)
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        stride = int(-(-min(max_rows, memory // row_bytes + 1) // unit) * unit)
         base = _libc.mmap(None, stride * row_bytes * MAX_ARENAS, _PROT_NONE,
                           mmap.MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
         if base in (None, _FAILED):
@@ -63,8 +52,7 @@ class Window:
         return cls(base, stride, row_bytes, dtype, row_shape)
 
     def map(self, arena: int, path: str, rows: int) -> None:
-        """Arena `arena`'s file mapped with at least `rows` rows. FileNotFoundError when
-        the file is gone or holds fewer rows."""
+        """Arena `arena`'s file mapped with at least `rows` rows, else FileNotFoundError."""
         if rows <= self._mapped[arena]:
             return
         with open(path, "rb") as f:
