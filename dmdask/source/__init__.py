@@ -1,10 +1,9 @@
 """Datasets on the shared store: their description and how a block is read.
 
-`dataset_name(spec)` names the dataset a spec reads, with no I/O, so a rank that joins
-a dataset already created reads nothing from the store to plan its epoch.
-`open_source(spec)` reads what creating the blocks needs (metadata, footers, tar
-headers, a listing); only the process that creates a dataset's blocks calls it, once
-per cluster. The cluster keeps a dataset as it was first opened: after changing it in
+`dataset_name(spec)` does no I/O, so a rank that joins a dataset already created reads
+nothing from the store to plan its epoch. `open_source(spec)` reads what creating the
+blocks needs; only the process that creates a dataset's blocks calls it, once per
+cluster. The cluster keeps a dataset as it was first opened: after changing it in
 place, `dmdask.release` it. Other packages add formats (`registry.Format`).
 """
 from __future__ import annotations
@@ -21,9 +20,8 @@ __all__ = ["BlockReader", "DatasetInfo", "Format", "GROUP", "Place", "Source", "
 
 
 def dataset_name(spec) -> str:
-    """The registry name of the dataset `spec` reads: its URL (or shard URLs) in one
-    spelling (`urls.normalize` for local paths), storage options, fields and block size
-    (no I/O)."""
+    """The registry name of the dataset `spec` reads, from its URL (`urls.normalize` for local
+    paths), storage options, fields and block size."""
     keys = None if spec.keys is None else sorted(spec.keys)
     source = tuple(map(_named, spec.source)) if isinstance(spec.source, tuple) else _named(spec.source)
     return f"ds-{tokenize(source, options_json(spec.storage_options), keys, spec.block_size)[:16]}"

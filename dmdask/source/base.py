@@ -41,10 +41,9 @@ PERMANENT_ERRORS = (aiohttp.ClientSSLError,)  # a TLS certificate refused: a Cli
 class DatasetInfo:
     """A dataset as the training process sees it. Small (no per-block or per-sample arrays).
 
-    name: the registry name, a function of the spec alone (URL, options, fields, block
-        size); identity: a token of the data as opened (Zarr metadata, a folder's listing),
-        part of every block key, so a dataset changed and released gets new blocks;
-        nbytes: decoded bytes of the whole dataset, None when the store gives no sizes.
+    name: the registry name, a function of the spec alone; identity: a token of the data
+    as opened, part of every block key, so a dataset changed and released gets new blocks;
+    nbytes: decoded bytes of the whole dataset, None when the store gives no sizes.
     """
 
     name: str
@@ -64,14 +63,9 @@ class DatasetInfo:
         start = k * self.block_len
         return start, min(self.num_samples, start + self.block_len)
 
-    def block_of(self, sample_ids: np.ndarray) -> np.ndarray:
-        """The block index of each sample id."""
-        return np.asarray(sample_ids, dtype=np.int64) // self.block_len
-
     def locate(self, sample_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(block index, row in that block) of each sample id."""
-        blocks = self.block_of(sample_ids)
-        return blocks, np.asarray(sample_ids, dtype=np.int64) - blocks * self.block_len
+        return np.divmod(np.asarray(sample_ids, dtype=np.int64), self.block_len)
 
     def block_key(self, k: int) -> str:
         return block_key(self.identity, k)
@@ -104,22 +98,13 @@ _fs_lock = threading.Lock()
 
 @functools.lru_cache(maxsize=16)
 def filesystem(protocol: str, options: str):
-    """The fsspec filesystem of `protocol` with these storage options (JSON, as made by
-    `options_json`), made once per process and shared by the block readers."""
+    """The fsspec filesystem of `protocol` with these `options_json`, made once per process."""
     with _fs_lock:
         return fsspec.filesystem(protocol, **json.loads(options))
 
 
-def prepare_filesystem(protocol: str, options: str) -> None:
-    """`filesystem(protocol, options)` made ahead of the first read; never raises (the
-    read reports what is wrong)."""
-    with contextlib.suppress(Exception):
-        filesystem(protocol, options)
-
-
 def import_extra(module: str, requirement: str, reading: str):
-    """`module` imported, or an ImportError saying that reading `reading` sources needs
-    the `formats` extra (or `requirement`)."""
+    """`module`, or an ImportError saying that `reading` sources need the `formats` extra (or `requirement`)."""
     try:
         return importlib.import_module(module)
     except ImportError as exc:
@@ -142,10 +127,9 @@ def protocol_of(fs) -> str:
 
 
 def is_transient(exc: BaseException) -> bool:
-    """Whether a store read that raised `exc` may succeed when tried again: a refused,
-    reset or timed-out connection, or an HTTP 5xx or 429 answer (as `exc` or as its
-    `__cause__`). Anything else is permanent: a missing file (404), data that does not
-    decode, a TLS certificate refused."""
+    """Whether a store read that raised `exc` may succeed when tried again: a refused, reset or
+    timed-out connection or an HTTP 5xx or 429 (as `exc` or in its `__cause__` chain); never
+    a missing file (404), data that does not decode, a TLS certificate refused."""
     while exc is not None:
         if isinstance(exc, PERMANENT_ERRORS):
             return False
@@ -168,12 +152,10 @@ class BlockReader(Protocol):
 
     `read()` returns the whole block, one array per field; `read_rows(rows)` the given
     rows (offsets in the block), equal to `read()` indexed by `rows`. Both retry a
-    transient store error (`is_transient`), waiting 0.05 s, then twice as long each time
-    (at most 5 s), as long as the read has run less than `dmdask.store.retry-seconds`
-    (default 30), calling `on_retry(exc)` before each retry; any other error, or a
-    transient one that outlasts that time, raises `BlockReadError` naming the URL and
-    the samples. `prepare()` makes what the reads need ahead of the first (never raises).
-    `StoreReader` implements all this over a format's plain `_read`.
+    transient store error for up to `dmdask.store.retry-seconds` (docs/architecture.md,
+    "Transient store errors"), calling `on_retry(exc)` before each retry; then, or for
+    any other error, they raise `BlockReadError` naming the URL and the samples.
+    `prepare()` makes what the reads need ahead of the first (never raises).
     """
 
     key: str
@@ -193,9 +175,12 @@ class BlockReader(Protocol):
 
 class StoreReader(BlockReader):
     """A `BlockReader` whose subclass implements `_read` or `_read_rows` (or both), raising
-    whatever the store raised; this adds the retries and errors."""
+    whatever the store raised; this adds the retries and errors. A subclass that reads
+    through `filesystem(protocol, options)` sets those two attributes."""
 
     row_granular = False
+    protocol: str | None = None
+    options = "{}"
 
     def __init__(self, url: str, identity: str, index: int, start: int, stop: int, nbytes: int | None):
         self.url, self.index, self.start, self.stop, self.nbytes = url, index, start, stop, nbytes
@@ -208,8 +193,10 @@ class StoreReader(BlockReader):
         return self._retrying(lambda: self._read_rows(rows), on_retry)
 
     def prepare(self) -> None:
-        """Make what the reads need before the first (the store's filesystem: 0.15-0.2 s
-        for HTTP in a new process); a no-op for readers with nothing to prepare."""
+        """Make the store's filesystem ahead of the first read; never raises (the read reports it)."""
+        if self.protocol is not None:
+            with contextlib.suppress(Exception):
+                filesystem(self.protocol, self.options)
 
     def _read(self) -> dict:
         """Every row of the block: for readers whose unit is the row."""
@@ -233,9 +220,8 @@ class StoreReader(BlockReader):
             spent, transient = time.monotonic() - started, is_transient(error)
             if not transient or spent + wait > budget:
                 detail = f" (after {tries} tries in {spent:.1f} s)" if tries > 1 or transient else ""
-                # Raised outside the `except`, so the store's exception does not travel
-                # with it (aiohttp's do not pickle, which would turn this into a plain
-                # Exception on the client); its type and text are in the message.
+                # Raised outside the `except`: the store's exception (aiohttp's do not pickle)
+                # must not travel with it; its type and text are in the message.
                 raise BlockReadError(self.url, self.index, self.start, self.stop, error, detail)
             logger.warning("transient error reading block %d of %s, try %d, next in %.2f s: %s: %s",
                            self.index, self.url, tries, wait, type(error).__name__, error)

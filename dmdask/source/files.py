@@ -1,15 +1,6 @@
-"""One file on the store as a dataset of byte rows: what transparent mode (`dmdask.fs`)
-caches.
-
-A file of `size` bytes is cut into rows of `ROW_BYTES` (the last one shorter), field
-"data" (each row a uint8 array); a block is `block_bytes // ROW_BYTES` rows: one byte
-range of the file, read with one ranged read, once, and held like any other block. A
-reader touching a few byte ranges of a large file loads only the blocks it touches,
-and copies only the rows it reads. The identity of a file's dataset is its URL, storage
-options, size, version (the modification time or ETag the store reports) and block
-size: a file changed in size or version is another dataset, with new blocks. Opening
-one reads nothing: all it needs comes from the file's info.
-"""
+"""One file on the store as a dataset of byte rows (field "data", rows of `ROW_BYTES`): what
+transparent mode (`dmdask.fs`) caches. Opening reads nothing; a block is one ranged read
+(docs/architecture.md, `dmdask.source.files`; docs/transparent.md, "Freshness")."""
 from __future__ import annotations
 
 import asyncio
@@ -29,20 +20,19 @@ FIELDS = ("data",)
 
 
 def file_identity(url: str, options: str, size: int, version, block_bytes: int) -> str:
-    """The token naming a file's dataset (registry name `fs-<token>`) and its blocks: a
-    hash of its description (cheap: computed at every open)."""
+    """The token naming a file's dataset (registry name `fs-<token>`) and its blocks: a file
+    changed in size or version is another dataset, with new blocks."""
     described = json.dumps(["file-bytes", url, options, size, version, block_bytes], default=str)
     return hashlib.blake2b(described.encode(), digest_size=8).hexdigest()
 
 
 def read_blocks(readers) -> list:
-    """Each block's bytes from the store, one ranged request per block (concurrent on an
-    async filesystem: HTTP, S3, GCS), or the exception its read raised (`FileChanged`
-    when the file is no longer the version its dataset was opened at). The readers are
-    of files on one filesystem; it is this process's own (fsspec makes one per process)."""
+    """Each block's bytes from the store, one ranged request per block (concurrent on an async
+    filesystem), or the exception its read raised (`FileChanged` when the file is no longer
+    the version its dataset was opened at). The readers are of files on one filesystem."""
     first = readers[0]
     try:
-        fs = fsspec.filesystem(first.protocol, **json.loads(first.options))
+        fs = fsspec.filesystem(first.protocol, **json.loads(first.options))  # this process's own (fsspec's cache)
         if not getattr(fs, "async_impl", False):
             return [_or_error(r.read_bytes, fs) for r in readers]
         return fsspec.asyn.sync(fs.loop, asyncio.gather, *(r.read_bytes_async(fs) for r in readers),
@@ -63,10 +53,8 @@ class FileChanged(OSError):
 
 
 def _precondition(protocol: str, version) -> dict:
-    """Keyword arguments of a ranged read that make the store refuse another version
-    of the file: HTTP's If-Match on the file's ETag, S3's version id (of a versioned
-    bucket); {} where the store offers neither (a local file is checked by its mtime
-    after the read; other stores are not checked: docs/transparent.md)."""
+    """Keyword arguments of a ranged read that make the store refuse another version of the
+    file (HTTP's If-Match on the ETag, S3's version id); {} where the store offers neither."""
     fields = dict(version or ())
     if protocol in ("http", "https") and fields.get("ETag"):
         return {"headers": {"If-Match": fields["ETag"]}}
@@ -76,10 +64,9 @@ def _precondition(protocol: str, version) -> dict:
 
 
 class FileSource(Source):
-    """A file of known size and version, as byte rows (see the module docstring)."""
+    """A file of known size and version, as byte rows."""
 
-    def __init__(self, url: str, protocol: str, options: str, path: str, size: int, version,
-                 block_bytes: int):
+    def __init__(self, url: str, protocol: str, options: str, path: str, size: int, version, block_bytes: int):
         if size <= 0:
             raise ValueError(f"{url}: an empty file has no blocks")
         block_bytes = self.block_bytes_of(block_bytes)
@@ -132,7 +119,7 @@ class FileBlockReader(StoreReader):
         return content
 
     async def read_bytes_async(self, fs) -> bytes:
-        """`read_bytes` on an async filesystem's loop (`_cat_file`: fsspec's documented async API)."""
+        """`read_bytes` on an async filesystem's loop (`_cat_file` is fsspec's documented async API)."""
         with self._refused_as_changed():
             return await fs._cat_file(self.path, start=self.first, end=self.last,
                                       **_precondition(self.protocol, self.version))

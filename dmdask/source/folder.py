@@ -1,13 +1,6 @@
-"""Folders of per-sample files in class-per-subfolder layout (ImageNet style).
-
-Field "data" holds each sample's bytes as a uint8 array (an object array of them per
-batch), field "label" the int64 class index in sorted subfolder order. Sample ids run
-over the sorted class folders, then the sorted file names. Blocks are runs of files.
-
-The listing costs one request per class folder (up to `LIST_THREADS` at once), never one
-per file; it travels with the block readers. Sizes come from the listing where the
-protocol gives them (local, s3, gcs); elsewhere (HTTP) a block's size is learnt when read.
-"""
+"""Folders of per-sample files in class-per-subfolder layout (ImageNet style), fields "data"
+(each file's bytes) and "label" (docs/quickstart.md#sources). The listing travels with the
+block readers."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -16,19 +9,12 @@ import numpy as np
 from dask.base import tokenize
 
 from ..errors import SourceError, SpecError
-from .base import DatasetInfo, Source, StoreReader, filesystem, options_json, prepare_filesystem, protocol_of
+from .base import DatasetInfo, Source, StoreReader, filesystem, options_json, protocol_of
 from .registry import Format, Place
 
 DEFAULT_FILES_PER_BLOCK = 256
 LIST_THREADS = 16  # class folders listed at once
 FIELDS = ("data", "label")
-
-
-def folder_fields(spec) -> tuple:
-    fields = tuple(sorted(spec.keys or FIELDS))
-    if any(f not in FIELDS for f in fields):
-        raise SpecError("keys", f"names among {list(FIELDS)} for a folder source", list(spec.keys))
-    return fields
 
 
 class FolderSource(Source):
@@ -45,10 +31,11 @@ class FolderSource(Source):
 
 
 def open_folder(place: Place) -> FolderSource:
-    """Check the spec's keys, list the class folders (a request each, `LIST_THREADS` at
-    once) and describe the blocks."""
+    """Check the spec's keys, list the class folders and describe the blocks."""
     fs, url, spec = place.fs, place.url, place.spec
-    fields = folder_fields(spec)
+    fields = tuple(sorted(spec.keys or FIELDS))
+    if any(f not in FIELDS for f in fields):
+        raise SpecError("keys", f"names among {list(FIELDS)} for a folder source", list(spec.keys))
     files, labels, sizes = _list(place)
     block_len = spec.block_size or DEFAULT_FILES_PER_BLOCK
     root = place.path.rstrip("/")
@@ -66,12 +53,10 @@ def _list(place: Place):
     fs, url = place.fs, place.url
     classes = sorted(e["name"].rstrip("/") for e in place.listing if e["type"] == "directory")
     if not classes:
-        raise SourceError(
-            f"{url} is neither a Zarr v3 group (no zarr.json), Parquet or HDF5, a folder of WebDataset "
-            ".tar shards, nor a folder of class subfolders holding one file per sample"
-        )
+        raise SourceError(f"{url} is neither a Zarr v3 group (no zarr.json), Parquet or HDF5, a folder of "
+                          "WebDataset .tar shards, nor a folder of class subfolders holding one file per sample")
     with ThreadPoolExecutor(min(LIST_THREADS, len(classes)), thread_name_prefix="dmdask-list") as pool:
-        listings = list(pool.map(lambda cls: fs.ls(cls, detail=True), classes))  # requests at once, not in turn
+        listings = list(pool.map(lambda cls: fs.ls(cls, detail=True), classes))
     found = [(label, e) for label, listing in enumerate(listings)
              for e in sorted(listing, key=lambda e: e["name"]) if e["type"] == "file"]
     if not found:
@@ -80,8 +65,7 @@ def _list(place: Place):
 
 
 def block_nbytes(sizes, fields) -> int:
-    """Bytes a run of these files takes in memory: the files plus an object pointer per
-    sample ("data"), and 8 bytes a label ("label")."""
+    """Bytes a run of these files takes in memory: the files plus an object pointer each, and the labels."""
     n = len(sizes)
     return (int(np.sum(sizes)) + 8 * n if "data" in fields else 0) + (8 * n if "label" in fields else 0)
 
@@ -96,11 +80,8 @@ class FolderBlockReader(StoreReader):
         self.protocol, self.options = protocol, options
         self.files, self.labels, self.fields = list(files), np.asarray(labels, dtype=np.int64), fields
 
-    def prepare(self) -> None:
-        prepare_filesystem(self.protocol, self.options)
-
     def _read_rows(self, rows) -> dict[str, np.ndarray]:
-        """The given rows; the files are fetched concurrently where the protocol allows."""
+        """The given rows; the files are fetched concurrently."""
         arrays = {}
         if "data" in self.fields:
             files = [self.files[r] for r in rows]

@@ -1,13 +1,6 @@
 """HDF5 sources: the datasets of one file, or of one group in it (`/data/train.h5/images`),
-that share their first axis (samples); docs/formats/hdf5.md.
-
-Blocks are runs of whole chunks along that axis (the least common multiple of the
-fields' chunk lengths), or about `DEFAULT_BLOCK_BYTES` when no field is chunked. Each
-worker process keeps a file open once (HDF5's metadata is read once per process), with
-HDF5's chunk cache off, so every chunk of a block comes from the store: local files
-directly, others through an fsspec file that reads each range HDF5 asks for. h5py is
-imported only when an HDF5 source is opened or read (the `formats` extra).
-"""
+that share their first axis (samples). Each worker process keeps a file open, with HDF5's
+chunk cache off (docs/formats/hdf5.md)."""
 from __future__ import annotations
 
 import atexit
@@ -98,8 +91,7 @@ class HDF5Source(Source):
 
 
 def open_hdf5(place: Place) -> HDF5Source:
-    """Open the file (HDF5 reads its metadata: superblock, object headers) and describe
-    the blocks of the file, or of the group that the path names past the file's name."""
+    """Open the file and describe the blocks of it, or of the group the path names past it."""
     path, group = (place.path, "") if place.exists else split_inner(place.path)
     entry = place.fs.info(path)
     try:
@@ -158,8 +150,7 @@ def _describe(node, place: Place, path: str, group: str, entry: dict) -> HDF5Sou
 def _field_names(datasets: dict, kinds: dict, spec, where: str) -> list:
     """The datasets that are the fields: `spec.keys`, or those of the length most share."""
     if spec.keys is not None:
-        unknown = [k for k in spec.keys if k not in datasets]
-        if unknown:
+        if any(k not in datasets for k in spec.keys):
             raise SpecError("keys", f"names among the datasets {sorted(datasets)} of {where}", list(spec.keys))
         unusable = {k: f"{datasets[k].dtype} {datasets[k].shape}" for k in spec.keys if kinds[k] is None}
         if unusable:
@@ -167,18 +158,16 @@ def _field_names(datasets: dict, kinds: dict, spec, where: str) -> list:
                             list(spec.keys))
         names = list(spec.keys)
         lengths = {k: datasets[k].shape[0] for k in names}
-        if len(set(lengths.values())) > 1:
-            raise SourceError(f"the datasets of {where} disagree on their number of samples (first axis): "
-                              f"{lengths}; pass Spec(keys=[...]) naming datasets of equal length")
     else:
         lengths = {k: ds.shape[0] for k, ds in datasets.items() if kinds[k] is not None}
         if not lengths:
             raise SourceError(f"{where} holds no dataset dmdask can read (numbers, records or strings along a "
                               f"first axis): {sorted(datasets)}")
-        counts = Counter(lengths.values()).most_common()
-        if len(counts) > 1 and counts[0][1] == counts[1][1]:
-            raise SourceError(f"the datasets of {where} disagree on their number of samples (first axis): "
-                              f"{lengths}; pass Spec(keys=[...]) naming datasets of equal length")
+    counts = Counter(lengths.values()).most_common()  # named datasets must agree; else the most common wins
+    if len(counts) > 1 and (spec.keys is not None or counts[0][1] == counts[1][1]):
+        raise SourceError(f"the datasets of {where} disagree on their number of samples (first axis): "
+                          f"{lengths}; pass Spec(keys=[...]) naming datasets of equal length")
+    if spec.keys is None:
         names = [k for k, n in lengths.items() if n == counts[0][0]]
         ignored = {k: f"length {lengths[k]}" if k in lengths else f"{ds.dtype} {ds.shape}"
                    for k, ds in datasets.items() if k not in names}
@@ -200,10 +189,9 @@ class HDF5BlockReader(StoreReader):
             return _read_fields(self.layout, self.start, self.stop)
         except Exception as exc:
             _forget(self.layout)  # the next try opens the file afresh
-            # Without the frames that held h5py objects: an exception's traceback is a
-            # reference cycle, and h5py objects freed by the cyclic collector on fsspec's
-            # IO thread wait there for h5py's lock, held by a reader that waits on that
-            # thread, forever (h5py#2019, dask#7547; it hung a worker's load task).
+            # Without the frames that held h5py objects: freed by the cyclic collector on fsspec's
+            # IO thread, they would wait there for h5py's lock, held by a reader that waits on
+            # that thread, forever (h5py#2019, dask#7547).
             raise exc.with_traceback(None)  # noqa: B904 - the same exception, its frames dropped
 
 
@@ -239,8 +227,7 @@ def _forget(layout: HDF5Layout) -> None:
 
 @atexit.register
 def _close_all() -> None:
-    """Close the open files before the interpreter tears down (h5py over a Python file
-    object must not outlive it)."""
+    """Close the open files before the interpreter tears down (h5py over a Python file must not outlive it)."""
     with _files_lock:
         for file, handle in _files.values():
             with contextlib.suppress(Exception):

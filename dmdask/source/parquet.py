@@ -1,11 +1,6 @@
 """Parquet sources: one file, a folder of them, or a glob; samples are rows (over the
-files in name order), fields the top-level columns (docs/formats/parquet.md).
-
-Blocks are whole row groups, so a block read fetches exactly the column chunks of its
-row groups (of the spec's `keys` only), by range, once each: opening reads each file's
-footer once, and every block reader carries the footer cut to its own row groups
-(`parquet_footer`). pyarrow is imported only when a Parquet source is opened or read.
-"""
+files in name order), fields the top-level columns; blocks are whole row groups, each
+reader carrying its own cut of the footer (docs/formats/parquet.md)."""
 from __future__ import annotations
 
 import dataclasses
@@ -40,19 +35,17 @@ def is_parquet_name(name: str) -> bool:
 def column_kind(t) -> str | None:
     """"fixed", "binary" or "string" for an Arrow type dmdask reads as a field; None otherwise."""
     types = pyarrow()[0].types
-    if _is_any(t, "is_string", "is_large_string", "is_string_view"):
+
+    def is_any(*tests: str) -> bool:  # getattr: the view types came in pyarrow 16
+        return any(getattr(types, test, lambda _: False)(t) for test in tests)
+
+    if is_any("is_string", "is_large_string", "is_string_view"):
         return "string"
-    if _is_any(t, "is_binary", "is_large_binary", "is_binary_view", "is_fixed_size_binary"):
+    if is_any("is_binary", "is_large_binary", "is_binary_view", "is_fixed_size_binary"):
         return "binary"
     while types.is_fixed_size_list(t):
         t = t.value_type
     return "fixed" if types.is_integer(t) or types.is_floating(t) or types.is_boolean(t) else None
-
-
-def _is_any(t, *tests: str) -> bool:
-    """Whether one of the `pyarrow.types` tests holds (the view types came in pyarrow 16)."""
-    types = pyarrow()[0].types
-    return any(getattr(types, test, lambda _: False)(t) for test in tests)
 
 
 def row_nbytes(t) -> int:
@@ -118,9 +111,9 @@ class ParquetSource(Source):
 
 
 def open_parquet(place: Place) -> ParquetSource:
-    """Read the footers of the Parquet files at `place` (two rounds of concurrent range
-    reads) and describe the blocks. `SourceError` names the file (and its samples) when
-    a footer is missing or corrupt or a file lacks a column of the first."""
+    """Read the footers of the Parquet files at `place` and describe the blocks. `SourceError`
+    names the file (and its samples) when a footer is missing or corrupt or a file lacks a
+    column of the first."""
     pa, pq = pyarrow()
     fs, url, spec, files = place.fs, place.url, place.spec, sorted(_files(place))
     if not files:
@@ -142,7 +135,7 @@ def open_parquet(place: Place) -> ParquetSource:
         first += meta.num_rows
     schema = metas[0].schema.to_arrow_schema()
     fields, kinds = _fields(schema, spec, files[0])
-    groups = _check_and_list(files, metas, fields)
+    groups = _check_and_list(files, metas, schema, fields)
     n = int(groups["rows"].sum())
     if n == 0:
         raise SourceError(f"dataset {url} has no samples: its Parquet files hold no rows")
@@ -159,8 +152,7 @@ def _fields(schema, spec, path: str):
     """The fields (sorted names) and their kinds, from the first file's schema."""
     kinds = {name: column_kind(schema.field(name).type) for name in schema.names}
     if spec.keys is not None:
-        unknown = [k for k in spec.keys if k not in kinds]
-        if unknown:
+        if any(k not in kinds for k in spec.keys):
             raise SpecError("keys", f"names among the Parquet columns {schema.names} of {path}", list(spec.keys))
         unusable = {k: str(schema.field(k).type) for k in spec.keys if kinds[k] is None}
         if unusable:
@@ -181,9 +173,8 @@ def _fields(schema, spec, path: str):
     return fields, {f: kinds[f] for f in fields}
 
 
-def _check_and_list(files: list[str], metas: list, fields: tuple[str, ...]) -> np.ndarray:
-    """Every file has the fields, with the first file's types; its non-empty row groups."""
-    first = metas[0].schema.to_arrow_schema()
+def _check_and_list(files: list[str], metas: list, first, fields: tuple[str, ...]) -> np.ndarray:
+    """Every file has the fields, with the types of the `first` file's schema; its non-empty row groups."""
     rows, start = [], 0
     for f, (path, meta) in enumerate(zip(files, metas)):
         schema = meta.schema.to_arrow_schema()
@@ -229,7 +220,7 @@ def _block_len(url: str, groups: np.ndarray, n: int, asked: int | None) -> int:
 
 
 class ParquetBlockReader(StoreReader):
-    """Reads the column chunks of one block's row groups (of its fields only), by range."""
+    """Reads the column chunks of one block's row groups (of its fields only)."""
 
     def __init__(self, url: str, protocol: str, options: str, fields: tuple[str, ...], parts: tuple[FilePart, ...],
                  identity: str, index: int, start: int, stop: int, nbytes: int | None):

@@ -1,10 +1,8 @@
 """Source formats, and the first one that claims a spec's source (`find`).
 
 Formats that other packages declare under the entry point group `dmdask.sources` are
-asked first, by name; then dmdask's own (`BUILTIN`, listed here so that their order is
-fixed and a source tree works uninstalled), in an order that reads least before
-deciding: a Zarr node (its zarr.json), an HDF5 file (first bytes) or a group in one,
-Parquet (a glob, first bytes or a listing), WebDataset shards, and last any folder.
+asked first, by name; then dmdask's own (`BUILTIN`, listed here so that a source tree
+works uninstalled), in the order that reads least before deciding.
 """
 from __future__ import annotations
 
@@ -28,9 +26,8 @@ LAYOUTS = ("a Zarr v3 group or array, a Parquet file, folder of Parquet files or
 
 @dataclasses.dataclass(frozen=True)
 class Format:
-    """A source layout: `claims(place)` says, with as few reads as it can, whether
-    `place` holds it; `open(place)` opens it, raising `dmdask.errors.SourceError` (or a
-    subclass) if it cannot be used."""
+    """A source layout: `claims(place)` says, with as few reads as it can, whether `place`
+    holds it; `open(place)` opens it, raising `SourceError` (or a subclass) if it cannot."""
 
     name: str
     claims: Callable[[Place], bool]
@@ -39,8 +36,8 @@ class Format:
 
 class Place:
     """A spec's source: `shards`, the tar shard URLs it names, else None and `url` on the
-    filesystem `fs` at `path` (no I/O; `SpecError` for a URL fsspec cannot open). Each
-    fact read from the store (`exists`, `head`, `listing`) is read once, when first asked."""
+    filesystem `fs` at `path` (`SpecError` for a URL fsspec cannot open). Each fact read
+    from the store (`exists`, `head`, `listing`) is read once, when first asked."""
 
     def __init__(self, spec, name: str):
         self.spec, self.name, self.options = spec, name, dict(spec.storage_options or {})
@@ -79,8 +76,7 @@ class Place:
             raise SourceNotFoundError(f"dataset {self.url} is none of {LAYOUTS}: {exc}") from exc
 
     def has(self, path: str) -> bool:
-        """Whether `path` exists, asked with `info` (over HTTP a HEAD request, where
-        `exists` would start a GET of the whole file)."""
+        """Whether `path` exists, asked with `info` (over HTTP a HEAD; `exists` would GET the file)."""
         try:
             self.fs.info(path)
             return True

@@ -1,17 +1,10 @@
 """URLs in one spelling (`normalize`), without credentials (`public`), the tar shards a
-source names (`shard_urls`), and the sources workers may read (`check_source`).
-
-`dmdask.worker.allowed-sources` is a list of URL prefixes; empty (the default) allows
-any source the worker's user can read. A prefix matches whole path components (`/data`
-allows `/data/train.zarr`, not `/database`), compared after normalising both, so `..`
-cannot climb out of an allowed folder. This bounds what dmdask's data API makes a
-worker read; it is no sandbox for clients that run code on workers (`Spec.transform`).
-"""
+source names (`shard_urls`), and the sources workers may read (`check_source`,
+docs/failures.md#trust-model)."""
 from __future__ import annotations
 
 import os
 import posixpath
-from collections.abc import Iterable
 
 import dask.config
 
@@ -21,8 +14,8 @@ LOCAL_PROTOCOLS = ("file://", "local://")
 
 
 def shard_urls(source) -> list[str] | None:
-    """The shard URLs that `source` (a `Spec.source`) names, or None when it names no
-    tar shards: a tuple (a list of shards), a brace pattern, or a URL ending in `.tar`."""
+    """The shard URLs that a `Spec.source` names (a tuple, a brace pattern, a URL ending in
+    `.tar`), or None."""
     if isinstance(source, tuple):
         return list(source)
     if "{" in source:
@@ -38,9 +31,8 @@ def shard_urls(source) -> list[str] | None:
 
 
 def normalize(url: str) -> str:
-    """One spelling of a URL: a local path or `file://` URL as an absolute path without
-    `.` or `..` (relative to this process's working directory); any other URL with its
-    path normalised the same way. The last URL of a chain (`simplecache::s3://...`)."""
+    """One spelling of a URL: a local path or `file://` URL as an absolute path without `.` or
+    `..`; any other URL with its path normalised the same way; of a chain, the last URL."""
     url = url.rsplit("::", 1)[-1]
     if url.startswith(LOCAL_PROTOCOLS):
         url = url.split("://", 1)[1]
@@ -52,16 +44,14 @@ def normalize(url: str) -> str:
 
 
 def resolve_local(source: str) -> str:
-    """A local path as an absolute one, resolved in this process's working directory
-    (the client's, not a worker's); URLs (`proto://`, `a::b` chains) as they are."""
+    """A local path as an absolute one, in this process's working directory; URLs as they are."""
     if "://" in source or "::" in source:
         return source
     return os.path.abspath(source)
 
 
 def public(url: str) -> str:
-    """`url` without what may be a credential: the user and password of its address,
-    and its query string (signed URLs carry tokens there)."""
+    """`url` without what may be a credential: its user and password, and its query string."""
     parts = url.split("::")
     for i, part in enumerate(parts):
         if "://" in part:
@@ -72,27 +62,20 @@ def public(url: str) -> str:
     return "::".join(parts)
 
 
-def allowed_prefixes() -> list[str]:
-    """The configured prefixes, normalised; [] for any source."""
+def check_source(url: str) -> None:
+    """Nothing when this process's `dmdask.worker.allowed-sources` (URL prefixes; empty, the
+    default: any source) lets workers read `url`; `SourceNotAllowedError` naming it and the
+    prefixes otherwise. A prefix matches whole path components (`/data` allows `/data/x`, not
+    `/database`), both normalised, so `..` cannot climb out of an allowed folder."""
     prefixes = dask.config.get("dmdask.worker.allowed-sources", None) or []
     if isinstance(prefixes, str):
         prefixes = [prefixes]
     if not all(isinstance(p, str) and p for p in prefixes):
         raise SpecError("dmdask.worker.allowed-sources", "a list of URL prefixes (empty: any source)", prefixes)
-    return [normalize(p) for p in prefixes]
-
-
-def is_allowed(url: str, prefixes: Iterable[str]) -> bool:
+    prefixes = [normalize(p) for p in prefixes]
+    if not prefixes:
+        return
     normal = normalize(url)
-    return any(normal == p or normal.startswith(p.rstrip("/") + "/") for p in prefixes)
-
-
-def check_source(url: str, prefixes: list[str] | None = None) -> None:
-    """Nothing when workers may read `url`; `SourceNotAllowedError` naming it and the
-    allowed prefixes otherwise. `prefixes`: normalised ones (default: the config's). A
-    worker calls it before every store read of a block, so its own config decides."""
-    prefixes = allowed_prefixes() if prefixes is None else prefixes
-    if prefixes and not is_allowed(url, prefixes):
-        raise SourceNotAllowedError(
-            f"{url} is outside the sources this cluster's workers read: {prefixes} "
-            "(dmdask.worker.allowed-sources in the workers' dask config)")
+    if not any(normal == p or normal.startswith(p.rstrip("/") + "/") for p in prefixes):
+        raise SourceNotAllowedError(f"{url} is outside the sources this cluster's workers read: {prefixes} "
+                                    "(dmdask.worker.allowed-sources in the workers' dask config)")

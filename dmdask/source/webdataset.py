@@ -1,16 +1,7 @@
 """WebDataset tar shards: each sample is the run of a shard's members that share a key
-(WebDataset's convention: `dir/abc.seg.jpg` is field `seg.jpg` of sample `dir/abc`);
-docs/formats/webdataset.md.
-
-Each field is an object array of per-sample uint8 arrays holding the member's bytes;
-`__key__` the sample keys (a numpy `StringDType` array, costing no store traffic).
-Blocks are runs of `block_size` samples (256 by default), which may span shards.
-Opening reads the tar headers of every shard (concurrently), never member data: a size
-request, then about one ranged read of 513 bytes per member (the header and the byte
-before it, which Python's `tarfile` checks). The index (shard, offset and size of every
-wanted member) travels with the block readers, not in `DatasetInfo`; a reader fetches
-only the wanted samples' members, one range request each, all concurrently.
-"""
+(`dir/abc.seg.jpg` is field `seg.jpg` of sample `dir/abc`). Opening reads the tar headers,
+never member data; the index of the members travels with the block readers, not in
+`DatasetInfo` (docs/formats/webdataset.md)."""
 from __future__ import annotations
 
 import re
@@ -23,8 +14,7 @@ import numpy as np
 from dask.base import tokenize
 
 from ..errors import SourceError, SourceNotFoundError, SpecError
-from .base import (DatasetInfo, Source, StoreReader, filesystem, options_json, prepare_filesystem,
-                   protocol_of, string_dtype)
+from .base import DatasetInfo, Source, StoreReader, filesystem, options_json, protocol_of, string_dtype
 from .registry import Format, Place
 
 DEFAULT_SAMPLES_PER_BLOCK = 256
@@ -37,27 +27,21 @@ Sample = tuple[str, dict[str, tuple[int, int]]]  # key, {extension: (offset, siz
 
 
 def shards_label(source) -> str:
-    """How a dataset of shards is named in messages and `DatasetInfo.url`: the pattern
-    or URL as given, or a list's first shard and its length."""
+    """How a dataset of shards is named in messages and `DatasetInfo.url`."""
     if isinstance(source, str):
         return source
     return source[0] if len(source) == 1 else f"{source[0]} and {len(source) - 1} more shards"
 
 
 def shard_paths(urls: list[str], options: dict, spec):
-    """(filesystem, paths) of the shard URLs; `SpecError` unless fsspec opens them all
-    with one protocol."""
-    paths, protocol, fs = [], None, None
-    for url in urls:
-        try:
-            fs, path = fsspec.core.url_to_fs(url, **options)
-        except (ImportError, ValueError) as exc:
-            raise SpecError("source", f"shard URLs fsspec can open ({exc})", spec.source) from None
-        if protocol not in (None, protocol_of(fs)):
-            raise SpecError("source", "shards on one filesystem (one protocol)", spec.source)
-        protocol = protocol_of(fs)
-        paths.append(path)
-    return fs, paths
+    """(filesystem, paths) of the shard URLs; `SpecError` unless fsspec opens them all with one protocol."""
+    try:
+        opened = [fsspec.core.url_to_fs(url, **options) for url in urls]
+    except (ImportError, ValueError) as exc:
+        raise SpecError("source", f"shard URLs fsspec can open ({exc})", spec.source) from None
+    if len({protocol_of(fs) for fs, _ in opened}) > 1:
+        raise SpecError("source", "shards on one filesystem (one protocol)", spec.source)
+    return opened[-1][0], [path for _, path in opened]
 
 
 def tar_files(entries: Sequence[dict]) -> list[str]:
@@ -66,8 +50,7 @@ def tar_files(entries: Sequence[dict]) -> list[str]:
 
 
 def split_name(name: str) -> tuple[str, str] | None:
-    """(key, extension) of a member name by WebDataset's convention; None for a name
-    with no extension, or before the first dot, or a metadata member."""
+    """(key, extension) of a member name by WebDataset's convention; None for a name it skips."""
     if META.match(name):
         return None
     folder = name[:name.rfind("/") + 1]
@@ -78,9 +61,8 @@ def split_name(name: str) -> tuple[str, str] | None:
 
 
 def index_shard(fs, path: str, url: str) -> tuple[int, list[Sample]]:
-    """(size, samples) of one shard, from its tar headers. `SourceNotFoundError` if it
-    cannot be reached, `SourceError` if it is not a tar file, is truncated (a member
-    runs past its end, or it ends inside a header), or a sample has an extension twice."""
+    """(size, samples) of one shard, from its tar headers. `SourceNotFoundError` if it cannot be
+    reached, `SourceError` if it is not a tar file, is truncated, or a sample has an extension twice."""
     try:
         size = fs.size(path)
     except Exception as exc:
@@ -104,9 +86,8 @@ def index_shard(fs, path: str, url: str) -> tuple[int, list[Sample]]:
                         samples.append((split[0], {}))
                     if info.offset_data + info.size > size:
                         sample = f" (sample {split[0]!r}, the shard's sample {len(samples) - 1})" if split else ""
-                        raise SourceError(
-                            f"WebDataset shard {url} is truncated: its member {info.name}{sample} needs bytes up "
-                            f"to {info.offset_data + info.size} but the shard has {size}")
+                        raise SourceError(f"WebDataset shard {url} is truncated: its member {info.name}{sample} "
+                                          f"needs bytes up to {info.offset_data + info.size} but the shard has {size}")
                     if split is None:
                         continue
                     key, ext = split
@@ -147,19 +128,15 @@ class WebDatasetSource(Source):
 
 
 def block_nbytes(sizes: np.ndarray) -> int:
-    """Bytes a run of samples takes in memory: the members, an object pointer per
-    member, and a 16-byte `StringDType` entry per key."""
+    """Bytes a run of samples takes in memory: the members, an object pointer per member, and
+    a 16-byte `StringDType` entry per key."""
     n, fields = sizes.shape
     return int(sizes.sum()) + 8 * n * fields + 16 * n
 
 
 def open_webdataset(place: Place) -> WebDatasetSource:
-    """Index the tar headers of the shards the spec names, or of a folder's `.tar` files
-    (shards concurrently), and describe the blocks. Raises `SourceNotFoundError` for a
-    shard that cannot be reached, `SourceError` for an unusable shard, a folder with
-    subfolders too, a sample missing a field others have, or no samples at all, and
-    `SpecError` for `keys` no sample has.
-    """
+    """Index the tar headers of the shards the spec names, or of a folder's `.tar` files, and
+    describe the blocks. Raises as the table in docs/formats/webdataset.md#errors says."""
     spec = place.spec
     if place.shards is not None:
         (fs, paths), urls = shard_paths(place.shards, place.options, spec), place.shards
@@ -179,8 +156,7 @@ def open_webdataset(place: Place) -> WebDatasetSource:
         raise SourceError(f"dataset {label} has no samples: its WebDataset shards hold no members named "
                           "key.extension")
     exts = tuple(sorted({k for k in spec.keys or present if k != KEY}))
-    unknown = [e for e in exts if e not in present]
-    if unknown or (spec.keys is not None and not exts):
+    if any(e not in present for e in exts) or (spec.keys is not None and not exts):
         raise SpecError("keys", f"extensions among {present} of the shards {label}", list(spec.keys))
     if "index" in exts:
         raise SourceError(f"WebDataset shards {label} have members with extension 'index', a reserved field "
@@ -210,7 +186,7 @@ def open_webdataset(place: Place) -> WebDatasetSource:
 
 class TarBlockReader(StoreReader):
     """Reads the members of one block's samples, all of them or only some (row-granular).
-    `url`: the block's shard URLs (one, or several joined by ", "), named in errors."""
+    `url`: the block's shard URLs joined by ", "."""
 
     row_granular = True
 
@@ -220,12 +196,9 @@ class TarBlockReader(StoreReader):
         self.urls, self.protocol, self.options, self.paths, self.exts = list(urls), protocol, options, list(paths), exts
         self.shard, self.offsets, self.sizes, self.keys = shard, offsets, sizes, keys
 
-    def prepare(self) -> None:
-        prepare_filesystem(self.protocol, self.options)
-
     def _read_rows(self, rows) -> dict[str, np.ndarray]:
-        """The given rows: one range request per non-empty member, fetched concurrently
-        where the protocol allows. An error names the shard, sample and member."""
+        """The given rows: a range request per non-empty member, all at once; an error names the
+        shard, sample and member."""
         rows = np.asarray(rows, dtype=np.int64)
         wanted = [(r, j) for r in rows.tolist() for j in range(len(self.exts)) if self.sizes[r, j]]
         starts = [int(self.offsets[r, j]) for r, j in wanted]

@@ -1,5 +1,5 @@
 """Zarr v3 sources: a group whose arrays share their first axis (samples), or one array
-(its field is then named "data"). Blocks are runs of whole chunks."""
+(field "data"); blocks are runs of whole chunks (docs/quickstart.md#sources)."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,7 +17,6 @@ from .registry import Format, Place
 
 
 def _open_node(url: str, options: str):
-    """Open a Zarr node, reading its metadata now."""
     import zarr
 
     with warnings.catch_warnings():
@@ -66,10 +65,8 @@ def open_zarr(place: Place) -> ZarrSource:
         arrays = {k: arrays[k] for k in spec.keys}
     lengths = {name: arr.shape[0] if arr.ndim else None for name, arr in arrays.items()}
     if None in lengths.values() or len(set(lengths.values())) != 1:
-        raise SourceError(
-            f"the arrays of {url} must share their first axis (samples), but their lengths "
-            f"are {lengths}; pass Spec(keys=[...]) naming arrays of equal length"
-        )
+        raise SourceError(f"the arrays of {url} must share their first axis (samples), but their lengths "
+                          f"are {lengths}; pass Spec(keys=[...]) naming arrays of equal length")
     fields = tuple(sorted(arrays))
     n = next(iter(lengths.values()))
     if n == 0:

@@ -25,8 +25,8 @@ def zarr_label(ids: np.ndarray, classes: int = 10) -> np.ndarray:
 
 def write_zarr(path: str, n: int, sample_shape=(8,), chunk: int = 64, dtype="float32",
                compressed: bool = True, classes: int = 10) -> str:
-    """A Zarr v3 group with "x" (n, *sample_shape) and "label" (n,), chunked `chunk`
-    samples along the first axis, with consolidated metadata. Returns `path`."""
+    """A Zarr v3 group with "x" (n, *sample_shape) and "label" (n,), chunked `chunk` samples
+    along the first axis, with consolidated metadata."""
     import zarr
 
     group = zarr.open_group(path, mode="w")
@@ -61,13 +61,9 @@ def _random_bytes(rng, head: str, min_size: int, max_size: int) -> bytes:
     return head.encode() + rng.integers(0, 256, size=max(0, size - len(head)), dtype=np.uint8).tobytes()
 
 
-def write_folder(path: str, classes: int = 3, per_class: int = 20, min_size: int = 16,
-                 max_size: int = 2048) -> str:
-    """A folder of class subfolders `class-XX`, files `s-XXXXXXXX.bin`, one per sample.
-
-    Sample ids follow dmdask's order (sorted classes, then sorted file names), so
-    sample `i` has label `i // per_class` and bytes `folder_sample(i)`. Returns `path`.
-    """
+def write_folder(path: str, classes: int = 3, per_class: int = 20, min_size: int = 16, max_size: int = 2048) -> str:
+    """A folder of class subfolders `class-XX`, files `s-XXXXXXXX.bin`, one per sample: sample
+    `i` (in dmdask's order) has label `i // per_class` and bytes `folder_sample(i)`."""
     for c in range(classes):
         folder = os.path.join(path, f"class-{c:02d}")
         os.makedirs(folder, exist_ok=True)
@@ -100,20 +96,17 @@ def tar_key(sample_id: int) -> str:
 
 
 def tar_member(sample_id: int, ext: str, min_size: int = 16, max_size: int = 2048) -> bytes:
-    """The bytes of member `<key>.<ext>` of sample `sample_id` of `write_tar_shards`
-    (varying sizes, different for each extension)."""
+    """The bytes of member `<key>.<ext>` of sample `sample_id` of `write_tar_shards`."""
     rng = np.random.default_rng([sample_id, zlib.crc32(ext.encode())])
     return _random_bytes(rng, f"{ext}-{sample_id:08d}|", min_size, max_size)
 
 
 def write_tar_shards(path: str, shards: int = 3, per_shard: int = 20, exts=("cls", "jpg"), prefix: str = "shard-",
                      skip=(), min_size: int = 16, max_size: int = 2048) -> list:
-    """WebDataset shards `<prefix>000000.tar`, ... in folder `path`, written with `tarfile`.
-
-    Shard s holds samples s*per_shard .. (s+1)*per_shard-1, in order; sample i is the
-    members `tar_key(i).<ext>` for each of `exts` in that order, holding
-    `tar_member(i, ext)`, except the (i, ext) pairs in `skip`. Returns the shard paths.
-    """
+    """WebDataset shards `<prefix>000000.tar`, ... in folder `path`. Shard s holds samples
+    s*per_shard .. (s+1)*per_shard-1, in order; sample i is the members `tar_key(i).<ext>`
+    for each of `exts` in that order, holding `tar_member(i, ext)`, except the (i, ext)
+    pairs in `skip`. Returns the shard paths."""
     os.makedirs(path, exist_ok=True)
     skip = set(skip)
     paths = []
@@ -133,9 +126,7 @@ def write_tar_shards(path: str, shards: int = 3, per_shard: int = 20, exts=("cls
 
 
 def parquet_columns(ids: np.ndarray, width: int = 8) -> dict:
-    """The columns of `write_parquet` for the given sample ids, as dmdask returns them:
-    "x" (ids, width) float32, "label" int64, "name" strings, "blob" (bytes of varying
-    size, a list)."""
+    """The columns of `write_parquet` for the given sample ids, as dmdask returns them ("blob" a list)."""
     ids = np.asarray(ids, dtype=np.int64)
     return {"x": zarr_sample(ids, (width,)), "label": zarr_label(ids), "name": hdf5_names(ids),
             "blob": [folder_sample(i, 0, 48) for i in ids.tolist()]}
@@ -144,11 +135,9 @@ def parquet_columns(ids: np.ndarray, width: int = 8) -> dict:
 def write_parquet(folder: str, rows_per_file, row_group: int, width: int = 8, columns=None,
                   prefix: str = "part", **options) -> list:
     """Parquet files `{prefix}-00000.parquet`, ... in `folder`: file i holds the next
-    `rows_per_file[i]` samples (ids run over the files in name order), in row groups of
-    `row_group` rows; its columns are those of `parquet_columns` ("x" a fixed-size list
-    column), or the names in `columns`. `options` go to `pyarrow.parquet.write_table`
-    (say `compression="none", use_dictionary=False` for row groups of equal size).
-    Returns the paths."""
+    `rows_per_file[i]` samples, in row groups of `row_group` rows; its columns are those of
+    `parquet_columns` ("x" a fixed-size list column), or the names in `columns`. `options`
+    go to `pyarrow.parquet.write_table`. Returns the paths."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -174,11 +163,9 @@ def hdf5_names(ids: np.ndarray) -> list:
 
 def write_hdf5(path: str, n: int, sample_shape=(8,), chunk=64, group: str = "", names: bool = True,
                compression=None) -> str:
-    """An HDF5 file (or, with `group`, a group in it) with "x" (n, *sample_shape) float32
-    (`zarr_sample`) in chunks of `chunk` rows, "label" (n,) int64 (`zarr_label`) in
-    chunks of `chunk // 2`, and with `names` "name" (n,) variable-length strings
-    (`hdf5_names`); `chunk=None` stores them contiguous. Also a dataset "classes" of
-    another length, which is no field. Returns `path`."""
+    """An HDF5 file (or, with `group`, a group in it) with "x" (`zarr_sample`) in chunks of
+    `chunk` rows, "label" (`zarr_label`) in chunks of `chunk // 2`, and with `names` "name"
+    (`hdf5_names`); `chunk=None` stores them contiguous. Also "classes", of another length."""
     import h5py
 
     ids = np.arange(n)

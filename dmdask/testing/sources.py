@@ -1,11 +1,10 @@
 """`SourceTests`: the contract of a source format, a pytest suite each format's tests inherit.
 
-Subclass it in a test module and provide the fixtures `spec` (a `dmdask.Spec` of the
-format's dataset on an HTTP store, several blocks), `fail_reads` (a function `(n,
-status)`: the store answers `status` to the next n requests for the dataset's files,
-until the test ends) and `client` (a `distributed.Client` of a dmdask cluster), and the
-method `check(batch)`, asserting that every field holds the values of the samples
-`batch["index"]`.
+Subclass it and provide the fixtures `spec` (a `dmdask.Spec` of the format's dataset on an
+HTTP store, several blocks), `fail_reads` (a function `(n, status)`: the store answers
+`status` to the next n requests for the dataset's files, until the test ends) and `client`
+(of a dmdask cluster), and the method `check(batch)`, asserting that every field holds the
+values of the samples `batch["index"]`.
 """
 from __future__ import annotations
 
