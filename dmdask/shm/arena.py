@@ -15,6 +15,7 @@ import threading
 import numpy as np
 
 from .fileblocks import Arrays
+from .hugepages import HUGE, collapse
 from .modes import create_file, group_of
 
 ID_FIELD = "__id__"  # the arena file that labels each row with the sample id it holds
@@ -45,6 +46,8 @@ class Arena:
             self._fds[name] = create_file(path, gid, os.O_RDWR)
         self._free: list[int] = []
         self._slots = 0
+        self._collapsed = dict.fromkeys(self.fields, 0)  # field -> bytes from the start backed by huge pages
+        self._huge = True  # until the kernel refuses
         self._lock = threading.Lock()
 
     def fits(self, block) -> bool:
@@ -65,7 +68,20 @@ class Arena:
         except BaseException:
             self.free(slot)
             raise
+        self._collapse_written()
         return slot
+
+    def _collapse_written(self) -> None:
+        """The whole 2 MiB extents written so far backed by huge pages (`shm.hugepages`)."""
+        if not self._huge:
+            return
+        for name, (path, _, _) in self.fields.items():
+            end = os.fstat(self._fds[name]).st_size // HUGE * HUGE
+            with self._lock:
+                start, self._collapsed[name] = self._collapsed[name], max(end, self._collapsed[name])
+            if end > start and not collapse(self._fds[name], start, end):
+                self._huge = False
+                return
 
     def free(self, slot: int) -> None:
         """Give the slot back; its rows read as held by no sample from now on."""

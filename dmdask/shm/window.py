@@ -11,17 +11,15 @@ import os
 
 import numpy as np
 
+from .hugepages import HUGE, aligned_reservation, release
+
 MAX_ARENAS = 16  # arenas (workers of one host) a window can hold
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _FAILED = ctypes.c_void_p(-1).value
 _MAP_FIXED = 0x10
-_MAP_ANONYMOUS = getattr(mmap, "MAP_ANONYMOUS", 0x20)
-_MAP_NORESERVE = 0x4000 if os.uname().sysname == "Linux" else 0
-_PROT_NONE = 0
 
 
 class Window:
@@ -41,15 +39,15 @@ class Window:
         row_bytes = np.dtype(dtype).itemsize * int(np.prod(row_shape, dtype=np.int64))
         if row_bytes == 0:
             return None
-        page = mmap.PAGESIZE
-        unit = int(np.lcm(row_bytes, page)) // row_bytes  # rows per stride step, so arenas start on pages
+        unit = int(np.lcm(row_bytes, HUGE)) // row_bytes  # rows per stride step: arenas start on huge pages
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         stride = int(-(-min(max_rows, memory // row_bytes + 1) // unit) * unit)
-        base = _libc.mmap(None, stride * row_bytes * MAX_ARENAS, _PROT_NONE,
-                          mmap.MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
-        if base in (None, _FAILED):
+        reserved = aligned_reservation(stride * row_bytes * MAX_ARENAS)
+        if reserved is None:
             return None
-        return cls(base, stride, row_bytes, dtype, row_shape)
+        window = cls(reserved[1], stride, row_bytes, dtype, row_shape)
+        window._reservation = reserved[0]
+        return window
 
     def map(self, arena: int, path: str, rows: int) -> None:
         """Arena `arena`'s file mapped with at least `rows` rows, else FileNotFoundError."""
@@ -69,5 +67,5 @@ class Window:
 
     def close(self) -> None:
         """Unmap everything. The caller guarantees no array of `rows` is in use."""
-        _libc.munmap(self._base, self.stride * self._row_bytes * MAX_ARENAS)
+        release(self._reservation, self.stride * self._row_bytes * MAX_ARENAS)
         self.rows = None
