@@ -266,3 +266,51 @@ def test_pooled_batch_memory_is_private_to_a_forked_child():
         raise
     assert parent["x"].tolist() == [2, 2, 2, 2]
     assert all((empty_batch(layout, 4)["x"] != 9).all() for _ in range(4))
+
+
+def _pmd_mapped_kib() -> int:
+    """KiB of file pages this process maps with huge-page (PMD) entries."""
+    with open("/proc/self/smaps_rollup") as f:
+        return sum(int(line.split()[1]) for line in f if line.startswith(("FilePmdMapped:", "ShmemPmdMapped:")))
+
+
+def test_arena_files_are_read_through_huge_pages_where_the_kernel_allows():
+    """Whole 2 MiB extents of an arena file become transparent huge pages once written
+    (`dmdask.shm.hugepages`), and a training process's window maps them with huge-page
+    entries: its first pass takes a fraction of the page faults. The rows read are the
+    rows written, whatever backs them."""
+    import tempfile
+
+    from dmdask.client.arenas import LocalArenas
+    from dmdask.shm import hugepages
+    from dmdask.shm.arena import Arena
+    from dmdask.worker.holdings import ArenaBlock, Block
+
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as folder:
+        probe = os.path.join(folder, "probe")
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT, 0o600)
+        os.pwrite(fd, b"\1" * hugepages.HUGE, 0)
+        if not hugepages.collapse(fd, 0, hugepages.HUGE):
+            os.close(fd)
+            pytest.skip("this kernel refuses MADV_COLLAPSE of shared memory (Linux < 6.1, or "
+                        "/sys/kernel/mm/transparent_hugepage/shmem_enabled is deny)")
+        os.close(fd)
+        block_len, row = 1024, 3072  # 3 MiB blocks
+
+        def block(k):
+            ids = np.arange(block_len * k, block_len * (k + 1))
+            x = (ids[:, None] * 7 + np.arange(row)[None, :]).astype(np.uint8)
+            return Block({"x": x}, int(ids[0]), int(ids[-1]) + 1)
+
+        arena = Arena(folder, "ds", block_len, block(0))
+        local = LocalArenas(num_samples=4 * block_len, block_len=block_len)
+        for k in range(4):
+            held = ArenaBlock(arena, arena.write(block(k)), block_len * k, block_len * (k + 1), block_len * row)
+            local.remember("tcp://w:1", k, held.describe())
+        before = _pmd_mapped_kib()
+        ids = np.random.default_rng(0).permutation(4 * block_len)
+        batch = local.take([ids], lambda *a: None)[0]
+        np.testing.assert_array_equal(batch["x"], (ids[:, None] * 7 + np.arange(row)[None, :]).astype(np.uint8))
+        assert _pmd_mapped_kib() - before >= 4 * 1024  # at least two huge pages of the 12 MiB mapped as such
+        local.forget()
+        arena.close()

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 
 HUGE = 2 << 20  # bytes of a PMD-mapped huge page on x86-64 and arm64 (4 KiB base pages)
 _MADV_COLLAPSE = 25
 _MAP_FIXED = 0x10
-_MAP_NORESERVE = 0x4000
+_MAP_NORESERVE = 0x4000 if os.uname().sysname == "Linux" else 0
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p

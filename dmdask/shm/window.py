@@ -39,7 +39,10 @@ class Window:
         row_bytes = np.dtype(dtype).itemsize * int(np.prod(row_shape, dtype=np.int64))
         if row_bytes == 0:
             return None
-        unit = int(np.lcm(row_bytes, HUGE)) // row_bytes  # rows per stride step: arenas start on huge pages
+        # rows per stride step: arenas start on huge pages (`shm.hugepages`), or on pages where that
+        # alignment would reserve more than 64 huge pages a step (row sizes with a large odd factor)
+        aligned = int(np.lcm(row_bytes, HUGE))
+        unit = (aligned if aligned <= 64 * HUGE else int(np.lcm(row_bytes, mmap.PAGESIZE))) // row_bytes
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         stride = int(-(-min(max_rows, memory // row_bytes + 1) // unit) * unit)
         reserved = aligned_reservation(stride * row_bytes * MAX_ARENAS)
