@@ -46,8 +46,12 @@ class Arena:
             self._fds[name] = create_file(path, gid, os.O_RDWR)
         self._free: list[int] = []
         self._slots = 0
+        self._row_bytes = {name: np.dtype(dtype).itemsize * int(np.prod(shape, dtype=np.int64))
+                           for name, (_, dtype, shape) in self.fields.items()}
+        self._written: set[int] = set()  # slots written at least once, beyond `_prefix`
+        self._prefix = 0  # slots 0.._prefix-1 all written at least once: their bytes have no holes
         self._collapsed = dict.fromkeys(self.fields, 0)  # field -> bytes from the start backed by huge pages
-        self._huge = True  # until the kernel refuses
+        self._huge = True  # until the kernel refuses (`shm.hugepages`)
         self._lock = threading.Lock()
 
     def fits(self, block) -> bool:
@@ -63,25 +67,34 @@ class Arena:
         try:
             self._label(slot, None)
             for name, arr in block.arrays.items():
+                if len(arr) < self.block_len:  # the last block: the slot's tail written too, so it has no hole
+                    arr = np.concatenate([arr, np.zeros((self.block_len - len(arr),) + arr.shape[1:], arr.dtype)])
                 self._write(name, slot, arr)
             self._label(slot, block)
         except BaseException:
             self.free(slot)
             raise
-        self._collapse_written()
+        self._collapse_written(slot)
         return slot
 
-    def _collapse_written(self) -> None:
-        """The whole 2 MiB extents written so far backed by huge pages (`shm.hugepages`)."""
-        if not self._huge:
-            return
-        for name, (path, _, _) in self.fields.items():
-            end = os.fstat(self._fds[name]).st_size // HUGE * HUGE
-            with self._lock:
-                start, self._collapsed[name] = self._collapsed[name], max(end, self._collapsed[name])
-            if end > start and not collapse(self._fds[name], start, end):
-                self._huge = False
-                return
+    def _collapse_written(self, slot: int) -> None:
+        """Slot `slot` is written: the whole 2 MiB extents of the slots written without a gap
+        from the start backed by huge pages (`shm.hugepages`; the kernel refuses extents with
+        holes, which slots other threads are still writing would leave)."""
+        with self._lock:
+            self._written.add(slot)
+            while self._prefix in self._written:
+                self._written.discard(self._prefix)
+                self._prefix += 1
+            ranges = {}
+            for name in self.fields:
+                end = self._prefix * self.block_len * self._row_bytes[name] // HUGE * HUGE
+                if end > self._collapsed[name]:
+                    ranges[name] = (self._collapsed[name], end)
+                    self._collapsed[name] = end
+        for name, (start, end) in ranges.items():
+            if self._huge and not collapse(self._fds[name], start, end):
+                self._huge = False  # refused with no hole: this kernel gives shared memory no huge pages
 
     def free(self, slot: int) -> None:
         """Give the slot back; its rows read as held by no sample from now on."""
