@@ -5,6 +5,7 @@ import dataclasses
 
 import pytest
 from distributed import Client, LocalCluster, wait
+from distributed.comm import get_address_host
 from distributed.protocol import ToPickle
 from distributed.utils_test import gen_cluster, gen_test
 
@@ -42,6 +43,11 @@ async def test_get_or_claim_then_register_then_ready_with_the_same_typed_info(c,
     await wait(futures)
     reply = await api.send(GetOrClaim("ds-x", "other"))
     assert reply == Ready(INFO, 2) and isinstance(reply.info, DatasetInfo) and reply.info.fields == ("x",)
+    holders = {}  # asked with a host: who holds which block (and their layouts, see test_first_contact)
+    for k in (0, 1):
+        holders.setdefault(next(iter(s.tasks[INFO.block_key(k)].who_has)).address, []).append(k)
+    # gen_cluster's workers have no `dmdask_describe`: left out of the layouts, the reply still comes
+    assert await api.send(GetOrClaim("ds-x", "other", get_address_host(a.address))) == Ready(INFO, 2, holders, {})
     assert await api.send(Datasets()) == [DatasetSummary("ds-x", "/x", "x", 10, 2, 40, 2, 0, True)]
     assert await api.send(Release("ds-x")) is True
     assert await api.send(Release("ds-x")) is False

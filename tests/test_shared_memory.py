@@ -268,6 +268,36 @@ def test_pooled_batch_memory_is_private_to_a_forked_child():
     assert all((empty_batch(layout, 4)["x"] != 9).all() for _ in range(4))
 
 
+def _resident_fraction(array: np.ndarray) -> float:
+    """The fraction of the pages under `array` that are in memory (mincore)."""
+    import ctypes
+
+    start = array.__array_interface__["data"][0]
+    first = start - start % mmap.PAGESIZE
+    pages = -(-(start + array.nbytes - first) // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mincore(ctypes.c_void_p(first), ctypes.c_size_t(pages * mmap.PAGESIZE), vec) == 0
+    return sum(v & 1 for v in vec) / pages
+
+
+def test_pooled_batch_memory_is_faulted_in_ahead_of_its_first_use():
+    """The chunks next in line are made resident by another thread while the first is in
+    use (`shm.memory.AHEAD`), so copying a batch into fresh memory does not wait for its
+    page faults."""
+    from dmdask.shm import memory
+
+    layout = (("x", "|u1", (9 << 19,)),)  # a pool of its own, chunks of 4.5 MiB: more than a huge page
+    kept = [memory.empty_batch(layout, 1)]  # each kept: the next is another chunk
+    memory._populator.submit(lambda: None).result(timeout=60)  # after the faults queued before it
+    kept += [memory.empty_batch(layout, 1), memory.empty_batch(layout, 1)]
+    assert _resident_fraction(kept[2]["x"]) == 1.0
+    memory._populator.submit(lambda: None).result(timeout=60)
+    kept.append(memory.empty_batch(layout, 1))  # queued when the second was taken
+    assert _resident_fraction(kept[3]["x"]) == 1.0
+    assert len({b["x"].__array_interface__["data"][0] for b in kept}) == 4
+
+
 def _pmd_mapped_kib() -> int:
     """KiB of file pages this process maps with huge-page (PMD) entries."""
     with open("/proc/self/smaps_rollup") as f:

@@ -20,16 +20,25 @@ from ..shm.window import MAX_ARENAS, Window
 class LocalArenas:
     """Per process and dataset (`of`): the blocks in arenas on this host, as `Gatherer` finds them. Thread-safe."""
 
-    _of: dict[str, LocalArenas] = {}
+    _of: dict[str, tuple[str, LocalArenas]] = {}  # dataset name -> (identity, its arenas)
     _registry = threading.Lock()
 
     @classmethod
-    def of(cls, identity: str, num_samples: int, block_len: int) -> LocalArenas:
+    def of(cls, info) -> LocalArenas:
+        """The arenas of the dataset `info` (a `DatasetInfo`); new ones when its data changed."""
         with cls._registry:
-            found = cls._of.get(identity)
-            if found is None or (found.num_samples, found.block_len) != (num_samples, block_len):
-                found = cls._of[identity] = cls(num_samples, block_len)
+            identity, found = cls._of.get(info.name, (None, None))
+            if identity != info.identity or (found.num_samples, found.block_len) != (info.num_samples, info.block_len):
+                found = cls(info.num_samples, info.block_len)
+                cls._of[info.name] = (info.identity, found)
         return found
+
+    @classmethod
+    def knows_dataset(cls, name: str) -> bool:
+        """Whether every block of the dataset `name` was in a known arena when last looked at."""
+        with cls._registry:
+            found = cls._of.get(name)
+        return found is not None and found[1].knows(np.arange(len(found[1].arena_of)))
 
     def __init__(self, num_samples: int, block_len: int):
         self.num_samples, self.block_len = num_samples, block_len

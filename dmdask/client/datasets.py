@@ -39,25 +39,27 @@ def _call(client: Client, request):
     return reply
 
 
-def open_dataset(client: Client, spec, epoch: int) -> Ready:
-    """The dataset of `spec` (`get_or_create`), its blocks submitted in the order its epoch needs them."""
+def open_dataset(client: Client, spec, epoch: int, host: str | None = None) -> Ready:
+    """The dataset of `spec` (`get_or_create`), its blocks submitted in the order its epoch
+    needs them; `host`: see `GetOrClaim`."""
 
     def order(info: DatasetInfo):
         epoch_order = EpochOrder(info.num_samples, info.block_len, shuffle=spec.shuffle, seed=spec.seed,
                                  epoch=epoch, shuffle_window=spec.shuffle_window)
         return np.asarray(epoch_order.blocks_first_needed(limit=NEED_ORDER_POSITIONS * info.num_blocks)).tolist()
 
-    return get_or_create(client, dataset_name(spec), lambda: open_source(spec), order)
+    return get_or_create(client, dataset_name(spec), lambda: open_source(spec), order, host)
 
 
 def get_or_create(client: Client, name: str, opener: Callable[[], Source],
-                  order: Callable[[DatasetInfo], list] | None = None) -> Ready:
+                  order: Callable[[DatasetInfo], list] | None = None, host: str | None = None) -> Ready:
     """The registry's dataset `name`, created once per cluster from `opener()` by the first
     process to ask (the others wait), every block load submitted in one graph, in the
-    order `order(info)` (None: index order). Registers the plugin if the scheduler lacks it."""
+    order `order(info)` (None: index order); `host`: see `GetOrClaim`. Registers the plugin
+    if the scheduler lacks it."""
     claimant, registered = uuid.uuid4().hex, False
     while True:
-        reply = _call(client, GetOrClaim(name, claimant))
+        reply = _call(client, GetOrClaim(name, claimant, host))
         if reply is None and not registered:
             client.register_plugin(DatasetsPlugin())
             registered = True

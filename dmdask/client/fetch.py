@@ -13,7 +13,7 @@ from distributed.comm.core import CommClosedError
 
 from ..errors import BlockReadError, NotADmdaskWorker, no_workers
 from ..plan.order import RankShare
-from ..protocol.scheduler import SchedulerAPI
+from ..protocol.scheduler import Ready, SchedulerAPI
 from ..protocol.worker import BatchRequest, RowsRequest
 from ..recovery import Tries
 from ..shm.results import map_batches
@@ -127,14 +127,12 @@ class GroupFetcher:
         """A group's "index" and its fields not read from blocks (a mixture's "source")."""
         return (ids, {}) if self.mixed is None else self.mixed.batch_fields(ids)
 
-    async def learn(self, keys: list[str]) -> None:
-        """The holders of these blocks among those loaded already, and the layout of those
-        in arenas on this host (docs/architecture.md section 3, step 3)."""
-        await self.contact.check_scheduler()
-        mine = get_address_host(await self.contact.local_worker())
-        holders = (await SchedulerAPI(self.client).locate(keys, mine, wait=0)).holders
-        self.holders.update(holders)
-        await self.gatherer.learn(holders)
+    def learn(self, ready: Ready) -> None:
+        """Before the first fetch: where `ready`'s blocks were, and how to map those on this
+        host (docs/architecture.md section 3, step 3)."""
+        info = ready.info
+        self.holders.update({info.block_key(k): worker for worker, blocks in ready.holders.items() for k in blocks})
+        self.gatherer.learn(ready.layouts)
 
     async def first_rows(self) -> list:
         """The first row of every source of the mixture drawn in an epoch (None for the others)."""

@@ -6,7 +6,6 @@ block gone while mapped raises `Moved`; nothing here writes to a worker's files.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import os
 import threading
@@ -22,6 +21,7 @@ from distributed.comm import get_address_host
 from ..protocol.worker import Moved, RowsRequest, WorkerAPI
 from ..shm.arena import ID_FIELD, ArenaMaps
 from ..shm.fileblocks import assemble, map_arrays, readable, take_rows
+from ..threads import ForkSafeExecutor
 from ..source import parse_block_key
 from .arenas import LocalArenas
 
@@ -29,21 +29,6 @@ HITS_TIMEOUT = 2.0  # seconds a hit report may take (a worker that left does not
 CONNECT_SECONDS = 5.0  # a connection to a worker that takes longer: the worker is gone
 LOAD_WAIT = 2.0  # seconds a holder may wait for a block it is loading before it answers "missing"
 MAPPED_BLOCKS = 4096  # blocks kept mapped per process (each costs a mapping per field)
-
-
-class ForkSafeExecutor(concurrent.futures.Executor):
-    """A thread pool that a forked child starts anew (it has none of its parent's threads)."""
-
-    def __init__(self, threads: int, name: str):
-        self.threads, self.name = threads, name
-        self._start()
-        os.register_at_fork(after_in_child=self._start)
-
-    def _start(self) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix=self.name)
-
-    def submit(self, fn, /, *args, **kwargs):
-        return self._pool.submit(fn, *args, **kwargs)
 
 
 _pool = ForkSafeExecutor(2, "dmdask-gather")
@@ -180,30 +165,26 @@ class Gatherer:
     def _local_holders(self, holders) -> list[str]:
         return [h for h in holders if get_address_host(h) == self.my_host]
 
-    async def learn(self, holders: dict[str, str]) -> None:
-        """Describe these blocks (key -> holder) held on this host; those in arenas remembered (`LocalArenas`)."""
-        by_holder: dict[str, list[str]] = defaultdict(list)
-        for key, holder in holders.items():
-            by_holder[holder].append(key)
-        await self.describe(by_holder)
-        for key, holder in holders.items():
-            description = _mapped.described.get((holder, key))
-            if description is not None and "arena" in description:
-                self._remember(holder, key, description)
-
-    async def describe(self, keys: dict[str, list[str]]) -> None:
-        """Learn the file layout of blocks (holder -> keys) held on this host."""
-        await asyncio.gather(*(self._describe(h, keys[h]) for h in self._local_holders(keys)))
+    def learn(self, layouts: dict[str, dict[str, dict | None]]) -> None:
+        """Blocks on this host as their holders described them (holder -> key -> `dmdask_describe`);
+        those in arenas remembered (`LocalArenas`)."""
+        for holder in self._local_holders(layouts):
+            self._keep(holder, layouts[holder])
+            for key, description in layouts[holder].items():
+                if description is not None and "arena" in description:
+                    self._remember(holder, key, description)
 
     async def _describe(self, holder: str, keys: list[str]) -> None:
         unknown = [k for k in keys if (holder, k) not in _mapped.described]
         if unknown:
-            reply = await self.workers.describe(holder, unknown)
-            with _mapped.lock:
-                for key in unknown:
-                    if key in reply:  # not held yet (still loading): asked again next time
-                        found = reply[key]  # a worker of another user: its rows come by request
-                        _mapped.described[(holder, key)] = found if readable(found) else None
+            self._keep(holder, await self.workers.describe(holder, unknown))
+
+    @staticmethod
+    def _keep(holder: str, described: dict[str, dict | None]) -> None:
+        """Descriptions of blocks held (a block not held yet, still loading, is asked of again next time)."""
+        with _mapped.lock:
+            for key, found in described.items():  # a worker of another user's: its rows come by request
+                _mapped.described[(holder, key)] = found if readable(found) else None
 
     def _assemble(self, from_files: list[FromFile], parts, n: int) -> dict[str, np.ndarray]:
         """Runs in a thread: take the rows of mapped blocks and put every row in place."""

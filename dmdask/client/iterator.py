@@ -13,6 +13,7 @@ from distributed import Client
 from ..errors import SpecError
 from ..plan.elastic import remaining
 from ..plan.order import ORDER_VERSION, EpochOrder, RankShare
+from ..source import dataset_name
 from ..spec import Mix, Spec, as_int
 from ..transform import dumps_transform
 from .arenas import LocalArenas
@@ -26,7 +27,6 @@ from .progress import make as _make_progress
 from .resume import resume_point
 
 REQUEST_BYTES = 8 << 20  # small batches are fetched several per request, up to about this size
-LEARN_BLOCKS = 1 << 16  # datasets up to this many blocks: where every block is, learnt before the first batch
 
 
 def batches(client: Client, spec: Spec, epoch: int = 0, resume: dict | None = None, progress=None) -> BatchIterator:
@@ -54,14 +54,18 @@ class BatchIterator:
         self._mixed: MixedInfo | None = None  # the sources of a mixture, as one dataset of global ids
         self._loop = client.loop.asyncio_loop
         contact = Contact(client, spec.rank)
-        contact.reach_ahead(self._loop)  # while the dataset opens
+        self._transform = dumps_transform(spec.transform)
+        host = my_host(client)
+        specs = spec.source.specs(spec) if isinstance(spec.source, Mix) else [spec]
+        learn = self._transform is None and not all(LocalArenas.knows_dataset(dataset_name(s)) for s in specs)
+        learn_on = host if learn else None  # where blocks are: to take them from arenas here
         if isinstance(spec.source, Mix):
-            opened = [open_dataset(client, s, epoch) for s in spec.source.specs(spec)]
+            opened = [open_dataset(client, s, epoch, learn_on) for s in specs]
             self.info = info = self._mixed = MixedInfo(spec.source, [o.info for o in opened])
             self._order = info.order(shuffle=spec.shuffle, seed=spec.seed, epoch=epoch,
                                      shuffle_window=spec.shuffle_window)
         else:
-            opened = [open_dataset(client, spec, epoch)]
+            opened = [open_dataset(client, spec, epoch, learn_on)]
             self.info = info = opened[0].info
             self._order = EpochOrder(info.num_samples, info.block_len, shuffle=spec.shuffle, seed=spec.seed,
                                      epoch=epoch, shuffle_window=spec.shuffle_window)
@@ -81,18 +85,18 @@ class BatchIterator:
         self._in_flight: deque = deque()  # concurrent futures, each of a list of batches
         self._ready_batches: deque = deque()
         self._datasets = datasets = info.sources if self._mixed is not None else [info]
-        self._locals = [LocalArenas.of(d.identity, d.num_samples, d.block_len) for d in datasets]
+        self._locals = [LocalArenas.of(d) for d in datasets]
         self._local = self._locals[0]
         for local in self._locals:
             local.forget_if_gone()
-        self._gatherer = Gatherer(client, my_host(client), {d.identity: a for d, a in zip(datasets, self._locals)})
-        self._transform = dumps_transform(spec.transform)
+        self._gatherer = Gatherer(client, host, {d.identity: a for d, a in zip(datasets, self._locals)})
         self._fetcher = GroupFetcher(client, spec, epoch, info, self._batches, contact, self._gatherer, self._transform)
-        if self._transform is None and any(o.loaded for o in opened) and not self._all_known():
-            keys = [d.block_key(k) for d in datasets if d.num_blocks <= LEARN_BLOCKS for k in range(d.num_blocks)]
-            if keys:  # ahead of the first batch, so that a warm cache serves it from the arenas
-                self._run(self._fetcher.learn(keys))
+        if not self._all_known():  # a warm cache serves the first batch from its arenas
+            for ready in opened:
+                self._fetcher.learn(ready)
         self._fetcher.cold = not self._all_known()  # until a fetched batch needed no read from the store
+        if self._fetcher.cold:  # a warm cache's batches need no worker: connections are made when needed
+            contact.reach_ahead(self._loop)
         if self._mixed is not None:
             check_fields_match(self._mixed, lambda: self._run(self._fetcher.first_rows()))
         self.wait_seconds = 0.0  # time the consumer spent waiting for batches

@@ -17,6 +17,8 @@ from ..source.base import DatasetInfo
 
 LOCATE_LONGEST = 60.0  # the longest a `Locate` may wait
 LOCATE_SECONDS = 2.0  # one wait on the scheduler for blocks still loading
+HOLDERS_BLOCKS = 1 << 16  # datasets up to this many blocks: `Ready` can name every block's holder
+DESCRIBE_SECONDS = 2.0  # the longest the scheduler waits for a worker's `dmdask_describe` for `Ready`
 message = dataclasses.dataclass(frozen=True)
 
 
@@ -69,10 +71,12 @@ class Request:
 
 @message
 class GetOrClaim(Request):
-    """The dataset `name` (`Ready`), or the claim to create it (`Claimed`)."""
+    """The dataset `name` (`Ready`), or the claim to create it (`Claimed`); `host`: its
+    `Ready` also names where its blocks held now are, a holder on `host` preferred."""
     op = "dmdask_get_or_claim"
     name: str
     claimant: str
+    host: Optional[str] = None
 
 
 @message
@@ -182,9 +186,14 @@ class FsOpenBlocks(Request):
 
 @message
 class Ready:
-    """The dataset exists: its description, and how many of its blocks were held then."""
+    """The dataset exists: its description, how many of its blocks were held then and, when
+    asked (`GetOrClaim.host`) and it has at most `HOLDERS_BLOCKS` blocks, who held which
+    and how to map those held on that host, as their workers described them then."""
     info: DatasetInfo
     loaded: int
+    holders: Dict[str, List[int]] = dataclasses.field(default_factory=dict)  # worker -> block indices
+    layouts: Dict[str, Dict[str, Optional[dict]]] = dataclasses.field(default_factory=dict)  # worker -> key ->
+    # its `dmdask_describe` (a worker that did not answer within DESCRIBE_SECONDS left out)
 
 
 @message

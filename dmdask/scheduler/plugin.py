@@ -117,7 +117,8 @@ class DatasetsPlugin(SchedulerPlugin):
                 self.datasets[name] = DatasetState(name, claimant)
                 return Claimed()
             if ds.ready.is_set() and not self._lost(ds):
-                return self._ready(ds)
+                ready = self._ready(ds)
+                return ready if request.host is None else await self.reads.locate_ready(ready, request.host)
             if ds.ready.is_set():  # its blocks were forgotten (`client.restart()`): create them again
                 self._forget(ds)
                 continue

@@ -1,20 +1,28 @@
-"""`BlockReads`, part of the `DatasetsPlugin`: where blocks are (`Locate`), and who reads
-the lazy blocks nobody holds (`OpenBlocks`; transparent mode's `FsClaim`, `FsOpenBlocks`):
-one reader at a time, the first to ask (its claim), the others waiting for its load task.
-A claim ends when the task arrives or its reader's client leaves.
+"""`BlockReads`, part of the `DatasetsPlugin`: where blocks are (`Locate`, and a new rank's
+`GetOrClaim` naming its host), and who reads the lazy blocks nobody holds (`OpenBlocks`;
+transparent mode's `FsClaim`, `FsOpenBlocks`): one reader at a time, the first to ask (its
+claim), the others waiting for its load task. A claim ends when the task arrives or its
+reader's client leaves.
 """
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import logging
 import time
 
 from distributed.comm import get_address_host
 
 from ..arrivals import Arrivals
 from ..internals import task_error
-from ..protocol.scheduler import (BlocksOpened, Folders, FsClaim, FsMetadata, FsOpenBlocks, GetOrRegister,
-                                  InfoClaims, Located, Locate, NoWorkers, OpenBlocks)
+from ..protocol.scheduler import (DESCRIBE_SECONDS, HOLDERS_BLOCKS, BlocksOpened, Folders, FsClaim, FsMetadata,
+                                  FsOpenBlocks, GetOrRegister, InfoClaims, Located, Locate, NoWorkers, OpenBlocks,
+                                  Ready)
+from ..protocol.worker import WorkerAPI
 from ..source.base import parse_block_key
 from . import placement
+
+logger = logging.getLogger(__name__)
 
 
 class BlockReads:
@@ -41,7 +49,7 @@ class BlockReads:
                 if ts is None:
                     (pending if key in expect or self._claimed(key) else unknown).append(key)
                 elif ts.state == "memory" and ts.who_has:
-                    holders[key] = _holder(ts, host)
+                    holders[key] = preferred_holder(ts, host)
                 elif ts.state == "erred":
                     erred[key] = task_error(ts)
                 elif request.planned and ts.state == "processing" and ts.processing_on is not None:
@@ -52,6 +60,32 @@ class BlockReads:
             if not pending or left <= 0:
                 return Located(holders, erred, unknown, pending, loading)
             await self.waiters.wait(pending, left)
+
+    async def locate_ready(self, ready: Ready, host: str) -> Ready:
+        """`ready` with the holder of each of its blocks held now, one on `host` preferred, and
+        the layouts of those on `host` as their workers describe them (`Ready.holders`,
+        `Ready.layouts`): the rank asking maps them with no connection to a worker of its own."""
+        info = ready.info
+        if not ready.loaded or info.num_blocks > HOLDERS_BLOCKS:
+            return ready
+        holders: dict[str, list[int]] = {}
+        for k in range(info.num_blocks):
+            ts = self.scheduler.tasks.get(info.block_key(k))
+            if ts is not None and ts.state == "memory" and ts.who_has:
+                holders.setdefault(preferred_holder(ts, host), []).append(k)
+        workers = WorkerAPI(self.scheduler.rpc, DESCRIBE_SECONDS)
+
+        async def described(worker: str, blocks: list[int]):
+            keys = [info.block_key(k) for k in blocks]
+            try:
+                return worker, await asyncio.wait_for(workers.describe(worker, keys), DESCRIBE_SECONDS)
+            except Exception as exc:  # noqa: BLE001 - left out: the rank learns those blocks as it fetches them
+                logger.debug("worker %s did not describe %d blocks of %s: %r", worker, len(keys), info.name, exc)
+                return worker, None
+
+        local = [described(w, blocks) for w, blocks in holders.items() if get_address_host(w) == host]
+        layouts = {w: layout for w, layout in await asyncio.gather(*local) if layout is not None}
+        return dataclasses.replace(ready, holders=holders, layouts=layouts)
 
     def open_blocks(self, request: OpenBlocks) -> BlocksOpened | NoWorkers:
         """Register the request's datasets when new, then name the holders of its keys and
@@ -65,7 +99,7 @@ class BlockReads:
             parsed = parse_block_key(key)
             ds = parsed and self.plugin.by_identity.get(parsed[0])
             if ts is not None and ts.state == "memory" and ts.who_has:
-                holders[key] = _holder(ts, request.host)
+                holders[key] = preferred_holder(ts, request.host)
             elif ts is None and not self._claimed(key) and ds and ds.lazy:
                 self.claims[key] = request.client
                 mine[key] = placement.live_planned(self.scheduler, ds, parsed[1])
@@ -102,7 +136,7 @@ class BlockReads:
             self.waiters.wake(key)
 
 
-def _holder(ts, host: str | None) -> str:
+def preferred_holder(ts, host: str | None) -> str:
     """A worker holding the task's result, one on `host` if any."""
     addresses = sorted(ws.address for ws in ts.who_has)
     local = [a for a in addresses if host and get_address_host(a) == host]

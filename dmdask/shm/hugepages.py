@@ -9,34 +9,24 @@ refuses (older kernel, `shmem_enabled=deny`, no memory for a huge page), nothing
 """
 from __future__ import annotations
 
-import ctypes
 import mmap
-import os
+
+from .libc import FAILED, MADV_COLLAPSE, MAP_FIXED, MAP_NORESERVE, libc
 
 HUGE = 2 << 20  # bytes of a PMD-mapped huge page on x86-64 and arm64 (4 KiB base pages)
-_MADV_COLLAPSE = 25
-_MAP_FIXED = 0x10
-_MAP_NORESERVE = 0x4000 if os.uname().sysname == "Linux" else 0
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_FAILED = ctypes.c_void_p(-1).value
 
 
 def aligned_reservation(length: int) -> tuple[int, int] | None:
     """(start of the reservation, a HUGE-aligned address in it with `length` bytes after);
     None when the address space cannot be reserved. Release with `release(start, length)`."""
-    base = _libc.mmap(None, length + HUGE, 0, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
-    if base in (None, _FAILED):
+    base = libc.mmap(None, length + HUGE, 0, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
+    if base in (None, FAILED):
         return None
     return base, (base + HUGE - 1) & ~(HUGE - 1)
 
 
 def release(base: int, length: int) -> None:
-    _libc.munmap(base, length + HUGE)
+    libc.munmap(base, length + HUGE)
 
 
 def collapse(fd: int, start: int, stop: int) -> bool:
@@ -49,8 +39,8 @@ def collapse(fd: int, start: int, stop: int) -> bool:
         return False
     base, at = reserved
     try:
-        if _libc.mmap(at, length, mmap.PROT_READ, mmap.MAP_SHARED | _MAP_FIXED, fd, start) != at:
+        if libc.mmap(at, length, mmap.PROT_READ, mmap.MAP_SHARED | MAP_FIXED, fd, start) != at:
             return False
-        return _libc.madvise(at, length, _MADV_COLLAPSE) == 0
+        return libc.madvise(at, length, MADV_COLLAPSE) == 0
     finally:
         release(base, length)

@@ -13,9 +13,14 @@ import weakref
 
 import numpy as np
 
+from ..threads import ForkSafeExecutor
+from .libc import populate
+
 MAX_POOL_BYTES = 512 << 20  # per batch layout and process
 SLAB_CHUNKS = 8  # chunks added to a pool at a time
+AHEAD = 2  # chunks next in line faulted in ahead of their first use, by another thread
 _ALIGN = 64
+_populator = ForkSafeExecutor(1, "dmdask-populate")
 
 Layout = tuple[tuple[str, str, tuple], ...]  # (field, dtype, row shape) ...
 
@@ -27,21 +32,30 @@ class _Pool:
         self.chunk_bytes = chunk_bytes
         self.max_chunks = MAX_POOL_BYTES // chunk_bytes
         self._slabs: list[mmap.mmap] = []
+        self._addresses: list[int] = []  # of each slab
         self._free: list[tuple[int, int]] = []  # (slab, chunk)
+        self._touched: set[tuple[int, int]] = set()  # chunks used or faulted in ahead
         self._lock = threading.Lock()
 
     def take(self):
-        """A ctypes array over a free chunk, or None when the pool is exhausted."""
+        """A ctypes array over a free chunk, or None when the pool is exhausted. The next
+        chunks never used yet are faulted in meanwhile (a first touch of fresh memory costs
+        more than the copy into it), so only a pool's first chunk is faulted in by its user."""
         with self._lock:
             if not self._free and len(self._slabs) * SLAB_CHUNKS < self.max_chunks:
                 slab = mmap.mmap(-1, self.chunk_bytes * SLAB_CHUNKS, flags=mmap.MAP_PRIVATE)
                 if hasattr(mmap, "MADV_HUGEPAGE"):
                     slab.madvise(mmap.MADV_HUGEPAGE)
                 self._slabs.append(slab)
+                self._addresses.append(ctypes.addressof(ctypes.c_char.from_buffer(slab)))
                 self._free.extend((len(self._slabs) - 1, c) for c in reversed(range(SLAB_CHUNKS)))
             if not self._free:
                 return None
             slab, chunk = self._free.pop()
+            ahead = [c for c in self._free[len(self._free) - AHEAD:] if c not in self._touched]
+            self._touched.update(ahead + [(slab, chunk)])
+        for s, c in ahead:
+            _populator.submit(populate, self._addresses[s] + c * self.chunk_bytes, self.chunk_bytes)
         holder = (ctypes.c_char * self.chunk_bytes).from_buffer(self._slabs[slab], chunk * self.chunk_bytes)
         weakref.finalize(holder, self._give_back, slab, chunk)
         return holder

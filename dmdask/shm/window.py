@@ -12,14 +12,9 @@ import os
 import numpy as np
 
 from .hugepages import HUGE, aligned_reservation, release
+from .libc import MAP_FIXED, libc
 
 MAX_ARENAS = 16  # arenas (workers of one host) a window can hold
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_FAILED = ctypes.c_void_p(-1).value
-_MAP_FIXED = 0x10
 
 
 class Window:
@@ -63,7 +58,7 @@ class Window:
                 raise FileNotFoundError(f"{path} holds fewer rows than {rows}")
             length = have * self._row_bytes
             at = self._base + arena * self.stride * self._row_bytes
-            got = _libc.mmap(at, length, mmap.PROT_READ, mmap.MAP_SHARED | _MAP_FIXED, f.fileno(), 0)
+            got = libc.mmap(at, length, mmap.PROT_READ, mmap.MAP_SHARED | MAP_FIXED, f.fileno(), 0)
             if got != at:
                 raise OSError(ctypes.get_errno(), f"cannot map {path}: {os.strerror(ctypes.get_errno())}")
         self._mapped[arena] = have
