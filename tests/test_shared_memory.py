@@ -289,12 +289,10 @@ def test_pooled_batch_memory_is_faulted_in_ahead_of_its_first_use():
 
     layout = (("x", "|u1", (9 << 19,)),)  # a pool of its own, chunks of 4.5 MiB: more than a huge page
     kept = [memory.empty_batch(layout, 1)]  # each kept: the next is another chunk
-    memory._populator.submit(lambda: None).result(timeout=60)  # after the faults queued before it
-    kept += [memory.empty_batch(layout, 1), memory.empty_batch(layout, 1)]
-    assert _resident_fraction(kept[2]["x"]) == 1.0
-    memory._populator.submit(lambda: None).result(timeout=60)
-    kept.append(memory.empty_batch(layout, 1))  # queued when the second was taken
-    assert _resident_fraction(kept[3]["x"]) == 1.0
+    for _ in range(3):
+        memory._populator.submit(lambda: None).result(timeout=60)  # after the faults queued before it
+        kept.append(memory.empty_batch(layout, 1))  # faulted in when the one before it was taken
+        assert _resident_fraction(kept[-1]["x"]) == 1.0
     assert len({b["x"].__array_interface__["data"][0] for b in kept}) == 4
 
 
