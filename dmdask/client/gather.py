@@ -174,6 +174,10 @@ class Gatherer:
                 if description is not None and "arena" in description:
                     self._remember(holder, key, description)
 
+    async def describe(self, keys: dict[str, list[str]]) -> None:
+        """Learn the file layout of blocks (holder -> keys) held on this host."""
+        await asyncio.gather(*(self._describe(h, keys[h]) for h in self._local_holders(keys)))
+
     async def _describe(self, holder: str, keys: list[str]) -> None:
         unknown = [k for k in keys if (holder, k) not in _mapped.described]
         if unknown:
