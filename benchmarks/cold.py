@@ -314,9 +314,12 @@ def report(result: dict, plots_dir: str) -> str:
     w = result["warm"]
     lines += ["", f"Part 2: a warm cache (samples of {w['sample_bytes']:,} B in the RAM of 2 workers, loaded by "
                   "another process), new rank processes, two epochs each, no compute. What the first epoch pays "
-                  "more is making the iterator (opening the dataset, learning where its blocks are, mapping the "
-                  "arenas: a few ms) and the first touch of every mapped page of the arenas and of the pooled "
-                  "output memory in the new process, which grows with the data. Each point: the medians of "
+                  "more: making the iterator (one request opens the dataset and names where its blocks are and "
+                  "how this node's are laid out; mapping the arenas: 5-7 ms against 2 ms), the first touch of "
+                  "the arenas' pages (one fault per 2 MiB where huge pages are allowed: it grows with the data) "
+                  "and the zeroing of the fresh pooled output memory (about 9 MiB a rank at the default "
+                  "prefetch, faulted in ahead by another thread where it can: a fixed cost, slow in a VM). "
+                  "Each point: the medians of "
                   "several runs, each with new rank processes (first / second: the median of the runs' ratios).", "",
               "| samples | ranks | first epoch | second epoch | first - second | first / second | runs' ratios | "
               "every sample once |",
