@@ -21,7 +21,7 @@ from .locate import my_host
 
 logger = logging.getLogger(__name__)
 _reached: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # client -> scheduler its workers were reached on
-CONNECT_AHEAD = 32  # workers a new iterator connects to while its dataset opens
+CONNECT_AHEAD = 32  # workers a cold iterator connects to ahead of its first requests
 
 
 async def connect_ahead(client, address: str) -> None:
@@ -48,7 +48,8 @@ class Contact:
             asyncio.run_coroutine_threadsafe(self.reach_workers(), loop)
 
     async def reach_workers(self) -> None:
-        """Best effort, while the dataset opens: the local worker chosen, connections made (this host's first)."""
+        """Best effort, ahead of a cold iterator's first requests: the local worker chosen,
+        connections made (this host's first)."""
         workers = await self.workers(wait=False)
         if workers:
             self._choose_local_worker(workers)
