@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import sys
 
 PAGE = mmap.PAGESIZE
 MAP_FIXED = 0x10
@@ -24,5 +25,7 @@ def populate(address: int, length: int) -> bool:
     """Fault in the pages of [address, address + length) of a writable mapping now, leaving
     their bytes as they are (safe while another thread writes them); False where the kernel
     cannot (older than 5.14, not writable)."""
+    if not sys.platform.startswith("linux"):  # the advice's number means another thing elsewhere
+        return False
     start = address - address % PAGE
     return libc.madvise(start, length + address - start, MADV_POPULATE_WRITE) == 0
