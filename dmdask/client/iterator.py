@@ -57,15 +57,14 @@ class BatchIterator:
         self._transform = dumps_transform(spec.transform)
         host = my_host(client)
         specs = spec.source.specs(spec) if isinstance(spec.source, Mix) else [spec]
+        # where the blocks are, to take them from the arenas here: asked with the open (`Ready.layouts`)
         learn = self._transform is None and not all(LocalArenas.knows_dataset(dataset_name(s)) for s in specs)
-        learn_on = host if learn else None  # where blocks are: to take them from arenas here
+        opened = [open_dataset(client, s, epoch, host if learn else None) for s in specs]
         if isinstance(spec.source, Mix):
-            opened = [open_dataset(client, s, epoch, learn_on) for s in specs]
             self.info = info = self._mixed = MixedInfo(spec.source, [o.info for o in opened])
             self._order = info.order(shuffle=spec.shuffle, seed=spec.seed, epoch=epoch,
                                      shuffle_window=spec.shuffle_window)
         else:
-            opened = [open_dataset(client, spec, epoch, learn_on)]
             self.info = info = opened[0].info
             self._order = EpochOrder(info.num_samples, info.block_len, shuffle=spec.shuffle, seed=spec.seed,
                                      epoch=epoch, shuffle_window=spec.shuffle_window)
