@@ -21,8 +21,8 @@ from distributed.comm import get_address_host
 from ..protocol.worker import Moved, RowsRequest, WorkerAPI
 from ..shm.arena import ID_FIELD, ArenaMaps
 from ..shm.fileblocks import assemble, map_arrays, readable, take_rows
-from ..threads import ForkSafeExecutor
 from ..source import parse_block_key
+from ..threads import ForkSafeExecutor
 from .arenas import LocalArenas
 
 HITS_TIMEOUT = 2.0  # seconds a hit report may take (a worker that left does not answer)

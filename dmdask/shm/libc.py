@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import os
 import sys
 
 PAGE = mmap.PAGESIZE
 MAP_FIXED = 0x10
-MAP_NORESERVE = 0x4000 if os.uname().sysname == "Linux" else 0
+LINUX = sys.platform.startswith("linux")
+MAP_NORESERVE = 0x4000 if LINUX else 0
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in as if written, contents unchanged
 MADV_COLLAPSE = 25  # Linux >= 6.1: back a range with transparent huge pages now
 
@@ -25,7 +25,7 @@ def populate(address: int, length: int) -> bool:
     """Fault in the pages of [address, address + length) of a writable mapping now, leaving
     their bytes as they are (safe while another thread writes them); False where the kernel
     cannot (older than 5.14, not writable)."""
-    if not sys.platform.startswith("linux"):  # the advice's number means another thing elsewhere
+    if not LINUX:  # the advice's number means another thing elsewhere
         return False
     start = address - address % PAGE
     return libc.madvise(start, length + address - start, MADV_POPULATE_WRITE) == 0

@@ -18,7 +18,8 @@ from .libc import populate
 
 MAX_POOL_BYTES = 512 << 20  # per batch layout and process
 SLAB_CHUNKS = 8  # chunks added to a pool at a time
-AHEAD = 1  # chunks next in line faulted in ahead of their first use, by another thread (a pool zeroes at most this many it never uses)
+AHEAD = 1  # chunks next in line faulted in ahead of their first use, by another thread
+# (a pool zeroes at most this many chunks it never uses)
 _ALIGN = 64
 _populator = ForkSafeExecutor(1, "dmdask-populate")
 

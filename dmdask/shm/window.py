@@ -20,12 +20,13 @@ MAX_ARENAS = 16  # arenas (workers of one host) a window can hold
 class Window:
     """Arena files of one field, mapped read-only `stride` rows apart. Not thread-safe: its owner serialises."""
 
-    def __init__(self, base: int, stride: int, row_bytes: int, dtype: str, row_shape: tuple):
-        self._base, self.stride, self._row_bytes = base, stride, row_bytes
+    def __init__(self, reserved: tuple[int, int], stride: int, row_bytes: int, dtype: str, row_shape: tuple):
+        """`reserved`: (the reservation, its HUGE-aligned start), as `aligned_reservation` gives."""
+        (self._reservation, self._base), self.stride, self._row_bytes = reserved, stride, row_bytes
         self._dtype, self._row_shape = np.dtype(dtype), tuple(row_shape)
         self._mapped: list[int] = [0] * MAX_ARENAS  # rows mapped per arena
         total = stride * row_bytes * MAX_ARENAS
-        memory = (ctypes.c_char * total).from_address(base)
+        memory = (ctypes.c_char * total).from_address(self._base)
         self.rows = np.frombuffer(memory, dtype=self._dtype).reshape((stride * MAX_ARENAS,) + self._row_shape)
 
     @classmethod
@@ -43,9 +44,7 @@ class Window:
         reserved = aligned_reservation(stride * row_bytes * MAX_ARENAS)
         if reserved is None:
             return None
-        window = cls(reserved[1], stride, row_bytes, dtype, row_shape)
-        window._reservation = reserved[0]
-        return window
+        return cls(reserved, stride, row_bytes, dtype, row_shape)
 
     def map(self, arena: int, path: str, rows: int) -> None:
         """Arena `arena`'s file mapped with at least `rows` rows, else FileNotFoundError."""
