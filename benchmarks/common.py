@@ -26,7 +26,8 @@ def machine() -> dict:
     return {"cpus": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
             "python": platform.python_version(), "platform": platform.platform(),
             "dmdask": dmdask.__version__, "dask": distributed.__version__,
-            "processor": platform.processor() or platform.machine()}
+            "processor": platform.processor() or platform.machine(),
+            "load_1min": round(os.getloadavg()[0], 2)}  # at the run's start: above ~0.5 the figures are loaded
 
 
 @contextlib.contextmanager
