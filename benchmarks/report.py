@@ -73,7 +73,7 @@ def write(results: dict, path: str = DOC, plots_dir: str = PLOTS, peers: dict = 
         "ratios measured side by side in this run, not absolute times. Raw results: "
         f"`benchmarks/results/{results['file']}`." + (
             f" Sections 8-9: `{peers['command']}` on {peers['date']} (load average when it started: "
-            f"{peers['machine'].get('load_1min', 'not recorded')}), raw results "
+            f"{peers.get('machine', {}).get('load_1min', 'not recorded')}), raw results "
             f"`benchmarks/results/{peers['file']}` (`make bench-peers`)." if peers is not None else ""),
         "",
         "## Goals",
