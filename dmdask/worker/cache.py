@@ -15,6 +15,7 @@ from ..protocol.worker import Moved
 from .filling import FillingBlock
 from .handover import Handovers
 from .holdings import Arrays, Block, FileBlock, Holding, Streamed, concat, payload_bytes
+from .read_ahead import ReadAhead
 from .reads import LAST, PriorityPool
 from .stream import StreamBuffer
 from .tiers import TieredStore
@@ -45,11 +46,15 @@ class BlockCache:
     """dmdask's state on one worker: tiers, read and transform threads, stream buffer, counters."""
 
     def __init__(self, worker: distributed.Worker, store: TieredStore, stream_buffer: int,
-                 read_threads: int = 16, transform_threads: int = 2):
+                 read_threads: int = 16, transform_threads: int = 2, read_ahead: bool = True):
         self.worker = worker
         self.store = store
         # pools of their own: a slow transform never holds up reads, nor either Dask's executor
         self.reads = PriorityPool(read_threads, "dmdask-read")
+        self.ahead = ReadAhead(self)  # rows of `FillingBlock`s read while no rank's read waits
+        self.reads.on_idle = self.ahead.wake
+        if not read_ahead:
+            self.ahead.close()
         self.transforms = ThreadPoolExecutor(transform_threads, thread_name_prefix="dmdask-transform")
         self.store_reads = StoreCounters()
         self.stream = StreamBuffer(stream_buffer, self.read, self.reads)
@@ -197,6 +202,7 @@ class BlockCache:
         return ({f: concat([p[f] for p in parts]) for f in parts[0]} if parts else {}), sum(n for _, n in taken)
 
     def close(self) -> None:
+        self.ahead.close()
         self.reads.shutdown(wait=False, cancel_futures=True)
         self.transforms.shutdown(wait=False, cancel_futures=True)
 
@@ -206,12 +212,12 @@ class BlockCache:
                 "stream": {"hits": self.streamed_hits, "buffer_bytes": self.stream.bytes,
                            "buffer_capacity": self.stream.capacity},
                 "shared_store": {"requests": self.store_reads.requests, "bytes": self.store_reads.bytes,
-                                 "retries": self.store_reads.retries},
+                                 "retries": self.store_reads.retries, "read_ahead": self.ahead.rows_read},
                 "peer": {"bytes_out": self.peer_bytes_out, "bytes_in": self.peer_bytes_in}}
 
 
 NO_COUNTS = {"stream": {"hits": 0, "buffer_bytes": 0, "buffer_capacity": 0},  # `stats` before a cache starts
-             "shared_store": {"requests": 0, "bytes": 0, "retries": 0}, "peer": {"bytes_out": 0, "bytes_in": 0}}
+             "shared_store": {"requests": 0, "bytes": 0, "retries": 0, "read_ahead": 0}, "peer": {"bytes_out": 0, "bytes_in": 0}}
 
 
 LOADING_STATES = frozenset({"waiting", "ready", "constrained", "executing", "long-running"})

@@ -7,6 +7,7 @@ import numpy as np
 
 from ..shm.fileblocks import Arrays
 from .holdings import Block, Holding, concat
+from .reads import LAST
 
 
 class FillingBlock(Holding):
@@ -70,6 +71,9 @@ class FillingBlock(Holding):
                 self.reading[r] = read
             reads.append(read)
         spares = [await asyncio.shield(read) for read in reads]
+        for r in missing.tolist():  # rows read ahead and not kept: served once, then let go
+            if r in self.reading and self.reading[r].done():
+                del self.reading[r]
         if not spares:
             return self.take(rows), 0
         spare_rows = np.concatenate([r for r, _ in spares])
@@ -77,22 +81,41 @@ class FillingBlock(Holding):
         spare = {f: concat([a[f] for _, a in spares])[order] for f in spares[0][1]}
         return self.take(rows, spare_rows[order], spare), len(mine)
 
-    async def _fill(self, rows: np.ndarray, cache, priority: float):
+    def unread(self, limit: int) -> np.ndarray:
+        """Up to `limit` of the first rows neither held nor being read."""
+        free = ~self.have
+        if self.reading:
+            free[list(self.reading)] = False
+        return np.flatnonzero(free)[:limit]
+
+    def read_ahead(self, rows: np.ndarray, cache) -> asyncio.Future:
+        """Read `rows` (from `unread`) before any rank asks, at the lowest priority; a request
+        for them meanwhile waits for this read. Rows the tier has no room for stay with the
+        read until a request takes them. The read's future: (rows, their arrays)."""
+        read = asyncio.ensure_future(self._fill(rows, cache, LAST, ahead=True))
+        for r in rows.tolist():
+            self.reading[r] = read
+        return read
+
+    async def _fill(self, rows: np.ndarray, cache, priority: float, ahead: bool = False):
         """Read `rows` (increasing) from the store and keep those the tier has room for;
-        (rows, their arrays), kept or not."""
+        (rows, their arrays), kept or not. Those not kept stay in `reading` when read ahead."""
         try:
             arrays = await cache.in_thread(priority, cache.read_rows, self.reader, rows)
-            kept = len(rows)
-            if not self.sized:
-                sizes = sample_nbytes(arrays)
-                kept = cache.store.charge("ram", sizes)
-                self.samples += kept
-                self.nbytes += int(sizes[:kept].sum())
-            self.fill(rows[:kept], {f: a[:kept] for f, a in arrays.items()})
-            return rows, arrays
-        finally:
+        except BaseException:
             for r in rows.tolist():
                 self.reading.pop(r, None)
+            raise
+        kept = len(rows)
+        if not self.sized:
+            sizes = sample_nbytes(arrays)
+            kept = cache.store.charge("ram", sizes)
+            self.samples += kept
+            self.nbytes += int(sizes[:kept].sum())
+        self.fill(rows[:kept], {f: a[:kept] for f, a in arrays.items()})
+        for r in (rows[:kept] if ahead else rows).tolist():
+            self.reading.pop(r, None)
+        return rows, arrays
 
     def __reduce__(self):
         # Leaving the worker (a graceful retirement): travel as a complete block.

@@ -17,6 +17,7 @@ from ..shm.fileblocks import assemble
 from ..shm.results import shareable, write_batches
 from ..spec import loads_transform
 from .cache import BlockCache
+from .filling import FillingBlock
 from .holdings import Holding, payload_bytes
 from .reads import LAST
 from .tiers import TieredStore
@@ -44,6 +45,7 @@ class WorkerPlugin(distributed.WorkerPlugin):
         if self.cache is None:
             self.cache = BlockCache(worker, worker.data, worker.stream_buffer,
                                     read_threads=int(dask.config.get("dmdask.worker.read-threads")),
+                                    read_ahead=bool(dask.config.get("dmdask.worker.read-ahead")),
                                     transform_threads=int(dask.config.get("dmdask.worker.transform-threads")))
         self.worker, self.address, self.peers = worker, worker.address, WorkerAPI(worker.rpc)
         worker.handlers.update({OPS[kind]: handler(kind, method) for kind, method in (
@@ -54,10 +56,13 @@ class WorkerPlugin(distributed.WorkerPlugin):
 
     def transition(self, key, start, finish, **kwargs) -> None:
         """Tell the scheduler of each block this worker holds as a `Streamed` marker (a
-        joining worker loads it again: `dmdask.scheduler.placement.win_back`)."""
+        joining worker loads it again: `dmdask.scheduler.placement.win_back`); read the
+        rows of each `FillingBlock` ahead of the ranks (`ReadAhead`)."""
         if finish == "memory" and self.cache is not None:
             value = self.cache.store.get(key)
-            if isinstance(value, Holding) and value.tier is None:
+            if isinstance(value, FillingBlock):
+                self.cache.ahead.add(key, value)
+            elif isinstance(value, Holding) and value.tier is None:
                 self.worker.log_event(STREAMED_TOPIC, key)
 
     def teardown(self, worker) -> None:

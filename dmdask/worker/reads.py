@@ -1,5 +1,6 @@
 """`PriorityPool`: a worker's read threads, the earliest batch's reads first across every
-rank the worker serves (a read's priority: its batch's position in its rank's epoch)."""
+rank the worker serves (a read's priority: its batch's position in its rank's epoch), and
+whether any read a batch waits for is queued or running (`idle`, `on_idle`)."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -14,9 +15,13 @@ LAST = float("inf")  # the priority of work no batch waits for (background loads
 class PriorityPool(concurrent.futures.Executor):
     """`threads` daemon threads running submitted calls, lowest `priority` first, then in
     submission order. `submit(fn, *args)` (what `loop.run_in_executor` calls) runs at the
-    priority `LAST`. After `shutdown`, queued calls are cancelled and new ones refused."""
+    priority `LAST`. After `shutdown`, queued calls are cancelled and new ones refused.
+    `on_idle()` is called, in the read thread, each time the last call of a priority
+    before `LAST` queued or running ends."""
 
     def __init__(self, threads: int, name: str = "dmdask-read"):
+        self.on_idle: Callable[[], None] | None = None
+        self._urgent = 0  # calls of a priority before LAST, queued or running
         self._queue: list[tuple] = []
         self._order = itertools.count()
         self._ready = threading.Condition()
@@ -34,8 +39,14 @@ class PriorityPool(concurrent.futures.Executor):
             if self._closed:
                 raise RuntimeError("cannot submit to a PriorityPool after shutdown")
             heapq.heappush(self._queue, (priority, next(self._order), future, fn, args, kwargs))
+            self._urgent += priority < LAST
             self._ready.notify()
         return future
+
+    def idle(self) -> bool:
+        """Whether no call of a priority before `LAST` is queued or running."""
+        with self._ready:
+            return not self._urgent
 
     def _work(self) -> None:
         while True:
@@ -44,22 +55,31 @@ class PriorityPool(concurrent.futures.Executor):
                     self._ready.wait()
                 if not self._queue:
                     return
-                _, _, future, fn, args, kwargs = heapq.heappop(self._queue)
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                result = fn(*args, **kwargs)
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
+                priority, _, future, fn, args, kwargs = heapq.heappop(self._queue)
+            if future.set_running_or_notify_cancel():
+                try:
+                    result = fn(*args, **kwargs)
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(exc)
+                else:
+                    future.set_result(result)
+            if priority < LAST:
+                self._ended_urgent()
+
+    def _ended_urgent(self) -> None:
+        with self._ready:
+            self._urgent -= 1
+            idle = not self._urgent
+        if idle and self.on_idle is not None:
+            self.on_idle()
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         with self._ready:
             self._closed = True
             if cancel_futures:
-                for _, _, future, *_ in self._queue:
+                for priority, _, future, *_ in self._queue:
                     future.cancel()
+                    self._urgent -= priority < LAST
                 self._queue.clear()
             self._ready.notify_all()
         if wait:

@@ -79,6 +79,12 @@ class TierSpace:
             stats = getattr(self, tier)
             return stats.open() and stats.room() > 0
 
+    def room_to_charge(self, tier: str) -> int:
+        """Bytes `charge` can still add to `tier` (0 once it refused a sample)."""
+        with self._lock:
+            stats = getattr(self, tier)
+            return stats.room() if stats.open() and tier not in self._closed_to_growth else 0
+
     def unreserve(self, tier: str, nbytes: int) -> None:
         with self._lock:
             getattr(self, tier).reserved -= nbytes
