@@ -1,10 +1,11 @@
 """The scheduler plugin's handlers through `SchedulerAPI`, on `gen_cluster`'s in-process
 scheduler and workers: the exact typed reply of each, and the refusal of what a handler
 does not take (naming the handler and the field) with the registry left as it was."""
+import asyncio
 import dataclasses
 
 import pytest
-from distributed import Client, LocalCluster, wait
+from distributed import Client, Event, LocalCluster, wait
 from distributed.comm import get_address_host
 from distributed.protocol import ToPickle
 from distributed.utils_test import gen_cluster, gen_test
@@ -14,11 +15,18 @@ from dmdask.protocol.scheduler import (Abandon, BlocksOpened, Busy, Claimed, Dat
                                        FileEntry, Folders, FolderEntries, FsClaim, FsMetadata, FsOpenBlocks, GetOrClaim,
                                        GetOrRegister, InfoClaims, Locate, NoWorkers, OpenBlocks, Ready,
                                        Register, Registered, Release, SchedulerAPI)
+from dmdask.protocol.worker import DescribeRequest, Descriptions, handler
 from dmdask.scheduler import DatasetsPlugin
 from dmdask.source.base import DatasetInfo
 
 INFO = DatasetInfo(name="ds-x", identity="x", url="/x", fields=("x",), num_samples=10, block_len=5, nbytes=40)
 NEW = dataclasses.replace(INFO, name="fs-z", identity="z")  # not in the registry: a refused request registers nothing
+
+
+def _load_when_told(k):
+    if k == 1:
+        Event("block-1-comes").wait(timeout=20)
+    return k
 
 
 def _fails():
@@ -52,6 +60,55 @@ async def test_get_or_claim_then_register_then_ready_with_the_same_typed_info(c,
     assert await api.send(Release("ds-x")) is True
     assert await api.send(Release("ds-x")) is False
     assert await api.send(Datasets()) == []
+
+
+@gen_cluster(client=True)
+async def test_the_layouts_of_a_hosts_blocks_are_asked_once_until_a_block_comes_or_goes(c, s, a, b):
+    """Ranks of one host opening a dataset, at once or one after the other: each worker is
+    asked for its layouts once; a block that comes (or leaves), a release, or a worker that
+    did not answer make the next open ask again."""
+    asked = []
+
+    def describing(worker):
+        async def describe(request):
+            asked.append(worker.address)
+            return Descriptions({key: {"first_row": i} for i, key in enumerate(request.keys)})
+        return handler(DescribeRequest, describe)
+
+    for worker in (a, b):
+        worker.handlers["dmdask_describe"] = describing(worker)
+    api = await _api(c)
+    host = get_address_host(a.address)
+    assert await api.send(GetOrClaim("ds-x", "me")) == Claimed()
+    assert await api.send(Register("ds-x", "me", INFO)) == Registered()
+    go = Event("block-1-comes", client=c)
+    first, second = c.map(_load_when_told, [0, 1], key=[INFO.block_key(0), INFO.block_key(1)])  # one graph
+    await wait(first)
+    plan = s.extensions["dmdask"].datasets["ds-x"].planned  # one block a worker
+    expected = {plan[0]: {INFO.block_key(0): {"first_row": 0}}}
+    replies = await asyncio.gather(*(api.send(GetOrClaim("ds-x", f"rank{r}", host)) for r in range(4)))
+    assert [r.layouts for r in replies] == [expected] * 4 and asked == [plan[0]]
+    assert (await api.send(GetOrClaim("ds-x", "later", host))).layouts == expected and asked == [plan[0]]
+    await go.set()  # block 1 comes: both workers asked again
+    await wait(second)
+    reply = await api.send(GetOrClaim("ds-x", "after", host))
+    assert reply.layouts == {**expected, plan[1]: {INFO.block_key(1): {"first_row": 0}}}
+    assert sorted(asked) == sorted(plan + [plan[0]])
+
+    async def silent(request):
+        raise OSError("no answer")
+
+    plugin = s.extensions["dmdask"]
+    plugin.reads.forget_layouts(dataset="ds-x")
+    for worker in (a, b):
+        worker.handlers["dmdask_describe"] = handler(DescribeRequest, silent)
+    assert (await api.send(GetOrClaim("ds-x", "unanswered", host))).layouts == {}
+    assert plugin.reads.layouts == {}  # not kept: asked again next time
+    for worker in (a, b):
+        worker.handlers["dmdask_describe"] = describing(worker)
+    assert (await api.send(GetOrClaim("ds-x", "answered", host))).layouts and len(asked) == 5  # a and b
+    assert await api.send(Release("ds-x")) is True
+    assert plugin.reads.layouts == {}
 
 
 @gen_test()

@@ -47,6 +47,7 @@ class DatasetState:
         self.priority: list[int] = []  # higher loads first
         self.ready = asyncio.Event()  # set once the blocks exist on the scheduler (or the claim is dropped)
         self.loaded = 0  # blocks in memory somewhere
+        self.changes = 0  # blocks that came into or left memory, ever (`BlockReads.locate_ready`)
         self.erred: set = set()  # block indices whose load failed
         self.lazy = False  # blocks are submitted when first wanted, not at creation
 
@@ -210,6 +211,7 @@ class DatasetsPlugin(SchedulerPlugin):
                 ds.loaded += 1
             elif start == "memory":
                 ds.loaded -= 1
+            ds.changes += finish == "memory" or start == "memory"
             if finish == "erred":
                 ds.erred.add(parsed[1])
             elif start == "erred":
@@ -232,6 +234,7 @@ class DatasetsPlugin(SchedulerPlugin):
 
     def _forget(self, ds: DatasetState) -> None:
         self.datasets.pop(ds.name, None)
+        self.reads.forget_layouts(dataset=ds.name)
         if ds.identity and self.by_identity.get(ds.identity) is ds:
             del self.by_identity[ds.identity]
 
@@ -246,6 +249,7 @@ class DatasetsPlugin(SchedulerPlugin):
     # -- workers come and go -----------------------------------------------------------
     def remove_worker(self, scheduler, worker: str, *, stimulus_id: str, **kwargs) -> None:
         """Plan the blocks of a worker that left over the workers present."""
+        self.reads.forget_layouts(worker=worker)
         placement.replan(scheduler, self.datasets.values(), lambda address: address == worker, stimulus_id)
 
     def add_worker(self, scheduler, worker: str) -> None:

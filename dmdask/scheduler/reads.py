@@ -32,6 +32,8 @@ class BlockReads:
         self.plugin = plugin
         self.claims: dict[str, str] = {}  # block key -> the client reading it from the store
         self.waiters = Arrivals()  # `locate` calls waiting for tasks to finish
+        # (dataset, worker) -> ((changes, blocks), the future of their layouts), `locate_ready`
+        self.layouts: dict[tuple[str, str], tuple[tuple, asyncio.Future]] = {}
 
     @property
     def scheduler(self):
@@ -64,7 +66,9 @@ class BlockReads:
     async def locate_ready(self, ready: Ready, host: str) -> Ready:
         """`ready` with the holder of each of its blocks held now, one on `host` preferred, and
         the layouts of those on `host` as their workers describe them (`Ready.holders`,
-        `Ready.layouts`): the rank asking maps them with no connection to a worker of its own."""
+        `Ready.layouts`): the rank asking maps them with no connection to a worker of its own.
+        A worker is asked once for the same blocks while none of the dataset's blocks came or
+        went (`DatasetState.changes`), however many ranks of its host ask, at once or later."""
         info = ready.info
         if not ready.loaded or info.num_blocks > HOLDERS_BLOCKS:
             return ready
@@ -73,19 +77,39 @@ class BlockReads:
             ts = self.scheduler.tasks.get(info.block_key(k))
             if ts is not None and ts.state == "memory" and ts.who_has:
                 holders.setdefault(preferred_holder(ts, host), []).append(k)
-        workers = WorkerAPI(self.scheduler.rpc, DESCRIBE_SECONDS)
-
-        async def described(worker: str, blocks: list[int]):
-            keys = [info.block_key(k) for k in blocks]
-            try:
-                return worker, await asyncio.wait_for(workers.describe(worker, keys), DESCRIBE_SECONDS)
-            except Exception as exc:  # noqa: BLE001 - left out: the rank learns those blocks as it fetches them
-                logger.debug("worker %s did not describe %d blocks of %s: %r", worker, len(keys), info.name, exc)
-                return worker, None
-
-        local = [described(w, blocks) for w, blocks in holders.items() if get_address_host(w) == host]
+        ds = self.plugin.datasets.get(info.name)
+        changes = None if ds is None else ds.changes
+        local = [self._described(info, w, blocks, changes) for w, blocks in holders.items()
+                 if get_address_host(w) == host]
         layouts = {w: layout for w, layout in await asyncio.gather(*local) if layout is not None}
         return dataclasses.replace(ready, holders=holders, layouts=layouts)
+
+    async def _described(self, info, worker: str, blocks: list[int], changes: int | None):
+        """(worker, its layouts of `blocks`, or None when it did not answer in time)."""
+        state = (changes, tuple(blocks))
+        entry = self.layouts.get((info.name, worker))
+        if entry is None or entry[0] != state:
+            entry = (state, asyncio.ensure_future(self._describe(info, worker, blocks)))
+            self.layouts[(info.name, worker)] = entry
+        layout = await asyncio.shield(entry[1])
+        if layout is None and self.layouts.get((info.name, worker)) is entry:
+            del self.layouts[(info.name, worker)]  # asked again next time
+        return worker, layout
+
+    async def _describe(self, info, worker: str, blocks: list[int]) -> dict | None:
+        keys = [info.block_key(k) for k in blocks]
+        try:
+            return await asyncio.wait_for(WorkerAPI(self.scheduler.rpc, DESCRIBE_SECONDS).describe(worker, keys),
+                                          DESCRIBE_SECONDS)
+        except Exception as exc:  # noqa: BLE001 - left out: the rank learns those blocks as it fetches them
+            logger.debug("worker %s did not describe %d blocks of %s: %r", worker, len(keys), info.name, exc)
+            return None
+
+    def forget_layouts(self, dataset: str | None = None, worker: str | None = None) -> None:
+        """Drop the layouts kept of a dataset released, or of a worker that left."""
+        for name, address in list(self.layouts):
+            if name == dataset or address == worker:
+                del self.layouts[(name, address)]
 
     def open_blocks(self, request: OpenBlocks) -> BlocksOpened | NoWorkers:
         """Register the request's datasets when new, then name the holders of its keys and
