@@ -105,10 +105,12 @@ class LocalArenas:
             self.forget()
 
     def take(self, group: list[np.ndarray], count) -> list[dict[str, np.ndarray]]:
-        """Batches of sample ids `group` (all in known arenas), each with its "index"; hits
-        recorded by `count(holder, tier, rows, bytes)`. `Moved` for a block no longer there."""
+        """Batches of sample ids `group` (all in known arenas), each with its "index" and in
+        pooled memory of its own (let go with its last array); hits recorded by
+        `count(holder, tier, rows, bytes)`. `Moved` for a block no longer there."""
         ids = np.concatenate(group)
         blocks = ids // self.block_len
+        bounds = np.cumsum([0] + [len(b) for b in group]).tolist()
         with self._lock:  # held through the copy: nothing is unmapped while it reads
             arena = self.arena_of[blocks]
             if not self._windows or (arena < 0).any():
@@ -116,22 +118,25 @@ class LocalArenas:
             rows = self.first_row[blocks] + (ids - blocks * self.block_len)
             layout = tuple((name, w.rows.dtype.str, w.rows.shape[1:]) for name, w in self._windows.items()
                            if name != ID_FIELD)
-            out = empty_batch(layout, len(ids))
+            out = [empty_batch(layout, len(b)) for b in group]
             for name, window in self._windows.items():
                 where = arena * np.int64(window.stride) + rows
                 if name == ID_FIELD:
                     held = window.rows[where]
-                else:  # mode="clip" avoids a buffered copy; every row is mapped
-                    np.take(window.rows, where, axis=0, out=out[name], mode="clip")
+                    continue
+                for batch, a, b in zip(out, bounds[:-1], bounds[1:]):  # mode="clip": no buffered copy; every row is mapped
+                    np.take(window.rows, where[a:b], axis=0, out=batch[name], mode="clip")
             holders = [holder for holder, _ in self.arenas]
         if not np.array_equal(held, ids):  # after the copy: were those rows still the right ones?
             self.forget()
             raise Moved([holders[a] for a in np.unique(arena[held != ids]).tolist()])
-        row_bytes = sum(values[:1].nbytes for values in out.values())
+        row_bytes = sum(values[:1].nbytes for values in out[0].values())
         for a, n in enumerate(np.bincount(arena).tolist()):
             if n:
                 count(holders[a], "ram", n, n * row_bytes)
-        return split_batches(out, ids, [len(b) for b in group])
+        for batch, a, b in zip(out, bounds[:-1], bounds[1:]):
+            batch["index"] = ids[a:b]
+        return out
 
 
 def _after_fork() -> None:
