@@ -91,7 +91,7 @@ class BlockCache:
         if tier is None:
             self.handovers.take(reader.key, getattr(reader, "claim", None))  # no room: later reads stream them
             return Streamed(reader)
-        if tier == "ram" and reader.row_granular:  # filled sample by sample as ranks ask
+        if tier == "ram" and reader.row_granular:  # filled sample by sample as ranks ask, or ahead
             return self.store.place(reader.key, tier, FillingBlock(reader), reader.nbytes)
         try:
             block = self.read(reader)

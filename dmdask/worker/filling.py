@@ -1,4 +1,5 @@
-"""`FillingBlock`: a RAM block of a one-file-per-sample source, filled as ranks ask."""
+"""`FillingBlock`: a RAM block of a one-file-per-sample source, filled as ranks ask (and
+read ahead: `dmdask.worker.read_ahead`)."""
 from __future__ import annotations
 
 import asyncio
@@ -11,7 +12,7 @@ from .reads import LAST
 
 
 class FillingBlock(Holding):
-    """Each sample is read from the store the first time a rank wants it, and kept.
+    """Each sample is read from the store the first time a rank wants it, or ahead of it, and kept.
     `sized`: the block's room was reserved at creation; otherwise (an HTTP folder lists no
     sizes) each sample is charged to the tier when read, and those it has no room for are
     served and not kept. Used from the worker's event loop."""
