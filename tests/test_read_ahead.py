@@ -73,6 +73,27 @@ def test_rows_read_ahead_past_the_tiers_room_are_served_not_read_again(tmp_path)
         assert sorted(requests.values()) == [1] * kept + [2] * (40 - kept)
 
 
+def test_a_released_dataset_is_read_ahead_no_further(tmp_path):
+    """Releasing a dataset while its blocks are read ahead: the workers let go of them at
+    once and read none of their files afterwards."""
+    write_folder(str(tmp_path / "files"), classes=4, per_class=50)
+    with StoreServer(str(tmp_path), latency=0.2) as server, \
+            dmdask.LocalCluster(n_workers=2, ram="16 MiB") as cluster, distributed.Client(cluster) as client:
+        spec = dmdask.Spec(server.url + "/files", batch_size=8, block_size=10, seed=3)
+        dmdask.batches(client, spec, progress=False).close()
+        _wait_for(lambda: dmdask.stats(client)["total"]["shared_store"]["read_ahead"] > 0, "a read ahead")
+        assert dmdask.release(client, spec)
+
+        def in_line(dask_worker):
+            return len(dask_worker.extensions["dmdask"].ahead)
+
+        _wait_for(lambda: set(client.run(in_line).values()) == {0}, "the released blocks let go")
+        time.sleep(0.5)  # the reads under way at the release end
+        before = sum(_file_requests(server).values())
+        time.sleep(1.0)
+        assert sum(_file_requests(server).values()) == before < 200
+
+
 def test_the_read_pool_says_when_no_rank_read_is_queued_or_running():
     """`idle`: no call of a priority before LAST queued or running; `on_idle` once the
     last such call ends, not for calls at LAST (reads ahead, background loads)."""

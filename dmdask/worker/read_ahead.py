@@ -35,6 +35,11 @@ class ReadAhead:
         self._running = 0
         self._closed = False
 
+    def __len__(self) -> int:
+        """Blocks in line to be read ahead (some may be complete, or gone: a released
+        dataset's are let go as reading ahead reaches them, when the next read ends)."""
+        return len(self._blocks)
+
     def add(self, key: str, block: FillingBlock) -> None:
         """`block`, stored under `key`, is to be read ahead after those added before it (once closed: not)."""
         if not self._closed:
