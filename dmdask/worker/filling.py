@@ -101,22 +101,21 @@ class FillingBlock(Holding):
     async def _fill(self, rows: np.ndarray, cache, priority: float, ahead: bool = False):
         """Read `rows` (increasing) from the store and keep those the tier has room for;
         (rows, their arrays), kept or not. Those not kept stay in `reading` when read ahead."""
+        kept, done = 0, False
         try:
             arrays = await cache.in_thread(priority, cache.read_rows, self.reader, rows)
-        except BaseException:
-            for r in rows.tolist():
+            kept = len(rows)
+            if not self.sized:
+                sizes = sample_nbytes(arrays)
+                kept = cache.store.charge("ram", sizes)
+                self.samples += kept
+                self.nbytes += int(sizes[:kept].sum())
+            self.fill(rows[:kept], {f: a[:kept] for f, a in arrays.items()})
+            done = True
+            return rows, arrays
+        finally:
+            for r in (rows[:kept] if ahead and done else rows).tolist():
                 self.reading.pop(r, None)
-            raise
-        kept = len(rows)
-        if not self.sized:
-            sizes = sample_nbytes(arrays)
-            kept = cache.store.charge("ram", sizes)
-            self.samples += kept
-            self.nbytes += int(sizes[:kept].sum())
-        self.fill(rows[:kept], {f: a[:kept] for f, a in arrays.items()})
-        for r in (rows[:kept] if ahead else rows).tolist():
-            self.reading.pop(r, None)
-        return rows, arrays
 
     def __reduce__(self):
         # Leaving the worker (a graceful retirement): travel as a complete block.
