@@ -21,6 +21,12 @@ def _file_requests(server) -> dict:
     return {p: v["requests"] for p, v in server.stats()["by_path"].items() if p.endswith(".bin")}
 
 
+def _settled(dask_worker) -> bool:
+    """Whether a worker has no block in line to read ahead and no read ahead under way."""
+    ahead = dask_worker.extensions["dmdask"].ahead
+    return not len(ahead) and not ahead.running
+
+
 def _wait_for(condition, what: str, seconds: float = 60):
     deadline = time.monotonic() + seconds
     while not condition():
@@ -57,8 +63,8 @@ def test_rows_read_ahead_past_the_tiers_room_are_served_not_read_again(tmp_path)
             distributed.Client(cluster) as client:
         spec = dmdask.Spec(server.url + "/files", batch_size=8, block_size=20, seed=2)
         dmdask.batches(client, spec, progress=False).close()
-        _wait_for(lambda: dmdask.stats(client)["total"]["shared_store"]["read_ahead"] > 0, "a read ahead")
-        time.sleep(0.5)  # reads ahead stop once the tier takes no more samples
+        # reads ahead stop once the tier takes no more samples
+        _wait_for(lambda: all(client.run(_settled).values()), "reading ahead to stop")
         read_ahead = dmdask.stats(client)["total"]["shared_store"]["read_ahead"]
         for epoch in (0, 1):
             assert np.array_equal(np.sort(all_ids(run_epoch(client, spec, epoch=epoch, world_size=2))),
@@ -67,7 +73,7 @@ def test_rows_read_ahead_past_the_tiers_room_are_served_not_read_again(tmp_path)
                 assert sorted(_file_requests(server).values()) == [1] * 40
         total = dmdask.stats(client)["total"]
         kept = total["ram"]["samples"]
-        assert 0 < kept < read_ahead <= IN_FLIGHT * ROWS  # the first reads ahead: not all of their rows kept
+        assert 0 < kept < read_ahead <= IN_FLIGHT * ROWS  # the first reads ahead, not all of their rows kept
         assert dmdask.stats(client)["total"]["shared_store"]["read_ahead"] == read_ahead
         requests = _file_requests(server)
         assert sorted(requests.values()) == [1] * kept + [2] * (40 - kept)
@@ -84,14 +90,10 @@ def test_a_released_dataset_is_read_ahead_no_further(tmp_path):
         _wait_for(lambda: dmdask.stats(client)["total"]["shared_store"]["read_ahead"] > 0, "a read ahead")
         assert dmdask.release(client, spec)
 
-        def in_line(dask_worker):
-            return len(dask_worker.extensions["dmdask"].ahead)
-
-        _wait_for(lambda: set(client.run(in_line).values()) == {0}, "the released blocks let go")
-        time.sleep(0.5)  # the reads under way at the release end
-        before = sum(_file_requests(server).values())
-        time.sleep(1.0)
-        assert sum(_file_requests(server).values()) == before < 200
+        _wait_for(lambda: all(client.run(_settled).values()), "the released blocks let go")
+        # nothing in line, nothing under way: the files read are those read ahead before, not all
+        read_ahead = dmdask.stats(client)["total"]["shared_store"]["read_ahead"]
+        assert sum(_file_requests(server).values()) == read_ahead < 200
 
 
 def test_the_read_pool_says_when_no_rank_read_is_queued_or_running():

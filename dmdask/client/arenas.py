@@ -124,7 +124,7 @@ class LocalArenas:
                 if name == ID_FIELD:
                     held = window.rows[where]
                     continue
-                for batch, a, b in zip(out, bounds[:-1], bounds[1:]):  # mode="clip": no buffered copy; every row is mapped
+                for batch, a, b in zip(out, bounds[:-1], bounds[1:]):  # "clip": no buffered copy; all mapped
                     np.take(window.rows, where[a:b], axis=0, out=batch[name], mode="clip")
             holders = [holder for holder, _ in self.arenas]
         if not np.array_equal(held, ids):  # after the copy: were those rows still the right ones?

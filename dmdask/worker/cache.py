@@ -217,7 +217,8 @@ class BlockCache:
 
 
 NO_COUNTS = {"stream": {"hits": 0, "buffer_bytes": 0, "buffer_capacity": 0},  # `stats` before a cache starts
-             "shared_store": {"requests": 0, "bytes": 0, "retries": 0, "read_ahead": 0}, "peer": {"bytes_out": 0, "bytes_in": 0}}
+             "shared_store": {"requests": 0, "bytes": 0, "retries": 0, "read_ahead": 0},
+             "peer": {"bytes_out": 0, "bytes_in": 0}}
 
 
 LOADING_STATES = frozenset({"waiting", "ready", "constrained", "executing", "long-running"})

@@ -40,6 +40,11 @@ class ReadAhead:
         dataset's are let go as reading ahead reaches them, when the next read ends)."""
         return len(self._blocks)
 
+    @property
+    def running(self) -> int:
+        """Reads ahead under way."""
+        return self._running
+
     def add(self, key: str, block: FillingBlock) -> None:
         """`block`, stored under `key`, is to be read ahead after those added before it (once closed: not)."""
         if not self._closed:
