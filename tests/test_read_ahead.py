@@ -63,8 +63,10 @@ def test_rows_read_ahead_past_the_tiers_room_are_served_not_read_again(tmp_path)
             distributed.Client(cluster) as client:
         spec = dmdask.Spec(server.url + "/files", batch_size=8, block_size=20, seed=2)
         dmdask.batches(client, spec, progress=False).close()
-        # reads ahead stop once the tier takes no more samples
-        _wait_for(lambda: all(client.run(_settled).values()), "reading ahead to stop")
+        # reads ahead start once the blocks reach the worker, and stop once the tier takes
+        # no more samples (settled alone also holds before the blocks arrive)
+        _wait_for(lambda: dmdask.stats(client)["total"]["shared_store"]["read_ahead"] > 0
+                  and all(client.run(_settled).values()), "reading ahead to start and stop")
         read_ahead = dmdask.stats(client)["total"]["shared_store"]["read_ahead"]
         for epoch in (0, 1):
             assert np.array_equal(np.sort(all_ids(run_epoch(client, spec, epoch=epoch, world_size=2))),
