@@ -286,11 +286,12 @@ def test_pooled_batch_memory_is_faulted_in_ahead_of_its_first_use():
     use (`shm.memory.AHEAD`), so copying a batch into fresh memory does not wait for its
     page faults."""
     from dmdask.shm import memory
+    from dmdask.shm.libc import populate_soon
 
     layout = (("x", "|u1", (9 << 19,)),)  # a pool of its own, chunks of 4.5 MiB: more than a huge page
     kept = [memory.empty_batch(layout, 1)]  # each kept: the next is another chunk
     for _ in range(3):
-        memory._populator.submit(lambda: None).result(timeout=60)  # after the faults queued before it
+        populate_soon(0, 0).result(timeout=60)  # after the faults queued before it
         kept.append(memory.empty_batch(layout, 1))  # faulted in when the one before it was taken
         assert _resident_fraction(kept[-1]["x"]) == 1.0
     assert len({b["x"].__array_interface__["data"][0] for b in kept}) == 4
@@ -306,12 +307,13 @@ def test_arena_files_are_read_through_huge_pages_where_the_kernel_allows():
     """Whole 2 MiB extents of an arena file become transparent huge pages once written
     (`dmdask.shm.hugepages`), and a training process's window maps them with huge-page
     entries: its first pass takes a fraction of the page faults. The rows read are the
-    rows written, whatever backs them."""
+    rows written, whatever backs them. The mappings are faulted in ahead of the first take."""
     import tempfile
 
     from dmdask.client.arenas import LocalArenas
     from dmdask.shm import hugepages
     from dmdask.shm.arena import Arena
+    from dmdask.shm.libc import populate_soon
     from dmdask.worker.holdings import ArenaBlock, Block
 
     with tempfile.TemporaryDirectory(dir="/dev/shm") as folder:
@@ -332,13 +334,14 @@ def test_arena_files_are_read_through_huge_pages_where_the_kernel_allows():
 
         arena = Arena(folder, "ds", block_len, block(0))
         local = LocalArenas(num_samples=4 * block_len, block_len=block_len)
+        before = _pmd_mapped_kib()
         for k in range(4):
             held = ArenaBlock(arena, arena.write(block(k)), block_len * k, block_len * (k + 1), block_len * row)
             local.remember("tcp://w:1", k, held.describe())
-        before = _pmd_mapped_kib()
+        populate_soon(0, 0).result(timeout=60)  # after the window's mappings faulted in ahead of the first take
+        assert _pmd_mapped_kib() - before >= 4 * 1024  # at least two huge pages of the 12 MiB mapped as such
         ids = np.random.default_rng(0).permutation(4 * block_len)
         batch = local.take([ids], lambda *a: None)[0]
         np.testing.assert_array_equal(batch["x"], (ids[:, None] * 7 + np.arange(row)[None, :]).astype(np.uint8))
-        assert _pmd_mapped_kib() - before >= 4 * 1024  # at least two huge pages of the 12 MiB mapped as such
         local.forget()
         arena.close()

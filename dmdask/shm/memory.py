@@ -13,15 +13,13 @@ import weakref
 
 import numpy as np
 
-from ..threads import ForkSafeExecutor
-from .libc import populate
+from .libc import populate_soon
 
 MAX_POOL_BYTES = 512 << 20  # per batch layout and process
 SLAB_CHUNKS = 8  # chunks added to a pool at a time
 AHEAD = 1  # chunks next in line faulted in ahead of their first use, by another thread
 # (a pool zeroes at most this many chunks it never uses)
 _ALIGN = 64
-_populator = ForkSafeExecutor(1, "dmdask-populate")
 
 Layout = tuple[tuple[str, str, tuple], ...]  # (field, dtype, row shape) ...
 
@@ -56,7 +54,7 @@ class _Pool:
             ahead = [c for c in self._free[len(self._free) - AHEAD:] if c not in self._touched]
             self._touched.update(ahead + [(slab, chunk)])
         for s, c in ahead:
-            _populator.submit(populate, self._addresses[s] + c * self.chunk_bytes, self.chunk_bytes)
+            populate_soon(self._addresses[s] + c * self.chunk_bytes, self.chunk_bytes)
         holder = (ctypes.c_char * self.chunk_bytes).from_buffer(self._slabs[slab], chunk * self.chunk_bytes)
         weakref.finalize(holder, self._give_back, slab, chunk)
         return holder

@@ -12,7 +12,7 @@ import os
 import numpy as np
 
 from .hugepages import HUGE, aligned_reservation, release
-from .libc import MAP_FIXED, libc
+from .libc import MAP_FIXED, libc, populate_soon
 
 MAX_ARENAS = 16  # arenas (workers of one host) a window can hold
 
@@ -60,6 +60,7 @@ class Window:
             got = libc.mmap(at, length, mmap.PROT_READ, mmap.MAP_SHARED | MAP_FIXED, f.fileno(), 0)
             if got != at:
                 raise OSError(ctypes.get_errno(), f"cannot map {path}: {os.strerror(ctypes.get_errno())}")
+        populate_soon(at, length, write=False)  # a new process's first batches then fault in fewer pages
         self._mapped[arena] = have
 
     def close(self) -> None:
