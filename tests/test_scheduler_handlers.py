@@ -11,9 +11,9 @@ from distributed.protocol import ToPickle
 from distributed.utils_test import gen_cluster, gen_test
 
 import dmdask
-from dmdask.protocol.scheduler import (Abandon, BlocksOpened, Busy, Claimed, DatasetSummary, Datasets,
+from dmdask.protocol.scheduler import (Abandon, ArenaBlocks, BlocksOpened, Busy, Claimed, DatasetSummary, Datasets,
                                        FileEntry, Folders, FolderEntries, FsClaim, FsMetadata, FsOpenBlocks, GetOrClaim,
-                                       GetOrRegister, InfoClaims, Locate, NoWorkers, OpenBlocks, Ready,
+                                       GetOrRegister, InfoClaims, Layouts, Locate, NoWorkers, OpenBlocks, Ready,
                                        Register, Registered, Release, SchedulerAPI)
 from dmdask.protocol.worker import DescribeRequest, Descriptions, handler
 from dmdask.scheduler import DatasetsPlugin
@@ -72,7 +72,7 @@ async def test_the_layouts_of_a_hosts_blocks_are_asked_once_until_a_block_comes_
     def describing(worker):
         async def describe(request):
             asked.append(worker.address)
-            return Descriptions({key: {"first_row": i} for i, key in enumerate(request.keys)})
+            return Descriptions({key: {"arena": {"x": ("/dev/shm/x", "<f4", ())}, "first_row": 7} for key in request.keys})
         return handler(DescribeRequest, describe)
 
     for worker in (a, b):
@@ -85,14 +85,15 @@ async def test_the_layouts_of_a_hosts_blocks_are_asked_once_until_a_block_comes_
     first, second = c.map(_load_when_told, [0, 1], key=[INFO.block_key(0), INFO.block_key(1)])  # one graph
     await wait(first)
     plan = s.extensions["dmdask"].datasets["ds-x"].planned  # one block a worker
-    expected = {plan[0]: {INFO.block_key(0): {"first_row": 0}}}
+    x = {"x": ("/dev/shm/x", "<f4", ())}
+    expected = {plan[0]: Layouts([ArenaBlocks(x, [0], [7])])}  # blocks of one arena: its fields said once
     replies = await asyncio.gather(*(api.send(GetOrClaim("ds-x", f"rank{r}", host)) for r in range(4)))
     assert [r.layouts for r in replies] == [expected] * 4 and asked == [plan[0]]
     assert (await api.send(GetOrClaim("ds-x", "later", host))).layouts == expected and asked == [plan[0]]
     await go.set()  # block 1 comes: both workers asked again
     await wait(second)
     reply = await api.send(GetOrClaim("ds-x", "after", host))
-    assert reply.layouts == {**expected, plan[1]: {INFO.block_key(1): {"first_row": 0}}}
+    assert reply.layouts == {**expected, plan[1]: Layouts([ArenaBlocks(x, [1], [7])])}
     assert sorted(asked) == sorted(plan + [plan[0]])
 
     async def silent(request):
@@ -109,6 +110,20 @@ async def test_the_layouts_of_a_hosts_blocks_are_asked_once_until_a_block_comes_
     assert (await api.send(GetOrClaim("ds-x", "answered", host))).layouts and len(asked) == 5  # a and b
     assert await api.send(Release("ds-x")) is True
     assert plugin.reads.layouts == {}
+
+
+def test_layouts_name_each_arena_once_and_keep_other_blocks_by_key():
+    """`Layouts.of` a worker's descriptions: arena blocks grouped by arena (their fields
+    once, each block's index and first row in step); file blocks and blocks not mappable
+    (None) by key, as described."""
+    a, b = {"x": ["/dev/shm/a.x", "<f4", [3]]}, {"x": ["/dev/shm/b.x", "<f4", [3]]}
+    folder = {"path": "/ssd/blk-2", "layout": [], "tier": "ssd"}
+    described = {INFO.block_key(4): {"arena": a, "first_row": 10, "start": 40, "tier": "ram"},
+                 INFO.block_key(1): {"arena": b, "first_row": 0, "start": 10, "tier": "ram"},
+                 INFO.block_key(0): {"arena": a, "first_row": 0, "start": 0, "tier": "ram"},
+                 INFO.block_key(2): folder, INFO.block_key(3): None}
+    assert Layouts.of(described) == Layouts([ArenaBlocks(a, [4, 0], [10, 0]), ArenaBlocks(b, [1], [0])],
+                                            {INFO.block_key(2): folder, INFO.block_key(3): None})
 
 
 @gen_test()

@@ -203,7 +203,8 @@ def test_a_reused_slot_is_never_read_as_the_block_it_held(tmp_path):
     arena = Arena(str(tmp_path), "ds", 10, block(0))
     held = ArenaBlock(arena, arena.write(block(0)), 0, 10, 160)
     local = LocalArenas(num_samples=30, block_len=10)
-    local.remember("tcp://w:1", 0, held.describe())
+    described = held.describe()
+    local.remember("tcp://w:1", described["arena"], [0], [described["first_row"]])
     hits = []
     batches = local.take([np.array([3, 1, 7]), np.array([2])], lambda *a: hits.append(a))
     np.testing.assert_array_equal(batches[0]["x"][:, 0], [3, 1, 7])
@@ -337,7 +338,8 @@ def test_arena_files_are_read_through_huge_pages_where_the_kernel_allows():
         before = _pmd_mapped_kib()
         for k in range(4):
             held = ArenaBlock(arena, arena.write(block(k)), block_len * k, block_len * (k + 1), block_len * row)
-            local.remember("tcp://w:1", k, held.describe())
+            described = held.describe()
+            local.remember("tcp://w:1", described["arena"], [k], [described["first_row"]])
         populate_soon(0, 0).result(timeout=60)  # after the window's mappings faulted in ahead of the first take
         assert _pmd_mapped_kib() - before >= 4 * 1024  # at least two huge pages of the 12 MiB mapped as such
         ids = np.random.default_rng(0).permutation(4 * block_len)

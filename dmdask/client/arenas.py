@@ -54,11 +54,17 @@ class LocalArenas:
         """Whether every block is in a known arena (`take` applies)."""
         return bool(len(blocks)) and bool((self.arena_of[blocks] >= 0).all())
 
-    def remember(self, holder: str, block: int, description: dict) -> None:
-        """Block `block` is in `holder`'s arena (`ArenaBlock.describe`); ignored if unmappable."""
-        fields = description["arena"]
+    def remember(self, holder: str, fields: dict, blocks, first_rows) -> None:
+        """Blocks `blocks` are in `holder`'s arena `fields` (`ArenaBlock.describe`), each from
+        its row in `first_rows`; ignored if unmappable, and blocks of no dataset of this size."""
+        blocks, first_rows = np.asarray(blocks, dtype=np.int64), np.asarray(first_rows, dtype=np.int64)
+        ours = (blocks >= 0) & (blocks < len(self.arena_of))
+        blocks, first_rows = blocks[ours], first_rows[ours]
+        if not len(blocks):
+            return
+        sizes = np.minimum(self.block_len, self.num_samples - blocks * self.block_len)
+        rows = int((first_rows + sizes).max())
         ident = (holder, fields[ID_FIELD][0])
-        rows = description["first_row"] + min(self.block_len, self.num_samples - block * self.block_len)
         with self._lock:
             if self._windows is None:
                 self._windows = self._open_windows(fields)
@@ -73,8 +79,8 @@ class LocalArenas:
             if arena == len(self.arenas):
                 self._index[ident] = arena
                 self.arenas.append((holder, fields))
-            self.first_row[block] = description["first_row"]
-            self.arena_of[block] = arena
+            self.first_row[blocks] = first_rows
+            self.arena_of[blocks] = arena
 
     def _open_windows(self, fields: dict) -> dict[str, Window]:
         windows = {}

@@ -132,7 +132,7 @@ class GroupFetcher:
         host (docs/architecture.md section 3, step 3)."""
         info = ready.info
         self.holders.update({info.block_key(k): worker for worker, blocks in ready.holders.items() for k in blocks})
-        self.gatherer.learn(ready.layouts)
+        self.gatherer.learn(info.identity, ready.layouts)
 
     async def first_rows(self) -> list:
         """The first row of every source of the mixture drawn in an epoch (None for the others)."""

@@ -18,6 +18,7 @@ import numpy as np
 import zict
 from distributed.comm import get_address_host
 
+from ..protocol.scheduler import Layouts
 from ..protocol.worker import Moved, RowsRequest, WorkerAPI
 from ..shm.arena import ID_FIELD, ArenaMaps
 from ..shm.fileblocks import assemble, map_arrays, readable, take_rows
@@ -101,8 +102,8 @@ class Gatherer:
     def _remember(self, holder: str, key: str, description: dict) -> None:
         parsed = parse_block_key(key)
         local = self.arenas.get(parsed[0]) if parsed is not None else None
-        if local is not None and parsed[1] < len(local.arena_of):
-            local.remember(holder, parsed[1], description)
+        if local is not None:
+            local.remember(holder, description["arena"], [parsed[1]], [description["first_row"]])
 
     async def gather(self, plan: dict[str, dict[str, np.ndarray]], positions: dict[str, np.ndarray],
                      n: int, priority: int | None = None,
@@ -165,14 +166,14 @@ class Gatherer:
     def _local_holders(self, holders) -> list[str]:
         return [h for h in holders if get_address_host(h) == self.my_host]
 
-    def learn(self, layouts: dict[str, dict[str, dict | None]]) -> None:
-        """Blocks on this host as their holders described them (holder -> key -> `dmdask_describe`);
-        those in arenas remembered (`LocalArenas`)."""
+    def learn(self, identity: str, layouts: dict[str, Layouts]) -> None:
+        """Blocks of the dataset `identity` on this host as their holders described them
+        (`Ready.layouts`): those in arenas remembered (`LocalArenas`), the others kept."""
+        local = self.arenas.get(identity)
         for holder in self._local_holders(layouts):
-            self._keep(holder, layouts[holder])
-            for key, description in layouts[holder].items():
-                if description is not None and "arena" in description:
-                    self._remember(holder, key, description)
+            self._keep(holder, layouts[holder].files)
+            for taken in layouts[holder].arenas if local is not None else ():
+                local.remember(holder, taken.arena, taken.blocks, taken.first_rows)
 
     async def describe(self, keys: dict[str, list[str]]) -> None:
         """Learn the file layout of blocks (holder -> keys) held on this host."""

@@ -13,7 +13,7 @@ from distributed.protocol import ToPickle
 
 from .. import arguments as check
 from ..internals import reraise
-from ..source.base import DatasetInfo
+from ..source.base import DatasetInfo, parse_block_key
 
 LOCATE_LONGEST = 60.0  # the longest a `Locate` may wait
 LOCATE_SECONDS = 2.0  # one wait on the scheduler for blocks still loading
@@ -185,6 +185,41 @@ class FsOpenBlocks(Request):
 
 
 @message
+class ArenaBlocks:
+    """Blocks of one dataset a worker holds in one arena: the arena's fields, as each
+    block's `ArenaBlock.describe` names them, said once; each block's index and first row
+    in the arena, in step."""
+    arena: dict
+    blocks: List[int]
+    first_rows: List[int]
+
+
+@message
+class Layouts:
+    """How a process on a worker's host maps blocks the worker holds, as it described them
+    (`dmdask_describe`): those in arenas, one `ArenaBlocks` per arena (a few values
+    however many blocks); any other by key (None: not mappable, its rows come by request)."""
+    arenas: List[ArenaBlocks] = dataclasses.field(default_factory=list)
+    files: Dict[str, Optional[dict]] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, described: Dict[str, Optional[dict]]) -> Layouts:
+        """From a worker's descriptions of block keys."""
+        arenas: Dict[tuple, ArenaBlocks] = {}
+        files = {}
+        for key, found in described.items():
+            parsed = parse_block_key(key)
+            if found is None or "arena" not in found or parsed is None:
+                files[key] = found
+                continue
+            files_of_arena = tuple(path for path, *_ in found["arena"].values())
+            taken = arenas.setdefault(files_of_arena, ArenaBlocks(found["arena"], [], []))
+            taken.blocks.append(parsed[1])
+            taken.first_rows.append(found["first_row"])
+        return cls(list(arenas.values()), files)
+
+
+@message
 class Ready:
     """The dataset exists: its description, how many of its blocks were held then and, when
     asked (`GetOrClaim.host`) and it has at most `HOLDERS_BLOCKS` blocks, who held which
@@ -192,8 +227,8 @@ class Ready:
     info: DatasetInfo
     loaded: int
     holders: Dict[str, List[int]] = dataclasses.field(default_factory=dict)  # worker -> block indices
-    layouts: Dict[str, Dict[str, Optional[dict]]] = dataclasses.field(default_factory=dict)  # worker -> key ->
-    # its `dmdask_describe` (a worker that did not answer within DESCRIBE_SECONDS left out)
+    layouts: Dict[str, Layouts] = dataclasses.field(default_factory=dict)  # worker on that host -> its blocks'
+    # (a worker that did not answer within DESCRIBE_SECONDS left out)
 
 
 @message

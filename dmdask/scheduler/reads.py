@@ -16,8 +16,8 @@ from distributed.comm import get_address_host
 from ..arrivals import Arrivals
 from ..internals import task_error
 from ..protocol.scheduler import (DESCRIBE_SECONDS, HOLDERS_BLOCKS, BlocksOpened, Folders, FsClaim, FsMetadata,
-                                  FsOpenBlocks, GetOrRegister, InfoClaims, Located, Locate, NoWorkers, OpenBlocks,
-                                  Ready)
+                                  FsOpenBlocks, GetOrRegister, InfoClaims, Layouts, Located, Locate, NoWorkers,
+                                  OpenBlocks, Ready)
 from ..protocol.worker import WorkerAPI
 from ..source.base import parse_block_key
 from . import placement
@@ -96,11 +96,11 @@ class BlockReads:
             del self.layouts[(info.name, worker)]  # asked again next time
         return worker, layout
 
-    async def _describe(self, info, worker: str, blocks: list[int]) -> dict | None:
+    async def _describe(self, info, worker: str, blocks: list[int]) -> Layouts | None:
         keys = [info.block_key(k) for k in blocks]
         try:
-            return await asyncio.wait_for(WorkerAPI(self.scheduler.rpc, DESCRIBE_SECONDS).describe(worker, keys),
-                                          DESCRIBE_SECONDS)
+            return Layouts.of(await asyncio.wait_for(
+                WorkerAPI(self.scheduler.rpc, DESCRIBE_SECONDS).describe(worker, keys), DESCRIBE_SECONDS))
         except Exception as exc:  # noqa: BLE001 - left out: the rank learns those blocks as it fetches them
             logger.debug("worker %s did not describe %d blocks of %s: %r", worker, len(keys), info.name, exc)
             return None
