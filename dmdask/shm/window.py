@@ -15,6 +15,7 @@ from .hugepages import HUGE, aligned_reservation, release
 from .libc import MAP_FIXED, libc, populate_soon
 
 MAX_ARENAS = 16  # arenas (workers of one host) a window can hold
+POPULATE_BYTES = 1 << 30  # of each arena file faulted in ahead, as it is mapped
 
 
 class Window:
@@ -60,7 +61,9 @@ class Window:
             got = libc.mmap(at, length, mmap.PROT_READ, mmap.MAP_SHARED | MAP_FIXED, f.fileno(), 0)
             if got != at:
                 raise OSError(ctypes.get_errno(), f"cannot map {path}: {os.strerror(ctypes.get_errno())}")
-        populate_soon(at, length, write=False)  # a new process's first batches then fault in fewer pages
+        # a new process's first batches then take fewer page faults; the first GiB of a file only
+        # (2 MiB of page tables on 4 KiB pages): no page tables for the rest, which a rank may never read
+        populate_soon(at, min(length, POPULATE_BYTES), write=False)
         self._mapped[arena] = have
 
     def close(self) -> None:
