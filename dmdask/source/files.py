@@ -35,10 +35,14 @@ def read_blocks(readers) -> list:
         fs = fsspec.filesystem(first.protocol, **json.loads(first.options))  # this process's own (fsspec's cache)
         if not getattr(fs, "async_impl", False):
             return [_or_error(r.read_bytes, fs) for r in readers]
-        return fsspec.asyn.sync(fs.loop, asyncio.gather, *(r.read_bytes_async(fs) for r in readers),
-                                return_exceptions=True)
+        return fsspec.asyn.sync(fs.loop, _read_all, readers, fs)
     except Exception as exc:  # noqa: BLE001 - the caller leaves these blocks to their workers
         return [exc] * len(readers)
+
+
+async def _read_all(readers, fs) -> list:
+    """On the filesystem's loop (the reads made there, so none is left unawaited if the call fails)."""
+    return await asyncio.gather(*(r.read_bytes_async(fs) for r in readers), return_exceptions=True)
 
 
 def _or_error(read, *args):
