@@ -68,11 +68,12 @@ async def test_the_layouts_of_a_hosts_blocks_are_asked_once_until_a_block_comes_
     asked for its layouts once; a block that comes (or leaves), a release, or a worker that
     did not answer make the next open ask again."""
     asked = []
+    x = {"x": ("/dev/shm/x", "<f4", ())}  # every block in one arena, at row 7
 
     def describing(worker):
         async def describe(request):
             asked.append(worker.address)
-            return Descriptions({key: {"arena": {"x": ("/dev/shm/x", "<f4", ())}, "first_row": 7} for key in request.keys})
+            return Descriptions({key: {"arena": x, "first_row": 7} for key in request.keys})
         return handler(DescribeRequest, describe)
 
     for worker in (a, b):
@@ -85,7 +86,6 @@ async def test_the_layouts_of_a_hosts_blocks_are_asked_once_until_a_block_comes_
     first, second = c.map(_load_when_told, [0, 1], key=[INFO.block_key(0), INFO.block_key(1)])  # one graph
     await wait(first)
     plan = s.extensions["dmdask"].datasets["ds-x"].planned  # one block a worker
-    x = {"x": ("/dev/shm/x", "<f4", ())}
     expected = {plan[0]: Layouts([ArenaBlocks(x, [0], [7])])}  # blocks of one arena: its fields said once
     replies = await asyncio.gather(*(api.send(GetOrClaim("ds-x", f"rank{r}", host)) for r in range(4)))
     assert [r.layouts for r in replies] == [expected] * 4 and asked == [plan[0]]

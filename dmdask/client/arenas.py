@@ -56,7 +56,7 @@ class LocalArenas:
 
     def remember(self, holder: str, fields: dict, blocks, first_rows) -> None:
         """Blocks `blocks` are in `holder`'s arena `fields` (`ArenaBlock.describe`), each from
-        its row in `first_rows`; ignored if unmappable, and blocks of no dataset of this size."""
+        its row in `first_rows`; ignored if unmappable, as are indices beyond this dataset's blocks."""
         blocks, first_rows = np.asarray(blocks, dtype=np.int64), np.asarray(first_rows, dtype=np.int64)
         ours = (blocks >= 0) & (blocks < len(self.arena_of))
         blocks, first_rows = blocks[ours], first_rows[ours]
