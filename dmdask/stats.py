@@ -15,11 +15,14 @@ def _worker_stats(dask_worker) -> dict:
 
 def stats(client: Client) -> dict[str, dict]:
     """{"workers": {address: counters}, "total": their sum, "datasets": the registry}: each
-    counter is described in docs/architecture.md, section 9 ("Accounting"). Raises
-    NotADmdaskWorker when a worker has no dmdask tiers."""
+    counter is described in docs/architecture.md, section 9 ("Accounting"); the hits count
+    every batch this process has handed out. Raises NotADmdaskWorker when a worker has no
+    dmdask tiers."""
     from .client.datasets import ensure_plugin
+    from .client.gather import wait_reported
     from .protocol.scheduler import Datasets, SchedulerAPI
 
+    wait_reported(client)  # an epoch's last hits are sent as it ends, not waited for
     ensure_plugin(client)  # which installs the worker plugin (the cache and its counts) on every worker
     per_worker = client.run(_worker_stats)
     missing = [w for w, s in per_worker.items() if s is None]

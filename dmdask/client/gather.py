@@ -6,10 +6,12 @@ block gone while mapped raises `Moved`; nothing here writes to a worker's files.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import os
 import threading
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Collection
 from typing import NamedTuple
@@ -32,6 +34,7 @@ LOAD_WAIT = 2.0  # seconds a holder may wait for a block it is loading before it
 MAPPED_BLOCKS = 4096  # blocks kept mapped per process (each costs a mapping per field)
 
 
+_reports_under_way: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # client -> its hit reports sent
 _pool = ForkSafeExecutor(2, "dmdask-gather")
 copier = ForkSafeExecutor(1, "dmdask-copy")  # the warm batches of every iterator of the process
 
@@ -225,6 +228,16 @@ class Gatherer:
             self._last_flush = time.monotonic()
             asyncio.ensure_future(self.flush_hits())
 
+    def report_hits(self) -> None:
+        """From any thread: report the hits not yet reported, without waiting for the workers
+        (`wait_reported` waits for them)."""
+        if not self.hits:
+            return
+        future = asyncio.run_coroutine_threadsafe(self.flush_hits(), self.client.loop.asyncio_loop)
+        under_way = _reports_under_way.setdefault(self.client, set())
+        under_way.add(future)
+        future.add_done_callback(under_way.discard)
+
     async def flush_hits(self) -> None:
         """Report the rows taken from workers' files to those workers (best effort)."""
         with self._hits_lock:
@@ -236,6 +249,12 @@ class Gatherer:
                                        HITS_TIMEOUT)
 
         await asyncio.gather(*(report(holder, tiers) for holder, tiers in hits.items()))
+
+
+def wait_reported(client, timeout: float = HITS_TIMEOUT) -> None:
+    """Wait until the hit reports this process sent through `client` are received (each is
+    given up after `HITS_TIMEOUT`)."""
+    concurrent.futures.wait(_reports_under_way.get(client, set()).copy(), timeout)
 
 
 def plan_rows(blocks: np.ndarray, offsets: np.ndarray, keys: dict[int, str], holders: dict[str, str]):

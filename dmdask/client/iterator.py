@@ -3,7 +3,6 @@ batch is docs/architecture.md section 3."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections import deque
 
@@ -209,14 +208,12 @@ class BatchIterator:
         self._next_request = len(self._batches)
 
     def _end_progress(self) -> None:
-        """The bar closed and the hits reported to the workers."""
+        """The bar closed and the hits sent to the workers (counters only: the epoch does not
+        wait for them; `dmdask.stats` does)."""
         if self._progress is not None:
             self._progress.close()
             self._progress = None
-        if self._gatherer.has_hits():
-            report = asyncio.run_coroutine_threadsafe(self._gatherer.flush_hits(), self._loop)
-            with contextlib.suppress(Exception):  # counters only; never fails an epoch
-                report.result(timeout=10)
+        self._gatherer.report_hits()
 
     def state_dict(self) -> dict:
         """The whole position, plain values (JSON, pickle): pass it as `resume=` to continue
