@@ -4,12 +4,14 @@ It joins a gloo process group (as a torchrun job would: the peers read the world
 or from RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), then for each epoch: a barrier,
 the loader's batches with an emulated training step (a sleep of batch / rate), a barrier.
 Its library is imported before the first barrier (`module.available()`), as a training
-script imports at its top; the loader is built inside epoch 1's clock. Rank 0 then tells the runner the epoch ended
+script imports at its top, and one full garbage collection follows, so that no loader's
+epoch pays for the start-up's objects; the loader is built inside epoch 1's clock. Rank 0 then tells the runner the epoch ended
 (`epoch-E.done`) and waits for it to take its counts (`epoch-E.ack`). Written: the
 timings to `rank-R.json` and the sample ids each epoch to `ids-R-E.npy`.
 """
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
@@ -43,6 +45,9 @@ def main(run_dir: str, rank: int) -> None:
                             world_size=ctx["world"])
     module = importlib.import_module(f"benchmarks.peers.{ctx['module']}")
     module.available()  # imports the loader's library, outside every epoch's clock
+    # the process's first full collection of its start-up objects (0.1-0.2 s with torch imported,
+    # on this machine) comes here, not in whichever loader's epoch first crosses the collector's threshold
+    gc.collect()
     loader, epochs = None, []
     for epoch in range(ctx["epochs"]):
         dist.barrier()
