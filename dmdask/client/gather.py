@@ -231,9 +231,10 @@ class Gatherer:
     def report_hits(self) -> None:
         """From any thread: report the hits not yet reported, without waiting for the workers
         (`wait_reported` waits for them)."""
-        if not self.hits:
+        loop = self.client.loop.asyncio_loop
+        if not self.hits or loop.is_closed():  # counters only: a closed client's are dropped
             return
-        future = asyncio.run_coroutine_threadsafe(self.flush_hits(), self.client.loop.asyncio_loop)
+        future = asyncio.run_coroutine_threadsafe(self.flush_hits(), loop)
         under_way = _reports_under_way.setdefault(self.client, set())
         under_way.add(future)
         future.add_done_callback(under_way.discard)
