@@ -30,8 +30,9 @@ class Spec:
 
     source: a local path or any fsspec URL of a Zarr v3 group or array, Parquet, HDF5
         (`file.h5/group`), a class-per-subfolder folder of files or WebDataset tar shards
-        (docs/quickstart.md, "Sources"); a list of shard URLs, kept as a tuple and read as
-        WebDataset shards in that order; or a `dmdask.Mix` of several sources.
+        (docs/quickstart.md, "Sources"); a list of URLs, kept as a tuple: WebDataset shards
+        when all end in `.tar`, else one file per sample (opened without listing the store),
+        both read in the list's order; or a `dmdask.Mix` of several sources.
     batch_size: samples per batch (>= 1).
     shuffle: a seeded permutation per epoch (True) or the stored order (False).
     seed: seed of the permutation; the same seed and epoch give the same order on
@@ -125,17 +126,18 @@ Spec.__init__ = _suggesting(Spec.__init__)
 
 
 def as_source(source):
-    """`source` as a `str`, a list of shard URLs as a tuple of `str`, a `Mix` as it is;
+    """`source` as a `str`, a list of shard or file URLs as a tuple of `str`, a `Mix` as it is;
     `SpecError` unless it is a non-empty path or URL, or a non-empty list of them. A
     relative local path is made absolute here, in the client's working directory."""
-    allowed = "a non-empty path or fsspec URL, or a non-empty list of shard paths or URLs, or a dmdask.Mix"
+    allowed = ("a non-empty path or fsspec URL, or a non-empty list of shard or sample-file paths or URLs, "
+               "or a dmdask.Mix")
     if isinstance(source, Mix):
         return source
     if isinstance(source, (list, tuple)):
-        shards = tuple(os.fspath(s) if isinstance(s, os.PathLike) else s for s in source)
-        if not shards or not all(isinstance(s, str) and s for s in shards):
+        urls = tuple(os.fspath(s) if isinstance(s, os.PathLike) else s for s in source)
+        if not urls or not all(isinstance(s, str) and s for s in urls):
             raise SpecError("source", allowed, source)
-        return tuple(resolve_local(s) for s in shards)
+        return tuple(resolve_local(s) for s in urls)
     if isinstance(source, os.PathLike):
         source = os.fspath(source)
     if not isinstance(source, str) or not source:
@@ -152,7 +154,7 @@ class Mix:
     rounds and passes): docs/quickstart.md, "Mixing sources"; docs/architecture.md.
 
     sources: a list of sources, each as `Spec.source` takes one (a path or URL, or a list
-        of WebDataset shard URLs), or a `Spec` whose `source`, `keys`, `block_size` and
+        of shard or sample-file URLs), or a `Spec` whose `source`, `keys`, `block_size` and
         `storage_options` are used (its other fields are not; it may have no transform).
         Plain sources take those three from the mixture's `Spec`. Every source must give
         the same fields with the same dtypes and sample shapes (`keys=` selects them).
@@ -167,7 +169,7 @@ class Mix:
     epoch_size: int | None = None
 
     def __post_init__(self):
-        allowed = ("a non-empty list of sources: paths or URLs, lists of shard URLs, or Specs (of one source "
+        allowed = ("a non-empty list of sources: paths or URLs, lists of shard or file URLs, or Specs (of one source "
                    "each, without a transform)")
         if isinstance(self.sources, (str, os.PathLike, Mix, Spec)) or not isinstance(self.sources, Sequence) \
                 or not len(self.sources):

@@ -12,7 +12,8 @@ def load_block(reader):
     """Dask task: the value of a block's key on the worker that runs it (its `BlockCache`,
     which the worker plugin installs).
     `SourceNotAllowedError` for a source outside `dmdask.worker.allowed-sources`."""
-    check_source(reader.url)
+    for url in reader.sources():
+        check_source(url)
     worker = distributed.get_worker()
     cache = worker.extensions.get("dmdask")
     if cache is None:

@@ -14,7 +14,7 @@ import pytest
 import dmdask
 from dmdask.protocol.worker import BatchRequest, RowsRequest, WorkerAPI, to_wire
 from dmdask.spec import TransformContext
-from dmdask.testing.datasets import write_folder, write_zarr
+from dmdask.testing.datasets import write_folder, write_tar_shards, write_zarr
 
 
 @pytest.fixture
@@ -128,6 +128,24 @@ def test_workers_read_only_the_allowed_sources(allowed_cluster):
         assert isinstance(info.value, ValueError)
         assert str(root / "allowed") in str(info.value) and "allowed-sources" in str(info.value)
     assert dmdask.stats(client)["total"]["shared_store"]["bytes"] == 200 * (8 * 4 + 8)  # nothing read outside
+
+
+def test_every_url_of_a_listed_source_must_be_allowed(allowed_cluster):
+    """A list of files or shards is checked URL by URL: one outside the prefixes refuses its
+    block, though the list's first URL is inside."""
+    root, client = allowed_cluster
+    files = write_folder(str(root / "allowed" / "images"), classes=1, per_class=4)
+    inside = [f"{files}/class-00/s-{i:08d}.bin" for i in range(4)]
+    outside = f"{write_folder(str(root / 'elsewhere'), classes=1, per_class=1)}/class-00/s-00000000.bin"
+    shards = write_tar_shards(str(root / "allowed" / "shards"), shards=1, per_shard=4)
+    other = write_tar_shards(str(root / "elsewhere-shards"), shards=1, per_shard=4)
+    before = dmdask.stats(client)["total"]["shared_store"]["bytes"]
+    for urls in (inside + [outside], shards + other):
+        with pytest.raises(dmdask.SourceNotAllowedError, match="allowed-sources"):
+            list(dmdask.batches(client, dmdask.Spec(urls, batch_size=8)))
+    assert dmdask.stats(client)["total"]["shared_store"]["bytes"] == before  # nothing read
+    got = np.concatenate([b["index"] for b in dmdask.batches(client, dmdask.Spec(inside, batch_size=8))])
+    assert sorted(got.tolist()) == [0, 1, 2, 3]
 
 
 def test_transparent_reads_are_held_to_the_allowed_sources(allowed_cluster):

@@ -249,7 +249,7 @@ def test_spec_takes_a_list_of_shards():
     assert dataset_name(spec) == dataset_name(dmdask.Spec(("a.tar", "b.tar/"), batch_size=2))
     assert dataset_name(spec) != dataset_name(dmdask.Spec(["b.tar", "a.tar"], batch_size=2))
     for bad in ([], ["a.tar", ""], ["a.tar", 3], [None]):
-        with pytest.raises(dmdask.SpecError, match="list of shard paths or URLs") as info:
+        with pytest.raises(dmdask.SpecError, match="list of shard or sample-file paths or URLs") as info:
             dmdask.Spec(bad, batch_size=2)
         assert info.value.field == "source"
     with pytest.raises(dmdask.SpecError, match="brace pattern") as info:

@@ -155,7 +155,8 @@ class BlockReader(Protocol):
     transient store error for up to `dmdask.store.retry-seconds` (docs/architecture.md,
     "Transient store errors"), calling `on_retry(exc)` before each retry; then, or for
     any other error, they raise `BlockReadError` naming the URL and the samples.
-    `prepare()` makes what the reads need ahead of the first (never raises).
+    `prepare()` makes what the reads need ahead of the first (never raises). `sources()`:
+    the URLs the reads read, which `dmdask.worker.allowed-sources` must allow.
     """
 
     key: str
@@ -171,6 +172,8 @@ class BlockReader(Protocol):
     def read_rows(self, rows, on_retry: Callable | None = None) -> dict: ...
 
     def prepare(self) -> None: ...
+
+    def sources(self) -> list[str]: ...
 
 
 class StoreReader(BlockReader):
@@ -191,6 +194,10 @@ class StoreReader(BlockReader):
 
     def read_rows(self, rows, on_retry: Callable | None = None) -> dict:
         return self._retrying(lambda: self._read_rows(rows), on_retry)
+
+    def sources(self) -> list[str]:
+        """The URLs this reader reads (what `dmdask.worker.allowed-sources` must allow)."""
+        return [self.url]
 
     def prepare(self) -> None:
         """Make the store's filesystem ahead of the first read; never raises (the read reports it)."""

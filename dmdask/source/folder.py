@@ -1,6 +1,7 @@
-"""Folders of per-sample files in class-per-subfolder layout (ImageNet style), fields "data"
-(each file's bytes) and "label" (docs/quickstart.md#sources). The listing travels with the
-block readers."""
+"""Per-sample files, fields "data" (each file's bytes) and "label": a folder in
+class-per-subfolder layout (ImageNet style), listed when opened, or a list of the files'
+URLs, opened without a request (docs/quickstart.md#sources). The file list travels with
+the block readers."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -19,34 +20,48 @@ FIELDS = ("data", "label")
 
 class FolderSource(Source):
     def __init__(self, info: DatasetInfo, protocol: str, options: str, files: list[str], labels: np.ndarray,
-                 sizes: np.ndarray | None):
+                 sizes: np.ndarray | None, urls: list[str] | None = None):
         self.info, self.protocol, self.options = info, protocol, options
-        self.files, self.labels, self.sizes = files, labels, sizes
+        self.files, self.labels, self.sizes, self.urls = files, labels, sizes, urls
 
     def reader(self, k: int) -> FolderBlockReader:
         a, b = self.info.block_range(k)
         nbytes = None if self.sizes is None else block_nbytes(self.sizes[a:b], self.info.fields)
         return FolderBlockReader(self.info.url, self.protocol, self.options, self.files[a:b],
-                                 self.labels[a:b], self.info.fields, self.info.identity, k, a, b, nbytes)
+                                 self.labels[a:b], self.info.fields, self.info.identity, k, a, b, nbytes,
+                                 None if self.urls is None else self.urls[a:b])
 
 
 def open_folder(place: Place) -> FolderSource:
-    """Check the spec's keys, list the class folders and describe the blocks."""
-    fs, url, spec = place.fs, place.url, place.spec
+    """Check the spec's keys, list the class folders (or take the listed files) and describe
+    the blocks."""
+    spec = place.spec
     fields = tuple(sorted(spec.keys or FIELDS))
     if any(f not in FIELDS for f in fields):
         raise SpecError("keys", f"names among {list(FIELDS)} for a folder source", list(spec.keys))
-    files, labels, sizes = _list(place)
+    if place.files is not None:
+        (fs, files), url = place.listed_paths("sample files"), place.label("files")
+        labels, sizes, relative = folder_labels(files), [None] * len(files), files
+    else:
+        (files, labels, sizes), fs, url = _list(place), place.fs, place.url
+        root = place.path.rstrip("/")
+        relative = [f[len(root) + 1:] if f.startswith(root + "/") else f for f in files]
     block_len = spec.block_size or DEFAULT_FILES_PER_BLOCK
-    root = place.path.rstrip("/")
-    relative = [f[len(root) + 1:] if f.startswith(root + "/") else f for f in files]
     identity = tokenize("folder", url, fields, block_len, relative, sizes)[:16]
     size_array = None if any(s is None for s in sizes) else np.asarray(sizes, dtype=np.int64)
     nbytes = None if size_array is None else block_nbytes(size_array, fields)
     info = DatasetInfo(name=place.name, identity=identity, url=url, fields=fields,
                        num_samples=len(files), block_len=block_len, nbytes=nbytes)
     return FolderSource(info, protocol_of(fs), options_json(place.options), files, np.asarray(labels, dtype=np.int64),
-                        size_array)
+                        size_array, place.files)
+
+
+def folder_labels(paths: list[str]) -> list[int]:
+    """Each file's label: the index of its folder among the files' folders, sorted (as a
+    folder source numbers its class subfolders)."""
+    folders = [p.rstrip("/").rsplit("/", 1)[0] if "/" in p.rstrip("/") else "" for p in paths]
+    index = {folder: i for i, folder in enumerate(sorted(set(folders)))}
+    return [index[f] for f in folders]
 
 
 def _list(place: Place):
@@ -71,14 +86,19 @@ def block_nbytes(sizes, fields) -> int:
 
 
 class FolderBlockReader(StoreReader):
-    """Reads the files of one block, all of them or only some (row-granular)."""
+    """Reads the files of one block, all of them or only some (row-granular). `urls`: the
+    files' URLs where the source listed them (None: the files of the folder `url`)."""
 
     row_granular = True
 
-    def __init__(self, url, protocol, options, files, labels, fields, identity, index, start, stop, nbytes):
+    def __init__(self, url, protocol, options, files, labels, fields, identity, index, start, stop, nbytes,
+                 urls=None):
         super().__init__(url, identity, index, start, stop, nbytes)
-        self.protocol, self.options = protocol, options
+        self.protocol, self.options, self.urls = protocol, options, None if urls is None else list(urls)
         self.files, self.labels, self.fields = list(files), np.asarray(labels, dtype=np.int64), fields
+
+    def sources(self) -> list[str]:
+        return [self.url] if self.urls is None else self.urls
 
     def _read_rows(self, rows) -> dict[str, np.ndarray]:
         """The given rows; the files are fetched concurrently."""
@@ -97,4 +117,4 @@ class FolderBlockReader(StoreReader):
         return arrays
 
 
-FORMAT = Format("folder", claims=lambda place: place.exists, open=open_folder)
+FORMAT = Format("folder", claims=lambda place: place.files is not None or place.exists, open=open_folder)

@@ -245,7 +245,7 @@ def _claims(place: Place) -> bool:
     """An HDF5 file (by its first bytes), or a path that goes on past one (a group)."""
     if place.exists:
         return place.head.startswith(SIGNATURE)
-    inner = None if place.shards is not None or place.is_glob else split_inner(place.path)
+    inner = None if place.urls is not None or place.is_glob else split_inner(place.path)
     return inner is not None and place.has(inner[0])
 
 

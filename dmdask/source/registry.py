@@ -16,12 +16,14 @@ import fsspec
 
 from ..errors import SourceNotFoundError, SpecError
 from .base import Source
-from .urls import shard_urls
+from .base import protocol_of
+from .urls import listed_urls
 
 GROUP = "dmdask.sources"
 BUILTIN = ("zarr", "hdf5", "parquet", "webdataset", "folder")  # modules of dmdask.source, each with FORMAT
 LAYOUTS = ("a Zarr v3 group or array, a Parquet file, folder of Parquet files or glob, an HDF5 file "
-           "(or a group in it: file.h5/group), WebDataset .tar shards, or a folder of class subfolders")
+           "(or a group in it: file.h5/group), WebDataset .tar shards, a folder of class subfolders, or a list "
+           "of sample files")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,29 +37,57 @@ class Format:
 
 
 class Place:
-    """A spec's source: `shards`, the tar shard URLs it names, else None and `url` on the
-    filesystem `fs` at `path` (`SpecError` for a URL fsspec cannot open). Each fact read
-    from the store (`exists`, `head`, `listing`) is read once, when first asked."""
+    """A spec's source. Named one by one (a list, a brace pattern, a `.tar` URL): `urls`, and
+    either `shards` (all of them `.tar`) or `files` (none of them), the other None; `url`
+    and `fs` None. Else `url` on the filesystem `fs` at `path` (`SpecError` for a URL fsspec
+    cannot open), `urls` None. Each fact read from the store (`exists`, `head`, `listing`)
+    is read once, when first asked."""
 
     def __init__(self, spec, name: str):
         self.spec, self.name, self.options = spec, name, dict(spec.storage_options or {})
-        self.shards = shard_urls(spec.source)
+        self.urls = listed_urls(spec.source)
+        self.shards = self.files = None
         self.url, self.fs, self.path = None, None, ""
-        if self.shards is None:
+        if self.urls is not None:
+            tars = [u.rstrip("/").endswith(".tar") for u in self.urls]
+            if any(tars) and not all(tars):
+                raise SpecError("source", "a list of WebDataset .tar shards, or of sample files (one file per "
+                                "sample), not both", spec.source)
+            self.shards, self.files = (self.urls, None) if all(tars) else (None, self.urls)
+        else:
             self.url = spec.source.rstrip("/")
             try:
                 self.fs, self.path = fsspec.core.url_to_fs(self.url, **self.options)
             except (ImportError, ValueError) as exc:
                 raise SpecError("source", f"a URL fsspec can open ({exc})", spec.source) from None
 
+    def listed_paths(self, what: str) -> tuple:
+        """(filesystem, paths) of `urls`; `SpecError` unless fsspec opens them all with one
+        protocol. `what`: what the URLs are, for the message."""
+        try:
+            opened = [fsspec.core.url_to_fs(url, **self.options) for url in self.urls]
+        except (ImportError, ValueError) as exc:
+            raise SpecError("source", f"{what} URLs fsspec can open ({exc})", self.spec.source) from None
+        if len({protocol_of(fs) for fs, _ in opened}) > 1:
+            raise SpecError("source", f"{what} on one filesystem (one protocol)", self.spec.source)
+        return opened[-1][0], [path for _, path in opened]
+
+    def label(self, what: str) -> str:
+        """How the source is named in messages and `DatasetInfo.url`."""
+        if self.urls is None:
+            return self.url
+        if isinstance(self.spec.source, str):
+            return self.spec.source
+        return self.urls[0] if len(self.urls) == 1 else f"{self.urls[0]} and {len(self.urls) - 1} more {what}"
+
     @functools.cached_property
     def exists(self) -> bool:
-        """Whether the URL names a file or folder (False for shards)."""
-        return self.shards is None and self.has(self.path)
+        """Whether the URL names a file or folder (False for a listed source)."""
+        return self.urls is None and self.has(self.path)
 
     @property
     def is_glob(self) -> bool:
-        return self.shards is None and not self.exists and any(c in self.path for c in "*?[")
+        return self.urls is None and not self.exists and any(c in self.path for c in "*?[")
 
     @functools.cached_property
     def head(self) -> bytes:

@@ -1,5 +1,5 @@
-"""URLs in one spelling (`normalize`), without credentials (`public`), the tar shards a
-source names (`shard_urls`), and the sources workers may read (`check_source`,
+"""URLs in one spelling (`normalize`), without credentials (`public`), the URLs a list
+source names (`listed_urls`), and the sources workers may read (`check_source`,
 docs/failures.md#trust-model)."""
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from ..errors import SourceNotAllowedError, SpecError
 LOCAL_PROTOCOLS = ("file://", "local://")
 
 
-def shard_urls(source) -> list[str] | None:
-    """The shard URLs that a `Spec.source` names (a tuple, a brace pattern, a URL ending in
-    `.tar`), or None."""
+def listed_urls(source) -> list[str] | None:
+    """The URLs that a `Spec.source` names one by one (a tuple, a brace pattern, a URL ending
+    in `.tar`), or None for a source named by one URL."""
     if isinstance(source, tuple):
         return list(source)
     if "{" in source:

@@ -9,7 +9,6 @@ import tarfile
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-import fsspec
 import numpy as np
 from dask.base import tokenize
 
@@ -24,24 +23,6 @@ TAR_BLOCK = 512
 META = re.compile(r"__[^/]*__($|/)")  # WebDataset's metadata members, skipped
 
 Sample = tuple[str, dict[str, tuple[int, int]]]  # key, {extension: (offset, size)}
-
-
-def shards_label(source) -> str:
-    """How a dataset of shards is named in messages and `DatasetInfo.url`."""
-    if isinstance(source, str):
-        return source
-    return source[0] if len(source) == 1 else f"{source[0]} and {len(source) - 1} more shards"
-
-
-def shard_paths(urls: list[str], options: dict, spec):
-    """(filesystem, paths) of the shard URLs; `SpecError` unless fsspec opens them all with one protocol."""
-    try:
-        opened = [fsspec.core.url_to_fs(url, **options) for url in urls]
-    except (ImportError, ValueError) as exc:
-        raise SpecError("source", f"shard URLs fsspec can open ({exc})", spec.source) from None
-    if len({protocol_of(fs) for fs, _ in opened}) > 1:
-        raise SpecError("source", "shards on one filesystem (one protocol)", spec.source)
-    return opened[-1][0], [path for _, path in opened]
 
 
 def tar_files(entries: Sequence[dict]) -> list[str]:
@@ -139,8 +120,8 @@ def open_webdataset(place: Place) -> WebDatasetSource:
     describe the blocks. Raises as the table in docs/formats/webdataset.md#errors says."""
     spec = place.spec
     if place.shards is not None:
-        (fs, paths), urls = shard_paths(place.shards, place.options, spec), place.shards
-        label = shards_label(spec.source)
+        (fs, paths), urls = place.listed_paths("shards"), place.shards
+        label = place.label("shards")
     else:
         if any(e["type"] == "directory" for e in place.listing):
             raise SourceError(
@@ -195,6 +176,9 @@ class TarBlockReader(StoreReader):
         super().__init__(", ".join(urls), identity, index, start, stop, nbytes)
         self.urls, self.protocol, self.options, self.paths, self.exts = list(urls), protocol, options, list(paths), exts
         self.shard, self.offsets, self.sizes, self.keys = shard, offsets, sizes, keys
+
+    def sources(self) -> list[str]:
+        return self.urls
 
     def _read_rows(self, rows) -> dict[str, np.ndarray]:
         """The given rows: a range request per non-empty member, all at once; an error names the
