@@ -116,7 +116,7 @@ def _context(cfg: dict, data: str, http, s3) -> dict:
     tars = sorted(f"tar/{f}" for f in os.listdir(os.path.join(data, "tar"))) if os.path.isdir(data + "/tar") else []
     return {"samples": cfg["samples"], "epochs": cfg["epochs"], "ranks_per_node": cfg["ranks_per_node"],
             "loader_workers": cfg["loader_workers"], "batch": cfg["batch"], "block": cfg["block"], "seed": SEED,
-            "rate": cfg["rate"], "min_cache_bytes": 4 * cfg["shard_bytes"], "files_url": http.url + "/files",
+            "rate": cfg["rate"], "min_cache_bytes": 4 * cfg["shard_bytes"],
             "file_urls": [f"{http.url}/{f}" for f in files], "tar_urls": [f"{http.url}/{t}" for t in tars],
             "s3_url": None if isinstance(s3, str) else s3.url}
 

@@ -32,7 +32,7 @@ def available():
 
 
 def settings(cfg: dict) -> str:
-    return (f"`dmdask.Spec(<files URL>, batch_size={cfg['batch']}, block_size={cfg['block']}, seed=0, rank, "
+    return (f"`dmdask.Spec(<the files' URLs>, batch_size={cfg['batch']}, block_size={cfg['block']}, seed=0, rank, "
             "world_size)`, exact global shuffle, default prefetch; `dask scheduler --preload dmdask` and per node "
             "one `dask worker --worker-class dmdask.Worker --nthreads <ranks per node> --no-nanny` with `ram` = the "
             "node cache, `ssd` = 0")
@@ -98,7 +98,8 @@ class Loader:
 
         dask.config.set({"dmdask.client.host": node_host(ctx["node"])})  # this rank's simulated node
         self.client = distributed.Client(os.environ[SCHEDULER_ENV], timeout=60)
-        self.spec = dmdask.Spec(ctx["files_url"], batch_size=ctx["batch"], block_size=ctx["block"],
+        # the file list the DataLoader and Grain read too (`ctx["file_urls"]`), not the folder to list
+        self.spec = dmdask.Spec(ctx["file_urls"], batch_size=ctx["batch"], block_size=ctx["block"],
                                 seed=ctx["seed"], rank=ctx["rank"], world_size=ctx["world"])
 
     def epoch(self, epoch: int):

@@ -58,7 +58,7 @@ def main(run_dir: str, rank: int) -> None:
         it = iter(loader.epoch(epoch))
         setup = time.perf_counter() - t
         waited += setup
-        ids = []
+        ids, arrivals = [], []
         while True:
             t = time.perf_counter()
             try:
@@ -67,6 +67,7 @@ def main(run_dir: str, rank: int) -> None:
                 waited += time.perf_counter() - t
                 break
             waited += time.perf_counter() - t
+            arrivals.append(round(time.time() - start, 4))
             got = loader.ids(batch)
             ids.append(got)
             samples += len(got)
@@ -75,7 +76,7 @@ def main(run_dir: str, rank: int) -> None:
         del it
         np.save(os.path.join(run_dir, f"ids-{rank}-{epoch}.npy"),
                 np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64))
-        epochs.append({"start": start, "end": end, "wait_s": waited, "setup_s": setup, "samples": samples})
+        epochs.append({"start": start, "end": end, "wait_s": waited, "setup_s": setup, "samples": samples, "arrivals": arrivals})
         dist.barrier()
         if rank == 0:
             _handshake(run_dir, epoch)
