@@ -35,6 +35,32 @@ def test_a_cold_batch_is_handed_out_before_the_rows_of_later_batches_are_read(tm
     assert _file_bytes(store) == FILES * FILE_BYTES  # each file read once
 
 
+def test_a_cold_rank_locates_its_first_batches_blocks_with_one_request(tmp_path):
+    """Cold, a rank requests `prefetch` batches at once, each needing blocks no rank has
+    located: they are located together (one `Locate` to the scheduler, not one per batch,
+    each on a connection of its own), and the epoch is still every sample once."""
+    from dmdask.protocol.scheduler import Locate
+
+    write_files(str(tmp_path / "files"), 256, 1024)
+    with StoreServer(str(tmp_path), latency=0.002) as store, \
+            dmdask.LocalCluster(n_workers=2, ram="64 MiB") as cluster, distributed.Client(cluster) as client:
+        handlers, asked = cluster.scheduler.handlers, []
+        locate = handlers[Locate.op]
+
+        async def counted(request=None, **kwargs):
+            asked.append(list(request.keys))
+            return await locate(request, **kwargs)
+
+        handlers[Locate.op] = counted
+        spec = dmdask.Spec(store.url + "/files", batch_size=16, block_size=8, seed=0, prefetch=8)
+        it = dmdask.batches(client, spec, progress=False)
+        first = next(it)
+        # cold: one batch a request, `prefetch` of them sent at once (8 locates before)
+        assert 1 <= len(asked) <= 2, f"{len(asked)} locates for the first {spec.prefetch} batches"
+        ids = np.concatenate([first["index"]] + [b["index"] for b in it])
+    assert np.array_equal(np.sort(ids), np.arange(256))
+
+
 def _file_bytes(store) -> int:
     return sum(v["bytes"] for p, v in store.stats()["by_path"].items() if p.endswith(".bin"))
 

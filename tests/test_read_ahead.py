@@ -117,3 +117,74 @@ def test_the_read_pool_says_when_no_rank_read_is_queued_or_running():
         assert pool.idle() and len(idled) == 1 and idled[0].startswith("test-read")
     finally:
         pool.shutdown()
+
+
+def test_a_queued_call_hastened_runs_before_later_priorities():
+    """`hasten`: a read ahead (LAST) still queued behind later batches' reads runs next once
+    an earlier batch waits for it, and counts as urgent until it ends; a call already run,
+    or of an earlier priority, is left as it is."""
+    pool = PriorityPool(1, "test-read")
+    ran, release = [], threading.Event()
+    try:
+        blocker = pool.submit_at(0, release.wait, 10)  # holds the one thread
+        ahead = pool.submit_at(LAST, ran.append, "ahead")
+        later = [pool.submit_at(5, ran.append, f"batch 5.{i}") for i in range(3)]
+        pool.hasten(later[0], 7)  # a later priority than its own: no change
+        pool.hasten(ahead, 2)
+        assert not pool.idle()
+        release.set()
+        for future in [blocker, ahead] + later:
+            future.result(timeout=10)
+        assert ran == ["ahead", "batch 5.0", "batch 5.1", "batch 5.2"]
+        pool.hasten(ahead, 0)  # ran already: nothing
+        _wait_for(pool.idle, "the pool to be idle", 10)
+    finally:
+        pool.shutdown()
+
+
+class _Reads:
+    """What `FillingBlock` uses of a worker's `BlockCache`: its read threads (a real
+    `PriorityPool` of one thread) and `read_rows`, here recording the order of the reads."""
+
+    def __init__(self):
+        self.reads, self.order = PriorityPool(1, "test-read"), []
+
+    def read_rows(self, reader, rows):
+        self.order.append(rows.tolist())
+        return reader.read_rows(rows)
+
+
+def test_a_batch_waiting_for_a_queued_read_ahead_hastens_it(tmp_path):
+    """Priority inversion, as it held batch 0 of a rank to the epoch's end: a rank asks for
+    a row that a read ahead (queued at LAST behind later batches' reads) brings; that read
+    is hastened to the batch's priority, so it runs before the later batches' reads, and
+    the row comes from it (each file read once)."""
+    import asyncio
+
+    from dmdask.source import open_source
+    from dmdask.worker.filling import FillingBlock
+
+    write_folder(str(tmp_path / "files"), classes=1, per_class=16)
+    reader = open_source(dmdask.Spec(str(tmp_path / "files"), batch_size=4, block_size=16)).reader(0)
+    cache, release = _Reads(), threading.Event()
+
+    async def scenario():
+        block = FillingBlock(reader)
+        blocker = cache.reads.submit_at(0, release.wait, 10)  # a read under way holds the thread
+        block.read_ahead(np.arange(4), cache)  # rows 0-3, queued at LAST
+        later = asyncio.ensure_future(block.serve(np.array([9]), cache, 5))  # batch 5's own read, queued
+        await asyncio.sleep(0.05)
+        first = asyncio.ensure_future(block.serve(np.array([2]), cache, 0))  # batch 0 waits for the read ahead
+        await asyncio.sleep(0.05)
+        release.set()
+        (got, read), _ = await first, await later
+        assert blocker.result(timeout=10) is True
+        assert bytes(got["data"][0]) == folder_sample(2) and read == 0  # read by the read ahead, not again
+        return block
+
+    try:
+        block = asyncio.run(scenario())
+    finally:
+        cache.reads.shutdown()
+    assert cache.order == [[0, 1, 2, 3], [9]]
+    assert block.have[[0, 1, 2, 3, 9]].all() and block.have.sum() == 5

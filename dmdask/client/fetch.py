@@ -21,6 +21,7 @@ from ..transform import TransformContext
 from .arenas import split_batches
 from .contact import Contact
 from .gather import LOAD_WAIT, Gatherer, Moved, plan_rows
+from .coalesce import Coalesced
 from .locate import my_host
 from .mixture import MixedInfo
 
@@ -39,6 +40,7 @@ class GroupFetcher:
         self.share, self.contact, self.gatherer, self.transform = share, contact, gatherer, transform
         self.holders: dict[str, str] = {}  # block key -> a worker holding it
         self.cold = True
+        self._locate = Coalesced(self._locate_now)  # the groups in flight locate their blocks together
 
     async def fetch(self, first: int, stop: int) -> list:
         """Batches first..stop-1; after a corrupt block, the ones before it and the error."""
@@ -161,20 +163,26 @@ class GroupFetcher:
                                    "(dmdask.client.recovery-seconds)")
         return out
 
+    async def _locate_now(self, keys: list[str]):
+        return await SchedulerAPI(self.client).locate(keys, get_address_host(await self.contact.local_worker()),
+                                                      planned=True)
+
     async def holders_of(self, keys: list[str]) -> tuple[dict[str, str], set[str]]:
         """(holders of the given blocks, the keys among them still loading), the unknown located
-        (`planned`). Raises the load's error of a block that failed, `NotADmdaskWorker` if released."""
+        (`planned`; together with those of the other groups in flight). Raises the load's error of a block that failed, `NotADmdaskWorker` if released."""
         unknown = [k for k in keys if k not in self.holders]
         loading: dict[str, str] = {}
         if unknown:
-            found = await SchedulerAPI(self.client).locate(unknown, get_address_host(await self.contact.local_worker()),
-                                                          planned=True)
-            for error in found.erred.values():
-                raise error
-            if found.unknown:
+            found = await self._locate(unknown)
+            for key in unknown:
+                if key in found.erred:
+                    raise found.erred[key]
+            released = set(found.unknown)
+            gone = [k for k in unknown if k in released]
+            if gone:
                 raise NotADmdaskWorker(f"the cluster no longer has the blocks of {self.spec.source} "
-                                       f"(released by dmdask.release?): {found.unknown[:2]}")
+                                       f"(released by dmdask.release?): {gone[:2]}")
             self.holders.update(found.holders)
             loading = found.loading  # not remembered: located again once loaded
         holders = {k: self.holders.get(k) or loading[k] for k in keys if k in self.holders or k in loading}
-        return holders, {k for k in loading if k not in self.holders}
+        return holders, {k for k in keys if k in loading and k not in self.holders}

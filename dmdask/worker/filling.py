@@ -17,7 +17,7 @@ class FillingBlock(Holding):
     sizes) each sample is charged to the tier when read, and those it has no room for are
     served and not kept. Used from the worker's event loop."""
 
-    __slots__ = ("arrays", "have", "nbytes", "reader", "reading", "samples", "sized", "start", "stop")
+    __slots__ = ("arrays", "have", "jobs", "nbytes", "reader", "reading", "samples", "sized", "start", "stop")
 
     def __init__(self, reader, sized: bool = True):
         n = reader.stop - reader.start
@@ -29,6 +29,7 @@ class FillingBlock(Holding):
         self.samples = n if sized else 0  # samples charged to the tier
         self.start, self.stop = reader.start, reader.stop
         self.reading: dict[int, asyncio.Future] = {}  # row -> the read under way that brings it
+        self.jobs: dict[asyncio.Future, object] = {}  # a read under way -> its call in the read threads
 
     def fill(self, rows: np.ndarray, arrays: Arrays) -> None:
         if not len(rows):
@@ -60,17 +61,18 @@ class FillingBlock(Holding):
 
     async def serve(self, rows: np.ndarray, cache, priority: float) -> tuple[Arrays, int]:
         """Rows not held yet are read now, at `priority`, unless a read under way for
-        another request brings them: then that read is awaited, so each row is read once
-        and a request waits only for the reads of its own rows."""
+        another request brings them: then that read is awaited, hastened to `priority` if
+        still queued, so each row is read once and a request waits only for the reads of
+        its own rows, none of them queued behind later batches' reads."""
         missing = np.unique(rows[~self.have[rows]])
         under_way = {id(f): f for f in map(self.reading.get, missing.tolist()) if f is not None}
         mine = np.array([r for r in missing.tolist() if r not in self.reading], dtype=np.int64)
         reads = list(under_way.values())
+        for read in reads:
+            if read in self.jobs:
+                cache.reads.hasten(self.jobs[read], priority)
         if len(mine):
-            read = asyncio.ensure_future(self._fill(mine, cache, priority))  # not cancelled with this request
-            for r in mine.tolist():
-                self.reading[r] = read
-            reads.append(read)
+            reads.append(self._start_read(mine, cache, priority))  # not cancelled with this request
         spares = [await asyncio.shield(read) for read in reads]
         for r in missing.tolist():  # rows read ahead and not kept: served once, then let go
             if r in self.reading and self.reading[r].done():
@@ -93,17 +95,27 @@ class FillingBlock(Holding):
         """Read `rows` (from `unread`) before any rank asks, at the lowest priority; a request
         for them meanwhile waits for this read. Rows the tier has no room for stay with the
         read until a request takes them. The read's future: (rows, their arrays)."""
-        read = asyncio.ensure_future(self._fill(rows, cache, LAST, ahead=True))
+        return self._start_read(rows, cache, LAST, ahead=True)
+
+    def _start_read(self, rows: np.ndarray, cache, priority: float, ahead: bool = False) -> asyncio.Future:
+        """The future of `_fill(rows)`, its read queued in the read threads at `priority`."""
+        job = cache.reads.submit_at(priority, cache.read_rows, self.reader, rows)
+        read = asyncio.ensure_future(self._fill(rows, cache, asyncio.wrap_future(job), ahead))
+        self.jobs[read] = job
+        read.add_done_callback(self._forget_job)
         for r in rows.tolist():
             self.reading[r] = read
         return read
 
-    async def _fill(self, rows: np.ndarray, cache, priority: float, ahead: bool = False):
-        """Read `rows` (increasing) from the store and keep those the tier has room for;
+    def _forget_job(self, read: asyncio.Future) -> None:
+        self.jobs.pop(read, None)
+
+    async def _fill(self, rows: np.ndarray, cache, job: asyncio.Future, ahead: bool = False):
+        """Read `rows` (increasing) from the store (`job`) and keep those the tier has room for;
         (rows, their arrays), kept or not. Those not kept stay in `reading` when read ahead."""
         kept, done = 0, False
         try:
-            arrays = await cache.in_thread(priority, cache.read_rows, self.reader, rows)
+            arrays = await job
             kept = len(rows)
             if not self.sized:
                 sizes = sample_nbytes(arrays)
