@@ -20,16 +20,16 @@ FIELDS = ("data", "label")
 
 class FolderSource(Source):
     def __init__(self, info: DatasetInfo, protocol: str, options: str, files: list[str], labels: np.ndarray,
-                 sizes: np.ndarray | None, urls: list[str] | None = None):
+                 sizes: np.ndarray | None, listed: bool = False):
         self.info, self.protocol, self.options = info, protocol, options
-        self.files, self.labels, self.sizes, self.urls = files, labels, sizes, urls
+        self.files, self.labels, self.sizes, self.listed = files, labels, sizes, listed
 
     def reader(self, k: int) -> FolderBlockReader:
         a, b = self.info.block_range(k)
         nbytes = None if self.sizes is None else block_nbytes(self.sizes[a:b], self.info.fields)
         return FolderBlockReader(self.info.url, self.protocol, self.options, self.files[a:b],
                                  self.labels[a:b], self.info.fields, self.info.identity, k, a, b, nbytes,
-                                 None if self.urls is None else self.urls[a:b])
+                                 self.listed)
 
 
 def open_folder(place: Place) -> FolderSource:
@@ -53,7 +53,7 @@ def open_folder(place: Place) -> FolderSource:
     info = DatasetInfo(name=place.name, identity=identity, url=url, fields=fields,
                        num_samples=len(files), block_len=block_len, nbytes=nbytes)
     return FolderSource(info, protocol_of(fs), options_json(place.options), files, np.asarray(labels, dtype=np.int64),
-                        size_array, place.files)
+                        size_array, place.files is not None)
 
 
 def folder_labels(paths: list[str]) -> list[int]:
@@ -86,19 +86,22 @@ def block_nbytes(sizes, fields) -> int:
 
 
 class FolderBlockReader(StoreReader):
-    """Reads the files of one block, all of them or only some (row-granular). `urls`: the
-    files' URLs where the source listed them (None: the files of the folder `url`)."""
+    """Reads the files of one block, all of them or only some (row-granular). `listed`:
+    the files were named one by one (else they are the folder `url`'s)."""
 
     row_granular = True
 
     def __init__(self, url, protocol, options, files, labels, fields, identity, index, start, stop, nbytes,
-                 urls=None):
+                 listed=False):
         super().__init__(url, identity, index, start, stop, nbytes)
-        self.protocol, self.options, self.urls = protocol, options, None if urls is None else list(urls)
+        self.protocol, self.options, self.listed = protocol, options, listed
         self.files, self.labels, self.fields = list(files), np.asarray(labels, dtype=np.int64), fields
 
     def sources(self) -> list[str]:
-        return [self.url] if self.urls is None else self.urls
+        if not self.listed:
+            return [self.url]
+        fs = filesystem(self.protocol, self.options)
+        return [fs.unstrip_protocol(f) for f in self.files]
 
     def _read_rows(self, rows) -> dict[str, np.ndarray]:
         """The given rows; the files are fetched concurrently."""
