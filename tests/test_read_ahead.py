@@ -2,6 +2,7 @@
 blocks bound for RAM while no rank's read waits, and still read each file once. Real
 worker processes and a real HTTP store (which lists no sizes, so samples are charged to
 the tier as they are read); the read pool's idleness with real threads."""
+import asyncio
 import threading
 import time
 
@@ -10,7 +11,9 @@ import numpy as np
 
 import dmdask
 from benchmarks.store_server import StoreServer
+from dmdask.source import open_source
 from dmdask.testing.datasets import folder_sample, write_folder
+from dmdask.worker.filling import FillingBlock
 from dmdask.worker.read_ahead import IN_FLIGHT, ROWS
 from dmdask.worker.reads import LAST, PriorityPool
 
@@ -159,11 +162,6 @@ def test_a_batch_waiting_for_a_queued_read_ahead_hastens_it(tmp_path):
     a row that a read ahead (queued at LAST behind later batches' reads) brings; that read
     is hastened to the batch's priority, so it runs before the later batches' reads, and
     the row comes from it (each file read once)."""
-    import asyncio
-
-    from dmdask.source import open_source
-    from dmdask.worker.filling import FillingBlock
-
     write_folder(str(tmp_path / "files"), classes=1, per_class=16)
     reader = open_source(dmdask.Spec(str(tmp_path / "files"), batch_size=4, block_size=16)).reader(0)
     cache, release = _Reads(), threading.Event()
@@ -173,9 +171,9 @@ def test_a_batch_waiting_for_a_queued_read_ahead_hastens_it(tmp_path):
         blocker = cache.reads.submit_at(0, release.wait, 10)  # a read under way holds the thread
         block.read_ahead(np.arange(4), cache)  # rows 0-3, queued at LAST
         later = asyncio.ensure_future(block.serve(np.array([9]), cache, 5))  # batch 5's own read, queued
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0)  # a serve submits its read before its first await: once round the loop is enough
         first = asyncio.ensure_future(block.serve(np.array([2]), cache, 0))  # batch 0 waits for the read ahead
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0)
         release.set()
         (got, read), _ = await first, await later
         assert blocker.result(timeout=10) is True

@@ -5,9 +5,10 @@ or from RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), then for each epoch: a 
 the loader's batches with an emulated training step (a sleep of batch / rate), a barrier.
 Its library is imported before the first barrier (`module.available()`), as a training
 script imports at its top, and one full garbage collection follows, so that no loader's
-epoch pays for the start-up's objects; the loader is built inside epoch 1's clock. Rank 0 then tells the runner the epoch ended
-(`epoch-E.done`) and waits for it to take its counts (`epoch-E.ack`). Written: the
-timings to `rank-R.json` and the sample ids each epoch to `ids-R-E.npy`.
+epoch pays for the start-up's objects; the loader is built inside epoch 1's clock. Rank 0
+then tells the runner the epoch ended (`epoch-E.done`) and waits for it to take its counts
+(`epoch-E.ack`). Written: the timings (with each batch's arrival, seconds into the epoch)
+to `rank-R.json` and the sample ids each epoch to `ids-R-E.npy`.
 """
 from __future__ import annotations
 
@@ -76,7 +77,8 @@ def main(run_dir: str, rank: int) -> None:
         del it
         np.save(os.path.join(run_dir, f"ids-{rank}-{epoch}.npy"),
                 np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64))
-        epochs.append({"start": start, "end": end, "wait_s": waited, "setup_s": setup, "samples": samples, "arrivals": arrivals})
+        epochs.append({"start": start, "end": end, "wait_s": waited, "setup_s": setup, "samples": samples,
+                       "arrivals": arrivals})
         dist.barrier()
         if rank == 0:
             _handshake(run_dir, epoch)

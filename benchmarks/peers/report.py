@@ -165,7 +165,8 @@ def report(result: dict, plots_dir: str) -> str:
         "between epochs; each loader's library is imported before the first epoch (as a training script "
         "imports at its top; torch is imported by every rank anyway) and followed by one full garbage "
         "collection (else the process's first, 0.1-0.2 s here, lands in whichever loader's epoch first "
-        "crosses the collector's threshold), the loader is built inside epoch 1's clock. All processes share this machine's cores, one loader at a time. "
+        "crosses the collector's threshold), the loader is built inside epoch 1's clock. All processes share "
+        "this machine's cores, one loader at a time. "
         + ("Each node has its own /dev/shm (a mount namespace with a private tmpfs), as separate hosts would: "
            "Mosaic's shared memory and dmdask's RAM tier are per node; dmdask's ranks map their own node's "
            "blocks and ask the other nodes' workers over TCP. " if isolated else

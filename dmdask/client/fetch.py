@@ -20,8 +20,8 @@ from ..shm.results import map_batches
 from ..transform import TransformContext
 from .arenas import split_batches
 from .contact import Contact
-from .gather import LOAD_WAIT, Gatherer, Moved, plan_rows
 from .coalesce import Coalesced
+from .gather import LOAD_WAIT, Gatherer, Moved, plan_rows
 from .locate import my_host
 from .mixture import MixedInfo
 
@@ -169,7 +169,8 @@ class GroupFetcher:
 
     async def holders_of(self, keys: list[str]) -> tuple[dict[str, str], set[str]]:
         """(holders of the given blocks, the keys among them still loading), the unknown located
-        (`planned`; together with those of the other groups in flight). Raises the load's error of a block that failed, `NotADmdaskWorker` if released."""
+        (`planned`; together with those of the other groups in flight). Raises the load's
+        error of a block that failed, `NotADmdaskWorker` if released."""
         unknown = [k for k in keys if k not in self.holders]
         loading: dict[str, str] = {}
         if unknown:
