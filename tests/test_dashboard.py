@@ -155,7 +155,7 @@ def test_json_and_metrics_exact_for_a_dataset_that_fits(cluster, small):
         total = tiers["total"]
         assert total["ram"]["bytes"] == decoded and total["ram"]["blocks"] == 30
         assert total["ssd"]["bytes"] == 0 and total["streamed_blocks"] == 0
-        assert total["shared_store"] == {"requests": 30, "bytes": decoded, "retries": 0, "read_ahead": 0}
+        assert total["shared_store"] == {"requests": 30, "bytes": decoded, "retries": 0, "read_ahead": 0, "from_ranks": 0}
         assert total["ram"]["hits"] == 3000 and total["stream"]["hits"] == 0
         assert tiers["workers"] == stats["workers"]
         assert tiers["total"] == stats["total"]

@@ -193,7 +193,7 @@ def test_transient_store_errors_are_retried(tmp_path):
         chunks = all_chunk_requests(server)
         assert len(chunks) == 16 and min(chunks.values()) >= 3  # 2 refused, then served
         assert server.stats()["failed"] == 32
-        assert store_totals(client) == {"requests": 8, "bytes": 400 * 40, "retries": 32, "read_ahead": 0}
+        assert store_totals(client) == {"requests": 8, "bytes": 400 * 40, "retries": 32, "read_ahead": 0, "from_ranks": 0}
 
 
 def test_transient_errors_of_row_reads_are_retried(tmp_path):

@@ -41,24 +41,27 @@ def _call(client: Client, request):
     return reply
 
 
-def open_dataset(client: Client, spec, epoch: int, host: str | None = None) -> Ready:
+def open_dataset(client: Client, spec, epoch: int, host: str | None = None, first_read=None) -> Ready:
     """The dataset of `spec` (`get_or_create`), its blocks submitted in the order its epoch
-    needs them; `host`: see `GetOrClaim`."""
+    needs them; `host`: see `GetOrClaim`; `first_read`: see `get_or_create`."""
 
     def order(info: DatasetInfo):
         epoch_order = EpochOrder(info.num_samples, info.block_len, shuffle=spec.shuffle, seed=spec.seed,
                                  epoch=epoch, shuffle_window=spec.shuffle_window)
         return np.asarray(epoch_order.blocks_first_needed(limit=NEED_ORDER_POSITIONS * info.num_blocks)).tolist()
 
-    return get_or_create(client, dataset_name(spec), lambda: open_source(spec), order, host)
+    return get_or_create(client, dataset_name(spec), lambda: open_source(spec), order, host, first_read)
 
 
 def get_or_create(client: Client, name: str, opener: Callable[[], Source],
-                  order: Callable[[DatasetInfo], list] | None = None, host: str | None = None) -> Ready:
+                  order: Callable[[DatasetInfo], list] | None = None, host: str | None = None,
+                  first_read: Callable[[DatasetInfo, list], None] | None = None) -> Ready:
     """The registry's dataset `name`, created once per cluster from `opener()` by the first
     process to ask (the others wait), every block load submitted in one graph, in the
     order `order(info)` (None: index order); `host`: see `GetOrClaim`. Registers the plugin
-    if the scheduler lacks it."""
+    if the scheduler lacks it. In the process that creates it, `first_read(info, readers)`
+    is called once the dataset is registered, before the loads are submitted: it may start
+    reading rows itself, naming them in their blocks' readers (`FirstBatch`)."""
     claimant, registered = uuid.uuid4().hex, False
     while True:
         reply = _call(client, GetOrClaim(name, claimant, host))
@@ -73,7 +76,7 @@ def get_or_create(client: Client, name: str, opener: Callable[[], Source],
             return reply
         try:  # then ask again: ready once the scheduler has the blocks, which later calls rely on
             with _collection_deferred():
-                _create(client, name, opener(), order, claimant)
+                _create(client, name, opener(), order, claimant, first_read)
         except BaseException:
             _call(client, Abandon(name, claimant))
             raise
@@ -104,12 +107,15 @@ def get_or_register(client: Client, source: Source) -> bool:
         time.sleep(0.05)  # being created by a get_or_create: ready in a moment
 
 
-def _create(client: Client, name: str, source: Source, order, claimant: str) -> None:
+def _create(client: Client, name: str, source: Source, order, claimant: str, first_read=None) -> None:
     info = source.info
     reply = _call(client, Register(name, claimant, info, None if order is None else order(info)))
     if not isinstance(reply, Registered):
         return  # the claim passed to another rank: ask again
-    del submit_blocks(client, [source.reader(k) for k in range(info.num_blocks)])[:]
+    readers = [source.reader(k) for k in range(info.num_blocks)]
+    if first_read is not None:
+        first_read(info, readers)
+    del submit_blocks(client, readers)[:]
 
 
 def submit_blocks(client: Client, readers) -> list:

@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections import deque
 
+import dask.config
 import numpy as np
 from distributed import Client
 
@@ -19,6 +20,7 @@ from .arenas import LocalArenas
 from .contact import Contact
 from .datasets import open_dataset
 from .fetch import HITS_SECONDS, GroupFetcher
+from .first_batch import FirstBatch
 from .gather import Gatherer, Moved, copier
 from .locate import my_host
 from .mixture import MixedInfo, check_fields_match, take_mixed
@@ -58,7 +60,11 @@ class BatchIterator:
         specs = spec.source.specs(spec) if isinstance(spec.source, Mix) else [spec]
         # where the blocks are, to take them from the arenas here: asked with the open (`Ready.layouts`)
         learn = self._transform is None and not all(LocalArenas.knows_dataset(dataset_name(s)) for s in specs)
-        opened = [open_dataset(client, s, epoch, host if learn else None) for s in specs]
+        # a cold dataset's claimant reads its first batch from the store itself (`FirstBatch`)
+        self._first = FirstBatch(client, spec, epoch) if self._transform is None and resume is None and \
+            not isinstance(spec.source, Mix) and dask.config.get("dmdask.client.read-first-batch") else None
+        opened = [open_dataset(client, s, epoch, host if learn else None,
+                               None if self._first is None else self._first.start) for s in specs]
         if isinstance(spec.source, Mix):
             self.info = info = self._mixed = MixedInfo(spec.source, [o.info for o in opened])
             self._order = info.order(shuffle=spec.shuffle, seed=spec.seed, epoch=epoch,
@@ -164,9 +170,23 @@ class BatchIterator:
     def _request(self, first: int, stop: int):
         """A future of batches first..stop-1, copied from the arenas where it can be, else fetched."""
         group = self._batches.batches(first, stop)
+        if first == 0 and stop == 1 and self._first is not None and self._first.batch is not None:
+            return asyncio.run_coroutine_threadsafe(self._first_batch(group[0]), self._loop)
         if self._transform is None and self._known(group):
             return copier.submit(self._copy_known, first, stop, group)
         return self._fetch(first, stop)
+
+    async def _first_batch(self, ids: np.ndarray) -> list:
+        """Batch 0 as this rank read it from the store (`FirstBatch`), once its rows reached
+        their workers; fetched if that read or that giving failed."""
+        try:  # once its blocks are held: a load that failed (a source not allowed) fails the batch as fetched
+            batch = await asyncio.wrap_future(self._first.batch)
+            await asyncio.wrap_future(self._first.given)
+        except Exception:  # noqa: BLE001 - the workers read the batch (and report any error)
+            batch = None
+        if batch is None or not np.array_equal(batch["index"], ids):
+            return await self._fetcher.fetch(0, 1)
+        return [batch]
 
     def _fetch(self, first: int, stop: int):
         self.requests += 1

@@ -166,12 +166,41 @@ class HandOver(Message):
 
 
 @dataclass
+class GiveRows(Message):
+    """`dmdask_give_rows`: rows of blocks a rank read from the store itself (block key ->
+    rows, block key -> one array per field), for the worker to keep if their readers
+    name them with `claim`; `retries`: the transient errors the reads retried; `wait`:
+    seconds to wait for blocks loading."""
+    rows: dict[str, np.ndarray]
+    arrays: dict[str, dict[str, np.ndarray]]
+    claim: str = ""
+    retries: int = 0
+    wait: float = 0.0
+    PAYLOAD: ClassVar[tuple] = ("rows", "arrays")
+
+    def check(self, handler: str) -> None:
+        keys = list(check.mapping(handler, "rows", self.rows))
+        for key, rows in self.rows.items():
+            if not isinstance(rows, np.ndarray) or rows.ndim != 1 or (rows.size and rows.dtype.kind not in "iu"):
+                raise check.refuse(handler, f"rows[{key!r}]", "a 1-d array of integer offsets", rows)
+        check.mapping(handler, "arrays", self.arrays, known=keys, required=keys)
+        for key, fields in self.arrays.items():
+            for name, values in check.mapping(handler, f"arrays[{key!r}]", fields).items():
+                if not isinstance(values, np.ndarray) or len(values) != len(self.rows[key]):
+                    raise check.refuse(handler, f"arrays[{key!r}][{name!r}]",
+                                       f"an array of {len(self.rows[key])} rows (one per row given)", values)
+        check.text(handler, "claim", self.claim)
+        check.count(handler, "retries", self.retries)
+        check.number(handler, "wait", self.wait, 0, MAX_WAIT)
+
+
+@dataclass
 class Kept(Message):
     keys: list[str]  # those whose bytes the worker kept (others had no room)
 
 
 OPS = {RowsRequest: "dmdask_rows", BatchRequest: "dmdask_batch", DescribeRequest: "dmdask_describe",
-       HitsReport: "dmdask_count_hits", HandOver: "dmdask_hand_over"}
+       HitsReport: "dmdask_count_hits", HandOver: "dmdask_hand_over", GiveRows: "dmdask_give_rows"}
 _MESSAGES = {cls.__name__: cls for cls in (*OPS, Rows, Missing, Batches, Descriptions, Kept)}
 
 
@@ -231,3 +260,6 @@ class WorkerAPI:
 
     async def hand_over(self, address: str, blocks: dict[str, bytes], claim: str) -> list[str]:
         return (await self.call(address, HandOver(blocks, claim))).keys
+
+    async def give_rows(self, address: str, request: GiveRows) -> list[str]:
+        return (await self.call(address, request)).keys

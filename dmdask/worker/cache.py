@@ -13,6 +13,7 @@ import numpy as np
 from ..arrivals import Arrivals
 from ..protocol.worker import Moved
 from .filling import FillingBlock
+from .given import GIVEN_SECONDS, GivenRows
 from .handover import Handovers
 from .holdings import Arrays, Block, FileBlock, Holding, Streamed, concat, payload_bytes
 from .read_ahead import ReadAhead
@@ -32,10 +33,11 @@ class StoreCounters:
         self.retries = 0
         self._lock = threading.Lock()
 
-    def add(self, nbytes: int) -> None:
+    def add(self, nbytes: int, retries: int = 0) -> None:
         with self._lock:
             self.requests += 1
             self.bytes += nbytes
+            self.retries += retries
 
     def retried(self, exc: BaseException) -> None:
         with self._lock:
@@ -59,6 +61,8 @@ class BlockCache:
         self.store_reads = StoreCounters()
         self.stream = StreamBuffer(stream_buffer, self.read, self.reads)
         self.streamed_hits = 0  # samples served from blocks streamed from the store
+        self.rows_given = 0  # rows ranks read from the store and gave this worker (`receive`)
+        self.given = GivenRows()  # those rows, for the blocks read whole meanwhile
         self.peer_bytes_out = 0
         self.peer_bytes_in = 0
         self.handovers = Handovers()
@@ -70,10 +74,30 @@ class BlockCache:
         """The block, read from the store, or as a reader handed it over (read from the
         store by that reader for this block: counted as this worker's store read)."""
         content = self.handovers.take(reader.key, getattr(reader, "claim", None))
-        arrays = reader.decode(content) if content is not None else reader.read(on_retry=self.store_reads.retried)
+        if content is not None:
+            arrays = reader.decode(content)
+        elif reader.row_granular and reader.rank_rows:
+            arrays = self._read_with_given(reader)
+        else:
+            arrays = reader.read(on_retry=self.store_reads.retried)
         block = Block(arrays, reader.start, reader.stop)
         self.store_reads.add(block.nbytes)
         return block
+
+    def _read_with_given(self, reader) -> Arrays:
+        """A block read whole but for the rows the opening rank reads and gives (`receive`),
+        which are waited for up to `GIVEN_SECONDS`, then read (the rank failed or is slow)."""
+        n = reader.stop - reader.start
+        theirs = np.asarray(reader.rank_rows, dtype=np.int64)
+        ours = np.setdiff1d(np.arange(n), theirs)
+        parts = [(ours, reader.read_rows(ours, on_retry=self.store_reads.retried))] if len(ours) else []
+        given = self.given.take(reader.key, reader.rank_claim, GIVEN_SECONDS)
+        if given is None or not np.array_equal(given[0], theirs):
+            given = theirs, self.read_rows(reader, theirs)
+        parts.append(given)
+        rows = np.concatenate([r for r, _ in parts])
+        order = np.argsort(rows, kind="stable")
+        return {f: concat([a[f] for _, a in parts])[order] for f in parts[0][1]}
 
     def read_rows(self, reader, rows) -> Arrays:
         arrays = reader.read_rows(rows, on_retry=self.store_reads.retried)
@@ -189,17 +213,49 @@ class BlockCache:
         worker has is waited for, up to `wait` seconds (a rank sent here by
         `locate(planned=True)` needs no round trip through the scheduler); `Moved` names
         those not held then."""
-        missing = [key for key in requests if key not in self.store]
-        tasks = self.worker.state.tasks
-        coming = [k for k in missing if k in tasks and tasks[k].state in LOADING_STATES]
-        if coming and wait > 0:
-            await self.arrivals.wait(coming, wait)
-            missing = [key for key in requests if key not in self.store]
+        missing = await self._missing(list(requests), wait)
         if missing:
             raise Moved(missing)
         taken = await asyncio.gather(*(self.take(key, rows, priority) for key, rows in requests.items()))
         parts = [arrays for arrays, _ in taken]
         return ({f: concat([p[f] for p in parts]) for f in parts[0]} if parts else {}), sum(n for _, n in taken)
+
+    async def _missing(self, keys: list[str], wait: float) -> list[str]:
+        """The keys not held once those whose load task this worker has are waited for, up to `wait` seconds."""
+        missing = [key for key in keys if key not in self.store]
+        tasks = self.worker.state.tasks
+        coming = [k for k in missing if k in tasks and tasks[k].state in LOADING_STATES]
+        if coming and wait > 0:
+            await self.arrivals.wait(coming, wait)
+            missing = [key for key in keys if key not in self.store]
+        return missing
+
+    async def receive(self, rows: dict[str, np.ndarray], arrays: dict[str, Arrays], claim: str,
+                      retries: int = 0, wait: float = 0.0) -> tuple[list[str], list[str]]:
+        """Take rows the rank that opened their dataset read from the store itself
+        (`dmdask.client.first_batch`): a block filled sample by sample keeps them (one loading
+        is waited for, up to `wait` seconds), a block being read whole takes them instead of
+        reading them (`GivenRows`); (the keys of the blocks that took any, those not held
+        once waited for: a load that failed or is slow). Only the rows its
+        reader names with `claim` (`rank_rows`, `rank_claim`); others are let go. Counted as
+        this worker's, for the blocks it holds: the store reads (with their `retries`) and
+        the rows served from the store (stream hits)."""
+        for key, wanted in rows.items():
+            self.given.put(key, claim, wanted, arrays[key])
+        missing = set(await self._missing(list(rows), wait))
+        taken = []
+        for key, wanted in rows.items():
+            found = self.given.take(key, claim)  # None: a whole read took them
+            if key in missing:
+                continue
+            block = self.store.get(key)
+            if found is None or (isinstance(block, FillingBlock) and block.receive(*found, claim, self)):
+                taken.append(key)
+            self.store_reads.add(payload_bytes(arrays[key]), retries)
+            self.rows_given += len(wanted)
+            self.streamed_hits += len(wanted)
+            retries = 0  # counted once
+        return taken, sorted(missing)
 
     def close(self) -> None:
         self.ahead.close()
@@ -212,12 +268,13 @@ class BlockCache:
                 "stream": {"hits": self.streamed_hits, "buffer_bytes": self.stream.bytes,
                            "buffer_capacity": self.stream.capacity},
                 "shared_store": {"requests": self.store_reads.requests, "bytes": self.store_reads.bytes,
-                                 "retries": self.store_reads.retries, "read_ahead": self.ahead.rows_read},
+                                 "retries": self.store_reads.retries, "read_ahead": self.ahead.rows_read,
+                                 "from_ranks": self.rows_given},
                 "peer": {"bytes_out": self.peer_bytes_out, "bytes_in": self.peer_bytes_in}}
 
 
 NO_COUNTS = {"stream": {"hits": 0, "buffer_bytes": 0, "buffer_capacity": 0},  # `stats` before a cache starts
-             "shared_store": {"requests": 0, "bytes": 0, "retries": 0, "read_ahead": 0},
+             "shared_store": {"requests": 0, "bytes": 0, "retries": 0, "read_ahead": 0, "from_ranks": 0},
              "peer": {"bytes_out": 0, "bytes_in": 0}}
 
 

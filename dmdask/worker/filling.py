@@ -85,8 +85,11 @@ class FillingBlock(Holding):
         return self.take(rows, spare_rows[order], spare), len(mine)
 
     def unread(self, limit: int) -> np.ndarray:
-        """Up to `limit` of the first rows neither held nor being read."""
+        """Up to `limit` of the first rows neither held, nor being read, nor read by a rank
+        that hands them over (`reader.rank_rows`)."""
         free = ~self.have
+        if self.reader.rank_rows:
+            free[list(self.reader.rank_rows)] = False
         if self.reading:
             free[list(self.reading)] = False
         return np.flatnonzero(free)[:limit]
@@ -116,18 +119,37 @@ class FillingBlock(Holding):
         kept, done = 0, False
         try:
             arrays = await job
-            kept = len(rows)
-            if not self.sized:
-                sizes = sample_nbytes(arrays)
-                kept = cache.store.charge("ram", sizes)
-                self.samples += kept
-                self.nbytes += int(sizes[:kept].sum())
-            self.fill(rows[:kept], {f: a[:kept] for f, a in arrays.items()})
+            kept = self._keep(rows, arrays, cache)
             done = True
             return rows, arrays
         finally:
             for r in (rows[:kept] if ahead and done else rows).tolist():
                 self.reading.pop(r, None)
+
+    def _keep(self, rows: np.ndarray, arrays: Arrays, cache) -> int:
+        """Fill `rows` with `arrays`, the first of them the tier has room for; how many."""
+        kept = len(rows)
+        if not self.sized:
+            sizes = sample_nbytes(arrays)
+            kept = cache.store.charge("ram", sizes)
+            self.samples += kept
+            self.nbytes += int(sizes[:kept].sum())
+        self.fill(rows[:kept], {f: a[:kept] for f, a in arrays.items()})
+        return kept
+
+    def receive(self, rows: np.ndarray, arrays: Arrays, claim: str, cache) -> int:
+        """Keep rows the opening rank read from the store: those its reader names with
+        `claim` (`rank_rows`, `rank_claim`) that are neither held nor being read, as far as
+        the tier has room; how many were kept (no rank of this epoch asks for the others:
+        let go)."""
+        if claim != self.reader.rank_claim:
+            return 0
+        new = np.isin(rows, self.reader.rank_rows)
+        new[new] = ~self.have[rows[new]]
+        if self.reading:
+            new &= np.array([r not in self.reading for r in rows.tolist()], dtype=bool)
+        order = np.argsort(rows[new], kind="stable")
+        return self._keep(rows[new][order], {f: a[new][order] for f, a in arrays.items()}, cache)
 
     def __reduce__(self):
         # Leaving the worker (a graceful retirement): travel as a complete block.

@@ -10,8 +10,8 @@ import numpy as np
 from distributed.comm.core import CommClosedError
 from distributed.core import Status
 
-from ..protocol.worker import (Batches, BatchRequest, DescribeRequest, Descriptions, HandOver, HitsReport, Kept,
-                               Missing, Moved, OPS, Rows, RowsRequest, WorkerAPI, handler)
+from ..protocol.worker import (Batches, BatchRequest, DescribeRequest, Descriptions, GiveRows, HandOver, HitsReport,
+                               Kept, Missing, Moved, OPS, Rows, RowsRequest, WorkerAPI, handler)
 from ..scheduler.placement import STREAMED_TOPIC
 from ..shm.fileblocks import assemble
 from ..shm.results import shareable, write_batches
@@ -50,7 +50,7 @@ class WorkerPlugin(distributed.WorkerPlugin):
         self.worker, self.address, self.peers = worker, worker.address, WorkerAPI(worker.rpc)
         worker.handlers.update({OPS[kind]: handler(kind, method) for kind, method in (
             (RowsRequest, self.rows), (BatchRequest, self.batch), (DescribeRequest, self.describe),
-            (HitsReport, self.count_hits), (HandOver, self.hand_over))})
+            (HitsReport, self.count_hits), (HandOver, self.hand_over), (GiveRows, self.give_rows))})
         worker.extensions["dmdask"] = self.cache
         worker.metrics["dmdask"] = lambda worker: self.cache.stats()
 
@@ -132,6 +132,13 @@ class WorkerPlugin(distributed.WorkerPlugin):
         themselves like any other hit (every count was checked before any is added)."""
         for tier, (samples, nbytes) in request.hits.items():
             self.cache.store.count_hit(tier, int(samples), int(nbytes))
+
+    async def give_rows(self, request: GiveRows) -> Kept | Missing:
+        """Keep the rows a rank read from the store itself (`BlockCache.receive`); `Missing`
+        names the blocks not held once waited for."""
+        taken, missing = await self.cache.receive(request.rows, request.arrays, request.claim, request.retries,
+                                                  request.wait)
+        return Missing(missing) if missing else Kept(taken)
 
     def hand_over(self, request: HandOver) -> Kept:
         """Keep blocks' bytes for their load tasks of `request.claim` (`Handovers`)."""
