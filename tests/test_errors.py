@@ -207,12 +207,12 @@ def test_rows_request_with_offsets_outside_the_block_is_refused(tmp_path):
     folder = write_folder(str(tmp_path / "files"), classes=2, per_class=10, min_size=16, max_size=16)
     path = write_zarr(str(tmp_path / "d.zarr"), 300, chunk=50)  # 6 blocks of 50 * 40 bytes
     folder_block = 10 * (16 + 8 + 8)
-    with dask.config.set({"dmdask.worker.read-ahead": False}), \
+    with dask.config.set({"dmdask.worker.read-ahead": False, "dmdask.client.read-first-batch": False}), \
             dmdask.LocalCluster(n_workers=1, ram=2 * folder_block + 4500, ssd=4500, ssd_dir=str(tmp_path / "ssd")) \
             as cluster, distributed.Client(cluster) as client:
         (holder,) = client.scheduler_info()["workers"]
-        # folder blocks bound for RAM fill as ranks ask (not read ahead here): an iterator
-        # that was never advanced created them and read nothing
+        # folder blocks bound for RAM fill as ranks ask (not read ahead, nor the first batch
+        # read by its rank, here): an iterator that was never advanced created them and read nothing
         dmdask.batches(client, dmdask.Spec(folder, batch_size=5, block_size=10)).close()
         key = block_key(identity_of(client, folder), 1)
         deadline = time.monotonic() + 60
