@@ -29,6 +29,7 @@ with distributed.Client(address) as client:
         assert np.array_equal(b["x"], zarr_sample(b["index"], (16,))), "wrong rows"
         ids.append(b["index"])
     np.save(out, np.concatenate(ids))
+    dmdask.stats(client)  # which waits for this process's last hit reports (the client's close does not)
 """
 
 
