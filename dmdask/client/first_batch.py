@@ -4,13 +4,17 @@ The rank that opens a dataset no process holds yet (the claimant, `get_or_create
 own first batch of the epoch straight from the store while the scheduler and the workers
 create the blocks, so the store is busy from the moment the dataset is opened (as a plain
 DataLoader's is), not only once the first load task reaches a worker. Only for sources read
-sample by sample (`row_granular`), with no transform, at an epoch's start.
+sample by sample (`row_granular`), with no transform, at an epoch's start, and unless
+`dmdask.client.read-first-batch` is off.
 
-Guarantees: the readers of the blocks it reads from name those rows (`rank_rows`), and no
-worker reads them ahead; the rank gives them to the workers that hold the blocks once it has
-them (`give`), so every sample is read from the store once. Rows that never reach a worker
-(it left, or the block is held otherwise) are read when a rank next asks for them; batch 0
-holds the same samples, in the same order, as when fetched (else it is fetched).
+Guarantees: the readers of the blocks it reads from name those rows and a secret claim
+(`rank_rows`, `rank_claim`); no worker reads them ahead, and a block read whole waits for
+them (`dmdask.worker.given`); the rank gives them to the blocks' workers once read
+(`dmdask_give_rows`), so every sample leaves the store once. Batch 0 is handed out once the
+giving is answered, and holds the same samples, in the same order, as when fetched; if a
+read or the giving failed (a load that failed, such as a source the workers may not read),
+batch 0 is fetched instead, and reports the failure. Rows never given are read when a rank
+next asks for them (a block read whole waits for them 5 s at most).
 """
 from __future__ import annotations
 
@@ -124,8 +128,9 @@ class FirstBatch:
                     requests[holder].retries += self._retries[keys[key]]
             workers = WorkerAPI(self.client.rpc)
             await asyncio.gather(*(workers.give_rows(holder, request) for holder, request in requests.items()))
-            if sum(len(r.rows) for r in requests.values()) < len(keys):
-                raise RuntimeError(f"blocks not given: {sorted(set(keys) - set(k for r in requests.values() for k in r.rows))[:3]}")
+            missing = sorted(set(keys).difference(*(r.rows for r in requests.values())))
+            if missing:
+                raise RuntimeError(f"blocks not given (a read failed, or not held): {missing[:3]}")
         except Exception as exc:
             logger.debug("rank %d's first batch was not all given to its workers: %r", self.spec.rank, exc)
             raise
