@@ -179,9 +179,10 @@ class BatchIterator:
     async def _first_batch(self, ids: np.ndarray) -> list:
         """Batch 0 as this rank read it from the store (`FirstBatch`), once its rows reached
         their workers; fetched if that read or that giving failed."""
+        first, self._first = self._first, None  # its arrays not kept past the batch
         try:  # once its blocks are held: a load that failed (a source not allowed) fails the batch as fetched
-            batch = await asyncio.wrap_future(self._first.batch)
-            await asyncio.wrap_future(self._first.given)
+            batch = await asyncio.wrap_future(first.batch)
+            await asyncio.wrap_future(first.given)
         except Exception:  # noqa: BLE001 - the workers read the batch (and report any error)
             batch = None
         if batch is None or not np.array_equal(batch["index"], ids):
