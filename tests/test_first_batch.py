@@ -3,6 +3,7 @@ the rows to the blocks' workers (`dmdask.client.first_batch`): real worker proce
 HTTP store; every file is counted at the store."""
 import threading
 
+import dask
 import distributed
 import numpy as np
 import pytest
@@ -81,10 +82,17 @@ def test_a_block_read_whole_waits_for_the_given_rows_then_reads_them(folder, mon
     opening rank reads: given, they are taken (every file once); never given, the load
     reads them itself after waiting `GIVEN_SECONDS` (nothing waits longer, nothing lost)."""
     server, spec = folder
-    with dmdask.LocalCluster(n_workers=2, ram=0, ssd="16 MiB") as cluster, distributed.Client(cluster) as client:
-        _check(run_epoch(client, spec, world_size=2))
-        assert sorted(_file_requests(server).values()) == [1] * N
-        assert dmdask.stats(client)["total"]["ssd"]["samples"] == N
+    counted = {}
+    for first_batch in (False, True):
+        server.reset_stats()
+        with dask.config.set({"dmdask.client.read-first-batch": first_batch}), \
+                dmdask.LocalCluster(n_workers=2, ram=0, ssd="16 MiB") as cluster, distributed.Client(cluster) as client:
+            _check(run_epoch(client, spec, world_size=2))
+            assert sorted(_file_requests(server).values()) == [1] * N
+            total = dmdask.stats(client)["total"]
+            assert total["ssd"]["samples"] == N
+            counted[first_batch] = total["shared_store"]["bytes"]
+    assert counted[True] == counted[False]  # the given rows counted once, as the whole reads count theirs
     server.reset_stats()
     _no_giving(monkeypatch)
     with dmdask.LocalCluster(n_workers=2, ram=0, ssd="16 MiB") as cluster, distributed.Client(cluster) as client:

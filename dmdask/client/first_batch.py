@@ -78,7 +78,11 @@ class FirstBatch:
                 left[0] -= 1
                 if left[0]:
                     return
-            self.given = asyncio.run_coroutine_threadsafe(self._give(info), self.client.loop.asyncio_loop)
+            try:
+                self.given = asyncio.run_coroutine_threadsafe(self._give(info), self.client.loop.asyncio_loop)
+            except RuntimeError as exc:  # the client's loop is closed: batch 0 is still set, never waited for
+                self.given = concurrent.futures.Future()
+                self.given.set_exception(exc)
             try:
                 self.batch.set_result(self._assemble(ids, blocks, offsets))
             except Exception as exc:  # noqa: BLE001 - a read failed: the iterator fetches the batch

@@ -186,7 +186,7 @@ class GiveRows(Message):
         check.mapping(handler, "arrays", self.arrays, known=keys, required=keys)
         for key, fields in self.arrays.items():
             for name, values in check.mapping(handler, f"arrays[{key!r}]", fields).items():
-                if not isinstance(values, np.ndarray) or len(values) != len(self.rows[key]):
+                if not isinstance(values, np.ndarray) or values.shape[:1] != (len(self.rows[key]),):
                     raise check.refuse(handler, f"arrays[{key!r}][{name!r}]",
                                        f"an array of {len(self.rows[key])} rows (one per row given)", values)
         check.text(handler, "claim", self.claim)

@@ -15,7 +15,7 @@ from ..protocol.worker import Moved
 from .filling import FillingBlock
 from .given import GIVEN_SECONDS, GivenRows
 from .handover import Handovers
-from .holdings import Arrays, Block, FileBlock, Holding, Streamed, concat, payload_bytes
+from .holdings import Arrays, Block, FileBlock, Holding, Streamed, arrays_nbytes, concat, payload_bytes
 from .read_ahead import ReadAhead
 from .reads import LAST, PriorityPool
 from .stream import StreamBuffer
@@ -74,30 +74,32 @@ class BlockCache:
         """The block, read from the store, or as a reader handed it over (read from the
         store by that reader for this block: counted as this worker's store read)."""
         content = self.handovers.take(reader.key, getattr(reader, "claim", None))
-        if content is not None:
-            arrays = reader.decode(content)
-        elif reader.row_granular and reader.rank_rows:
-            arrays = self._read_with_given(reader)
+        if reader.row_granular and reader.rank_rows and content is None:
+            arrays, given = self._read_with_given(reader)
         else:
-            arrays = reader.read(on_retry=self.store_reads.retried)
+            given = None
+            arrays = reader.decode(content) if content is not None else reader.read(on_retry=self.store_reads.retried)
         block = Block(arrays, reader.start, reader.stop)
-        self.store_reads.add(block.nbytes)
+        self.store_reads.add(block.nbytes - (0 if given is None else arrays_nbytes(given)))  # `receive` counts those
         return block
 
-    def _read_with_given(self, reader) -> Arrays:
-        """A block read whole but for the rows the opening rank reads and gives (`receive`),
-        which are waited for up to `GIVEN_SECONDS`, then read (the rank failed or is slow)."""
+    def _read_with_given(self, reader) -> tuple[Arrays, Arrays | None]:
+        """(A block read whole, the arrays of the rows in it that the opening rank read and
+        gave, or None). Those rows are not read here but waited for, up to `GIVEN_SECONDS`,
+        then read (the rank failed or is slow)."""
         n = reader.stop - reader.start
         theirs = np.asarray(reader.rank_rows, dtype=np.int64)
         ours = np.setdiff1d(np.arange(n), theirs)
         parts = [(ours, reader.read_rows(ours, on_retry=self.store_reads.retried))] if len(ours) else []
         given = self.given.take(reader.key, reader.rank_claim, GIVEN_SECONDS)
         if given is None or not np.array_equal(given[0], theirs):
-            given = theirs, self.read_rows(reader, theirs)
-        parts.append(given)
+            given = None
+            parts.append((theirs, reader.read_rows(theirs, on_retry=self.store_reads.retried)))
+        else:
+            parts.append(given)
         rows = np.concatenate([r for r, _ in parts])
         order = np.argsort(rows, kind="stable")
-        return {f: concat([a[f] for _, a in parts])[order] for f in parts[0][1]}
+        return {f: concat([a[f] for _, a in parts])[order] for f in parts[0][1]}, None if given is None else given[1]
 
     def read_rows(self, reader, rows) -> Arrays:
         arrays = reader.read_rows(rows, on_retry=self.store_reads.retried)
@@ -251,7 +253,8 @@ class BlockCache:
             block = self.store.get(key)
             if found is None or (isinstance(block, FillingBlock) and block.receive(*found, claim, self)):
                 taken.append(key)
-            self.store_reads.add(payload_bytes(arrays[key]), retries)
+            # counted as the read they stand for counts: a whole block's or a filling block's rows
+            self.store_reads.add((arrays_nbytes if found is None else payload_bytes)(arrays[key]), retries)
             self.rows_given += len(wanted)
             self.streamed_hits += len(wanted)
             retries = 0  # counted once
