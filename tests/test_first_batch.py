@@ -104,13 +104,14 @@ def test_rows_given_with_another_claim_are_not_kept(folder, monkeypatch):
     """Only the rows the blocks' readers name, with their secret claim, are kept: rows given
     under another claim (another client forging them) are let go and read again."""
     server, spec = folder
-    start = FirstBatch.start
+    plan = FirstBatch.plan
 
     def forged(self, info, readers):
-        start(self, info, readers)
+        begin = plan(self, info, readers)
         self.claim = "forged"  # the readers carry the real one
+        return begin
 
-    monkeypatch.setattr(FirstBatch, "start", forged)
+    monkeypatch.setattr(FirstBatch, "plan", forged)
     with dmdask.LocalCluster(n_workers=2, ram="16 MiB") as cluster, distributed.Client(cluster) as client:
         _check(run_epoch(client, spec, world_size=2))
         assert dmdask.stats(client)["total"]["ram"]["samples"] == N - BATCH

@@ -55,13 +55,14 @@ def open_dataset(client: Client, spec, epoch: int, host: str | None = None, firs
 
 def get_or_create(client: Client, name: str, opener: Callable[[], Source],
                   order: Callable[[DatasetInfo], list] | None = None, host: str | None = None,
-                  first_read: Callable[[DatasetInfo, list], None] | None = None) -> Ready:
+                  first_read: Callable[[DatasetInfo, list], Callable[[], None] | None] | None = None) -> Ready:
     """The registry's dataset `name`, created once per cluster from `opener()` by the first
     process to ask (the others wait), every block load submitted in one graph, in the
     order `order(info)` (None: index order); `host`: see `GetOrClaim`. Registers the plugin
     if the scheduler lacks it. In the process that creates it, `first_read(info, readers)`
-    is called once the dataset is registered, before the loads are submitted: it may start
-    reading rows itself, naming them in their blocks' readers (`FirstBatch`)."""
+    is called once the dataset is registered, before the loads are submitted: it may name
+    rows it will read itself in their blocks' readers (`FirstBatch.plan`), and return the
+    function that starts those reads, called right after the loads are submitted."""
     claimant, registered = uuid.uuid4().hex, False
     while True:
         reply = _call(client, GetOrClaim(name, claimant, host))
@@ -113,9 +114,10 @@ def _create(client: Client, name: str, source: Source, order, claimant: str, fir
     if not isinstance(reply, Registered):
         return  # the claim passed to another rank: ask again
     readers = [source.reader(k) for k in range(info.num_blocks)]
-    if first_read is not None:
-        first_read(info, readers)
+    begin = None if first_read is None else first_read(info, readers)
     del submit_blocks(client, readers)[:]
+    if begin is not None:  # after the submission: the workers get their loads first
+        begin()
 
 
 def submit_blocks(client: Client, readers) -> list:

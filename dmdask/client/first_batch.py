@@ -37,8 +37,8 @@ READ_THREADS = 16  # blocks read at once
 
 
 class FirstBatch:
-    """One rank's first batch of `epoch`, read once `start` is called, and given to the
-    workers as soon as read; `batch`: its future ({field: array, "index": ids}), None until
+    """One rank's first batch of `epoch`, named in its blocks' readers by `plan`, read once
+    the function `plan` returns is called, and given to the workers as soon as read; `batch`: its future ({field: array, "index": ids}), None until
     then; `given`: the future of the giving (on `client`'s loop), None until then."""
 
     def __init__(self, client, spec, epoch: int):
@@ -57,20 +57,26 @@ class FirstBatch:
         share = RankShare(order, spec.rank, spec.world_size, spec.batch_size, spec.drop_last, None)
         return share.batches(0, 1)[0] if len(share) else np.zeros(0, dtype=np.int64)
 
-    def start(self, info, readers: list) -> None:
-        """Start reading the first batch with the blocks' `readers` (no I/O before this),
-        naming the rows in the readers of their blocks (`rank_rows`, `rank_claim`); nothing
-        for readers of whole blocks."""
+    def plan(self, info, readers: list):
+        """Name this rank's first-batch rows in the readers of their blocks (`rank_rows`,
+        `rank_claim`), before the readers are submitted; the function that starts reading
+        them (no I/O before it is called; call it once the loads are submitted, so the
+        workers start as early as they can), or None: nothing to read (readers of whole blocks)."""
         if not readers or not readers[0].row_granular:
-            return
+            return None
         ids = self.ids(info)
         if not len(ids):
-            return
+            return None
         blocks, offsets = info.locate(ids)
         wanted = {int(k): np.unique(offsets[blocks == k]) for k in np.unique(blocks)}
         for k, rows in wanted.items():
             readers[k].rank_rows, readers[k].rank_claim = tuple(rows.tolist()), self.claim
         self.batch = concurrent.futures.Future()
+        return lambda: self._start(info, readers, ids, blocks, offsets, wanted)
+
+    def _start(self, info, readers: list, ids, blocks, offsets, wanted: dict) -> None:
+        """Read the named rows, up to `READ_THREADS` blocks at once; once every read ended,
+        give the rows and set `batch`."""
         left, lock = [len(wanted)], threading.Lock()
 
         def read(_) -> None:  # in a read thread: once every read ended, the batch assembled and the rows given

@@ -64,7 +64,7 @@ class BatchIterator:
         self._first = FirstBatch(client, spec, epoch) if self._transform is None and resume is None and \
             not isinstance(spec.source, Mix) and dask.config.get("dmdask.client.read-first-batch") else None
         opened = [open_dataset(client, s, epoch, host if learn else None,
-                               None if self._first is None else self._first.start) for s in specs]
+                               None if self._first is None else self._first.plan) for s in specs]
         if isinstance(spec.source, Mix):
             self.info = info = self._mixed = MixedInfo(spec.source, [o.info for o in opened])
             self._order = info.order(shuffle=spec.shuffle, seed=spec.seed, epoch=epoch,
