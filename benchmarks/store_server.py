@@ -22,6 +22,9 @@ As a process (prints ``URL http://HOST:PORT``, serves until SIGINT/SIGTERM;
 ``GET /__stats__`` returns the counters as JSON, ``?reset=1`` also zeroes them)::
 
     python -m benchmarks.store_server ROOT --port 0 --latency 0.005 --bandwidth 200MB
+
+``StoreProcess`` runs it so from Python, with the same ``url``, ``stats()`` and
+``reset_stats()``: a store that shares no interpreter lock with the benchmark.
 """
 from __future__ import annotations
 
@@ -31,11 +34,15 @@ import fnmatch
 import html
 import io
 import ipaddress
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.parse
+import urllib.request
 
 from aiohttp import web
 from dask.utils import parse_bytes
@@ -300,6 +307,94 @@ class StoreServer:
         return response
 
 
+class StoreProcess:
+    """A store server run by ``main(ARGS)`` of ``entry`` (``"module:main"``) in a process of its own, read through
+    ``url``, ``stats()`` and ``reset_stats()`` as a ``StoreServer`` is (``GET /__stats__``).
+
+    Why a process: a server thread in the benchmark's own process shares its interpreter
+    lock, so whatever else that process does (polling /proc for the memory of every
+    process of a run, walking the nodes' folders) delays the server's event loop, and an
+    emulated store with a bandwidth cap then sends less than its cap whenever its queue
+    is shallow; a real shared file system is slowed by nothing its clients' machine does.
+    The process prints ``KEY value`` lines ending with ``URL http://HOST:PORT``; the keys
+    before it are in ``info`` (lower case)."""
+
+    def __init__(self, entry: str = "benchmarks.store_server:main", *args, timeout: float = 60.0):
+        module, _, function = entry.partition(":")
+        code = f"import sys; from {module} import {function}; sys.exit({function}(sys.argv[1:]))"
+        self.command = [sys.executable, "-c", code, *map(str, args)]
+        self.timeout, self.info, self._process, self._url = timeout, {}, None, None
+
+    def start(self) -> "StoreProcess":
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+        self._process = subprocess.Popen(self.command, stdout=subprocess.PIPE, text=True, env=env)
+        timer = threading.Timer(self.timeout, self._process.kill)  # a server that never prints its URL
+        timer.start()
+        try:
+            for line in self._process.stdout:
+                key, _, value = line.strip().partition(" ")
+                if key == "URL":
+                    self._url = value
+                    break
+                self.info[key.lower()] = value
+        finally:
+            timer.cancel()
+        if self._url is None:
+            self.stop()
+            raise RuntimeError(f"the store server {self.command[2]!r} {self.command[3:]} ended without printing its URL")
+        return self
+
+    def stop(self) -> None:
+        """Stop the server (SIGTERM, then SIGKILL after 10 s). Idempotent."""
+        if self._process is not None:
+            self._process.terminate()
+            try:
+                self._process.wait(10)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+            self._process.stdout.close()
+            self._process = self._url = None
+
+    def __enter__(self) -> "StoreProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        if self._url is None:
+            raise RuntimeError("StoreProcess is not running: call start() or use it in a `with` block")
+        return self._url
+
+    def stats(self) -> dict:
+        """The server's counters (``StoreServer.stats``)."""
+        return self._stats_page("")
+
+    def reset_stats(self) -> None:
+        self._stats_page("?reset=1")
+
+    def _stats_page(self, query: str) -> dict:
+        with urllib.request.urlopen(self.url + STATS_PATH + query, timeout=self.timeout) as reply:
+            return json.load(reply)
+
+
+def serve_until_stopped(server: StoreServer, **info: str) -> None:
+    """Run `server` until SIGINT/SIGTERM, after printing each of `info` as ``KEY value``
+    and then ``URL http://HOST:PORT`` (what `StoreProcess` reads)."""
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    with server:
+        for key, value in info.items():
+            print(f"{key.upper()} {value}", flush=True)
+        print(f"URL {server.url}", flush=True)
+        while not done.wait(0.5):
+            pass
+
+
 def main(argv=None) -> int:
     """Serve ROOT until SIGINT/SIGTERM, after printing ``URL http://HOST:PORT``."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.store_server", description=__doc__.splitlines()[0])
@@ -313,13 +408,7 @@ def main(argv=None) -> int:
         server = StoreServer(args.root, args.latency, args.bandwidth, args.host, args.port)
     except (NotADirectoryError, ValueError) as exc:
         parser.error(str(exc))
-    done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
-    with server:
-        print(f"URL {server.url}", flush=True)
-        while not done.wait(0.5):
-            pass
+    serve_until_stopped(server)
     return 0
 
 

@@ -21,7 +21,7 @@ import fsspec
 import numpy as np
 import pytest
 
-from benchmarks.store_server import CHUNK, StoreServer
+from benchmarks.store_server import CHUNK, StoreProcess, StoreServer
 from conftest import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -364,3 +364,20 @@ def test_fail_first_answers_503_to_the_first_gets_of_matching_paths(root):
             server.fail_first(-1)
         with pytest.raises(ValueError):
             server.fail_first(1, status=200)
+
+
+def test_store_process_serves_and_counts_from_a_process_of_its_own(root):
+    """`StoreProcess`: the server in its own process, read through the same url, stats()
+    and reset_stats() as an in-process `StoreServer`; a server that cannot start is named."""
+    data = (root / "folder" / "a.txt").read_bytes()
+    with StoreProcess("benchmarks.store_server:main", root, "--latency", "0.001", "--bandwidth", "200MB") as store:
+        process = store._process
+        assert process.pid != os.getpid() and store.url.startswith("http://127.0.0.1:")
+        assert _fs().cat_file(store.url + "/folder/a.txt") == data
+        assert store.stats()["by_path"] == {"folder/a.txt": {"requests": 1, "bytes": len(data)}}
+        store.reset_stats()
+        assert store.stats()["requests"] == 0
+    assert process.returncode == 0  # stopped by SIGTERM, cleanly
+    store.stop()  # idempotent
+    with pytest.raises(RuntimeError, match="without printing its URL"):
+        StoreProcess("benchmarks.store_server:main", root / "no-such-folder").start()

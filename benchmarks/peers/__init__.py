@@ -20,7 +20,7 @@ import time
 import warnings
 
 from ..common import workdir
-from ..store_server import StoreServer
+from ..store_server import StoreProcess
 from . import dataset, dmdask_peer, grain_peer, litdata_peer, mosaic, torch_dataloader, transparent, webdataset_peer
 from .goals import goals
 from .report import report  # noqa: F401 - the scenario's report(result, plots_dir)
@@ -50,11 +50,11 @@ SEED = 0
 
 @contextlib.contextmanager
 def _s3(cfg: dict):
-    """moto's S3 server behind the store's throttle, or the reason it cannot run."""
+    """moto's S3 server behind the store's throttle, in a process of its own, or the reason it cannot run."""
     try:
-        from .s3 import S3Store
+        import moto.server  # noqa: F401 - what the server process runs
 
-        store = S3Store(latency=cfg["latency"], bandwidth=cfg["bandwidth"]).start()
+        store = StoreProcess("benchmarks.peers.s3:main", *_throttle(cfg)).start()
     except Exception as exc:  # noqa: BLE001 - no moto here: the S3 peers say why
         yield f"no S3 server: {type(exc).__name__}: {exc} (`moto[server]`, installed by make bench-peers)"
         return
@@ -81,11 +81,14 @@ def run(preset: str) -> dict:
                             else {"error": "no loader of this format can run here"})
         size = formats["files"]["bytes"]
         points = []
-        with StoreServer(data, latency=cfg["latency"], bandwidth=cfg["bandwidth"]) as http, _s3(cfg) as s3:
+        # each store in a process of its own (`StoreProcess`): nothing this process does slows it
+        with StoreProcess("benchmarks.store_server:main", data, *_throttle(cfg)) as http, _s3(cfg) as s3:
             for fmt in ("mds", "litdata"):
                 if not isinstance(s3, str) and "error" not in formats[fmt]:
+                    from .s3 import upload
+
                     t = time.perf_counter()
-                    s3.upload(os.path.join(data, fmt), fmt)
+                    upload(s3.info["moto"], os.path.join(data, fmt), fmt)
                     formats[fmt]["upload_s"] = time.perf_counter() - t
             ctx = _context(cfg, data, http, s3)
             for p in cfg["points"]:
@@ -101,6 +104,10 @@ def run(preset: str) -> dict:
               "runtime_s": time.perf_counter() - started}
     result["goals"] = goals(result)
     return result
+
+
+def _throttle(cfg: dict) -> list:
+    return ["--latency", str(cfg["latency"]), "--bandwidth", str(int(cfg["bandwidth"]))]
 
 
 def _brief(r: dict) -> str:

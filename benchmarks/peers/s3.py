@@ -4,10 +4,14 @@
 `StoreServer` whose handler forwards each GET or HEAD to moto instead of reading a file:
 the same per-request latency, the same token-bucket bandwidth cap and the same counters
 (`stats()`, `GET /__stats__`) as the HTTP store the other loaders read. Objects are put
-straight into moto (`upload`), so filling the bucket is not counted.
+straight into moto (`upload`), so filling the bucket is not counted. The peers run it in a
+process of its own (`StoreProcess`), as they run the HTTP store::
+
+    StoreProcess("benchmarks.peers.s3:main", "--latency", "0.002", "--bandwidth", "32MiB")  # its info["moto"], url
 """
 from __future__ import annotations
 
+import argparse
 import io
 import os
 import socket
@@ -16,7 +20,7 @@ import tempfile
 import aiohttp
 from aiohttp import web
 
-from ..store_server import StoreServer
+from ..store_server import StoreServer, serve_until_stopped
 
 BUCKET = "bench"
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -49,7 +53,7 @@ class S3Store(StoreServer):
     def start(self) -> "S3Store":
         self._moto.start()
         super().start()
-        self.client().create_bucket(Bucket=BUCKET)
+        client(self.moto_url).create_bucket(Bucket=BUCKET)
         return self
 
     def stop(self) -> None:
@@ -61,23 +65,6 @@ class S3Store(StoreServer):
         super().stop()
         self._moto.stop()
         os.rmdir(self._empty)
-
-    def client(self):
-        """A boto3 client straight to moto (not counted, not throttled)."""
-        import boto3
-
-        return boto3.client("s3", endpoint_url=self.moto_url, region_name="us-east-1",
-                            aws_access_key_id="testing", aws_secret_access_key="testing")
-
-    def upload(self, folder: str, prefix: str) -> int:
-        """Put every file under `folder` at s3://BUCKET/prefix/<relative path>; returns the objects put."""
-        client, count = self.client(), 0
-        for dirpath, _, names in os.walk(folder):
-            for name in names:
-                path = os.path.join(dirpath, name)
-                client.upload_file(path, BUCKET, f"{prefix}/{os.path.relpath(path, folder)}")
-                count += 1
-        return count
 
     async def _serve(self, request: web.Request) -> web.StreamResponse:
         key, head = await self._admit(request)
@@ -94,6 +81,41 @@ class S3Store(StoreServer):
         return await self._send(request, response, key, length, head, io.BytesIO(body).read)
 
 
-def environment(store: S3Store) -> dict:
+def client(moto_url: str):
+    """A boto3 client straight to moto (not counted, not throttled)."""
+    import boto3
+
+    return boto3.client("s3", endpoint_url=moto_url, region_name="us-east-1",
+                        aws_access_key_id="testing", aws_secret_access_key="testing")
+
+
+def upload(moto_url: str, folder: str, prefix: str) -> int:
+    """Put every file under `folder` at s3://BUCKET/prefix/<relative path>, straight into
+    moto at `moto_url`; returns the objects put."""
+    s3, count = client(moto_url), 0
+    for dirpath, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(dirpath, name)
+            s3.upload_file(path, BUCKET, f"{prefix}/{os.path.relpath(path, folder)}")
+            count += 1
+    return count
+
+
+def environment(store) -> dict:
     """What a rank process needs to reach the bucket through the proxy (boto3, Mosaic)."""
     return dict(CREDENTIALS, AWS_ENDPOINT_URL=store.url, S3_ENDPOINT_URL=store.url, AWS_ALLOW_HTTP="true")
+
+
+def main(argv=None) -> int:
+    """Serve until SIGINT/SIGTERM, after printing ``MOTO <moto's url>`` and ``URL <the proxy's url>``."""
+    import logging
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's server logs every request
+    parser = argparse.ArgumentParser(prog="benchmarks.peers.s3", description=__doc__.splitlines()[0])
+    parser.add_argument("--latency", type=float, default=0.0, help="seconds before each answer (default 0)")
+    parser.add_argument("--bandwidth", default=None, help="cap in bytes/s over all clients, e.g. 32MiB")
+    args = parser.parse_args(argv)
+    store = S3Store(latency=args.latency, bandwidth=args.bandwidth)
+    serve_until_stopped(store, moto=store.moto_url)
+    return 0
+
