@@ -10,6 +10,7 @@ import pytest
 
 import dmdask
 from benchmarks.store_server import StoreServer
+from dmdask.client import datasets
 from dmdask.client.first_batch import FirstBatch
 from dmdask.errors import HandlerArgumentError
 from dmdask.protocol.worker import GiveRows
@@ -61,6 +62,33 @@ def _no_giving(monkeypatch) -> None:
         return None
 
     monkeypatch.setattr(FirstBatch, "_give", give_nothing)
+
+
+def test_the_loads_are_submitted_before_the_opening_rank_starts_reading(folder, monkeypatch):
+    """The workers get their loads first: the rank submits every block's load, then starts
+    reading its first batch (no file read before)."""
+    server, spec = folder
+    events = []
+    plan, submit = FirstBatch.plan, datasets.submit_blocks
+
+    def watched_plan(self, info, readers):
+        begin = plan(self, info, readers)
+
+        def start():
+            events.append(("read", sum(_file_requests(server).values())))
+            begin()
+        return start
+
+    def watched_submit(client, readers):
+        events.append(("submit", len(readers)))
+        return submit(client, readers)
+
+    monkeypatch.setattr(FirstBatch, "plan", watched_plan)
+    monkeypatch.setattr(datasets, "submit_blocks", watched_submit)
+    with dmdask.LocalCluster(n_workers=2, ram="16 MiB") as cluster, distributed.Client(cluster) as client:
+        _check(run_epoch(client, spec, world_size=2))
+    assert events == [("submit", N // 10), ("read", 0)]
+    assert sorted(_file_requests(server).values()) == [1] * N
 
 
 def test_rows_never_given_are_read_by_the_workers_when_asked(folder, monkeypatch):
