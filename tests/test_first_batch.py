@@ -91,6 +91,21 @@ def test_the_loads_are_submitted_before_the_opening_rank_starts_reading(folder, 
     assert sorted(_file_requests(server).values()) == [1] * N
 
 
+def test_a_first_read_that_cannot_start_leaves_batch_0_to_the_workers(folder, monkeypatch):
+    """No thread to read with (the loads are submitted by then): nothing is abandoned, batch 0
+    is fetched, and every file is read once, by the workers."""
+    server, spec = folder
+
+    def no_threads(self, k):  # called as each read is submitted to the read threads
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(FirstBatch, "_counter", no_threads)
+    with dmdask.LocalCluster(n_workers=2, ram="16 MiB") as cluster, distributed.Client(cluster) as client:
+        _check(run_epoch(client, spec, world_size=2))
+        assert dmdask.stats(client)["total"]["shared_store"]["from_ranks"] == 0
+    assert sorted(_file_requests(server).values()) == [1] * N
+
+
 def test_rows_never_given_are_read_by_the_workers_when_asked(folder, monkeypatch):
     """The opening rank never gives its first batch: no worker reads those rows ahead (the
     rank was to give them), so they are read when a rank next asks, once; nothing is lost."""

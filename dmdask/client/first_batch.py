@@ -38,8 +38,9 @@ READ_THREADS = 16  # blocks read at once
 
 class FirstBatch:
     """One rank's first batch of `epoch`, named in its blocks' readers by `plan`, read once
-    the function `plan` returns is called, and given to the workers as soon as read; `batch`: its future ({field: array, "index": ids}), None until
-    then; `given`: the future of the giving (on `client`'s loop), None until then."""
+    the function `plan` returns is called, and given to the workers as soon as read;
+    `batch`: its future ({field: array, "index": ids}), None until `plan` named rows;
+    `given`: the future of the giving (on `client`'s loop), None until then."""
 
     def __init__(self, client, spec, epoch: int):
         self.client, self.spec, self.epoch = client, spec, epoch
@@ -76,7 +77,8 @@ class FirstBatch:
 
     def _start(self, info, readers: list, ids, blocks, offsets, wanted: dict) -> None:
         """Read the named rows, up to `READ_THREADS` blocks at once; once every read ended,
-        give the rows and set `batch`."""
+        give the rows and set `batch`. Never raises (the loads are submitted by then):
+        `batch` fails instead, and the iterator fetches batch 0."""
         left, lock = [len(wanted)], threading.Lock()
 
         def read(_) -> None:  # in a read thread: once every read ended, the batch assembled and the rows given
@@ -94,9 +96,13 @@ class FirstBatch:
             except Exception as exc:  # noqa: BLE001 - a read failed: the iterator fetches the batch
                 self.batch.set_exception(exc)
 
-        pool = concurrent.futures.ThreadPoolExecutor(min(READ_THREADS, len(wanted)), "dmdask-first-batch")
-        self._reads = {k: (rows, pool.submit(readers[k].read_rows, rows, self._counter(k)))
-                       for k, rows in wanted.items()}
+        try:
+            pool = concurrent.futures.ThreadPoolExecutor(min(READ_THREADS, len(wanted)), "dmdask-first-batch")
+            self._reads = {k: (rows, pool.submit(readers[k].read_rows, rows, self._counter(k)))
+                           for k, rows in wanted.items()}
+        except Exception as exc:  # noqa: BLE001 - no thread to read with: the iterator fetches the batch
+            self.batch.set_exception(exc)
+            return
         for _, future in self._reads.values():
             future.add_done_callback(read)
         pool.shutdown(wait=False)  # its threads end with the reads
