@@ -3,6 +3,7 @@ every worker (as `distributed.shuffle` does), with the handlers of `dmdask.proto
 from __future__ import annotations
 
 import asyncio
+import inspect
 
 import dask
 import distributed
@@ -48,11 +49,26 @@ class WorkerPlugin(distributed.WorkerPlugin):
                                     read_ahead=bool(dask.config.get("dmdask.worker.read-ahead")),
                                     transform_threads=int(dask.config.get("dmdask.worker.transform-threads")))
         self.worker, self.address, self.peers = worker, worker.address, WorkerAPI(worker.rpc)
-        worker.handlers.update({OPS[kind]: handler(kind, method) for kind, method in (
+        worker.handlers.update({OPS[kind]: handler(kind, self._lost_once_closed(method)) for kind, method in (
             (RowsRequest, self.rows), (BatchRequest, self.batch), (DescribeRequest, self.describe),
             (HitsReport, self.count_hits), (HandOver, self.hand_over), (GiveRows, self.give_rows))})
         worker.extensions["dmdask"] = self.cache
         worker.metrics["dmdask"] = lambda worker: self.cache.stats()
+
+    def _lost_once_closed(self, method):
+        """`method`, whose RuntimeError once this worker's cache is closed (its read and
+        transform threads shut down as the worker closes: "cannot schedule new futures after
+        shutdown") reaches the caller as a lost worker's CommClosedError, which a rank
+        recovers from as from any lost worker."""
+        async def call(request):
+            try:
+                reply = method(request)
+                return (await reply) if inspect.isawaitable(reply) else reply
+            except RuntimeError as exc:
+                if not self.cache.closed:
+                    raise
+                raise CommClosedError(f"worker {self.address} is closing: {exc}") from None
+        return call
 
     def transition(self, key, start, finish, **kwargs) -> None:
         """Tell the scheduler of each block this worker holds as a `Streamed` marker (a
