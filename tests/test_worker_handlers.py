@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 from distributed.comm.core import CommClosedError
+from distributed.core import Status
 from distributed.protocol.serialize import Serialize
 from distributed.utils_test import gen_cluster
 
@@ -34,7 +35,6 @@ class Cache:
         self.blocks, self.served = blocks, []
         self.peer_bytes_out = self.peer_bytes_in = 0
         self.transforms = ThreadPoolExecutor(1)
-        self.closed = False
         self.store = types.SimpleNamespace(shared_folder=lambda: None)
 
     async def serve(self, requests, priority, wait):
@@ -101,16 +101,17 @@ def test_batch_runs_the_transform_and_reports_blocks_a_holder_lacks():
 
 
 def test_a_request_that_reaches_a_closing_worker_is_a_lost_worker():
-    """Once the worker's cache is closed (the worker is closing), a request whose work can no
-    longer be handed to its threads fails as a lost worker (CommClosedError), which the rank
-    recovers from; before, the same RuntimeError is the caller's to see."""
+    """While the worker closes, a request whose work can no longer be handed to its threads
+    (shut down) fails as a lost worker (CommClosedError), which the rank recovers from; while
+    it runs, the same RuntimeError is the caller's to see."""
     p = plugin({"a": block(0, 5)}, {"b": block(10, 5)})
+    p.worker = types.SimpleNamespace(status=Status.running)
     handle = p._lost_once_closed(p.batch)
     request = group_request(transform=dumps_transform(lambda batch: {"y": batch["x"] * 2}))
     p.cache.transforms.shutdown()
     with pytest.raises(RuntimeError, match="after shutdown"):
         asyncio.run(handle(request))
-    p.cache.closed = True
+    p.worker.status = Status.closing
     with pytest.raises(CommClosedError, match=f"worker {ME} is closing"):
         asyncio.run(handle(request))
 

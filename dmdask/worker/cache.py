@@ -58,7 +58,6 @@ class BlockCache:
         if not read_ahead:
             self.ahead.close()
         self.transforms = ThreadPoolExecutor(transform_threads, thread_name_prefix="dmdask-transform")
-        self.closed = False  # `close`d: its pools take no more work (the worker is closing)
         self.store_reads = StoreCounters()
         self.stream = StreamBuffer(stream_buffer, self.read, self.reads)
         self.streamed_hits = 0  # samples served from blocks streamed from the store
@@ -262,7 +261,6 @@ class BlockCache:
         return taken, sorted(missing)
 
     def close(self) -> None:
-        self.closed = True
         self.ahead.close()
         self.reads.shutdown(wait=False, cancel_futures=True)
         self.transforms.shutdown(wait=False, cancel_futures=True)

@@ -56,16 +56,16 @@ class WorkerPlugin(distributed.WorkerPlugin):
         worker.metrics["dmdask"] = lambda worker: self.cache.stats()
 
     def _lost_once_closed(self, method):
-        """`method`, whose RuntimeError once this worker's cache is closed (its read and
-        transform threads shut down as the worker closes: "cannot schedule new futures after
-        shutdown") reaches the caller as a lost worker's CommClosedError, which a rank
-        recovers from as from any lost worker."""
+        """`method`, whose RuntimeError while this worker closes (its read and transform
+        threads shut down: "cannot schedule new futures after shutdown"; its connection pool
+        closed: "ConnectionPool is closed") reaches the caller as a lost worker's
+        CommClosedError, which a rank recovers from as from any lost worker."""
         async def call(request):
             try:
                 reply = method(request)
                 return (await reply) if inspect.isawaitable(reply) else reply
             except RuntimeError as exc:
-                if not self.cache.closed:
+                if self.worker.status not in (Status.closing, Status.closed):
                     raise
                 raise CommClosedError(f"worker {self.address} is closing: {exc}") from None
         return call
@@ -101,10 +101,7 @@ class WorkerPlugin(distributed.WorkerPlugin):
         async def from_holder(holder, wanted):
             if holder == self.address:
                 return await self.cache.serve(wanted, _priority(request.priority), request.wait)
-            try:
-                reply = await self.peers.call(holder, RowsRequest(wanted, request.priority, request.wait))
-            except RuntimeError as exc:  # this worker is closing ("ConnectionPool is closed"): a lost worker
-                raise CommClosedError(f"worker {self.address} is closing: {exc}") from None
+            reply = await self.peers.call(holder, RowsRequest(wanted, request.priority, request.wait))
             self.cache.peer_bytes_in += payload_bytes(reply.arrays)
             return reply.arrays, reply.from_store
 
