@@ -46,8 +46,7 @@ def open_dataset(client: Client, spec, epoch: int, host: str | None = None, firs
     needs them; `host`: see `GetOrClaim`; `first_read`: see `get_or_create`."""
 
     def order(info: DatasetInfo):
-        epoch_order = EpochOrder(info.num_samples, info.block_len, shuffle=spec.shuffle, seed=spec.seed,
-                                 epoch=epoch, shuffle_window=spec.shuffle_window)
+        epoch_order = EpochOrder.of(info, spec, epoch)
         return np.asarray(epoch_order.blocks_first_needed(limit=NEED_ORDER_POSITIONS * info.num_blocks)).tolist()
 
     return get_or_create(client, dataset_name(spec), lambda: open_source(spec), order, host, first_read)

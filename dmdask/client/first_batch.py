@@ -53,9 +53,8 @@ class FirstBatch:
     def ids(self, info) -> np.ndarray:
         """The sample ids of this rank's first batch (as `BatchIterator` computes them)."""
         spec = self.spec
-        order = EpochOrder(info.num_samples, info.block_len, shuffle=spec.shuffle, seed=spec.seed, epoch=self.epoch,
-                           shuffle_window=spec.shuffle_window)
-        share = RankShare(order, spec.rank, spec.world_size, spec.batch_size, spec.drop_last, None)
+        share = RankShare(EpochOrder.of(info, spec, self.epoch), spec.rank, spec.world_size, spec.batch_size,
+                          spec.drop_last, None)
         return share.batches(0, 1)[0] if len(share) else np.zeros(0, dtype=np.int64)
 
     def plan(self, info, readers: list):

@@ -71,8 +71,7 @@ class BatchIterator:
                                      shuffle_window=spec.shuffle_window)
         else:
             self.info = info = opened[0].info
-            self._order = EpochOrder(info.num_samples, info.block_len, shuffle=spec.shuffle, seed=spec.seed,
-                                     epoch=epoch, shuffle_window=spec.shuffle_window)
+            self._order = EpochOrder.of(info, spec, epoch)
         positions = self._order.num_samples  # of the epoch (a mixture's differ from its samples)
         if positions < spec.world_size:
             raise SpecError("world_size", f"at most the {positions} samples of an epoch of {spec.source}",

@@ -85,6 +85,13 @@ class EpochOrder:
             self._windows = Windows(self.num_samples, self.block_len, shuffle_window, self.seed, self.epoch,
                                      self.stream)
 
+    @classmethod
+    def of(cls, info, spec, epoch: int) -> "EpochOrder":
+        """`spec`'s order (shuffle, seed, shuffle_window) of `epoch` over the dataset `info`
+        (a `DatasetInfo`: its samples and block length)."""
+        return cls(info.num_samples, info.block_len, shuffle=spec.shuffle, seed=spec.seed, epoch=epoch,
+                   shuffle_window=spec.shuffle_window)
+
     def ids(self, positions: np.ndarray) -> np.ndarray:
         """int64 sample ids at `positions` (any int array, whose shape the result has);
         IndexError if a position is outside 0..n-1."""
