@@ -12,7 +12,8 @@ import pytest
 import zarr
 
 import dmdask
-from dmdask.protocol.worker import RowsRequest, WorkerAPI
+from dmdask.client.gather import channels_of
+from dmdask.protocol.rows import asked_of
 from dmdask.source import block_key
 from dmdask.testing.datasets import write_folder, write_zarr, zarr_sample
 
@@ -189,7 +190,8 @@ def holdings(client):
 
 
 def ask_rows(client, holder, key, rows):
-    return client.sync(WorkerAPI(client.rpc).call, holder, RowsRequest({key: np.asarray(rows)}))
+    """The rows of one block asked of its holder on its row channel: one array per field."""
+    return client.sync(channels_of(client).fetch, None, holder, asked_of({key: np.asarray(rows)}))[0]
 
 
 def store_requests(client):
@@ -201,7 +203,7 @@ def identity_of(client, url):
 
 
 def test_rows_request_with_offsets_outside_the_block_is_refused(tmp_path):
-    """A raw `dmdask_rows` request never gets rows from the block's end for a negative
+    """A raw request on the row channel never gets rows from the block's end for a negative
     offset, nor anything for an offset past it: a ValueError names the block and the
     offsets, whatever the block is held in, and nothing is read from the store."""
     folder = write_folder(str(tmp_path / "files"), classes=2, per_class=10, min_size=16, max_size=16)
@@ -222,7 +224,7 @@ def test_rows_request_with_offsets_outside_the_block_is_refused(tmp_path):
         with pytest.raises(ValueError, match=rf"{key}.*\[-3, 10\]"):
             ask_rows(client, holder, key, [0, -3, 10])
         assert store_requests(client) == 0  # the good offset 0 was not read for the bad request
-        assert ask_rows(client, holder, key, [9, 0]).arrays["label"].tolist() == [1, 1]
+        assert ask_rows(client, holder, key, [9, 0])["label"].tolist() == [1, 1]
         assert store_requests(client) == 1
 
         # Zarr: 2 blocks in the RAM arena, 2 on the SSD, 2 streamed
@@ -245,4 +247,4 @@ def test_rows_request_with_offsets_outside_the_block_is_refused(tmp_path):
         assert store_requests(client) == reads  # not even the streamed blocks were read
         for k in range(6):  # while good offsets still get their rows
             reply = ask_rows(client, holder, block_key(identity, k), [49, 0, 7])
-            np.testing.assert_array_equal(reply.arrays["x"], zarr_sample(np.array([49, 0, 7]) + 50 * k))
+            np.testing.assert_array_equal(reply["x"], zarr_sample(np.array([49, 0, 7]) + 50 * k))

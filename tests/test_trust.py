@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import dmdask
-from dmdask.protocol.worker import BatchRequest, RowsRequest, WorkerAPI, to_wire
+from dmdask.protocol.rows import RowChannels, RowsAsked
+from dmdask.protocol.worker import BatchRequest, DescribeRequest, WorkerAPI, to_wire
 from dmdask.spec import TransformContext
 from dmdask.testing.datasets import write_folder, write_tar_shards, write_zarr
 
@@ -197,13 +198,20 @@ def test_worker_handlers_refuse_bad_arguments_and_change_nothing(plain_cluster, 
     refused(client, api.count_hits, address, {"ram": [1.5, 1]})
     assert "hits=(1, 2)" in refused(client, api.count_hits, address, [1, 2])
     assert "keys=" in refused(client, api.describe, address, "dmdask-block-x-0")
-    assert "dmdask_rows: rows=" in refused(client, api.call, address, RowsRequest(["dmdask-block-x-0"]))
-    assert "wait=" in refused(client, api.call, address, RowsRequest({}, wait=60))
+    # the row channel: a bad request is answered with the error naming the field, then closed
+    channels, none = RowChannels(api, None, 30), np.zeros(0, np.int64)
+    for asked, name in ((RowsAsked("dmdask-block-x-0", none.astype(np.int32), none), "keys="),
+                        (RowsAsked(["k", "k"], none.astype(np.int32), none), "keys="),
+                        (RowsAsked(["k"], none.astype(np.int32), none, wait=60), "wait="),
+                        (RowsAsked(["k"], none.astype(np.int32), none, priority=-1), "priority="),
+                        (RowsAsked(["k"], np.array([1], np.int32), np.array([0])), "blocks=")):
+        message = refused(client, channels.fetch, None, address, asked)
+        assert message.startswith(f"dmdask row channel: {name}"), message
     # a message that is not a typed request (the dicts of before), or with unknown fields
-    assert "message=None" in refused(client, worker.dmdask_rows, msg={"dmdask-block-x-0": [0]})
-    wire = to_wire(RowsRequest({}))
-    assert "arguments" in refused(client, worker.dmdask_rows, **wire, nonsense=1)
-    assert "RowsRequest" in refused(client, worker.dmdask_batch, **wire)
+    assert "message=None" in refused(client, worker.dmdask_describe, msg={"dmdask-block-x-0": [0]})
+    wire = to_wire(DescribeRequest(["dmdask-block-x-0"]))
+    assert "arguments" in refused(client, worker.dmdask_describe, **wire, nonsense=1)
+    assert "DescribeRequest" in refused(client, worker.dmdask_batch, **wire)
     good_batch = {"requests": {}, "positions": {}, "index": np.arange(2), "sizes": [2], "fields": ["x"]}
     for bad, name in (({"sizes": [3]}, "sizes"), ({"sizes": [-1, 3]}, "sizes"), ({"fields": "x"}, "fields"),
                       ({"transform": "code"}, "transform"), ({"requests": {"tcp://a:1": {}}}, "positions"),

@@ -13,8 +13,9 @@ from distributed.protocol.serialize import Serialize
 from distributed.utils_test import gen_cluster
 
 import dmdask
-from dmdask.protocol.worker import (Batches, BatchRequest, DescribeRequest, HitsReport, Missing, Moved, Rows,
-                                    RowsRequest, WorkerAPI, handler, to_wire)
+from dmdask.protocol.rows import RowChannels, asked_of
+from dmdask.protocol.worker import (Batches, BatchRequest, Channel, DescribeRequest, HitsReport, Missing, Moved,
+                                    WorkerAPI, handler, to_wire)
 from dmdask.scheduler import DatasetsPlugin
 from dmdask.spec import dumps_transform
 from dmdask.worker.cache import BlockCache
@@ -46,17 +47,16 @@ class Cache:
         return {"x": np.concatenate([t["x"] for t in taken])}, 1
 
 
-class Peers:
+class Channels:
+    """The other workers' row channels (`RowChannels.fetch`) over a dict of blocks."""
+
     def __init__(self, blocks):
         self.cache, self.asked = Cache(blocks), []
 
-    async def call(self, address, request):
-        self.asked.append((address, request))
-        try:
-            arrays, from_store = await self.cache.serve(request.rows, request.priority, request.wait)
-        except Moved as exc:
-            raise Moved(exc.keys) from None  # what WorkerAPI.call raises for a Missing reply
-        return Rows(arrays, from_store)
+    async def fetch(self, executor, address, asked):
+        self.asked.append((address, asked))
+        wanted = {key: asked.rows[asked.blocks == b] for b, key in enumerate(asked.keys)}
+        return await self.cache.serve(wanted, asked.priority, asked.wait)  # Moved for blocks not held
 
 
 def delivered(request) -> dict:
@@ -66,7 +66,7 @@ def delivered(request) -> dict:
 
 def plugin(mine, theirs):
     p = WorkerPlugin()
-    p.cache, p.address, p.peers = Cache(mine), ME, Peers(theirs)
+    p.cache, p.address, p.channels = Cache(mine), ME, Channels(theirs)
     return p
 
 
@@ -86,8 +86,9 @@ def test_batch_puts_rows_of_every_holder_in_place_and_splits_the_batches():
     assert [b["source"].tolist() for b in reply.batches] == [[0, 1], [0, 1, 0]]
     assert list(reply.batches[0]) == ["x", "source", "index"]
     assert p.cache.served == [(["a"], 7.0, 1.5)]  # its own rows without a request
-    (address, asked), = p.peers.asked
-    assert address == PEER and asked.rows["b"].tolist() == [1, 3] and (asked.priority, asked.wait) == (7, 1.5)
+    (address, asked), = p.channels.asked
+    assert address == PEER and asked.keys == ["b"] and asked.rows.tolist() == [1, 3]
+    assert (asked.priority, asked.wait) == (7, 1.5)
     assert p.cache.peer_bytes_in == 16
 
 
@@ -116,13 +117,6 @@ def test_a_request_that_reaches_a_closing_worker_is_a_lost_worker():
         asyncio.run(handle(request))
 
 
-def test_rows_replies_rows_or_missing_and_counts_bytes_out():
-    p = plugin({"a": block(0, 5)}, {})
-    reply = asyncio.run(p.rows(RowsRequest({"a": np.array([3, 1])})))
-    assert reply.arrays["x"].tolist() == [30, 10] and reply.from_store == 1 and p.cache.peer_bytes_out == 16
-    assert asyncio.run(p.rows(RowsRequest({"a": np.array([0]), "gone": np.array([0])}))) == Missing(["gone"])
-
-
 def test_describe_and_count_hits(tmp_path):
     held = FileBlock.write(str(tmp_path), block(0, 5), "ssd")
     hits = []
@@ -147,8 +141,8 @@ class _Store(dict):
 
 
 @pytest.mark.parametrize("request_, name", [
-    (RowsRequest({}, wait=60), "wait="), (RowsRequest({}, priority=-1), "priority="),
-    (RowsRequest(["k"]), "rows="), (DescribeRequest("k"), "keys="),
+    (BatchRequest({}, {}, np.zeros(0, int), [], [], wait=60), "wait="),
+    (BatchRequest({}, {}, np.zeros(0, int), [], [], priority=-1), "priority="), (DescribeRequest("k"), "keys="),
     (HitsReport({"ram": [1, -1]}), "hits['ram'] bytes="), (HitsReport({"gpu": [1, 1]}), "unknown: ['gpu']")])
 def test_a_handler_refuses_a_bad_field_by_name(request_, name):
     called = []
@@ -159,7 +153,7 @@ def test_a_handler_refuses_a_bad_field_by_name(request_, name):
 
 
 def test_a_handler_refuses_what_is_not_its_request():
-    handle = handler(RowsRequest, lambda request: None)
+    handle = handler(BatchRequest, lambda request: None)
     with pytest.raises(dmdask.HandlerArgumentError, match="message=None"):
         asyncio.run(handle(msg={"k": [0]}))  # the dicts of before
     with pytest.raises(dmdask.HandlerArgumentError, match="message='DescribeRequest'"):
@@ -169,16 +163,19 @@ def test_a_handler_refuses_what_is_not_its_request():
 @gen_cluster(client=True, Worker=dmdask.Worker, nthreads=[("127.0.0.1", 1)],
              worker_kwargs={"ram": "1 MiB", "ssd": 0, "shm_dir": ""})
 async def test_the_scheduler_plugin_installs_the_worker_plugin(c, s, a):
-    assert "dmdask_rows" not in a.handlers and "dmdask" not in a.extensions  # only tiers until then
+    assert "dmdask_batch" not in a.handlers and "dmdask" not in a.extensions  # only tiers until then
     # which its metric reports from the start: the scheduler reads a joining worker's room there
     assert a.metrics["dmdask"](a)["ram"]["capacity"] == 2**20 and a.metrics["dmdask"](a)["peer"]["bytes_in"] == 0
     await c.register_plugin(DatasetsPlugin())
     assert isinstance(a.extensions["dmdask"], BlockCache)
-    ops = {"dmdask_rows", "dmdask_batch", "dmdask_describe", "dmdask_count_hits", "dmdask_hand_over"}
+    ops = {"dmdask_channel", "dmdask_batch", "dmdask_describe", "dmdask_count_hits", "dmdask_hand_over"}
     assert ops <= set(a.handlers)
     workers = WorkerAPI(c.rpc)
+    channel = await workers.channel(a.address)
+    assert isinstance(channel, Channel) and channel.host == "127.0.0.1" and len(channel.secret) == 32
+    channels = RowChannels(workers, None, 10)
     with pytest.raises(Moved) as info:
-        await workers.call(a.address, RowsRequest({"dmdask-block-x-0": np.array([0])}))
+        await channels.fetch(None, a.address, asked_of({"dmdask-block-x-0": np.array([0])}))
     assert info.value.keys == ["dmdask-block-x-0"]
     assert await workers.describe(a.address, ["dmdask-block-x-0"]) == {}
     await workers.count_hits(a.address, {"ram": [3, 24]})

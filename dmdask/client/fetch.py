@@ -14,14 +14,15 @@ from distributed.comm.core import CommClosedError
 from ..errors import BlockReadError, NotADmdaskWorker, no_workers
 from ..plan.order import RankShare
 from ..protocol.scheduler import Ready, SchedulerAPI
-from ..protocol.worker import BatchRequest, RowsRequest
+from ..protocol.rows import asked_of
+from ..protocol.worker import BatchRequest
 from ..recovery import Tries
 from ..shm.results import map_batches
 from ..transform import TransformContext
 from .arenas import split_batches
 from .contact import Contact
 from .coalesce import Coalesced
-from .gather import LOAD_WAIT, Gatherer, Moved, plan_rows
+from .gather import LOAD_WAIT, Gatherer, Moved, channels_of, peer_threads, plan_rows
 from .locate import my_host
 from .mixture import MixedInfo
 
@@ -150,8 +151,8 @@ class GroupFetcher:
                 try:
                     holder = (await self.holders_of([key]))[0].get(key)
                     if holder is not None:
-                        first_row = RowsRequest({key: np.zeros(1, dtype=np.int64)})
-                        out.append((await self.gatherer.workers.call(holder, first_row)).arrays)
+                        first_row = asked_of({key: np.zeros(1, dtype=np.int64)})
+                        out.append((await channels_of(self.client).fetch(peer_threads, holder, first_row))[0])
                         break
                 except BlockReadError:
                     raise

@@ -16,14 +16,17 @@ from collections import defaultdict
 from collections.abc import Collection
 from typing import NamedTuple
 
+import dask.config
 import numpy as np
 import zict
 from distributed.comm import get_address_host
 
 from ..protocol.scheduler import Layouts
-from ..protocol.worker import Moved, RowsRequest, WorkerAPI
+from ..protocol.rows import RowChannels, RowsAsked, asked_of, fixed_layout
+from ..protocol.worker import Moved, WorkerAPI
 from ..shm.arena import ID_FIELD, ArenaMaps
-from ..shm.fileblocks import assemble, map_arrays, readable, take_rows
+from ..shm.fileblocks import map_arrays, readable, take_rows
+from ..shm.memory import empty_batch
 from ..source import parse_block_key
 from ..threads import ForkSafeExecutor
 from .arenas import LocalArenas
@@ -36,6 +39,26 @@ MAPPED_BLOCKS = 4096  # blocks kept mapped per process (each costs a mapping per
 
 _reports_under_way: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # client -> its hit reports sent
 _pool = ForkSafeExecutor(2, "dmdask-gather")
+peer_threads = ForkSafeExecutor(16, "dmdask-peer")  # each receives one holder's rows at a time
+_channels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # client -> its RowChannels
+
+
+def channels_of(client) -> RowChannels:
+    """The process's connections to the row channels of `client`'s workers."""
+    found = _channels.get(client)
+    if found is None:
+        context = client.security.get_connection_args("client").get("ssl_context")
+        found = _channels[client] = RowChannels(WorkerAPI(client.rpc, CONNECT_SECONDS), context,
+                                                float(dask.config.get("dmdask.client.recovery-seconds")))
+    return found
+
+
+def _forget_channels() -> None:
+    """In a forked child (a DataLoader worker): its own connections, made when first needed."""
+    _channels.clear()
+
+
+os.register_at_fork(after_in_child=_forget_channels)
 copier = ForkSafeExecutor(1, "dmdask-copy")  # the warm batches of every iterator of the process
 
 
@@ -82,6 +105,48 @@ class FromFile(NamedTuple):
     holder: str
     keys: list[str]  # the blocks they belong to
     ids: np.ndarray | None  # their sample ids, checked against an arena's labels; None for a block's files
+
+
+class Group:
+    """The rows of one group of batches put in place from any thread: its arrays made when
+    the first rows arrive (fixed-size fields in pooled memory, `empty_batch`). Rows of a
+    holder that has the whole group, in order, are received straight into them; others
+    are received, then put at their positions."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.arrays: dict[str, np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    def _made(self, layout: list[tuple[str, np.dtype, tuple]]) -> dict[str, np.ndarray]:
+        with self._lock:
+            if not self.arrays and layout:
+                if all(dtype != object and dtype.kind != "T" for _, dtype, _ in layout):
+                    self.arrays = empty_batch(tuple((f, d.str, s) for f, d, s in layout), self.n)
+                else:
+                    self.arrays = {f: np.empty((self.n,) + s, dtype=d) for f, d, s in layout}
+            return self.arrays
+
+    def put(self, where: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
+        out = self._made([(f, a.dtype, a.shape[1:]) for f, a in arrays.items()])
+        for name, values in arrays.items():
+            out[name][where] = values
+
+    def receiving(self, wanted: dict[str, np.ndarray], where: np.ndarray, priority) -> tuple[RowsAsked, object]:
+        """(the request for a holder's rows `wanted` (block key -> offsets) at positions
+        `where` of the group, asked in group order; the `place` that receives its reply)."""
+        asked = asked_of(wanted, priority, LOAD_WAIT)
+        order = np.argsort(where, kind="stable")
+        asked.blocks, asked.rows, where = asked.blocks[order], asked.rows[order], where[order]
+
+        def place(fields: list, n: int, receive) -> None:
+            layout = fixed_layout(fields)
+            if layout is not None and n == self.n:  # the whole group, in order: straight into place
+                receive(self._made([(f, np.dtype(d), s) for f, d, s in layout]))
+            else:
+                self.put(where, receive(None))
+
+        return asked, place
 
 
 class Gatherer:
@@ -139,14 +204,16 @@ class Gatherer:
                     asked, places = remote.setdefault(holder, ({}, []))
                     asked[key] = rows
                     places.append(where)
-        replies = await asyncio.gather(*(self.workers.call(h, RowsRequest(asked, priority, LOAD_WAIT))
-                                         for h, (asked, _) in remote.items()))  # holders wait for blocks loading
-        parts = [(np.concatenate(places), reply.arrays) for (_, places), reply in zip(remote.values(), replies)]
+        group = Group(n)
         loop = asyncio.get_running_loop()
         from_files += [taken._replace(rows=np.concatenate(taken.rows), where=np.concatenate(taken.where),
                                       ids=np.concatenate(taken.ids)) for taken in from_arenas.values()]
-        arrays = await loop.run_in_executor(_pool, self._assemble, from_files, parts, n)
-        return arrays, sum(reply.from_store for reply in replies)
+        channels = channels_of(self.client)
+        fetched = [channels.fetch(peer_threads, holder, *group.receiving(asked, np.concatenate(places), priority))
+                   for holder, (asked, places) in remote.items()]  # holders wait for blocks loading
+        taken = loop.run_in_executor(_pool, self._take_files, from_files, group)
+        replies = await asyncio.gather(*fetched, taken)
+        return group.arrays, sum(from_store for _, from_store in replies[:-1])
 
     def take_local(self, plan: dict[str, dict[str, np.ndarray]], positions: dict[str, np.ndarray],
                    n: int) -> dict[str, np.ndarray] | None:
@@ -164,7 +231,9 @@ class Gatherer:
                 from_files.append(FromFile(description, rows, positions[holder][offset:offset + len(rows)], holder,
                                            [key], None))
                 offset += len(rows)
-        return self._assemble(from_files, [], n)
+        group = Group(n)
+        self._take_files(from_files, group)
+        return group.arrays
 
     def _local_holders(self, holders) -> list[str]:
         return [h for h in holders if get_address_host(h) == self.my_host]
@@ -194,8 +263,8 @@ class Gatherer:
             for key, found in described.items():  # a worker of another user's: its rows come by request
                 _mapped.described[(holder, key)] = found if readable(found) else None
 
-    def _assemble(self, from_files: list[FromFile], parts, n: int) -> dict[str, np.ndarray]:
-        """Runs in a thread: take the rows of mapped blocks and put every row in place."""
+    def _take_files(self, from_files: list[FromFile], group: Group) -> None:
+        """Runs in a thread: take the rows of mapped blocks and put them in place."""
         for description, rows, where, holder, keys, ids in from_files:
             try:
                 if "arena" in description:
@@ -210,10 +279,9 @@ class Gatherer:
                     for local in self.arenas.values():
                         local.forget()
                 raise Moved(keys) from None
-            parts.append((where, arrays))
+            group.put(where, arrays)
             self.count(holder, description["tier"], len(rows),
                        sum(a.nbytes for a in arrays.values() if a.dtype != object))
-        return assemble(parts, n)
 
     def has_hits(self) -> bool:
         return bool(self.hits)

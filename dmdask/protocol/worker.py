@@ -35,30 +35,6 @@ class Message:
 
 
 @dataclass
-class RowsRequest(Message):
-    """`dmdask_rows`: block key -> rows (offsets). `priority`: the position of the batch
-    waiting for them (lower first; None: last); `wait`: seconds to wait for blocks loading."""
-    rows: dict[str, np.ndarray]
-    priority: float | None = None
-    wait: float = 0.0
-    PAYLOAD: ClassVar[tuple] = ("rows",)
-
-    def check(self, handler: str) -> None:
-        check.mapping(handler, "rows", self.rows)
-        if self.priority is not None:
-            check.number(handler, "priority", self.priority, 0, float("inf"))
-        check.number(handler, "wait", self.wait, 0, MAX_WAIT)
-
-
-@dataclass
-class Rows(Message):
-    """One array per field, in request order; `from_store`: rows read from the store for it."""
-    arrays: dict[str, np.ndarray]
-    from_store: int = 0
-    PAYLOAD: ClassVar[tuple] = ("arrays",)
-
-
-@dataclass
 class Missing(Message):
     keys: list[str]
 
@@ -68,7 +44,8 @@ class BatchRequest(Message):
     """`dmdask_batch`: consecutive batches gathered from their holders (`requests`, `positions`:
     `plan_rows`); `extra`: fields given whole (a mixture's "source"); `context`: a
     `TransformContext`; `isolate`: the transform in a process of its own; `same_host`: batches
-    may come back in shared memory; `priority`, `wait` as in `RowsRequest`."""
+    may come back in shared memory; `priority`: the position of the first batch (lower
+    first; None: last); `wait`: seconds a holder may wait for blocks it is loading."""
     requests: dict[str, dict[str, np.ndarray]]
     positions: dict[str, np.ndarray]
     index: np.ndarray
@@ -195,13 +172,27 @@ class GiveRows(Message):
 
 
 @dataclass
+class ChannelRequest(Message):
+    """`dmdask_channel`: where the worker serves rows (`dmdask.protocol.rows`)."""
+
+
+@dataclass
+class Channel(Message):
+    """Where a worker serves rows: host, port, and the secret a connection starts with."""
+    host: str
+    port: int
+    secret: str
+
+
+@dataclass
 class Kept(Message):
     keys: list[str]  # those whose bytes the worker kept (others had no room)
 
 
-OPS = {RowsRequest: "dmdask_rows", BatchRequest: "dmdask_batch", DescribeRequest: "dmdask_describe",
-       HitsReport: "dmdask_count_hits", HandOver: "dmdask_hand_over", GiveRows: "dmdask_give_rows"}
-_MESSAGES = {cls.__name__: cls for cls in (*OPS, Rows, Missing, Batches, Descriptions, Kept)}
+OPS = {BatchRequest: "dmdask_batch", DescribeRequest: "dmdask_describe",
+       HitsReport: "dmdask_count_hits", HandOver: "dmdask_hand_over", GiveRows: "dmdask_give_rows",
+       ChannelRequest: "dmdask_channel"}
+_MESSAGES = {cls.__name__: cls for cls in (*OPS, Missing, Batches, Descriptions, Kept, Channel)}
 
 
 def to_wire(message: Message) -> dict:
@@ -251,6 +242,9 @@ class WorkerAPI:
         if isinstance(reply, Missing):
             raise Moved(reply.keys)
         return reply
+
+    async def channel(self, address: str) -> Channel:
+        return await self.call(address, ChannelRequest())
 
     async def describe(self, address: str, keys: list[str]) -> dict[str, dict | None]:
         return (await self.call(address, DescribeRequest(keys))).blocks

@@ -65,6 +65,7 @@ class BlockCache:
         self.given = GivenRows()  # those rows, for the blocks read whole meanwhile
         self.peer_bytes_out = 0
         self.peer_bytes_in = 0
+        self.peer_requests = 0  # requests answered on the row channel (`RowServer`)
         self.handovers = Handovers()
         self.arrivals = Arrivals()  # requests waiting for load tasks of this worker
         store.on_block = self._arrived
@@ -273,12 +274,13 @@ class BlockCache:
                 "shared_store": {"requests": self.store_reads.requests, "bytes": self.store_reads.bytes,
                                  "retries": self.store_reads.retries, "read_ahead": self.ahead.rows_read,
                                  "from_ranks": self.rows_given},
-                "peer": {"bytes_out": self.peer_bytes_out, "bytes_in": self.peer_bytes_in}}
+                "peer": {"bytes_out": self.peer_bytes_out, "bytes_in": self.peer_bytes_in,
+                         "requests": self.peer_requests}}
 
 
 NO_COUNTS = {"stream": {"hits": 0, "buffer_bytes": 0, "buffer_capacity": 0},  # `stats` before a cache starts
              "shared_store": {"requests": 0, "bytes": 0, "retries": 0, "read_ahead": 0, "from_ranks": 0},
-             "peer": {"bytes_out": 0, "bytes_in": 0}}
+             "peer": {"bytes_out": 0, "bytes_in": 0, "requests": 0}}
 
 
 LOADING_STATES = frozenset({"waiting", "ready", "constrained", "executing", "long-running"})

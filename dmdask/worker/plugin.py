@@ -8,11 +8,14 @@ import inspect
 import dask
 import distributed
 import numpy as np
+from distributed.comm import get_address_host
 from distributed.comm.core import CommClosedError
 from distributed.core import Status
 
-from ..protocol.worker import (Batches, BatchRequest, DescribeRequest, Descriptions, GiveRows, HandOver, HitsReport,
-                               Kept, Missing, Moved, OPS, Rows, RowsRequest, WorkerAPI, handler)
+from ..protocol.rows import RowChannels, asked_of
+from ..protocol.worker import (Batches, BatchRequest, Channel, ChannelRequest, DescribeRequest, Descriptions, GiveRows, HandOver,
+                               HitsReport, Kept, Missing, Moved, OPS, WorkerAPI, handler)
+from ..threads import ForkSafeExecutor
 from ..scheduler.placement import STREAMED_TOPIC
 from ..shm.fileblocks import assemble
 from ..shm.results import shareable, write_batches
@@ -21,6 +24,7 @@ from .cache import BlockCache
 from .filling import FillingBlock
 from .holdings import Holding, payload_bytes
 from .reads import LAST
+from .row_server import RowServer
 from .tiers import TieredStore
 from .transforms import transform_in_order, transform_isolated
 
@@ -37,6 +41,8 @@ class WorkerPlugin(distributed.WorkerPlugin):
         self.cache = None
         self.address = None
         self.peers = None
+        self.channels = None
+        self.server = None
         self.worker = None
 
     def setup(self, worker) -> None:
@@ -49,9 +55,18 @@ class WorkerPlugin(distributed.WorkerPlugin):
                                     read_ahead=bool(dask.config.get("dmdask.worker.read-ahead")),
                                     transform_threads=int(dask.config.get("dmdask.worker.transform-threads")))
         self.worker, self.address, self.peers = worker, worker.address, WorkerAPI(worker.rpc)
+        tls = worker.address.startswith("tls://")
+        self.server = worker.extensions.get("dmdask-rows")
+        if self.server is None:
+            context = worker.security.get_listen_args("worker").get("ssl_context") if tls else None
+            self.server = worker.extensions["dmdask-rows"] = RowServer(self.cache, get_address_host(worker.address),
+                                                                       context)
+        context = worker.security.get_connection_args("worker").get("ssl_context")
+        self.channels = RowChannels(self.peers, context, float(dask.config.get("dmdask.client.recovery-seconds")))
         worker.handlers.update({OPS[kind]: handler(kind, self._lost_once_closed(method)) for kind, method in (
-            (RowsRequest, self.rows), (BatchRequest, self.batch), (DescribeRequest, self.describe),
-            (HitsReport, self.count_hits), (HandOver, self.hand_over), (GiveRows, self.give_rows))})
+            (BatchRequest, self.batch), (DescribeRequest, self.describe),
+            (HitsReport, self.count_hits), (HandOver, self.hand_over), (GiveRows, self.give_rows),
+            (ChannelRequest, self.channel))})
         worker.extensions["dmdask"] = self.cache
         worker.metrics["dmdask"] = lambda worker: self.cache.stats()
 
@@ -83,27 +98,18 @@ class WorkerPlugin(distributed.WorkerPlugin):
 
     def teardown(self, worker) -> None:
         if self.cache is not None and worker.status == Status.closing:  # not when added again
+            self.server.close()
             self.cache.close()
-
-    async def rows(self, request: RowsRequest):
-        """`Rows` (one array per field, in request order), or `Missing` for blocks not
-        held once `request.wait` has passed. Rows that are not offsets inside their block
-        raise `ValueError` (`check_rows`), which the caller's RPC re-raises."""
-        try:
-            arrays, from_store = await self.cache.serve(request.rows, _priority(request.priority), request.wait)
-        except Moved as exc:
-            return Missing(exc.keys)
-        self.cache.peer_bytes_out += payload_bytes(arrays)
-        return Rows(arrays, from_store)
 
     async def batch(self, request: BatchRequest):
         """`Batches` of the group, or `Missing` for blocks a holder does not hold."""
         async def from_holder(holder, wanted):
             if holder == self.address:
                 return await self.cache.serve(wanted, _priority(request.priority), request.wait)
-            reply = await self.peers.call(holder, RowsRequest(wanted, request.priority, request.wait))
-            self.cache.peer_bytes_in += payload_bytes(reply.arrays)
-            return reply.arrays, reply.from_store
+            arrays, from_store = await self.channels.fetch(_peer_threads, holder,
+                                                           asked_of(wanted, request.priority, request.wait))
+            self.cache.peer_bytes_in += payload_bytes(arrays)
+            return arrays, from_store
 
         try:
             taken = await asyncio.gather(*(from_holder(h, w) for h, w in request.requests.items()))
@@ -131,6 +137,10 @@ class WorkerPlugin(distributed.WorkerPlugin):
             return Batches(shared=shared, error=error, from_store=from_store)
         return Batches(batches=done, error=error, from_store=from_store)
 
+    def channel(self, request: ChannelRequest) -> Channel:
+        """Where this worker serves rows (`dmdask.protocol.rows`)."""
+        return self.server.channel
+
     def describe(self, request: DescribeRequest) -> Descriptions:
         """How to map each held block's files (None: rows through `dmdask_rows`); blocks
         not held (yet) are left out, the caller asks again. A block held in files can be
@@ -157,6 +167,9 @@ class WorkerPlugin(distributed.WorkerPlugin):
         """Keep blocks' bytes for their load tasks of `request.claim` (`Handovers`)."""
         return Kept([key for key, content in request.blocks.items()
                      if self.cache.handovers.put(key, request.claim, content)])
+
+
+_peer_threads = ForkSafeExecutor(8, "dmdask-peer")  # the rows of other workers, for this worker's transforms
 
 
 def _priority(priority) -> float:

@@ -1,0 +1,307 @@
+"""The row channel: how a process takes rows of blocks that a worker on another host holds
+(docs/architecture.md section 3, step 6). Dask's comm carries the control messages; rows
+travel on a plain TCP (or TLS) connection of their own, read and written by blocking
+threads that release the GIL, one copy per side:
+
+- a request names the holder's blocks once (`keys`) and every row as (block, offset) in
+  the order the rows take in the caller's group, so the reply can land in place;
+- the reply is one header and each field's rows back to back: the worker takes them
+  straight from its arenas into its send buffer, the caller receives them straight into
+  its group's pooled memory (or, when other holders' rows interleave, into the
+  connection's buffer and then into place).
+
+A frame is an 8-byte little-endian length, a msgpack header of that length, then the
+payload the header describes. A connection starts with the worker's secret, which only a
+process that may call the worker's Dask handlers learns (`dmdask_channel`), so the channel
+trusts whom Dask's comm trusts; it is TLS when the worker's comm is.
+"""
+from __future__ import annotations
+
+import asyncio
+import pickle
+import socket
+import ssl
+import struct
+import threading
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+
+from .worker import Channel, Moved
+
+HEADER = struct.Struct("<Q")
+MAX_HEADER = 16 << 20  # bytes of a header (the keys of a request): more is not a dmdask peer
+MAX_ROWS = 1 << 24  # rows of one request
+CONNECT_SECONDS = 5.0  # a connection that takes longer: the worker is gone
+
+
+@dataclass
+class RowsAsked:
+    """Rows of a holder's blocks for one group: `keys` once, then for each row its block
+    (an index into `keys`) and its offset in that block, in the caller's order;
+    `priority`: the position of the batch waiting (lower first; None: last); `wait`:
+    seconds the holder may wait for blocks it is loading."""
+    keys: list[str]
+    blocks: np.ndarray
+    rows: np.ndarray
+    priority: float | None = None
+    wait: float = 0.0
+
+
+def asked_of(wanted: dict[str, np.ndarray], priority: float | None = None, wait: float = 0.0) -> RowsAsked:
+    """The request for the rows `wanted` (block key -> offsets), in that order; ValueError
+    naming the block whose offsets are not a 1-d array of integers."""
+    for key, rows in wanted.items():
+        if rows.ndim != 1 or (rows.size and rows.dtype.kind not in "iu"):
+            raise ValueError(f"rows of block {key} must be a 1-d array of integer offsets, "
+                             f"got {rows.dtype} of shape {rows.shape}")
+    keys = list(wanted)
+    blocks = np.repeat(np.arange(len(keys), dtype=np.int32), [len(rows) for rows in wanted.values()])
+    rows = np.concatenate(list(wanted.values())).astype(np.int64, copy=False) if keys else np.zeros(0, np.int64)
+    return RowsAsked(keys, blocks, rows, priority, wait)
+
+
+# -- framing ------------------------------------------------------------------------------
+
+
+def send_frame(sock: socket.socket, header: dict, buffers=()) -> None:
+    """One frame: the header, then `buffers` (contiguous arrays or bytes) as they are."""
+    head = msgpack.packb(header, use_bin_type=True)
+    sock.sendall(HEADER.pack(len(head)) + head)
+    for buffer in buffers:
+        view = memoryview(buffer).cast("B")
+        if view.nbytes:
+            sock.sendall(view)
+
+
+def recv_header(sock: socket.socket) -> dict:
+    size = HEADER.unpack(bytes(recv_exactly(sock, HEADER.size)))[0]
+    if size > MAX_HEADER:
+        raise ConnectionError(f"a row-channel header of {size} bytes (at most {MAX_HEADER}): not a dmdask peer")
+    return msgpack.unpackb(recv_exactly(sock, size), raw=False)
+
+
+def recv_exactly(sock: socket.socket, nbytes: int) -> bytearray:
+    buffer = bytearray(nbytes)
+    recv_into(sock, memoryview(buffer))
+    return buffer
+
+
+def recv_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill `view` from the socket; ConnectionError if the peer closes first."""
+    view = view.cast("B")
+    while view.nbytes:
+        got = sock.recv_into(view)
+        if not got:
+            raise ConnectionResetError("the row channel's peer closed the connection mid-message")
+        view = view[got:]
+
+
+# -- the reply's fields -------------------------------------------------------------------
+
+
+def describe_fields(arrays: dict[str, np.ndarray]) -> tuple[list, list]:
+    """(the reply header's field list, the buffers to send) for rows of `arrays`. A fixed
+    field travels as its rows; a ragged one (an object array of per-sample arrays) as its
+    sizes then its values; a string field as its UTF-8 sizes then bytes."""
+    fields, buffers = [], []
+    for name, values in arrays.items():
+        if values.dtype == object or values.dtype.kind == "T":
+            kind = "strings" if values.dtype.kind == "T" else "ragged"
+            items = [v.encode() for v in values.tolist()] if kind == "strings" else list(values)
+            sizes = np.fromiter((len(v) for v in items), dtype=np.int64, count=len(items))
+            flat = (np.frombuffer(b"".join(items), dtype=np.uint8) if kind == "strings"
+                    else np.concatenate(items) if items else np.zeros(0, np.uint8))
+            fields.append([name, kind, flat.dtype.str, [], int(flat.nbytes)])
+            buffers += [sizes, np.ascontiguousarray(flat)]
+        else:
+            fields.append([name, "fixed", values.dtype.str, list(values.shape[1:]), int(values.nbytes)])
+            buffers.append(np.ascontiguousarray(values))
+    return fields, buffers
+
+
+def fixed_layout(fields: list) -> tuple | None:
+    """The layout (`dmdask.shm.memory.Layout`) of a reply whose fields are all fixed; else None."""
+    if any(kind != "fixed" for _, kind, _, _, _ in fields):
+        return None
+    return tuple((name, dtype, tuple(shape)) for name, _, dtype, shape, _ in fields)
+
+
+def recv_fields(sock: socket.socket, fields: list, n: int, into: dict | None, buffer) -> dict[str, np.ndarray]:
+    """The reply's `n` rows, field by field: fixed fields into `into` (arrays of `n` rows)
+    when given, else into `buffer` (a `Buffer`, valid until its next use); ragged and
+    string fields into new memory (their samples are views of one array)."""
+    out = {}
+    if into is None:
+        scratch = buffer.view(sum(size for _, kind, _, _, size in fields if kind == "fixed"))
+    at = 0
+    for name, kind, dtype, shape, size in fields:
+        if kind == "fixed":
+            if into is not None:
+                target = into[name]
+            else:
+                target = scratch[at:at + size].view(dtype).reshape((n,) + tuple(shape))
+                at += size
+            recv_into(sock, memoryview(target))
+            out[name] = target
+            continue
+        sizes = np.empty(n, dtype=np.int64)
+        recv_into(sock, memoryview(sizes))
+        values = np.empty(size // np.dtype(dtype).itemsize, dtype=dtype)
+        recv_into(sock, memoryview(values))
+        bounds = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+        if kind == "strings":
+            raw = values.tobytes()
+            out[name] = np.array([raw[a:b].decode() for a, b in zip(bounds[:-1], bounds[1:])],
+                                 dtype=np.dtypes.StringDType())
+        else:
+            column = np.empty(n, dtype=object)
+            for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+                column[i] = values[a:b]
+            out[name] = column
+    return out
+
+
+def into_new(fields: list, n: int, receive) -> dict[str, np.ndarray]:
+    """A `place` for `RowChannels.exchange`: the rows in new arrays of their own."""
+    layout = fixed_layout(fields)
+    if layout is not None:
+        return receive({name: np.empty((n,) + shape, dtype=dtype) for name, dtype, shape in layout})
+    return _copied(receive(None))
+
+
+def _copied(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Arrays out of a connection's buffer (reused by its next reply) copied into memory of their own."""
+    return {name: a if a.dtype == object or a.dtype.kind == "T" else a.copy() for name, a in arrays.items()}
+
+
+class Buffer:
+    """Reusable memory of one connection (grown, never shrunk)."""
+
+    def __init__(self):
+        self._memory = np.empty(0, dtype=np.uint8)
+
+    def view(self, nbytes: int) -> np.ndarray:
+        if len(self._memory) < nbytes:
+            self._memory = np.empty(max(nbytes, 2 * len(self._memory)), dtype=np.uint8)
+        return self._memory[:nbytes]
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+
+def error_header(exc: BaseException) -> tuple[dict, list]:
+    """A reply that raises `exc` in the caller (pickled, as Dask's comm sends errors)."""
+    try:
+        payload = pickle.dumps(exc)
+    except Exception:  # noqa: BLE001 - an exception that does not pickle: its text
+        payload = pickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))
+    return {"status": "error", "nbytes": len(payload)}, [payload]
+
+
+# -- the caller's side ------------------------------------------------------------------------
+
+
+class RowChannels:
+    """One process's connections to the workers' row channels (a caller's side: a training
+    process, or a worker gathering for a transform). `api`: a `WorkerAPI` (to learn a
+    channel); `ssl_context`: for workers whose comm is TLS (`tls://`); `timeout`:
+    seconds a reply may take before the holder counts as lost (an OSError, which callers
+    recover from as from any lost worker). Thread-safe; a forked child connects anew."""
+
+    def __init__(self, api, ssl_context: ssl.SSLContext | None, timeout: float):
+        self.api, self.ssl_context, self.timeout = api, ssl_context, timeout
+        self._channels: dict[str, Channel] = {}
+        self._idle: dict[str, list] = {}  # holder -> idle (socket, Buffer)
+        self._lock = threading.Lock()
+
+    async def channel(self, holder: str) -> Channel:
+        found = self._channels.get(holder)
+        if found is None:
+            found = self._channels[holder] = await self.api.channel(holder)
+        return found
+
+    async def fetch(self, executor, holder: str, asked: RowsAsked, place=None) -> tuple:
+        """Rows `asked` of `holder`, received in a thread of `executor` by `place` (see
+        `exchange`; None: into new arrays): (what `place` returned, how many rows the
+        holder read from the store for them). `Moved` for blocks it
+        does not hold; the holder's error (`BlockReadError`, `ValueError` for rows outside
+        their block) raised as it was; OSError when the holder is gone or does not answer."""
+        channel = await self.channel(holder)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(executor, self.exchange, holder, channel, asked,
+                                                                    place)
+        except OSError:
+            self.forget(holder)
+            raise
+
+    def exchange(self, holder: str, channel: Channel, asked: RowsAsked, place=None) -> tuple:
+        """Blocking: send `asked`, then `place(fields, n, receive)` with the reply, where
+        `receive(into)` reads the rows (`recv_fields`), once. The connection is reused once
+        a whole reply was read, closed after any other failure."""
+        place = place or into_new
+        sock, buffer = self._connection(holder, channel)
+        error = None
+        try:
+            send_frame(sock, {"keys": asked.keys, "n": len(asked.rows), "priority": asked.priority,
+                              "wait": asked.wait}, [np.ascontiguousarray(asked.blocks, dtype=np.int32),
+                                                    np.ascontiguousarray(asked.rows, dtype=np.int64)])
+            header = recv_header(sock)
+            status = header.get("status")
+            if status == "rows":
+                n = len(asked.rows)
+                placed = place(header["fields"], n, lambda into: recv_fields(sock, header["fields"], n, into, buffer))
+            elif status == "missing":
+                error = Moved(header["keys"])
+            elif status == "error":
+                error = pickle.loads(recv_exactly(sock, header["nbytes"]))
+            else:
+                raise ConnectionError(f"the row channel of {holder} answered {header!r}: not a dmdask peer")
+        except BaseException:
+            sock.close()
+            raise
+        if header.get("closing"):  # a refused request: the worker closes this connection
+            sock.close()
+        else:
+            self._give_back(holder, sock, buffer)
+        if error is not None:
+            raise error
+        return placed, int(header.get("from_store", 0))
+
+    def _connection(self, holder: str, channel: Channel):
+        with self._lock:
+            idle = self._idle.get(holder)
+            if idle:
+                return idle.pop()
+        sock = socket.create_connection((channel.host, channel.port), timeout=CONNECT_SECONDS)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if holder.startswith("tls://"):
+                if self.ssl_context is None:
+                    raise ConnectionError(f"{holder} takes TLS, and this process has no TLS security configured")
+                sock = self.ssl_context.wrap_socket(sock, server_hostname=channel.host)
+            sock.settimeout(self.timeout)
+            send_frame(sock, {"secret": channel.secret})
+        except BaseException:
+            sock.close()
+            raise
+        return sock, Buffer()
+
+    def _give_back(self, holder: str, sock, buffer) -> None:
+        with self._lock:
+            self._idle.setdefault(holder, []).append((sock, buffer))
+
+    def forget(self, holder: str) -> None:
+        """A holder gone: learn its channel again next time, close its idle connections."""
+        with self._lock:
+            self._channels.pop(holder, None)
+            idle = self._idle.pop(holder, [])
+        for sock, _ in idle:
+            sock.close()
+
+    def after_fork(self) -> None:
+        """In a forked child: the parent's connections are not this process's to use."""
+        self._lock = threading.Lock()
+        self._idle = {}
+

@@ -1,0 +1,234 @@
+"""`RowServer`: a worker's end of the row channel (`dmdask.protocol.rows`). A thread per
+connection reads a request, takes its rows and writes them back, off the worker's event
+loop: rows of one arena (the RAM tier of fixed-size fields) with one vectorised take per
+field straight into the connection's send buffer; rows of other blocks in files with one
+take per block; rows that need the store or a block still loading through the event loop
+(`BlockCache.serve`), as before. Guarantees: a reply holds every row asked, in the order
+asked, or names the blocks not held (`Moved`), or carries the error (a `ValueError` for
+rows outside their block, a `HandlerArgumentError` for a malformed request); rows of a
+block released while they were taken are never sent (the arena's labels are checked
+after the copy); only a connection that starts with the worker's secret is served.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import secrets
+import socket
+import threading
+import time
+
+import numpy as np
+
+from .. import arguments as check
+from ..errors import HandlerArgumentError
+from ..protocol.rows import (MAX_ROWS, Buffer, RowsAsked, describe_fields, error_header, recv_header,
+                             recv_into, send_frame)
+from ..protocol.worker import MAX_WAIT, Channel, Moved
+from ..shm.arena import ID_FIELD, ArenaMaps
+from .holdings import ArenaBlock, FileBlock, concat, payload_bytes
+
+logger = logging.getLogger(__name__)
+HELLO_SECONDS = 10.0  # a connection that does not say the secret in time is closed
+OP = "dmdask row channel"
+
+
+class RowServer:
+    """Serves the rows of `cache` (a `BlockCache`) on a port of `host`; TLS with `ssl_context`."""
+
+    def __init__(self, cache, host: str, ssl_context=None):
+        self.cache, self.ssl_context = cache, ssl_context
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, 0), family=family, backlog=128)
+        self.channel = Channel(host, self._listener.getsockname()[1], secrets.token_hex(16))
+        self._connections: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._threads = [threading.Thread(target=self._accept, name="dmdask-rows-accept", daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:  # closed
+                return
+            thread = threading.Thread(target=self._serve, args=(conn,), name="dmdask-rows", daemon=True)
+            with self._lock:
+                self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+            thread.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with self._lock:
+            if self._closed:
+                conn.close()
+                return
+            self._connections.add(conn)
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(HELLO_SECONDS)
+            if self.ssl_context is not None:
+                conn = self.ssl_context.wrap_socket(conn, server_side=True)
+            hello = recv_header(conn)
+            if not hmac.compare_digest(str(hello.get("secret", "")).encode(), self.channel.secret.encode()):
+                logger.warning("closed a row-channel connection without this worker's secret")
+                return
+            conn.settimeout(None)
+            buffer = Buffer()
+            while True:
+                header = recv_header(conn)
+                try:
+                    asked = read_request(header, lambda view: recv_into(conn, view))
+                except HandlerArgumentError as exc:  # its payload cannot be skipped: answer, then close
+                    header, buffers = error_header(exc)
+                    send_frame(conn, {**header, "closing": True}, buffers)
+                    return
+                send_frame(conn, *self.answer(asked, buffer))
+        except (OSError, ValueError):  # the caller left, or sent what is not a request: drop it
+            pass
+        except Exception:  # noqa: BLE001 - never let a connection's thread take the worker down
+            logger.exception("row channel connection failed")
+        finally:
+            with self._lock:
+                self._connections.discard(conn)
+            conn.close()
+
+    def answer(self, asked: RowsAsked, buffer: Buffer) -> tuple[dict, list]:
+        """The reply to a request: (its header, the buffers to send after it)."""
+        try:
+            arrays, from_store = self.rows(asked, buffer)
+        except Moved as exc:
+            return {"status": "missing", "keys": exc.keys}, []
+        except Exception as exc:  # noqa: BLE001 - sent to the caller, raised there
+            return error_header(exc)
+        fields, buffers = describe_fields(arrays)
+        with self._lock:
+            self.cache.peer_bytes_out += payload_bytes(arrays)
+            self.cache.peer_requests += 1
+        return {"status": "rows", "fields": fields, "from_store": from_store}, buffers
+
+    def rows(self, asked: RowsAsked, buffer: Buffer) -> tuple[dict[str, np.ndarray], int]:
+        """(the rows asked, one array per field, in the order asked; how many were read
+        from the store for them). `Moved` for blocks not held."""
+        store = self.cache.store
+        held = [store.get(key) for key in asked.keys]
+        if held and all(isinstance(h, (ArenaBlock, FileBlock)) for h in held):
+            check_offsets(asked, [len(h) for h in held])
+            arenas = {id(h.arena) for h in held if isinstance(h, ArenaBlock)}
+            try:
+                if len(arenas) == 1 and all(isinstance(h, ArenaBlock) for h in held):
+                    return self._from_arena(asked, held, buffer), 0
+                return self._from_files(asked, held), 0
+            except OSError:  # files gone or unreadable: the event loop's path reads them again
+                pass
+        return self._on_loop(asked)
+
+    def _from_arena(self, asked: RowsAsked, held: list[ArenaBlock], buffer: Buffer) -> dict[str, np.ndarray]:
+        """One take per field from the arena's rows straight into `buffer`."""
+        arena, n = held[0].arena, len(asked.rows)
+        first_row = np.array([h.slot for h in held], dtype=np.int64) * arena.block_len
+        start = np.array([h.start for h in held], dtype=np.int64)
+        rows = first_row[asked.blocks] + asked.rows
+        needed = int(rows.max()) + 1 if n else 0
+        maps = ArenaMaps.shared
+        sizes = {name: n * np.dtype(dtype).itemsize * int(np.prod(shape, dtype=np.int64))
+                 for name, (_, dtype, shape) in arena.fields.items() if name != ID_FIELD}
+        memory, at, out = buffer.view(sum(sizes.values())), 0, {}
+        for name, size in sizes.items():
+            path, dtype, shape = arena.fields[name]
+            target = memory[at:at + size].view(dtype).reshape((n,) + tuple(shape))
+            np.take(maps.rows(path, dtype, shape, needed), rows, axis=0, out=target, mode="clip")
+            out[name], at = target, at + size
+        labels = maps.rows(*arena.fields[ID_FIELD], needed)[rows]
+        wrong = labels != start[asked.blocks] + asked.rows  # released (and reused) while taken
+        if wrong.any():
+            raise Moved([asked.keys[b] for b in np.unique(asked.blocks[wrong]).tolist()])
+        self.cache.store.count_hit("ram", n, sum(sizes.values()))
+        return out
+
+    def _from_files(self, asked: RowsAsked, held: list) -> dict[str, np.ndarray]:
+        """One take per block (files mapped by this worker), put in the order asked."""
+        order = np.argsort(asked.blocks, kind="stable")
+        sorted_blocks = asked.blocks[order]
+        cuts = np.searchsorted(sorted_blocks, np.arange(len(held) + 1))
+        parts = []
+        for b, holding in enumerate(held):
+            mine = order[cuts[b]:cuts[b + 1]]
+            if len(mine):
+                taken = holding.take(asked.rows[mine])
+                self.cache.store.count_hit(holding.tier, len(mine), payload_bytes(taken))
+                parts.append(taken)
+        return _in_order({f: concat([p[f] for p in parts]) for f in parts[0]}, order)
+
+    def _on_loop(self, asked: RowsAsked) -> tuple[dict[str, np.ndarray], int]:
+        """Through the event loop (`BlockCache.serve`: waits for loads, reads the store)."""
+        order = np.argsort(asked.blocks, kind="stable")
+        sorted_blocks = asked.blocks[order]
+        cuts = np.searchsorted(sorted_blocks, np.arange(len(asked.keys) + 1))
+        by_key = {asked.keys[b]: asked.rows[order[cuts[b]:cuts[b + 1]]]
+                  for b in range(len(asked.keys)) if cuts[b + 1] > cuts[b]}
+        priority = float("inf") if asked.priority is None else float(asked.priority)
+        served = asyncio.run_coroutine_threadsafe(self.cache.serve(by_key, priority, asked.wait),
+                                                  self.cache.worker.loop.asyncio_loop)
+        arrays, from_store = served.result()
+        return _in_order(arrays, order), from_store
+
+    def close(self) -> None:
+        """Stop listening and end every connection (a reply being written is cut off:
+        its caller sees a lost worker); waits for the threads, at most 2 s in all."""
+        with self._lock:
+            self._closed = True
+            connections, threads = list(self._connections), list(self._threads)
+        for sock in [self._listener, *connections]:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in accept or recv
+            except OSError:
+                pass
+        self._listener.close()
+        deadline = time.monotonic() + 2.0
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _in_order(arrays: dict[str, np.ndarray], order: np.ndarray) -> dict[str, np.ndarray]:
+    """Rows taken in `order` (row i of `arrays` is the row asked at `order[i]`) put back in the order asked."""
+    if len(order) and not (order[1:] > order[:-1]).all():
+        inverse = np.empty_like(order)
+        inverse[order] = np.arange(len(order))
+        return {f: a[inverse] for f, a in arrays.items()}
+    return arrays
+
+
+def read_request(header: dict, receive) -> RowsAsked:
+    """The request of `header` with its payload read by `receive`; `HandlerArgumentError`
+    naming what is wrong (the connection is then closed: its payload cannot be skipped)."""
+    if not isinstance(header, dict):
+        raise check.refuse(OP, "request", "a dict", type(header).__name__)
+    keys = check.texts(OP, "keys", header.get("keys"))
+    if len(set(keys)) != len(keys):
+        raise check.refuse(OP, "keys", "distinct block keys", keys[:4])
+    n = check.count(OP, "n", header.get("n"), 0, MAX_ROWS)
+    priority = header.get("priority")
+    if priority is not None:
+        check.number(OP, "priority", priority, 0, float("inf"))
+    wait = check.number(OP, "wait", header.get("wait", 0.0), 0, MAX_WAIT)
+    blocks, rows = np.empty(n, dtype=np.int32), np.empty(n, dtype=np.int64)
+    receive(memoryview(blocks))
+    receive(memoryview(rows))
+    if n and (blocks.min() < 0 or blocks.max() >= len(keys)):
+        raise check.refuse(OP, "blocks", f"indices into the {len(keys)} keys", blocks[(blocks < 0) |
+                                                                                       (blocks >= len(keys))][:4])
+    return RowsAsked(keys, blocks, rows, priority, float(wait))
+
+
+def check_offsets(asked: RowsAsked, lengths: list[int]) -> None:
+    """ValueError naming the first block with rows that are not offsets inside it."""
+    limit = np.asarray(lengths, dtype=np.int64)[asked.blocks]
+    bad = (asked.rows < 0) | (asked.rows >= limit)
+    if bad.any():
+        b = int(asked.blocks[bad][0])
+        offsets = np.unique(asked.rows[bad & (asked.blocks == b)])
+        more = f" and {len(offsets) - 8} more" if len(offsets) > 8 else ""
+        raise ValueError(f"rows of block {asked.keys[b]} must be offsets in 0..{lengths[b] - 1}; "
+                         f"got {offsets[:8].tolist()}{more}")
