@@ -68,6 +68,9 @@ def run(preset: str, sizes=None, reps: int | None = None) -> dict:
     unknown = set(cfg["sizes"]) - set(SIZES)
     if unknown:
         raise ValueError(f"unknown sample sizes {sorted(unknown)}; choose from {list(SIZES)}")
+    import dmdask
+
+    cfg["prefetch"] = dmdask.Spec.__dataclass_fields__["prefetch"].default  # dmdask's own, as users get it
     cfg["samples"] = {name: max(2 * SIZES[name][1], cfg["dataset_bytes"] // SIZES[name][0]) for name in cfg["sizes"]}
     with tempfile.TemporaryDirectory(prefix="dmdask-bench-peer-path-") as root:
         paths = {name: _write_dataset(f"{root}/{name}.zarr", SIZES[name][0], cfg["samples"][name])
@@ -190,12 +193,10 @@ class _Bench:
         return reply
 
     def _worker_cpu(self) -> float:
-        t = self.worker.cpu_times()
-        return t.user + t.system
+        return tree_cpu(self.worker)
 
     def _scheduler_cpu(self) -> float:
-        t = self.scheduler.cpu_times()
-        return t.user + t.system
+        return tree_cpu(self.scheduler)
 
     def _bytes_out(self) -> int:
         import dmdask
@@ -226,15 +227,21 @@ class _Bench:
                 loads.append(round(os.getloadavg()[0], 2))
         link = _summary("raw TCP", samples[configs[0]])
         gather = _summary("Dask gather(direct=True)", samples[configs[1]], link)
-        rows = [dict(_summary(kind, samples[(kind, name, shuffle)], link), path=kind, size=name,
-                     sample_bytes=SIZES[name][0], batch=SIZES[name][1], shuffle=shuffle)
-                for kind, name, shuffle in configs[2:]]
+        rows = []
+        for kind, name, shuffle in configs[2:]:
+            reps = samples[(kind, name, shuffle)]
+            row = dict(_summary(kind, reps, link), path=kind, size=name, sample_bytes=SIZES[name][0],
+                       batch=SIZES[name][1], shuffle=shuffle)
+            if kind == "remote":
+                row["bytes_out_check"] = bytes_out_check(reps)
+            rows.append(row)
         return {"link": link, "gather": gather, "rows": rows, "load_1min": loads,
                 "worker_ram_bytes": held}
 
     def _one(self, key, cfg, paths, epoch: int) -> dict:
         kind, name, shuffle = key
-        out = self._bytes_out() if kind == "remote" else 0
+        dmdask_epoch = kind in ("remote", "same_host")
+        out = self._bytes_out() if dmdask_epoch else 0
         cpu, scheduler = self._worker_cpu(), self._scheduler_cpu()
         if kind == "raw_tcp":
             got = self._call(self.remote, "tcp", self.tcp_port, cfg["tcp_bytes"])
@@ -248,9 +255,17 @@ class _Bench:
             got = self._call(reader, "epoch", paths[name], SIZES[name][1], shuffle, epoch)
             got["holder_cpu"] = self._worker_cpu() - cpu
         got["scheduler_cpu"] = self._scheduler_cpu() - scheduler
-        if kind == "remote":
+        if dmdask_epoch:
             got["bytes_out"] = self._bytes_out() - out
         return got
+
+
+def bytes_out_check(reps: list) -> dict:
+    """Whether every row of each remote epoch crossed TCP: the worker's `peer.bytes_out` rose
+    by at least the bytes the epoch read (a row taken from a mapped arena adds nothing)."""
+    return {"bytes_read": [r["bytes"] for r in reps], "bytes_out": [r["bytes_out"] for r in reps],
+            "every_row_crossed_tcp": all(r["bytes_out"] >= r["bytes"] for r in reps),
+            "exact": all(r["bytes_out"] == r["bytes"] for r in reps)}
 
 
 def dmdask_ram_bytes(client) -> int:
@@ -273,12 +288,9 @@ def _summary(label: str, reps: list, link: dict | None = None) -> dict:
     out["cpu_per_gb"]["total"] = med(lambda r: (r["cpu"] + r["holder_cpu"]) / (r["bytes"] / 1e9))
     if reps and "samples" in reps[0]:
         out["samples_per_s"] = med(lambda r: r["samples"] / r["seconds"])
-    if reps and "bytes_out" in reps[0]:  # every row crossed TCP: the worker sent at least what was read
-        out["bytes_out_check"] = {"bytes_read": [r["bytes"] for r in reps], "bytes_out": [r["bytes_out"] for r in reps],
-                                  "every_row_crossed_tcp": all(r["bytes_out"] >= r["bytes"] for r in reps),
-                                  "exact": all(r["bytes_out"] == r["bytes"] for r in reps)}
-    if link is not None:
-        out["to_raw_tcp"] = out["mb_per_s"] / link["mb_per_s"]
+    if link is not None:  # each repetition against the link's in the same round, then the median
+        out["ratios"] = [(r["bytes"] / r["seconds"]) / (t["bytes"] / t["seconds"]) for r, t in zip(reps, link["reps"])]
+        out["to_raw_tcp"] = statistics.median(out["ratios"])
         out["cpu_to_raw_tcp"] = out["cpu_per_gb"]["total"] / link["cpu_per_gb"]["total"]
     return out
 
@@ -314,8 +326,21 @@ def goals(result: dict) -> list:
 def _cpu() -> float:
     import psutil
 
-    t = psutil.Process().cpu_times()
-    return t.user + t.system
+    return tree_cpu(psutil.Process())
+
+
+def tree_cpu(process) -> float:
+    """User + system CPU-seconds of a `psutil.Process` and of its live descendants."""
+    import psutil
+
+    total = 0.0
+    for p in [process] + process.children(recursive=True):
+        try:
+            t = p.cpu_times()
+        except psutil.NoSuchProcess:  # ended while we looked
+            continue
+        total += t.user + t.system
+    return total
 
 
 def _reader_main(conn, address: str, host: str) -> None:
@@ -482,7 +507,9 @@ def report(result: dict, plots_dir: str) -> str:
             f"{BLOCK_BYTES // MiB} MiB); the remote reader sets `dmdask.client.host` = \"{READER_HOST}\", so that "
             "nothing is mapped (each epoch checks that the worker's `peer.bytes_out` rose by at least the bytes "
             "it read); the same-host reader's host is the worker's (mapped arenas). "
+            f"Batch sizes as in the table, dmdask's default prefetch ({cfg['prefetch']}), no transform. "
             f"{cfg['reps']} interleaved repetitions of every configuration after one warm-up round, medians; "
+            "/ raw TCP: each repetition's MB/s over the link's in the same round, median; "
             "CPU-seconds per GB (10^9 bytes) of the reader process and of the holder (the worker, or the TCP "
             "sender), psutil user + system; the scheduler's apart, counted in no goal. "
             + (f"Load average (1 min) during the repetitions: {min(load):.1f}-{max(load):.1f}; " if load else "")
