@@ -245,6 +245,8 @@ class _Bench:
         cpu, scheduler = self._worker_cpu(), self._scheduler_cpu()
         if kind == "raw_tcp":
             got = self._call(self.remote, "tcp", self.tcp_port, cfg["tcp_bytes"])
+            if not self.sender.poll(120):
+                raise TimeoutError("the TCP sender did not report its CPU within 120 s of the last byte")
             sent = self.sender.recv()
             got["holder_cpu"] = sent["cpu"]
         elif kind == "gather":
