@@ -108,7 +108,8 @@ def _write_dataset(path: str, sample_bytes: int, n: int) -> str:
 @contextlib.contextmanager
 def _holder(root: str, capacity: int):
     """A `dask scheduler` and one dmdask worker (RAM tier `capacity`, no SSD), both bound on
-    HOLDER_HOST, no dashboards; yields (scheduler address, the worker's pid, the scheduler's pid)."""
+    HOLDER_HOST, no dashboards (their HTTP servers, which Dask starts anyway for /health and
+    /metrics, on HOLDER_HOST too); yields (scheduler address, the worker's pid, the scheduler's pid)."""
     import distributed
 
     from .common import stop_processes
@@ -117,8 +118,8 @@ def _holder(root: str, capacity: int):
     env = dict(os.environ, DASK_DISTRIBUTED__SCHEDULER__WORK_STEALING="False")
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     procs = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", HOLDER_HOST,
-                               "--port", "0", "--no-dashboard", "--scheduler-file", scheduler_file,
-                               "--preload", "dmdask"], env=env, **quiet)]
+                               "--port", "0", "--no-dashboard", "--dashboard-address", f"{HOLDER_HOST}:0",
+                               "--scheduler-file", scheduler_file, "--preload", "dmdask"], env=env, **quiet)]
     try:
         deadline = time.monotonic() + 120
         while not os.path.exists(scheduler_file):
@@ -131,7 +132,8 @@ def _holder(root: str, capacity: int):
         worker_env = dict(env, DASK_DMDASK__WORKER__RAM=str(capacity), DASK_DMDASK__WORKER__SSD="0")
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "distributed.cli.dask_worker", address, "--worker-class", "dmdask.Worker",
-             "--nthreads", "2", "--no-nanny", "--no-dashboard", "--host", HOLDER_HOST, "--name", "holder",
+             "--nthreads", "2", "--no-nanny", "--no-dashboard", "--dashboard-address", f"{HOLDER_HOST}:0",
+             "--host", HOLDER_HOST, "--name", "holder",
              "--local-directory", root], env=worker_env, **quiet))
         with distributed.Client(address, timeout=60) as client:
             client.wait_for_workers(1, timeout=120)
@@ -236,7 +238,34 @@ class _Bench:
                 row["bytes_out_check"] = bytes_out_check(reps)
             rows.append(row)
         return {"link": link, "gather": gather, "rows": rows, "load_1min": loads,
-                "worker_ram_bytes": held}
+                "worker_ram_bytes": held, "addresses": self._addresses()}
+
+    def _addresses(self) -> dict:
+        """Where each process's TCP sockets are, while all are still open: {"listen": local
+        IPs of listening sockets, "connected": local IPs of the others} of the readers, the
+        worker, the scheduler and the TCP sender. The holders listen on HOLDER_HOST only; a
+        connection that binds no address (a reader's or the worker's to the scheduler) gets
+        READER_HOST from the kernel, loopback's source address."""
+        import psutil
+
+        def ips(*processes):
+            found = {"listen": set(), "connected": set()}
+            for process in processes:
+                for p in [process] + process.children(recursive=True):
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        for c in p.net_connections(kind="inet"):
+                            if c.laddr:
+                                found["listen" if c.status == psutil.CONN_LISTEN else "connected"].add(c.laddr.ip)
+            return {k: sorted(v) for k, v in found.items()}
+
+        readers = [psutil.Process(p.pid) for p in self.processes[:2]]
+        out = {"readers": ips(*readers), "worker": ips(self.worker), "scheduler": ips(self.scheduler),
+               "tcp_sender": ips(psutil.Process(self.processes[2].pid))}
+        used = {ip for v in out.values() for ips_ in v.values() for ip in ips_}
+        out["only_the_two_addresses"] = used <= {READER_HOST, HOLDER_HOST}
+        out["holders_listen_on_holder_host"] = all(set(out[k]["listen"]) <= {HOLDER_HOST}
+                                                   for k in ("worker", "scheduler", "tcp_sender"))
+        return out
 
     def _one(self, key, cfg, paths, epoch: int) -> dict:
         kind, name, shuffle = key
@@ -499,23 +528,27 @@ def table(result: dict) -> str:
 
 
 def report(result: dict, plots_dir: str) -> str:
-    cfg = result["config"]
-    load = result["load_1min"]
-    return (f"A reader process on {READER_HOST} and a holder on {HOLDER_HOST} (loopback), no training step. "
-            f"The link: one TCP connection, `sendall` of 4 MiB buffers into `recv_into` one preallocated buffer, "
-            f"{cfg['tcp_bytes'] // MiB} MiB a repetition. dmdask: a `dask scheduler` and one `dask worker "
-            f"--worker-class dmdask.Worker` on {HOLDER_HOST} holding every dataset in its RAM tier (Zarr v3, "
-            f"uncompressed, about {cfg['dataset_bytes'] // MiB} MiB a sample size, blocks of about "
-            f"{BLOCK_BYTES // MiB} MiB); the remote reader sets `dmdask.client.host` = \"{READER_HOST}\", so that "
-            "nothing is mapped (each epoch checks that the worker's `peer.bytes_out` rose by at least the bytes "
-            "it read); the same-host reader's host is the worker's (mapped arenas). "
-            f"Batch sizes as in the table, dmdask's default prefetch ({cfg['prefetch']}), no transform. "
-            f"{cfg['reps']} interleaved repetitions of every configuration after one warm-up round, medians; "
-            "/ raw TCP: each repetition's MB/s over the link's in the same round, median; "
-            "CPU-seconds per GB (10^9 bytes) of the reader process and of the holder (the worker, or the TCP "
-            "sender), psutil user + system; the scheduler's apart, counted in no goal. "
-            + (f"Load average (1 min) during the repetitions: {min(load):.1f}-{max(load):.1f}; " if load else "")
-            + "read the ratios and CPU per GB, not the MB/s.\n\n" + table(result) + "\n")
+    cfg, load, addresses = result["config"], result["load_1min"], result.get("addresses", {})
+    parts = [
+        f"A reader process on {READER_HOST} and a holder on {HOLDER_HOST} (loopback), no training step. "
+        "The link: one TCP connection, `sendall` of 4 MiB buffers into `recv_into` one preallocated buffer, "
+        f"{cfg['tcp_bytes'] // MiB} MiB a repetition. dmdask: a `dask scheduler` and one `dask worker "
+        f"--worker-class dmdask.Worker` on {HOLDER_HOST} holding every dataset in its RAM tier (Zarr v3, "
+        f"uncompressed, about {cfg['dataset_bytes'] // MiB} MiB a sample size, blocks of about "
+        f"{BLOCK_BYTES // MiB} MiB); the remote reader sets `dmdask.client.host` = \"{READER_HOST}\", so that "
+        "nothing is mapped (each epoch checks that the worker's `peer.bytes_out` rose by at least the bytes "
+        "it read); the same-host reader's host is the worker's (mapped arenas).",
+        f"Every socket of the run was on these two addresses, the holders listening on {HOLDER_HOST} only."
+        if addresses.get("only_the_two_addresses") else f"**Sockets on other addresses than these two**: {addresses}.",
+        f"Batch sizes as in the table, dmdask's default prefetch ({cfg['prefetch']}), no transform. "
+        f"{cfg['reps']} interleaved repetitions of every configuration after one warm-up round, medians; "
+        "/ raw TCP: each repetition's MB/s over the link's in the same round, median; CPU-seconds per GB "
+        "(10^9 bytes) of the reader process and of the holder (the worker, or the TCP sender), psutil user + "
+        "system; the scheduler's apart, counted in no goal.",
+        (f"Load average (1 min) during the repetitions: {min(load):.1f}-{max(load):.1f}; " if load else "")
+        + "read the ratios and CPU per GB, not the MB/s.",
+    ]
+    return " ".join(parts) + "\n\n" + table(result) + "\n"
 
 
 def _print_goals(result: dict) -> str:

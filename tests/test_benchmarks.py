@@ -155,6 +155,9 @@ def test_peer_path_scenario_runs_and_checks_that_every_remote_row_crossed_tcp(tm
             check = row["bytes_out_check"]
             assert check["every_row_crossed_tcp"], check
             assert all(out >= read for out, read in zip(check["bytes_out"], check["bytes_read"]))
+    addresses = result["addresses"]
+    assert addresses["only_the_two_addresses"] and addresses["holders_listen_on_holder_host"], addresses
+    assert addresses["readers"]["connected"] == ["127.0.0.1"] and addresses["worker"]["listen"] == ["127.0.0.2"]
     assert result["worker_ram_bytes"] >= sum(n * (SIZES[s][0] + 8) for s, n in cfg["samples"].items())
     judged = [g["goal"] for g in result["goals"]]
     assert len(judged) == 7 and all(isinstance(g["met"], bool) and "load" in g["measured"] for g in result["goals"])
