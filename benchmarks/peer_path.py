@@ -194,11 +194,6 @@ class _Bench:
             raise RuntimeError(f"{command[0]} failed: {reply['error']}")
         return reply
 
-    def _worker_cpu(self) -> float:
-        return tree_cpu(self.worker)
-
-    def _scheduler_cpu(self) -> float:
-        return tree_cpu(self.scheduler)
 
     def _bytes_out(self) -> int:
         import dmdask
@@ -271,21 +266,22 @@ class _Bench:
         kind, name, shuffle = key
         dmdask_epoch = kind in ("remote", "same_host")
         out = self._bytes_out() if dmdask_epoch else 0
-        cpu, scheduler = self._worker_cpu(), self._scheduler_cpu()
+        worker, scheduler = usage(self.worker), usage(self.scheduler)
         if kind == "raw_tcp":
             got = self._call(self.remote, "tcp", self.tcp_port, cfg["tcp_bytes"])
             if not self.sender.poll(120):
                 raise TimeoutError("the TCP sender did not report its CPU within 120 s of the last byte")
             sent = self.sender.recv()
-            got["holder_cpu"] = sent["cpu"]
-        elif kind == "gather":
-            got = self._call(self.remote, "gather")
-            got["holder_cpu"] = self._worker_cpu() - cpu
+            got["holder_cpu"], got["holder_faults"] = sent["cpu"], sent["faults"]
         else:
-            reader = self.remote if kind == "remote" else self.same_host
-            got = self._call(reader, "epoch", paths[name], SIZES[name][1], shuffle, epoch)
-            got["holder_cpu"] = self._worker_cpu() - cpu
-        got["scheduler_cpu"] = self._scheduler_cpu() - scheduler
+            if kind == "gather":
+                got = self._call(self.remote, "gather")
+            else:
+                reader = self.remote if kind == "remote" else self.same_host
+                got = self._call(reader, "epoch", paths[name], SIZES[name][1], shuffle, epoch)
+            spent = since(worker, self.worker)
+            got["holder_cpu"], got["holder_faults"] = spent["cpu"], spent["faults"]
+        got["scheduler_cpu"] = since(scheduler, self.scheduler)["cpu"]
         if dmdask_epoch:
             got["bytes_out"] = self._bytes_out() - out
         return got
@@ -317,6 +313,8 @@ def _summary(label: str, reps: list, link: dict | None = None) -> dict:
                           "holder": med(lambda r: r["holder_cpu"] / (r["bytes"] / 1e9))}}
     out["cpu_per_gb"]["scheduler"] = med(lambda r: r["scheduler_cpu"] / (r["bytes"] / 1e9))
     out["cpu_per_gb"]["total"] = med(lambda r: (r["cpu"] + r["holder_cpu"]) / (r["bytes"] / 1e9))
+    out["faults_per_mb"] = {"reader": med(lambda r: r["faults"] / (r["bytes"] / 1e6)),  # minor page faults
+                            "holder": med(lambda r: r["holder_faults"] / (r["bytes"] / 1e6))}
     if reps and "samples" in reps[0]:
         out["samples_per_s"] = med(lambda r: r["samples"] / r["seconds"])
     if link is not None:  # each repetition against the link's in the same round, then the median
@@ -354,24 +352,36 @@ def goals(result: dict) -> list:
 
 # ---- the processes -------------------------------------------------------------------------------
 
-def _cpu() -> float:
+def usage(process) -> tuple:
+    """(user + system CPU-seconds, minor page faults) of a `psutil.Process` and of its live
+    descendants."""
     import psutil
 
-    return tree_cpu(psutil.Process())
-
-
-def tree_cpu(process) -> float:
-    """User + system CPU-seconds of a `psutil.Process` and of its live descendants."""
-    import psutil
-
-    total = 0.0
+    cpu, faults = 0.0, 0
     for p in [process] + process.children(recursive=True):
         try:
             t = p.cpu_times()
-        except psutil.NoSuchProcess:  # ended while we looked
+            with open(f"/proc/{p.pid}/stat") as f:
+                stat = f.read()
+        except (psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError):  # ended while we looked
             continue
-        total += t.user + t.system
-    return total
+        cpu += t.user + t.system
+        faults += int(stat[stat.rindex(")") + 2:].split()[7])  # minflt: the 10th field of /proc/PID/stat
+    return cpu, faults
+
+
+def since(before: tuple, process=None) -> dict:
+    """{"cpu", "faults"} spent by `process` (default: this one) since `usage` gave `before`."""
+    import psutil
+
+    cpu, faults = usage(process or psutil.Process())
+    return {"cpu": cpu - before[0], "faults": faults - before[1]}
+
+
+def _me() -> tuple:
+    import psutil
+
+    return usage(psutil.Process())
 
 
 def _reader_main(conn, address: str, host: str) -> None:
@@ -417,13 +427,13 @@ def _epoch(client, path: str, batch: int, shuffle: bool, epoch: int) -> dict:
     import dmdask
 
     spec = dmdask.Spec(path, batch_size=batch, shuffle=shuffle, seed=1)
-    cpu, started = _cpu(), time.perf_counter()
+    before, started = _me(), time.perf_counter()
     samples = nbytes = 0
     for b in dmdask.batches(client, spec, epoch=epoch, progress=False):
         samples += len(b["index"])
         nbytes += sum(v.nbytes for k, v in b.items() if k != "index")
     seconds = time.perf_counter() - started
-    return {"samples": samples, "bytes": nbytes, "seconds": seconds, "cpu": _cpu() - cpu}
+    return {"samples": samples, "bytes": nbytes, "seconds": seconds, **since(before)}
 
 
 def _make_futures(client, n: int, nbytes: int) -> list:
@@ -439,10 +449,10 @@ def _make_futures(client, n: int, nbytes: int) -> list:
 
 
 def _gather(client, futures) -> dict:
-    cpu, started = _cpu(), time.perf_counter()
+    before, started = _me(), time.perf_counter()
     arrays = client.gather(futures, direct=True)
     seconds = time.perf_counter() - started
-    return {"bytes": sum(a.nbytes for a in arrays), "seconds": seconds, "cpu": _cpu() - cpu}
+    return {"bytes": sum(a.nbytes for a in arrays), "seconds": seconds, **since(before)}
 
 
 def _receive(port: int, total: int) -> dict:
@@ -452,7 +462,7 @@ def _receive(port: int, total: int) -> dict:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((READER_HOST, 0))
         s.connect((HOLDER_HOST, port))
-        cpu, started = _cpu(), time.perf_counter()
+        before, started = _me(), time.perf_counter()
         s.sendall(total.to_bytes(8, "little"))
         got = 0
         while got < total:
@@ -461,12 +471,13 @@ def _receive(port: int, total: int) -> dict:
                 raise ConnectionError(f"the sender closed after {got} of {total} bytes")
             got += n
         seconds = time.perf_counter() - started
-        return {"bytes": got, "seconds": seconds, "cpu": _cpu() - cpu}
+        return {"bytes": got, "seconds": seconds, **since(before)}
 
 
 def _sender_main(conn) -> None:
     """The link's holder side: listens on HOLDER_HOST; each connection asks for N bytes and
-    gets them as `sendall` of one 4 MiB buffer, repeated; reports its CPU-seconds on `conn`."""
+    gets them as `sendall` of one 4 MiB buffer, repeated; reports its CPU-seconds and minor
+    page faults on `conn`."""
     buffer = np.random.default_rng(0).integers(0, 256, TCP_BUFFER, dtype=np.uint8).tobytes()
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
         listener.bind((HOLDER_HOST, 0))
@@ -481,13 +492,13 @@ def _sender_main(conn) -> None:
             with s:
                 s.settimeout(None)
                 total = int.from_bytes(_exactly(s, 8), "little")
-                cpu = _cpu()
+                before = _me()
                 left = total
                 while left:
                     n = min(left, TCP_BUFFER)
                     s.sendall(buffer if n == TCP_BUFFER else buffer[:n])
                     left -= n
-                conn.send({"cpu": _cpu() - cpu})
+                conn.send(since(before))
 
 
 def _exactly(s, n: int) -> bytes:
@@ -506,7 +517,7 @@ def table(result: dict) -> str:
     """The markdown table of every configuration."""
     link = result["link"]
     lines = ["| path | MB/s (median) | samples/s | / raw TCP | CPU-s per GB, reader / holder (scheduler) "
-             "| every row over TCP |", "|---|---:|---:|---:|---:|:-:|"]
+             "| minor faults per MB, reader / holder | every row over TCP |", "|---|---:|---:|---:|---:|---:|:-:|"]
 
     def line(label, r, ratio=True):
         c = r["cpu_per_gb"]
@@ -515,6 +526,7 @@ def table(result: dict) -> str:
                      + (f"{r['samples_per_s']:,.0f}" if "samples_per_s" in r else "") + " | "
                      + (f"{r['to_raw_tcp']:.2f}" if ratio else "1.00")
                      + f" | {c['reader']:.2f} / {c['holder']:.2f} ({c['scheduler']:.2f}) | "
+                     + f"{r['faults_per_mb']['reader']:.0f} / {r['faults_per_mb']['holder']:.0f} | "
                      + ("" if check is None else "yes" if check["every_row_crossed_tcp"] else "**no**") + " |")
 
     line("raw TCP, 1 connection, 4 MiB `sendall` -> `recv_into`", link, ratio=False)
@@ -544,7 +556,8 @@ def report(result: dict, plots_dir: str) -> str:
         f"{cfg['reps']} interleaved repetitions of every configuration after one warm-up round, medians; "
         "/ raw TCP: each repetition's MB/s over the link's in the same round, median; CPU-seconds per GB "
         "(10^9 bytes) of the reader process and of the holder (the worker, or the TCP sender), psutil user + "
-        "system; the scheduler's apart, counted in no goal.",
+        "system; the scheduler's apart, counted in no goal; minor page faults per MB (10^6 bytes) of the "
+        "same processes (/proc/PID/stat: memory touched for the first time).",
         (f"Load average (1 min) during the repetitions: {min(load):.1f}-{max(load):.1f}; " if load else "")
         + "read the ratios and CPU per GB, not the MB/s.",
     ]
