@@ -16,7 +16,9 @@ other address is used):
   worker's, which maps the worker's arenas.
 
 Configurations run in interleaved repetitions (one untimed warm-up round first), so that a
-noisy neighbour slows them alike; each figure is the median of its repetitions. CPU is
+noisy neighbour slows them alike; a repetition lasts at least the preset's `min_seconds`
+(whole epochs, transfers or gathers back to back, counted together); each figure is the
+median of its repetitions. CPU is
 `psutil` user + system time of each process, taken before and after each measurement:
 the reader's inside the reader, the worker's (or the TCP sender's) by its pid.
 
@@ -49,9 +51,11 @@ GATHER_FUTURES, GATHER_BYTES = 32, 8 * MiB
 # name -> (bytes per sample, batch size)
 SIZES = {"3KB": (3072, 256), "110KB": (112640, 64), "1MiB": (MiB, 16)}
 PRESETS = {
-    "tiny": {"dataset_bytes": 4 * MiB, "tcp_bytes": 64 * MiB, "reps": 2, "gather": 2},
-    "quick": {"dataset_bytes": 256 * MiB, "tcp_bytes": 1024 * MiB, "reps": 3, "gather": GATHER_FUTURES},
-    "full": {"dataset_bytes": 512 * MiB, "tcp_bytes": 2048 * MiB, "reps": 5, "gather": GATHER_FUTURES},
+    "tiny": {"dataset_bytes": 4 * MiB, "tcp_bytes": 64 * MiB, "reps": 2, "gather": 2, "min_seconds": 0},
+    "quick": {"dataset_bytes": 256 * MiB, "tcp_bytes": 1024 * MiB, "reps": 3, "gather": GATHER_FUTURES,
+              "min_seconds": 1.0},
+    "full": {"dataset_bytes": 512 * MiB, "tcp_bytes": 2048 * MiB, "reps": 5, "gather": GATHER_FUTURES,
+             "min_seconds": 2.0},
 }
 # goals of issue 36: remote / raw TCP at each size (shuffled), and CPU per GB against raw TCP's
 RATIO_GOALS = {"3KB": 0.5, "110KB": 0.8, "1MiB": 0.8}
@@ -116,10 +120,11 @@ def _holder(root: str, capacity: int):
 
     scheduler_file = os.path.join(root, "scheduler.json")
     env = dict(os.environ, DASK_DISTRIBUTED__SCHEDULER__WORK_STEALING="False")
-    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    logs = {name: open(os.path.join(root, f"{name}.log"), "wb") for name in ("scheduler", "worker")}
     procs = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", HOLDER_HOST,
                                "--port", "0", "--no-dashboard", "--dashboard-address", f"{HOLDER_HOST}:0",
-                               "--scheduler-file", scheduler_file, "--preload", "dmdask"], env=env, **quiet)]
+                               "--scheduler-file", scheduler_file, "--preload", "dmdask"], env=env,
+                              stdout=logs["scheduler"], stderr=subprocess.STDOUT)]
     try:
         deadline = time.monotonic() + 120
         while not os.path.exists(scheduler_file):
@@ -134,15 +139,24 @@ def _holder(root: str, capacity: int):
             [sys.executable, "-m", "distributed.cli.dask_worker", address, "--worker-class", "dmdask.Worker",
              "--nthreads", "2", "--no-nanny", "--no-dashboard", "--dashboard-address", f"{HOLDER_HOST}:0",
              "--host", HOLDER_HOST, "--name", "holder",
-             "--local-directory", root], env=worker_env, **quiet))
+             "--local-directory", root], env=worker_env, stdout=logs["worker"], stderr=subprocess.STDOUT))
         with distributed.Client(address, timeout=60) as client:
             client.wait_for_workers(1, timeout=120)
             (worker_address, info), = client.scheduler_info()["workers"].items()
             if distributed.comm.get_address_host(worker_address) != HOLDER_HOST:
                 raise RuntimeError(f"the worker listens on {worker_address}, not on {HOLDER_HOST}")
         yield address, procs[1].pid, procs[0].pid
+    except BaseException as exc:  # what the holders said, with the error
+        for name, log in logs.items():
+            log.flush()
+            with open(log.name, "rb") as f:
+                tail = f.read()[-3000:].decode(errors="replace")
+            exc.add_note(f"--- the {name}'s log (last 3,000 characters; exit {procs[0 if name == 'scheduler' else -1].poll()}):\n{tail}")
+        raise
     finally:
         stop_processes(procs)
+        for log in logs.values():
+            log.close()
 
 
 class _Bench:
@@ -268,17 +282,17 @@ class _Bench:
         out = self._bytes_out() if dmdask_epoch else 0
         worker, scheduler = usage(self.worker), usage(self.scheduler)
         if kind == "raw_tcp":
-            got = self._call(self.remote, "tcp", self.tcp_port, cfg["tcp_bytes"])
+            got = self._call(self.remote, "tcp", self.tcp_port, cfg["tcp_bytes"], cfg["min_seconds"])
             if not self.sender.poll(120):
                 raise TimeoutError("the TCP sender did not report its CPU within 120 s of the last byte")
             sent = self.sender.recv()
             got["holder_cpu"], got["holder_faults"] = sent["cpu"], sent["faults"]
         else:
             if kind == "gather":
-                got = self._call(self.remote, "gather")
+                got = self._call(self.remote, "gather", cfg["min_seconds"])
             else:
                 reader = self.remote if kind == "remote" else self.same_host
-                got = self._call(reader, "epoch", paths[name], SIZES[name][1], shuffle, epoch)
+                got = self._call(reader, "epoch", paths[name], SIZES[name][1], shuffle, epoch, cfg["min_seconds"])
             spent = since(worker, self.worker)
             got["holder_cpu"], got["holder_faults"] = spent["cpu"], spent["faults"]
         got["scheduler_cpu"] = since(scheduler, self.scheduler)["cpu"]
@@ -410,7 +424,7 @@ def _reader_main(conn, address: str, host: str) -> None:
                     futures = _make_futures(client, *args)
                     conn.send(len(futures))
                 elif command == "gather":
-                    conn.send(_gather(client, futures))
+                    conn.send(_gather(client, futures, *args))
                 elif command == "tcp":
                     conn.send(_receive(*args))
                 else:
@@ -421,19 +435,22 @@ def _reader_main(conn, address: str, host: str) -> None:
         client.close()
 
 
-def _epoch(client, path: str, batch: int, shuffle: bool, epoch: int) -> dict:
-    """One epoch of warm batches, no training step: its samples, bytes (every field but
-    "index"), seconds and this process's CPU-seconds."""
+def _epoch(client, path: str, batch: int, shuffle: bool, epoch: int, min_seconds: float = 0) -> dict:
+    """Whole epochs of warm batches back to back, no training step, until `min_seconds` have
+    passed (at least one: `epoch`, then epoch * 1000 + 1, + 2, ...): their samples, bytes (every
+    field but "index"), seconds, epochs, and this process's CPU-seconds and minor faults."""
     import dmdask
 
     spec = dmdask.Spec(path, batch_size=batch, shuffle=shuffle, seed=1)
     before, started = _me(), time.perf_counter()
-    samples = nbytes = 0
-    for b in dmdask.batches(client, spec, epoch=epoch, progress=False):
-        samples += len(b["index"])
-        nbytes += sum(v.nbytes for k, v in b.items() if k != "index")
+    samples = nbytes = epochs = 0
+    while not epochs or time.perf_counter() - started < min_seconds:
+        for b in dmdask.batches(client, spec, epoch=epoch * 1000 + epochs if epochs else epoch, progress=False):
+            samples += len(b["index"])
+            nbytes += sum(v.nbytes for k, v in b.items() if k != "index")
+        epochs += 1
     seconds = time.perf_counter() - started
-    return {"samples": samples, "bytes": nbytes, "seconds": seconds, **since(before)}
+    return {"samples": samples, "bytes": nbytes, "seconds": seconds, "epochs": epochs, **since(before)}
 
 
 def _make_futures(client, n: int, nbytes: int) -> list:
@@ -448,36 +465,44 @@ def _make_futures(client, n: int, nbytes: int) -> list:
     return futures
 
 
-def _gather(client, futures) -> dict:
+def _gather(client, futures, min_seconds: float = 0) -> dict:
+    """`client.gather(futures, direct=True)`, again until `min_seconds` have passed."""
     before, started = _me(), time.perf_counter()
-    arrays = client.gather(futures, direct=True)
+    nbytes = gathers = 0
+    while not gathers or time.perf_counter() - started < min_seconds:
+        nbytes += sum(a.nbytes for a in client.gather(futures, direct=True))
+        gathers += 1
     seconds = time.perf_counter() - started
-    return {"bytes": sum(a.nbytes for a in arrays), "seconds": seconds, **since(before)}
+    return {"bytes": nbytes, "seconds": seconds, "gathers": gathers, **since(before)}
 
 
-def _receive(port: int, total: int) -> dict:
-    """Ask the sender on HOLDER_HOST:port for `total` bytes and `recv_into` one preallocated
-    buffer until they are all in; from READER_HOST."""
+def _receive(port: int, total: int, min_seconds: float = 0) -> dict:
+    """From READER_HOST, over one connection: ask the sender on HOLDER_HOST:port for `total`
+    bytes and `recv_into` one preallocated buffer until they are all in; again until
+    `min_seconds` have passed."""
     buffer = memoryview(bytearray(TCP_BUFFER))
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((READER_HOST, 0))
         s.connect((HOLDER_HOST, port))
         before, started = _me(), time.perf_counter()
-        s.sendall(total.to_bytes(8, "little"))
-        got = 0
-        while got < total:
-            n = s.recv_into(buffer)
-            if not n:
-                raise ConnectionError(f"the sender closed after {got} of {total} bytes")
-            got += n
+        got = transfers = 0
+        while not transfers or time.perf_counter() - started < min_seconds:
+            s.sendall(total.to_bytes(8, "little"))
+            left = total
+            while left:
+                n = s.recv_into(buffer, min(left, TCP_BUFFER))
+                if not n:
+                    raise ConnectionError(f"the sender closed with {left} of {total} bytes left")
+                left -= n
+            got, transfers = got + total, transfers + 1
         seconds = time.perf_counter() - started
-        return {"bytes": got, "seconds": seconds, **since(before)}
+        return {"bytes": got, "seconds": seconds, "transfers": transfers, **since(before)}
 
 
 def _sender_main(conn) -> None:
-    """The link's holder side: listens on HOLDER_HOST; each connection asks for N bytes and
-    gets them as `sendall` of one 4 MiB buffer, repeated; reports its CPU-seconds and minor
-    page faults on `conn`."""
+    """The link's holder side: listens on HOLDER_HOST; each request on a connection asks for
+    N bytes and gets them as `sendall` of one 4 MiB buffer, repeated; once the reader closes
+    the connection, reports the CPU-seconds and minor page faults it took on `conn`."""
     buffer = np.random.default_rng(0).integers(0, 256, TCP_BUFFER, dtype=np.uint8).tobytes()
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
         listener.bind((HOLDER_HOST, 0))
@@ -491,22 +516,25 @@ def _sender_main(conn) -> None:
                 continue
             with s:
                 s.settimeout(None)
-                total = int.from_bytes(_exactly(s, 8), "little")
                 before = _me()
-                left = total
-                while left:
-                    n = min(left, TCP_BUFFER)
-                    s.sendall(buffer if n == TCP_BUFFER else buffer[:n])
-                    left -= n
+                while (request := _exactly(s, 8)) is not None:
+                    left = int.from_bytes(request, "little")
+                    while left:
+                        n = min(left, TCP_BUFFER)
+                        s.sendall(buffer if n == TCP_BUFFER else buffer[:n])
+                        left -= n
                 conn.send(since(before))
 
 
-def _exactly(s, n: int) -> bytes:
+def _exactly(s, n: int):
+    """`n` bytes from socket `s`, or None if it closed before the first."""
     data = b""
     while len(data) < n:
         more = s.recv(n - len(data))
         if not more:
-            raise ConnectionError("the reader closed before asking")
+            if data:
+                raise ConnectionError(f"the reader closed after {len(data)} of a request's {n} bytes")
+            return None
         data += more
     return data
 
@@ -553,7 +581,8 @@ def report(result: dict, plots_dir: str) -> str:
         f"Every socket of the run was on these two addresses, the holders listening on {HOLDER_HOST} only."
         if addresses.get("only_the_two_addresses") else f"**Sockets on other addresses than these two**: {addresses}.",
         f"Batch sizes as in the table, dmdask's default prefetch ({cfg['prefetch']}), no transform. "
-        f"{cfg['reps']} interleaved repetitions of every configuration after one warm-up round, medians; "
+        f"{cfg['reps']} interleaved repetitions of every configuration after one warm-up round, each at least "
+        f"{cfg['min_seconds']:g} s (whole epochs, transfers or gathers back to back), medians; "
         "/ raw TCP: each repetition's MB/s over the link's in the same round, median; CPU-seconds per GB "
         "(10^9 bytes) of the reader process and of the holder (the worker, or the TCP sender), psutil user + "
         "system; the scheduler's apart, counted in no goal; minor page faults per MB (10^6 bytes) of the "

@@ -140,16 +140,17 @@ def test_peer_path_scenario_runs_and_checks_that_every_remote_row_crossed_tcp(tm
     assert (READER_HOST, HOLDER_HOST) == ("127.0.0.1", "127.0.0.2")
     for summary in (result["link"], result["gather"]):
         assert len(summary["reps"]) == cfg["reps"] and summary["mb_per_s"] > 0
-    assert result["link"]["reps"][0]["bytes"] == cfg["tcp_bytes"]
-    assert result["gather"]["reps"][0]["bytes"] == cfg["gather"] * 8 * 2**20
+    assert all(r["bytes"] == r["transfers"] * cfg["tcp_bytes"] for r in result["link"]["reps"])
+    assert all(r["bytes"] == r["gathers"] * cfg["gather"] * 8 * 2**20 for r in result["gather"]["reps"])
     expected = [("remote", s, True) for s in SIZES] + [("remote", s, False) for s in SIZES] + \
         [("same_host", s, True) for s in SIZES]
     assert sorted((r["path"], r["size"], r["shuffle"]) for r in result["rows"]) == sorted(expected)
     for row in result["rows"]:
         assert len(row["reps"]) == cfg["reps"]
         n = cfg["samples"][row["size"]]
-        for rep in row["reps"]:  # every sample of the dataset, each with its bytes and its label
-            assert rep["samples"] == n and rep["bytes"] == n * (row["sample_bytes"] + 8)
+        for rep in row["reps"]:  # every sample of the dataset each epoch, each with its bytes and its label
+            assert rep["epochs"] >= 1 and rep["samples"] == rep["epochs"] * n
+            assert rep["bytes"] == rep["epochs"] * n * (row["sample_bytes"] + 8)
         assert row["to_raw_tcp"] > 0 and set(row["cpu_per_gb"]) == {"reader", "holder", "scheduler", "total"}
         assert set(row["faults_per_mb"]) == {"reader", "holder"}
         if row["path"] == "remote":
