@@ -18,9 +18,11 @@ other address is used):
 Configurations run in interleaved repetitions (one untimed warm-up round first), so that a
 noisy neighbour slows them alike; a repetition lasts at least the preset's `min_seconds`
 (whole epochs, transfers or gathers back to back, counted together); each figure is the
-median of its repetitions. CPU is
-`psutil` user + system time of each process, taken before and after each measurement:
-the reader's inside the reader, the worker's (or the TCP sender's) by its pid.
+median of its repetitions, and the ratio to raw TCP pairs each repetition with the link's
+of the same round. CPU is `psutil` user + system time of each process and its live
+descendants, minor page faults those of /proc/PID/stat, taken before and after each
+measurement: the reader's inside the reader, the worker's, the scheduler's and the TCP
+sender's by pid (the sender reports its own).
 
 Runs alone too: `python -m benchmarks.peer_path --quick [--sizes 110KB,1MiB] [--reps N]
 [--json FILE]` prints the table and the goals.
@@ -72,9 +74,12 @@ def run(preset: str, sizes=None, reps: int | None = None) -> dict:
     unknown = set(cfg["sizes"]) - set(SIZES)
     if unknown:
         raise ValueError(f"unknown sample sizes {sorted(unknown)}; choose from {list(SIZES)}")
+    import dataclasses
+
     import dmdask
 
-    cfg["prefetch"] = dmdask.Spec.__dataclass_fields__["prefetch"].default  # dmdask's own, as users get it
+    # dmdask's default, as users get it
+    cfg["prefetch"] = next(f.default for f in dataclasses.fields(dmdask.Spec) if f.name == "prefetch")
     cfg["samples"] = {name: max(2 * SIZES[name][1], cfg["dataset_bytes"] // SIZES[name][0]) for name in cfg["sizes"]}
     with tempfile.TemporaryDirectory(prefix="dmdask-bench-peer-path-") as root:
         paths = {name: _write_dataset(f"{root}/{name}.zarr", SIZES[name][0], cfg["samples"][name])
@@ -147,11 +152,11 @@ def _holder(root: str, capacity: int):
                 raise RuntimeError(f"the worker listens on {worker_address}, not on {HOLDER_HOST}")
         yield address, procs[1].pid, procs[0].pid
     except BaseException as exc:  # what the holders said, with the error
-        for name, log in logs.items():
+        for (name, log), proc in zip(logs.items(), procs):
             log.flush()
             with open(log.name, "rb") as f:
                 tail = f.read()[-3000:].decode(errors="replace")
-            exc.add_note(f"--- the {name}'s log (last 3,000 characters; exit {procs[0 if name == 'scheduler' else -1].poll()}):\n{tail}")
+            exc.add_note(f"--- the {name}'s log (its last 3,000 characters; exit status {proc.poll()}):\n{tail}")
         raise
     finally:
         stop_processes(procs)
@@ -208,7 +213,6 @@ class _Bench:
             raise RuntimeError(f"{command[0]} failed: {reply['error']}")
         return reply
 
-
     def _bytes_out(self) -> int:
         import dmdask
 
@@ -227,20 +231,20 @@ class _Bench:
         if held < wanted:
             raise RuntimeError(f"the worker holds {held} bytes in RAM after the cold epochs, not the {wanted} of "
                                "the datasets")
-        samples = {key: [] for key in configs}
+        measured = {key: [] for key in configs}
         loads = []
         for rep in range(cfg["reps"] + 1):  # round 0: warm-up, not counted
             for key in configs:
                 one = self._one(key, cfg, paths, epoch=rep + 1)
                 if rep:
-                    samples[key].append(one)
+                    measured[key].append(one)
             if rep:
                 loads.append(round(os.getloadavg()[0], 2))
-        link = _summary("raw TCP", samples[configs[0]])
-        gather = _summary("Dask gather(direct=True)", samples[configs[1]], link)
+        link = _summary("raw TCP", measured[configs[0]])
+        gather = _summary("Dask gather(direct=True)", measured[configs[1]], link)
         rows = []
         for kind, name, shuffle in configs[2:]:
-            reps = samples[(kind, name, shuffle)]
+            reps = measured[(kind, name, shuffle)]
             row = dict(_summary(kind, reps, link), path=kind, size=name, sample_bytes=SIZES[name][0],
                        batch=SIZES[name][1], shuffle=shuffle)
             if kind == "remote":
