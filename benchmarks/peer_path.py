@@ -620,9 +620,15 @@ def main(argv=None) -> int:
 
     warnings.filterwarnings("ignore")
     logging.getLogger("distributed").setLevel(logging.ERROR)
-    started = time.perf_counter()
+    import datetime
+
+    from .common import machine
+
+    started, context = time.perf_counter(), {
+        "machine": machine(), "command": "python -m benchmarks.peer_path " + " ".join(argv or sys.argv[1:]),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     result = run(args.preset or "quick", sizes=sizes, reps=args.reps)
-    result["seconds"] = time.perf_counter() - started
+    result.update(context, seconds=time.perf_counter() - started)
     print(table(result))
     print(_print_goals(result))
     print(f"({result['seconds']:.0f} s)")
