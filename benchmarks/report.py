@@ -19,6 +19,7 @@ TITLES = {
     "transparent": "7. Transparent mode: an unmodified DataLoader through dmdask::",
     "cold": "10. First contact: epoch 1 in rank processes, and a new process on a warm cache",
     "gpu": "11. GPUs fed from the cache: ResNet-50 images/s",
+    "peer_path": "12. The peer path against the link: rows from another node's worker",
 }
 # `python -m benchmarks run --peers`: their own results file, merged into the page when present
 PEER_TITLES = {
