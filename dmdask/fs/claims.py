@@ -64,9 +64,13 @@ class Claims:
             return found
         block_bytes = FileSource.block_bytes_of(fs.block_bytes)
         index = start // block_bytes
-        got = probe.first_block(target, path, index * block_bytes, block_bytes)
-        if got is None:
-            return metadata.info(fsid, fs.fs, path)
+        try:
+            got = probe.first_block(target, path, index * block_bytes, block_bytes)
+            if got is None:
+                return metadata.info(fsid, fs.fs, path)
+        except Exception:  # a missing file (404), a store error: the claim ends with it
+            metadata.release(fsid, path)
+            raise
         info, content = plain(got[0]), got[1]
         source = reader = None
         if info["size"] and index * block_bytes < info["size"]:

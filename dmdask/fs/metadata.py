@@ -165,6 +165,15 @@ class Metadata:
                 return None
         return None
 
+    def release(self, fsid: str, path: str) -> None:
+        """End this process's claim of `path`'s info unanswered (its read failed), before
+        the error is raised: the run's next read of it, here or elsewhere, asks the store
+        at once rather than waiting out the claim."""
+        try:
+            self.session.call(FsMetadata(self.run, release=[(f"{fsid}|{folder_of(path)}", path)]))
+        except Exception:  # noqa: BLE001 - the read's own error matters more; the claim then lapses
+            logger.debug("could not release the claim of %s", path, exc_info=True)
+
     def info(self, fsid: str, target, path: str) -> dict:
         """The target's info of `path`, read from the store once per run."""
         found = self.known_info(fsid, path)
