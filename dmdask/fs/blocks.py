@@ -39,6 +39,7 @@ class Blocks:
     def read_ranges(self, fs, ranges: list[tuple]) -> list[bytes]:
         """The bytes of each (source `FileSource`, start, stop; 0 <= start <= stop <= size),
         with one scheduler request for the blocks new to this process."""
+        self.session.check_workers()
         deadline = Deadline(float(dask.config.get("dmdask.client.recovery-seconds")))
         cuts, wanted = [], {}
         for source, start, stop in ranges:

@@ -48,6 +48,13 @@ class Session:
         self.blocks = Blocks(self, parent.blocks.holders if parent else {})
         self._exit_hook = False
         self._said_waiting = False
+        self.refused: Exception | None = None  # a worker's NotADmdaskWorker: every later read raises it
+
+    def check_workers(self) -> None:
+        """Raise the `NotADmdaskWorker` a plain Dask worker answered a request of this
+        process with (a hand-over of blocks read here): reads through it are not cached."""
+        if self.refused is not None:
+            raise self.refused
 
     @property
     def client(self) -> distributed.Client:

@@ -11,6 +11,7 @@ import numpy as np
 from distributed.comm.core import CommClosedError
 from distributed.core import Status
 
+from ..errors import plain_worker
 from ..protocol.worker import (Batches, BatchRequest, DescribeRequest, Descriptions, GiveRows, HandOver, HitsReport,
                                Kept, Missing, Moved, OPS, Rows, RowsRequest, WorkerAPI, handler)
 from ..scheduler.placement import STREAMED_TOPIC
@@ -25,9 +26,18 @@ from .tiers import TieredStore
 from .transforms import transform_in_order, transform_isolated
 
 
+def _refusing(op: str, address: str):
+    """The handler of dmdask's `op` on a plain Dask worker: `NotADmdaskWorker`."""
+    def refuse(**_):
+        raise plain_worker(address)
+    refuse.__name__ = op
+    return refuse
+
+
 class WorkerPlugin(distributed.WorkerPlugin):
     """dmdask on one worker: its `BlockCache` (`worker.extensions["dmdask"]`) and handlers.
-    A worker without dmdask's tiers (a plain Dask worker) is left as it is. Handlers use
+    On a worker without dmdask's tiers (a plain Dask worker) every dmdask handler raises
+    `NotADmdaskWorker` naming the worker and the fix (and `load_block` tasks do). Handlers use
     `cache`, `address` and `peers` (a `WorkerAPI`) only: testable without a cluster."""
 
     name = "dmdask"
@@ -41,6 +51,7 @@ class WorkerPlugin(distributed.WorkerPlugin):
 
     def setup(self, worker) -> None:
         if not isinstance(worker.data, TieredStore):
+            worker.handlers.update({op: _refusing(op, worker.address) for op in OPS.values()})
             return
         self.cache = worker.extensions.get("dmdask")  # kept when added again (by a new scheduler)
         if self.cache is None:
