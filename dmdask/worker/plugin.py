@@ -12,6 +12,7 @@ from distributed.comm.core import CommClosedError
 from distributed.core import Status
 
 from ..errors import plain_worker
+from ..fs.inside import serve_worker
 from ..protocol.worker import (Batches, BatchRequest, DescribeRequest, Descriptions, GiveRows, HandOver, HitsReport,
                                Kept, Missing, Moved, OPS, Rows, RowsRequest, WorkerAPI, handler)
 from ..scheduler.placement import STREAMED_TOPIC
@@ -50,6 +51,7 @@ class WorkerPlugin(distributed.WorkerPlugin):
         self.worker = None
 
     def setup(self, worker) -> None:
+        serve_worker(worker)  # dmdask:: reads in its tasks use its own connection
         if not isinstance(worker.data, TieredStore):
             worker.handlers.update({op: _refusing(op, worker.address) for op in OPS.values()})
             return
