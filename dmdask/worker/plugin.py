@@ -53,7 +53,8 @@ class WorkerPlugin(distributed.WorkerPlugin):
     def setup(self, worker) -> None:
         serve_worker(worker)  # dmdask:: reads in its tasks use its own connection
         if not isinstance(worker.data, TieredStore):
-            worker.handlers.update({op: _refusing(op, worker.address) for op in OPS.values()})
+            for op in OPS.values():  # (a handler the worker already has for one is kept)
+                worker.handlers.setdefault(op, _refusing(op, worker.address))
             return
         self.cache = worker.extensions.get("dmdask")  # kept when added again (by a new scheduler)
         if self.cache is None:
