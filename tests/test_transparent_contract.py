@@ -148,6 +148,9 @@ def test_every_name_keeps_the_dmdask_prefix_and_opens_through_dmdask(pair):
         assert isinstance(fs, DmdaskFileSystem) and fs.target_protocol == through.target_protocol, spelling
         with fsspec.open(spelling, "rb") as f:
             assert f.read() == want, spelling
+    anywhere = fsspec.filesystem("dmdask")  # no target: each URL names its own (DuckDB registers it so)
+    assert anywhere.ls(through.unstrip_protocol(root), detail=False) == through.ls(root, detail=False)
+    assert anywhere.cat_file(name) == want and anywhere.glob(f"{root}/*.bin") == through.glob(f"{root}/*.bin")
     assert through.cat(f"{root}/a.bin") == target.cat_file(f"{root}/a.bin")
     assert through.cat([f"{root}/a.bin"]) == {through.unstrip_protocol(f"{root}/a.bin"): target.cat_file(f"{root}/a.bin")}
     path = f"{root}/a.bin"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
 
 import dask.config
@@ -40,10 +41,23 @@ CACHED_BLOCKS = 2  # blocks an open file keeps (so small reads in one block cost
 __all__ = ["PROTOCOL", "DmdaskFile", "DmdaskFileSystem", "NoClusterError", "close", "gopen"]
 
 
+def routed(method):
+    """`method`, answered by the filesystem `routed_to` names for its path, if any."""
+    @functools.wraps(method)
+    def call(self, path, *args, **kwargs):
+        other = self.routed_to(path)
+        if other is not None:
+            return getattr(other, method.__name__)(path, *args, **kwargs)
+        return method(self, path, *args, **kwargs)
+    return call
+
+
 class DmdaskFileSystem(_Base):
     """A read-only filesystem over `target_protocol` (or `fs`) whose reads go through
     the dmdask cluster at `scheduler`. block_size: default `dmdask.fs.block-size`.
-    `target_options` travel to the workers: plain values (JSON) only."""
+    `target_options` travel to the workers: plain values (JSON) only. Made with neither
+    target_protocol nor fs (`fsspec.filesystem("dmdask")`, as DuckDB's `register_filesystem`
+    takes it), it reads local paths and any URL through the target that URL names."""
 
     protocol = PROTOCOL
     root_marker = ""
@@ -51,6 +65,7 @@ class DmdaskFileSystem(_Base):
     def __init__(self, target_protocol=None, target_options=None, fs=None, scheduler=None, block_size=None,
                  fo=None, **kwargs):
         kwargs.pop("asynchronous", None)  # zarr asks for an async filesystem; it wraps this one
+        self.any_target = fs is None and target_protocol is None  # URLs of other protocols: `routed_to`
         if fs is None and target_protocol == PROTOCOL:  # `dmdask::dmdask://URL` (a listed name chained again)
             inner = dict(target_options or {})
             target_protocol, target_options = inner.pop("target_protocol", None), inner.pop("target_options", None)
@@ -66,6 +81,7 @@ class DmdaskFileSystem(_Base):
         self.target_protocol = protocol_of(fs)
         self.target_options = options
         self.scheduler = scheduler
+        self.block_size = block_size
         self.block_bytes = int(parse_bytes(block_size or dask.config.get("dmdask.fs.block-size")))
         self._options = options_json(options)
         self.target_id = f"{self.target_protocol}|{self._options}"  # the target filesystem, as the session keys it
@@ -86,6 +102,19 @@ class DmdaskFileSystem(_Base):
         protocol = fsspec.core.split_protocol(inner)[0] if "://" in inner else None
         return {"target_protocol": protocol} if protocol else {}
 
+    def routed_to(self, path) -> DmdaskFileSystem | None:
+        """For a filesystem made without a target: the one over the target that URL `path`
+        (the first of a list) names, when that is not this one's; else None."""
+        if not self.any_target:
+            return None
+        first = path[0] if isinstance(path, (list, tuple)) and path else path
+        inner = self._strip_protocol(first)
+        protocol = inner.split("://", 1)[0] if "://" in inner else None
+        targets = (self.fs.protocol,) if isinstance(self.fs.protocol, str) else tuple(self.fs.protocol)
+        if protocol is None or protocol in targets:
+            return None
+        return type(self)(target_protocol=protocol, scheduler=self.scheduler, block_size=self.block_size)
+
     def target_path(self, path: str) -> str:
         """`path` (any spelling: `dmdask://URL`, `dmdask::URL`, the target's own) as the target names it.
         A URL of another protocol than the target's raises ValueError naming the fix."""
@@ -99,6 +128,7 @@ class DmdaskFileSystem(_Base):
                 f"{PROTOCOL}://{path} with fsspec.open / fsspec.core.url_to_fs, which take the target from it)")
         return strip_protocol(self.fs, path)
 
+    @routed
     def unstrip_protocol(self, name: str) -> str:
         """The name of `name` (a path in any spelling) here: `dmdask://` and the target's full URL."""
         name = fsspec.utils.stringify_path(name)
@@ -112,13 +142,16 @@ class DmdaskFileSystem(_Base):
     def _session(self):
         return get_session(self.scheduler)
 
+    @routed
     def ls(self, path, detail=True, **kwargs):
         entries = self.target_named.ls(path)
         return [self._named(e) for e in entries] if detail else [self.unstrip_protocol(e["name"]) for e in entries]
 
+    @routed
     def info(self, path, **kwargs):
         return self._named(self.target_named.info(path))
 
+    @routed
     def walk(self, path, maxdepth=None, topdown=True, on_error="omit", **kwargs):
         """fsspec's `walk`, each folder named `dmdask://URL` (its entries' names too)."""
         detail = kwargs.get("detail", False)
@@ -128,19 +161,23 @@ class DmdaskFileSystem(_Base):
                 files = {k: self._named(v) for k, v in files.items()}
             yield self.unstrip_protocol(folder), dirs, files
 
+    @routed
     def find(self, path, maxdepth=None, withdirs=False, detail=False, **kwargs):
         found = self.target_named.find(path, maxdepth=maxdepth, withdirs=withdirs, detail=True, **kwargs)
         named = {self.unstrip_protocol(p): self._named(info) if info else info for p, info in found.items()}
         return named if detail else list(named)
 
+    @routed
     def expand_path(self, path, recursive=False, maxdepth=None, **kwargs):
         return [self.unstrip_protocol(p) for p in super().expand_path(path, recursive, maxdepth, **kwargs)]
 
+    @routed
     def open_info(self, path) -> dict:
         """`info` of a file about to be read from its start: on HTTP from the ranged GET of
         its first block, whose bytes the read that follows takes (`dmdask.fs.probe`)."""
         return self._named(self._file(path, 0)[0])
 
+    @routed
     def glob(self, path, maxdepth=None, **kwargs):
         """As the target's `glob` answers (`dmdask.fs.globbing`), over this run's listings."""
         found = globbing.glob(self.target_named, path, maxdepth=maxdepth, url_rules=probe.applies(self.fs), **kwargs)
@@ -148,6 +185,7 @@ class DmdaskFileSystem(_Base):
             return {self.unstrip_protocol(p): self._named(info) for p, info in found.items()}
         return [self.unstrip_protocol(p) for p in found]
 
+    @routed
     def isdir(self, path) -> bool:
         """From the run's listings and infos where they tell (an HTTP target's own `isdir`
         GETs the whole URL, so there only a listing of its folder tells), else the target's."""
@@ -160,6 +198,7 @@ class DmdaskFileSystem(_Base):
         entry = self._session().metadata.listed(self.target_id, target)
         return entry.get("type") == "directory" if entry is not None else self.fs.isdir(target)
 
+    @routed
     def get_file(self, rpath, lpath, callback=DEFAULT_CALLBACK, outfile=None, **kwargs):
         """Copy file `rpath` to local `lpath` (or into file object `outfile`) through the
         cache. A folder makes a local folder, as fsspec's `get_file` does, except on HTTP,
@@ -179,12 +218,14 @@ class DmdaskFileSystem(_Base):
                     outfile.write(chunk)
                     callback.relative_update(len(chunk))
 
+    @routed
     def modified(self, path) -> datetime.datetime:
         """The file's modification time, from the info the run read (the target's own
         `modified` where its info has none, as on HTTP without Last-Modified)."""
         found = modified_of(self.target_named.info(path))
         return found if found is not None else self.fs.modified(self.target_path(path))
 
+    @routed
     def created(self, path) -> datetime.datetime:
         return self.fs.created(self.target_path(path))
 
@@ -208,6 +249,7 @@ class DmdaskFileSystem(_Base):
         size = info.get("size")
         return info, (self.source(self.target_path(path), info) if size else None)
 
+    @routed
     def _open(self, path, mode="rb", block_size=None, autocommit=True, cache_options=None, **kwargs):
         if mode != "rb":
             raise PermissionError(f"{PROTOCOL}:: is read-only; cannot open {path!r} with mode {mode!r}")
@@ -225,10 +267,12 @@ class DmdaskFileSystem(_Base):
         start, end, _ = slice(start, end).indices(source.size)  # negative from the end, clamped to the file
         return source, start, end
 
+    @routed
     def cat_file(self, path, start=None, end=None, **kwargs):
         found = self._range(path, start, end)
         return found if isinstance(found, bytes) else self._session().blocks.read_ranges(self, [found])[0]
 
+    @routed
     def cat_ranges(self, paths, starts, ends, max_gap=None, on_error="return", **kwargs):
         """Several ranges in one go: one scheduler request for the blocks new to this
         process, the store read concurrently for those it is first to read."""
@@ -263,6 +307,7 @@ class DmdaskFileSystem(_Base):
                     out[i] = exc
         return out
 
+    @routed
     def cat(self, path, recursive=False, on_error="raise", **kwargs):
         """Like fsspec's `cat`; many files are read in one go (`cat_ranges`)."""
         paths = self.expand_path(path, recursive=recursive)
