@@ -2,9 +2,6 @@
 DuckDB and Hugging Face `datasets`, each through `dmdask://URL` against the counting
 HTTP store: the same rows as the direct read, and the store sends each byte once
 (<= 1.02x the dataset over 3 passes)."""
-import os
-import tempfile
-
 import distributed
 import fsspec
 import numpy as np
@@ -87,19 +84,19 @@ def test_duckdb_reads_parquet_through_dmdask(store, client):
 
 
 @pytest.mark.parametrize("streaming", [True, False])
-def test_hugging_face_datasets_read_dmdask_data_files(store, client, streaming):
+def test_hugging_face_datasets_read_dmdask_data_files(store, client, streaming, tmp_path):
     import datasets
     server, root = store
     folder = root / ("hf-stream" if streaming else "hf-download")
     files = [f"dmdask://{server.url}/{folder.name}/part-{i:03d}.parquet" for i in range(PARTS)]
-    for patterns in [files, [f"dmdask://{server.url}/{folder.name}/*.parquet"], files]:
+    for n, patterns in enumerate([files, [f"dmdask://{server.url}/{folder.name}/*.parquet"], files]):
         loaded = datasets.load_dataset("parquet", data_files=patterns, split="train", streaming=streaming,
-                                       cache_dir=tempfile.mkdtemp())
+                                       cache_dir=str(tmp_path / f"hf-{n}"))  # a new cache: each pass reads the files
         assert sorted((r["id"], r["x"], r["label"]) for r in loaded) == direct_rows(folder)
     assert 0.99 <= sent_ratio(server, folder) <= 1.02
 
 
-def test_hugging_face_shuffled_stream_under_a_dataloader(store, client):
+def test_hugging_face_shuffled_stream_under_a_dataloader(store, client, tmp_path):
     """IterableDataset.shuffle(seed) under a torch DataLoader with 2 worker processes, 3
     epochs: the same ids in the same order as the same pipeline over the local files,
     each byte from the store once."""
@@ -109,7 +106,8 @@ def test_hugging_face_shuffled_stream_under_a_dataloader(store, client):
     folder = root / "hf-loader"
 
     def orders(pattern):
-        stream = datasets.load_dataset("parquet", data_files=[pattern], split="train", streaming=True)
+        stream = datasets.load_dataset("parquet", data_files=[pattern], split="train", streaming=True,
+                                       cache_dir=str(tmp_path))
         stream = stream.shuffle(seed=7, buffer_size=1000)
         out = []
         for epoch in range(PASSES):
