@@ -26,7 +26,7 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/python -m pip install --upgrade pip
 	# The pinned CPU builds first, so the extras' ranges install nothing more.
 	$(BIN)/python -m pip install torch==2.13.0 jax==0.10.2 jaxlib==0.10.2
-	$(BIN)/python -m pip install -e ".[torch,jax,dashboard,images,demo,formats,jobqueue,test]"
+	$(BIN)/python -m pip install -e ".[torch,jax,dashboard,images,demo,formats,jobqueue,readers,test]"
 	touch $@
 
 $(TF_BIN)/.installed: pyproject.toml

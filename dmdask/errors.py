@@ -53,6 +53,15 @@ class NotADmdaskWorker(DmdaskError, RuntimeError):
     """The cluster's workers do not carry dmdask's tiers."""
 
 
+def plain_worker(address: str) -> NotADmdaskWorker:
+    """The error of a dmdask request (a task, a handler) that reached worker `address`,
+    which has no dmdask tiers (a plain Dask worker)."""
+    return NotADmdaskWorker(
+        f"worker {address} has no dmdask tiers (a plain Dask worker): start the cluster's workers with "
+        "`dask worker SCHEDULER --worker-class dmdask.Worker` (or `dask worker SCHEDULER --nanny-class dmdask.Nanny "
+        "--worker-class dmdask.Worker`), or use dmdask.LocalCluster")
+
+
 class NoWorkersError(NotADmdaskWorker):
     """The cluster had no workers for longer than `dmdask.client.recovery-seconds`."""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import distributed
 
-from .errors import NotADmdaskWorker
+from .errors import plain_worker
 from .source.urls import check_source
 
 
@@ -17,8 +17,5 @@ def load_block(reader):
     worker = distributed.get_worker()
     cache = worker.extensions.get("dmdask")
     if cache is None:
-        raise NotADmdaskWorker(
-            f"worker {worker.address} has no dmdask tiers; start workers with "
-            "`dask worker ADDR --worker-class dmdask.Worker` or use dmdask.LocalCluster"
-        )
+        raise plain_worker(worker.address)
     return cache.load(reader)

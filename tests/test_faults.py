@@ -134,7 +134,7 @@ def test_ssd_block_whose_files_vanish_is_read_again_once(tmp_path, http_store, p
     the SSD), and the drop is counted. "worker": rows taken by the workers (a
     transform), ranks and requests concurrent; "mapped": after an epoch with a
     transform, the training process maps the SSD files itself; the deleted block's
-    rows then come through `dmdask_rows`. "replaced": a file of the block overwritten
+    rows then come through the row channel. "replaced": a file of the block overwritten
     with 400 bytes of garbage (its size no longer matches the block's layout) is treated
     as gone the same way, never reshaped into a raw ValueError."""
     server, _ = http_store

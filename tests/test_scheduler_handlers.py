@@ -202,6 +202,18 @@ async def test_file_infos_are_claimed_once_per_run_and_shared_with_their_first_b
     assert await api.send(FsMetadata("run-1", get=["f|d"])) == Folders({"f|d": FolderEntries(None, {"d/z": info})})
 
 
+@gen_cluster(client=True)
+async def test_a_released_claim_lets_the_next_reader_read_at_once(c, s, a, b):
+    """A claimant whose read failed (a missing file) releases its claim: the next process
+    of the run claims it at once, not after PROBE_SECONDS."""
+    api = await _api(c)
+    claim = FsClaim("run-1", [("f|d", "d/missing")])
+    assert await api.send(claim) == InfoClaims({}, [], [])
+    assert await api.send(claim) == InfoClaims({}, [], [("f|d", "d/missing")])
+    assert await api.send(FsMetadata("run-1", release=[("f|d", "d/missing"), ("f|e", "e/never")])) == Folders({})
+    assert await api.send(claim) == InfoClaims({}, [], [])  # claimed again, by this caller
+
+
 BAD = [  # (request, the field its refusal names)
     (GetOrClaim(None, "me"), "name"),
     (GetOrClaim("ds-x", ""), "claimant"),
@@ -228,6 +240,7 @@ BAD = [  # (request, the field its refusal names)
     (FsClaim("r", [("folder", 7)]), "claim"),
     (FsMetadata("r", put=[["f|d", "info", "d/z", {}]]), "put"),  # a list, not a FileEntry
     (FsMetadata("r", put=[FileEntry("f|d", "info", "d/z", 5)]), "put"),
+    (FsMetadata("r", release=[("f|d",)]), "release"),
     (FsOpenBlocks("r", [FileEntry("f|d", "listing", "d/z", [])], OpenBlocks([NEW], [NEW.block_key(0)], "c")), "put"),
     (FsOpenBlocks("r", [FileEntry("f|d", "info", "d/z", {})], OpenBlocks([NEW], "k", "c")), "keys"),
     (FsOpenBlocks("r", [], None), "open"),

@@ -286,7 +286,7 @@ def test_readers_racing_for_the_same_new_files_read_the_store_once(store, cluste
             "urls = sys.argv[2:]\n"
             "def read(_):\n"
             "    got = fs.cat(urls)\n"
-            "    return [hashlib.sha1(got[u]).hexdigest() for u in urls]\n"
+            "    return [hashlib.sha1(got[fs.unstrip_protocol(u)]).hexdigest() for u in urls]\n"
             "with concurrent.futures.ThreadPoolExecutor(4) as pool:\n"
             "    print(json.dumps(list(pool.map(read, range(4)))))\n")
     server.reset_stats()
@@ -341,3 +341,62 @@ def test_handovers_are_bounded_taken_once_with_their_claim_and_expire():
     assert old.put("a", "mine", b"1")
     old.put("b", "mine", b"2")  # a has expired by now
     assert old.take("a", "mine") is None and old.take("b", "mine") == b"2"
+
+
+def _claims_standing(dask_scheduler) -> list:
+    """The file-info claims the scheduler holds (run, path), all folders."""
+    return [key for folder in dask_scheduler.plugins["dmdask"].files.folders.values() for key in folder.probing]
+
+
+def test_a_missing_file_answers_in_one_store_request_every_time(store, cluster):
+    """Reading a file the store lacks raises FileNotFoundError after one store request,
+    every time, in this process and in another process of the run: its claim is released
+    with the error, so no later read waits for it to lapse."""
+    server, root = store
+    url = f"{server.url}/images/missing.bin"
+    code = ("import sys, fsspec\n"
+            "import dmdask\n"
+            "fs = fsspec.filesystem('dmdask', target_protocol='http', scheduler=sys.argv[1])\n"
+            "for _ in range(2):\n"
+            "    try:\n"
+            "        fs.cat_file(sys.argv[2])\n"
+            "    except FileNotFoundError:\n"
+            "        print('missing')\n")
+    with distributed.Client(cluster) as client:
+        server.reset_stats()
+        fs = fsspec.filesystem("dmdask", target_protocol="http")
+        for n in range(1, 4):
+            with pytest.raises(FileNotFoundError):
+                fs.cat_file(url)
+            with pytest.raises(FileNotFoundError):
+                fsspec.open(f"dmdask::{url}").open()
+            assert sent(server, ["images/missing.bin"])["images/missing.bin"]["requests"] == 2 * n
+            assert client.run_on_scheduler(_claims_standing) == []
+        out = subprocess.run([sys.executable, "-c", code, cluster.scheduler_address, url], env=env(), text=True,
+                             capture_output=True, timeout=PROCESS_SECONDS)
+        assert out.stdout.split() == ["missing", "missing"], out.stderr
+        assert sent(server, ["images/missing.bin"])["images/missing.bin"]["requests"] == 8
+        assert client.run_on_scheduler(_claims_standing) == []
+
+
+def test_opening_a_zarr_group_again_costs_no_more_than_the_direct_read(store, cluster):
+    """zarr probes metadata files the store lacks at every open: through dmdask, 10
+    opens cost no more store requests than 10 direct opens."""
+    import zarr
+    server, root = store
+    group = zarr.open_group(str(root / "grp.zarr"), mode="w")
+    group.create_array("a", data=np.arange(100, dtype="int32"), chunks=(50,))
+
+    def requests():
+        return sum(v["requests"] for p, v in server.stats()["by_path"].items() if p.startswith("grp.zarr"))
+
+    with distributed.Client(cluster):
+        server.reset_stats()
+        for _ in range(10):
+            np.testing.assert_array_equal(zarr.open_group(f"{server.url}/grp.zarr", mode="r")["a"][:], np.arange(100))
+        direct = requests()
+        server.reset_stats()
+        for _ in range(10):
+            opened = zarr.open_group(f"dmdask::{server.url}/grp.zarr", mode="r")
+            np.testing.assert_array_equal(opened["a"][:], np.arange(100))
+        assert 0 < requests() <= direct

@@ -1,24 +1,33 @@
-"""Transparent mode: the `dmdask::` fsspec protocol (also spelt `dmdask://`, for webdataset),
-so unmodified loaders read through the cluster's tiered cache.
+"""Transparent mode: the `dmdask::` fsspec protocol (also spelt `dmdask://URL`), so
+unmodified loaders read through the cluster's tiered cache.
 
 `DmdaskFileSystem` is a read-only filesystem chained over any other (its target). A file
 read through it is a dataset of the cluster's registry (`dmdask.source.files`): byte blocks
 of `dmdask.fs.block-size`, each loaded by its planned worker when any process first reads a
-byte of it. Guarantees, the cluster it finds and limits: docs/transparent.md.
+byte of it. Every name it answers (`ls`, `find`, `walk`, `glob`, `info`, `unstrip_protocol`)
+is `dmdask://` and the target's full URL, so a reader that opens what it listed stays in
+the cache. Guarantees, the cluster it finds and limits: docs/transparent.md.
 """
 from __future__ import annotations
+
+import contextlib
+import datetime
+import functools
+import os
 
 import dask.config
 import fsspec
 from dask.utils import parse_bytes
+from fsspec.callbacks import DEFAULT_CALLBACK
 from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
+from fsspec.utils import isfilelike
 
 from ..errors import NoClusterError
 from ..internals import strip_protocol
 from ..source.base import options_json, protocol_of
 from ..source.files import FileSource
 from . import globbing, probe
-from .metadata import version_of
+from .metadata import modified_of, version_of
 from .session import close, get_session
 
 try:  # fsspec >= 2025.x: the marker that makes `url_to_fs` hand the inner path over
@@ -32,10 +41,23 @@ CACHED_BLOCKS = 2  # blocks an open file keeps (so small reads in one block cost
 __all__ = ["PROTOCOL", "DmdaskFile", "DmdaskFileSystem", "NoClusterError", "close", "gopen"]
 
 
+def routed(method):
+    """`method`, answered by the filesystem `routed_to` names for its path, if any."""
+    @functools.wraps(method)
+    def call(self, path, *args, **kwargs):
+        other = self.routed_to(path)
+        if other is not None:
+            return getattr(other, method.__name__)(path, *args, **kwargs)
+        return method(self, path, *args, **kwargs)
+    return call
+
+
 class DmdaskFileSystem(_Base):
     """A read-only filesystem over `target_protocol` (or `fs`) whose reads go through
     the dmdask cluster at `scheduler`. block_size: default `dmdask.fs.block-size`.
-    `target_options` travel to the workers: plain values (JSON) only."""
+    `target_options` travel to the workers: plain values (JSON) only. Made with neither
+    target_protocol nor fs (`fsspec.filesystem("dmdask")`, as DuckDB's `register_filesystem`
+    takes it), it reads local paths and any URL through the target that URL names."""
 
     protocol = PROTOCOL
     root_marker = ""
@@ -43,6 +65,12 @@ class DmdaskFileSystem(_Base):
     def __init__(self, target_protocol=None, target_options=None, fs=None, scheduler=None, block_size=None,
                  fo=None, **kwargs):
         kwargs.pop("asynchronous", None)  # zarr asks for an async filesystem; it wraps this one
+        self.any_target = fs is None and target_protocol is None  # URLs of other protocols: `routed_to`
+        if fs is None and target_protocol == PROTOCOL:  # `dmdask::dmdask://URL` (a listed name chained again)
+            inner = dict(target_options or {})
+            target_protocol, target_options = inner.pop("target_protocol", None), inner.pop("target_options", None)
+            scheduler = scheduler or inner.get("scheduler")
+            block_size = block_size or inner.get("block_size")
         super().__init__(**kwargs)
         if fs is None:
             fs = fsspec.filesystem(target_protocol or "file", **(target_options or {}))
@@ -53,9 +81,11 @@ class DmdaskFileSystem(_Base):
         self.target_protocol = protocol_of(fs)
         self.target_options = options
         self.scheduler = scheduler
+        self.block_size = block_size
         self.block_bytes = int(parse_bytes(block_size or dask.config.get("dmdask.fs.block-size")))
         self._options = options_json(options)
         self.target_id = f"{self.target_protocol}|{self._options}"  # the target filesystem, as the session keys it
+        self.target_named = TargetNamed(self)
 
     @classmethod
     def _strip_protocol(cls, path):
@@ -72,33 +102,132 @@ class DmdaskFileSystem(_Base):
         protocol = fsspec.core.split_protocol(inner)[0] if "://" in inner else None
         return {"target_protocol": protocol} if protocol else {}
 
-    def target_path(self, path: str) -> str:
-        return strip_protocol(self.fs, self._strip_protocol(path))
+    def routed_to(self, path) -> DmdaskFileSystem | None:
+        """For a filesystem made without a target: the one over the target that URL `path`
+        (the first of a list) names, when that is not this one's; else None."""
+        if not self.any_target:
+            return None
+        first = path[0] if isinstance(path, (list, tuple)) and path else path
+        inner = self._strip_protocol(first)
+        protocol = inner.split("://", 1)[0] if "://" in inner else None
+        targets = (self.fs.protocol,) if isinstance(self.fs.protocol, str) else tuple(self.fs.protocol)
+        if protocol is None or protocol in targets:
+            return None
+        return type(self)(target_protocol=protocol, scheduler=self.scheduler, block_size=self.block_size)
 
+    def target_path(self, path: str) -> str:
+        """`path` (any spelling: `dmdask://URL`, `dmdask::URL`, the target's own) as the target names it.
+        A URL of another protocol than the target's raises ValueError naming the fix."""
+        path = self._strip_protocol(path)
+        protocol = path.split("://", 1)[0] if "://" in path else None
+        targets = (self.fs.protocol,) if isinstance(self.fs.protocol, str) else tuple(self.fs.protocol)
+        if protocol is not None and protocol not in targets:
+            raise ValueError(
+                f"{PROTOCOL}: {path!r} is a {protocol}:// URL, but this filesystem reads through {targets[0]}://: "
+                f"make it with fsspec.filesystem({PROTOCOL!r}, target_protocol={protocol!r}) (or open the URL "
+                f"{PROTOCOL}://{path} with fsspec.open / fsspec.core.url_to_fs, which take the target from it)")
+        return strip_protocol(self.fs, path)
+
+    @routed
     def unstrip_protocol(self, name: str) -> str:
-        return f"{PROTOCOL}::{self.fs.unstrip_protocol(name)}"
+        """The name of `name` (a path in any spelling) here: `dmdask://` and the target's full URL."""
+        name = fsspec.utils.stringify_path(name)
+        if name.startswith(f"{PROTOCOL}://"):
+            return name
+        return f"{PROTOCOL}://{self.fs.unstrip_protocol(self._strip_protocol(name))}"
+
+    def _named(self, entry: dict) -> dict:
+        return dict(entry, name=self.unstrip_protocol(entry["name"]))
 
     def _session(self):
         return get_session(self.scheduler)
 
+    @routed
     def ls(self, path, detail=True, **kwargs):
-        entries = self._session().metadata.ls(self.target_id, self.fs, self.target_path(path))
-        return [dict(e) for e in entries] if detail else [e["name"] for e in entries]
+        entries = self.target_named.ls(path)
+        return [self._named(e) for e in entries] if detail else [self.unstrip_protocol(e["name"]) for e in entries]
 
+    @routed
     def info(self, path, **kwargs):
-        return dict(self._session().metadata.info(self.target_id, self.fs, self.target_path(path)))
+        return self._named(self.target_named.info(path))
 
+    @routed
+    def walk(self, path, maxdepth=None, topdown=True, on_error="omit", **kwargs):
+        """fsspec's `walk`, each folder named `dmdask://URL` (its entries' names too)."""
+        detail = kwargs.get("detail", False)
+        for folder, dirs, files in self.target_named.walk(path, maxdepth, topdown, on_error, **kwargs):
+            if detail:
+                dirs = {k: self._named(v) for k, v in dirs.items()}
+                files = {k: self._named(v) for k, v in files.items()}
+            yield self.unstrip_protocol(folder), dirs, files
+
+    @routed
+    def find(self, path, maxdepth=None, withdirs=False, detail=False, **kwargs):
+        found = self.target_named.find(path, maxdepth=maxdepth, withdirs=withdirs, detail=True, **kwargs)
+        named = {self.unstrip_protocol(p): self._named(info) if info else info for p, info in found.items()}
+        return named if detail else list(named)
+
+    @routed
+    def expand_path(self, path, recursive=False, maxdepth=None, **kwargs):
+        return [self.unstrip_protocol(p) for p in super().expand_path(path, recursive, maxdepth, **kwargs)]
+
+    @routed
     def open_info(self, path) -> dict:
         """`info` of a file about to be read from its start: on HTTP from the ranged GET of
         its first block, whose bytes the read that follows takes (`dmdask.fs.probe`)."""
-        return self._file(path, 0)[0]
+        return self._named(self._file(path, 0)[0])
 
+    @routed
     def glob(self, path, maxdepth=None, **kwargs):
         """As the target's `glob` answers (`dmdask.fs.globbing`), over this run's listings."""
-        return globbing.glob(self, path, maxdepth=maxdepth, url_rules=probe.applies(self.fs), **kwargs)
+        found = globbing.glob(self.target_named, path, maxdepth=maxdepth, url_rules=probe.applies(self.fs), **kwargs)
+        if isinstance(found, dict):
+            return {self.unstrip_protocol(p): self._named(info) for p, info in found.items()}
+        return [self.unstrip_protocol(p) for p in found]
 
+    @routed
     def isdir(self, path) -> bool:
-        return self.fs.isdir(self.target_path(path))
+        """From the run's listings and infos where they tell (an HTTP target's own `isdir`
+        GETs the whole URL, so there only a listing of its folder tells), else the target's."""
+        target = self.target_path(path)
+        if not probe.applies(self.fs):
+            try:
+                return self.target_named.info(target).get("type") == "directory"
+            except FileNotFoundError:
+                return False
+        entry = self._session().metadata.listed(self.target_id, target)
+        return entry.get("type") == "directory" if entry is not None else self.fs.isdir(target)
+
+    @routed
+    def get_file(self, rpath, lpath, callback=DEFAULT_CALLBACK, outfile=None, **kwargs):
+        """Copy file `rpath` to local `lpath` (or into file object `outfile`) through the
+        cache. A folder makes a local folder, as fsspec's `get_file` does, except on HTTP,
+        whose own `get_file` takes any URL as a file (asking `isdir` there GETs the file)."""
+        if outfile is None and isfilelike(lpath):
+            outfile = lpath
+        if outfile is None and not probe.applies(self.fs) and self.isdir(rpath):
+            os.makedirs(lpath, exist_ok=True)
+            return
+        with self.open(rpath, "rb") as source:
+            callback.set_size(source.size)
+            with contextlib.ExitStack() as closing:
+                if outfile is None:
+                    os.makedirs(os.path.dirname(os.path.abspath(lpath)), exist_ok=True)
+                    outfile = closing.enter_context(open(lpath, "wb"))
+                for chunk in iter(lambda: source.read(self.blocksize), b""):
+                    outfile.write(chunk)
+                    callback.relative_update(len(chunk))
+
+    @routed
+    def modified(self, path) -> datetime.datetime:
+        """The file's modification time, from the info the run read (the target's own
+        `modified` where its info has none, as on HTTP without Last-Modified)."""
+        found = modified_of(self.target_named.info(path))
+        return found if found is not None else self.fs.modified(self.target_path(path))
+
+    @routed
+    def created(self, path) -> datetime.datetime:
+        return self.fs.created(self.target_path(path))
 
     def invalidate_cache(self, path=None):
         """Forget every listing and info this process knows: a new run, which asks the store again."""
@@ -120,6 +249,7 @@ class DmdaskFileSystem(_Base):
         size = info.get("size")
         return info, (self.source(self.target_path(path), info) if size else None)
 
+    @routed
     def _open(self, path, mode="rb", block_size=None, autocommit=True, cache_options=None, **kwargs):
         if mode != "rb":
             raise PermissionError(f"{PROTOCOL}:: is read-only; cannot open {path!r} with mode {mode!r}")
@@ -137,10 +267,12 @@ class DmdaskFileSystem(_Base):
         start, end, _ = slice(start, end).indices(source.size)  # negative from the end, clamped to the file
         return source, start, end
 
+    @routed
     def cat_file(self, path, start=None, end=None, **kwargs):
         found = self._range(path, start, end)
         return found if isinstance(found, bytes) else self._session().blocks.read_ranges(self, [found])[0]
 
+    @routed
     def cat_ranges(self, paths, starts, ends, max_gap=None, on_error="return", **kwargs):
         """Several ranges in one go: one scheduler request for the blocks new to this
         process, the store read concurrently for those it is first to read."""
@@ -175,10 +307,11 @@ class DmdaskFileSystem(_Base):
                     out[i] = exc
         return out
 
+    @routed
     def cat(self, path, recursive=False, on_error="raise", **kwargs):
         """Like fsspec's `cat`; many files are read in one go (`cat_ranges`)."""
         paths = self.expand_path(path, recursive=recursive)
-        if len(paths) == 1 and not isinstance(path, list) and paths[0] == self._strip_protocol(path):
+        if len(paths) == 1 and not isinstance(path, list) and paths[0] == self.unstrip_protocol(path):
             return self.cat_file(paths[0])
         contents = self.cat_ranges(paths, None, None, on_error="raise" if on_error == "raise" else "return")
         return {p: c for p, c in zip(paths, contents) if not (on_error == "omit" and isinstance(c, Exception))}
@@ -187,6 +320,36 @@ class DmdaskFileSystem(_Base):
         raise PermissionError(f"{PROTOCOL}:: is read-only")
 
     _rm = mkdir = cp_file = _read_only
+
+
+class TargetNamed(AbstractFileSystem):
+    """A `DmdaskFileSystem`'s listings and infos in its target's naming: what fsspec's
+    generic `walk`, `find` and dmdask's `glob` run over (the filesystem then names
+    their answers `dmdask://URL`)."""
+
+    cachable = False
+
+    def __init__(self, owner: DmdaskFileSystem):
+        super().__init__()
+        self.owner = owner
+
+    def _strip_protocol(self, path):  # an instance's: the owner's target strips
+        return self.owner.target_path(path)
+
+    def target_path(self, path: str) -> str:
+        return self.owner.target_path(path)
+
+    def ls(self, path, detail=True, **kwargs):
+        owner = self.owner
+        entries = owner._session().metadata.ls(owner.target_id, owner.fs, owner.target_path(path))
+        return [dict(e) for e in entries] if detail else [e["name"] for e in entries]
+
+    def info(self, path, **kwargs):
+        owner = self.owner
+        return dict(owner._session().metadata.info(owner.target_id, owner.fs, owner.target_path(path)))
+
+    def isdir(self, path) -> bool:
+        return self.owner.isdir(path)
 
 
 class DmdaskFile(AbstractBufferedFile):

@@ -10,6 +10,8 @@ otherwise a RuntimeError naming the files.
 """
 from __future__ import annotations
 
+import contextlib
+
 import dask.config
 import numpy as np
 from distributed.comm.core import CommClosedError
@@ -20,6 +22,7 @@ from ..errors import BlockReadError, NoWorkersError
 from ..protocol.scheduler import Locate, SchedulerAPI
 from ..recovery import Deadline, Tries
 from ..source.files import ROW_BYTES
+from .inside import out_of_the_pool
 
 HITS_SECONDS = 1.0  # how often workers hear of the rows taken from their files
 FOLDER_FILES = 10_000  # other files of a folder located along with the first one a process reads
@@ -39,6 +42,7 @@ class Blocks:
     def read_ranges(self, fs, ranges: list[tuple]) -> list[bytes]:
         """The bytes of each (source `FileSource`, start, stop; 0 <= start <= stop <= size),
         with one scheduler request for the blocks new to this process."""
+        self.session.check_workers()
         deadline = Deadline(float(dask.config.get("dmdask.client.recovery-seconds")))
         cuts, wanted = [], {}
         for source, start, stop in ranges:
@@ -108,35 +112,44 @@ class Blocks:
         loading or read by another process, submitting those the cluster does not have."""
         session, client = self.session, self.session.client
         api = SchedulerAPI(client)
-        for _ in Tries(deadline):  # no pause: each locate waits on the scheduler
-            unknown = [k for k in keys if k not in self.holders]
-            if not unknown:
-                return {k: self.holders[k] for k in keys}
-            sources = {wanted[k][0].info.name: wanted[k][0] for k in unknown}
-            checked = set(sources) - self.registered
-            for name in checked:
-                self.registered.add(name)
-                get_or_register(client, sources[name])
-            expect = [k for k in unknown if k in self.submitted]
-            found = session.sync(Locate.op, lambda: api.locate(unknown, session.my_host, expect=expect))
-            self.submitted.difference_update(expect)  # waited for once: from now on, as any other key
-            self.holders.update(found.holders)
-            for key, error in found.erred.items():
-                source = wanted[key][0]
-                if source.info.name in self.retried:
-                    raise error
-                self.retried.add(source.info.name)
-                get_or_register(client, source)  # retries its erred blocks
-            if found.unknown:
-                for name in {wanted[k][0].info.name for k in found.unknown} - checked:
-                    get_or_register(client, sources[name])  # registered again, should it have been released
-                del submit_blocks(client, [wanted[k][0].reader(wanted[k][1]) for k in found.unknown])[:]
-                self.submitted.update(found.unknown)  # the next locate waits for them
+        with contextlib.ExitStack() as waiting:
+            for attempt, _ in enumerate(Tries(deadline)):  # no pause: each locate waits on the scheduler
+                unknown = [k for k in keys if k not in self.holders]
+                if not unknown:
+                    return {k: self.holders[k] for k in keys}
+                if attempt == 1:  # waiting for loads, which may be queued on this very worker (a task's read)
+                    waiting.enter_context(out_of_the_pool())
+                self._locate(wanted, unknown, client, api)
         url = wanted[unknown[0]][0].info.url
         if not client.scheduler_info().get("workers"):
             raise NoWorkersError(f"the cluster has no workers to read {url} through")
         raise RuntimeError(f"blocks of {url} still not loaded after dmdask.client.recovery-seconds; is the cluster "
                            "losing workers?")
+
+    def _locate(self, wanted: dict[str, tuple], unknown: list[str], client, api) -> None:
+        """One locate of the blocks `unknown`: holders learnt, erred loads retried once
+        (then their error raised), blocks the cluster lacks registered and submitted."""
+        session = self.session
+        sources = {wanted[k][0].info.name: wanted[k][0] for k in unknown}
+        checked = set(sources) - self.registered
+        for name in checked:
+            self.registered.add(name)
+            get_or_register(client, sources[name])
+        expect = [k for k in unknown if k in self.submitted]
+        found = session.sync(Locate.op, lambda: api.locate(unknown, session.my_host, expect=expect))
+        self.submitted.difference_update(expect)  # waited for once: from now on, as any other key
+        self.holders.update(found.holders)
+        for key, error in found.erred.items():
+            source = wanted[key][0]
+            if source.info.name in self.retried:
+                raise error
+            self.retried.add(source.info.name)
+            get_or_register(client, source)  # retries its erred blocks
+        if found.unknown:
+            for name in {wanted[k][0].info.name for k in found.unknown} - checked:
+                get_or_register(client, sources[name])  # registered again, should it have been released
+            del submit_blocks(client, [wanted[k][0].reader(wanted[k][1]) for k in found.unknown])[:]
+            self.submitted.update(found.unknown)  # the next locate waits for them
 
     def locate_folder(self, fs, folder: str) -> None:
         """Holders of the first block of up to `FOLDER_FILES` files of the folder this

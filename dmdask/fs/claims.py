@@ -15,6 +15,7 @@ import threading
 import fsspec
 
 from ..client.datasets import submit_blocks
+from ..errors import NotADmdaskWorker
 from ..protocol.scheduler import FileEntry, FsOpenBlocks, NoWorkers, OpenBlocks, SchedulerAPI
 from ..protocol.worker import WorkerAPI
 from ..recovery import Tries
@@ -50,6 +51,7 @@ class Claims:
         """The info of `path` for reading it from byte `start` (None: from its end). On HTTP a
         file new to the run is claimed and asked with the ranged GET of the block holding
         `start`, whose bytes the read that follows takes: one scheduler and one store round trip."""
+        self.session.check_workers()
         fsid, metadata = fs.target_id, self.session.metadata
         found = metadata.known_info(fsid, path)
         if found is not None:
@@ -64,9 +66,13 @@ class Claims:
             return found
         block_bytes = FileSource.block_bytes_of(fs.block_bytes)
         index = start // block_bytes
-        got = probe.first_block(target, path, index * block_bytes, block_bytes)
-        if got is None:
-            return metadata.info(fsid, fs.fs, path)
+        try:
+            got = probe.first_block(target, path, index * block_bytes, block_bytes)
+            if got is None:
+                return metadata.info(fsid, fs.fs, path)
+        except Exception:  # a missing file (404), a store error: the claim ends with it
+            metadata.release(fsid, path)
+            raise
         info, content = plain(got[0]), got[1]
         source = reader = None
         if info["size"] and index * block_bytes < info["size"]:
@@ -194,7 +200,10 @@ class Claims:
         replies = await asyncio.gather(*(workers.hand_over(w, blocks, self._claim) for w, blocks in by_worker.items()),
                                        return_exceptions=True)
         for worker, reply in zip(by_worker, replies):
-            if isinstance(reply, BaseException):  # that worker reads those blocks itself
+            if isinstance(reply, NotADmdaskWorker):  # a plain Dask worker: this process's next read raises it
+                self.session.refused = reply
+                logger.warning("dmdask:: %s", reply)
+            elif isinstance(reply, BaseException):  # that worker reads those blocks itself
                 logger.debug("could not hand blocks over to %s: %r", worker, reply)
         del submit_blocks(client, [reader for _, reader, _ in queued])[:]
         # until the scheduler has them: an exit before the graph left would drop the claims

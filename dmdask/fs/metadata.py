@@ -8,6 +8,8 @@ at a time. `claim_info` waits while another process of the run reads a file's in
 from __future__ import annotations
 
 import asyncio
+import datetime
+import email.utils
 import logging
 
 import dask.config
@@ -31,6 +33,30 @@ VERSION_KEYS = ("mtime", "LastModified", "last_modified", "Last-Modified", "ETag
 
 def version_of(info: dict) -> list:
     return [[k, str(info[k])] for k in VERSION_KEYS if info.get(k) is not None]
+
+
+def modified_of(info: dict) -> datetime.datetime | None:
+    """The modification time an fsspec info gives (a local file's `mtime`, S3's
+    `LastModified`, HTTP's `Last-Modified`, GCS's `updated`, as values or as the strings
+    `plain` makes of them), timezone-aware; None where it gives none."""
+    for key in ("mtime", "LastModified", "last_modified", "Last-Modified", "updated"):
+        value = info.get(key)
+        if value is None:
+            continue
+        if isinstance(value, datetime.datetime):
+            found = value
+        elif isinstance(value, (int, float)):
+            found = datetime.datetime.fromtimestamp(value, tz=datetime.timezone.utc)
+        else:
+            try:
+                found = datetime.datetime.fromisoformat(str(value))
+            except ValueError:
+                try:
+                    found = email.utils.parsedate_to_datetime(str(value))
+                except (TypeError, ValueError):
+                    continue
+        return found if found.tzinfo else found.replace(tzinfo=datetime.timezone.utc)
+    return None
 
 
 def plain(info: dict) -> dict:
@@ -109,6 +135,14 @@ class Metadata:
             found = self.infos.get(key)
         return found
 
+    def listed(self, fsid: str, path: str) -> dict | None:
+        """The entry of `path` in its folder's listing, if this process holds that listing."""
+        path = path.rstrip("/")
+        for entry in self.listings.get(f"{fsid}|{folder_of(path)}") or ():
+            if entry["name"].rstrip("/") == path:
+                return entry
+        return None
+
     def claim_info(self, fsid: str, path: str):
         """The run's info of `path` once known, waiting while another process of the run
         reads it from the store; None: this process is to read it (claimed); ELSEWHERE:
@@ -130,6 +164,15 @@ class Metadata:
             if not reply.probing:
                 return None
         return None
+
+    def release(self, fsid: str, path: str) -> None:
+        """End this process's claim of `path`'s info unanswered (its read failed), before
+        the error is raised: the run's next read of it, here or elsewhere, asks the store
+        at once rather than waiting out the claim."""
+        try:
+            self.session.call(FsMetadata(self.run, release=[(f"{fsid}|{folder_of(path)}", path)]))
+        except Exception:  # noqa: BLE001 - the read's own error matters more; the claim then lapses
+            logger.debug("could not release the claim of %s", path, exc_info=True)
 
     def info(self, fsid: str, target, path: str) -> dict:
         """The target's info of `path`, read from the store once per run."""

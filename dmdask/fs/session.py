@@ -26,6 +26,7 @@ from ..protocol.scheduler import NoWorkers, Request, SchedulerAPI
 from ..recovery import Tries
 from .blocks import Blocks
 from .claims import HANDOVER_EXIT_SECONDS, Claims
+from .inside import serving
 from .metadata import Metadata
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,14 @@ class Session:
         self.blocks = Blocks(self, parent.blocks.holders if parent else {})
         self._exit_hook = False
         self._said_waiting = False
+        self.refused: Exception | None = None  # a worker's NotADmdaskWorker: every later read raises it
+        self.borrowed = False  # `connected` is the Dask worker's own client (this process is a worker)
+
+    def check_workers(self) -> None:
+        """Raise the `NotADmdaskWorker` a plain Dask worker answered a request of this
+        process with (a hand-over of blocks read here): reads through it are not cached."""
+        if self.refused is not None:
+            raise self.refused
 
     @property
     def client(self) -> distributed.Client:
@@ -55,8 +64,12 @@ class Session:
             with self.lock:
                 if self.connected is None:
                     connect = dask.config.get("distributed.comm.timeouts.connect")
+                    worker = serving()
                     try:
-                        client = distributed.Client(self.address, set_as_default=False, timeout=connect)
+                        if worker is not None and worker.scheduler.address == self.address:
+                            client, self.borrowed = worker.client, True  # the worker's own connection
+                        else:
+                            client = distributed.Client(self.address, set_as_default=False, timeout=connect)
                     except OSError as exc:
                         raise SchedulerLostError(
                             f"dmdask:: cannot reach the scheduler at {self.address} (waited {connect}, "
@@ -100,7 +113,7 @@ class Session:
         self.at_exit()
         with self.lock:
             client, self.connected = self.connected, None
-        if client is not None:
+        if client is not None and not self.borrowed:
             client.close(timeout=EXIT_SECONDS)
 
     def forget(self) -> None:
@@ -189,11 +202,15 @@ def close() -> None:
 
 
 def default_address() -> str:
-    """`dmdask.fs.scheduler` from dask config, else the default client's scheduler (also
-    put into the environment for spawned processes), else the parent process's."""
+    """`dmdask.fs.scheduler` from dask config, else (in a Dask worker's process) the worker's
+    scheduler, else the default client's scheduler (also put into the environment for
+    spawned processes), else the parent process's."""
     configured = dask.config.get("dmdask.fs.scheduler", None)
     if configured:
         return str(configured)
+    worker = serving()
+    if worker is not None:  # a task on a worker of the cluster: its scheduler
+        return worker.scheduler.address
     try:
         address = distributed.default_client().scheduler.address
     except ValueError:

@@ -18,7 +18,7 @@ from ._fields import converted
 from ._passes import EpochPasses, described
 from ._rank import spec_for_rank
 
-__all__ = ["TorchLoader", "to_torch", "distributed_spec"]
+__all__ = ["TorchLoader", "EpochSampler", "to_torch", "distributed_spec"]
 
 # numpy kinds torch.from_numpy takes: bool, signed, unsigned, float, complex
 _NUMERIC_KINDS = "biufc"
@@ -54,6 +54,24 @@ def to_torch(batch: dict[str, Any]) -> dict[str, Any]:
     return converted(batch, _tensor)
 
 
+class EpochSampler:
+    """A `TorchLoader`'s `sampler`: what trainers that follow the DataLoader convention
+    (Lightning's `Trainer`, Accelerate) call `set_epoch` on at the start of each epoch; it
+    sets the loader's epoch. The loader itself deals the samples: this yields none."""
+
+    def __init__(self, loader: TorchLoader):
+        self.loader = loader
+
+    def set_epoch(self, epoch: int) -> None:
+        self.loader.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.loader) * self.loader.spec.batch_size
+
+    def __iter__(self):
+        raise TypeError("a TorchLoader's sampler only carries set_epoch: iterate the TorchLoader itself")
+
+
 class TorchLoader(EpochPasses):
     """This rank's batches of `spec.source`, epoch by epoch, as dicts of torch tensors.
 
@@ -68,7 +86,9 @@ class TorchLoader(EpochPasses):
     device_prefetch: batches in flight on a CUDA device (0: one at a time).
 
     With DistributedDataParallel, set `spec.drop_last=True` so that every rank takes the
-    same number of steps per epoch. Not thread-safe.
+    same number of steps per epoch. Under Lightning's `Trainer` (and other trainers that
+    call `loader.sampler.set_epoch(e)` each epoch, as for a `DistributedSampler`) the
+    epoch follows the trainer's (`sampler`: an `EpochSampler`). Not thread-safe.
     """
 
     def __init__(self, client, spec: dmdask.Spec, *, pin_memory: bool = False,
@@ -84,6 +104,7 @@ class TorchLoader(EpochPasses):
         super().__init__(client, distributed_spec(spec), epoch, moves_on=False)
         self.pin_memory = cuda or (bool(pin_memory) and torch.cuda.is_available())
         self._feeder = CudaFeeder(torch, self.device, self.device_prefetch) if cuda else None
+        self.sampler = EpochSampler(self)
 
     def __iter__(self):
         if torch.utils.data.get_worker_info() is not None:

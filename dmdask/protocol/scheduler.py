@@ -152,11 +152,14 @@ class Datasets(Request):
 
 @message
 class FsMetadata(Request):
-    """Share `put`, read from the store by `run`; get what `run` read of the folders `get` (`Folders`)."""
+    """Share `put`, read from the store by `run`; drop `run`'s claims (`FsClaim`) on the
+    (folder, path) of `release` (their reads failed: a missing file); get what `run` read
+    of the folders `get` (`Folders`)."""
     op = "dmdask_fs_metadata"
     run: str
     get: Sequence[str] = ()
     put: Sequence[FileEntry] = ()
+    release: Sequence[Tuple[str, str]] = checked(functools.partial(check.tuples, width=2, leading_texts=2), ())
 
 
 @message

@@ -4,7 +4,8 @@ transparent mode (`dmdask.fs`) read from the store, kept on the scheduler, by fo
 A process is answered only with entries its own run (`dmdask.fs.run`) read: within a run
 a folder is listed and a file's info fetched once, whoever asks; a new run sees a file
 changed since. A process about to read a file's info claims it first (`claim`): while the
-claim stands (`PROBE_SECONDS`, or until the info is put) the run's other processes wait.
+claim stands (`PROBE_SECONDS`, or until the info is put, or released: the read failed,
+as for a missing file) the run's other processes wait.
 """
 from __future__ import annotations
 
@@ -61,6 +62,14 @@ class FileMetadata:
                 entry.listing = _seen(entry.listing, value, run)
             else:
                 entry.infos[path] = _seen(entry.infos.get(path), value, run)
+
+    def release(self, run: str, claims: Sequence[tuple[str, str]]) -> None:
+        """`run`'s claims of these (folder, path) end unanswered (their reads failed): the
+        next reader of each reads the store itself, at once."""
+        for folder, path in claims:
+            entry = self.folders.get(folder)
+            if entry is not None:
+                entry.probing.pop((run, path), None)
 
     def get(self, run: str, folders: Sequence[str]) -> dict[str, FolderEntries]:
         """What `run` read of these folders (those it read nothing of left out)."""

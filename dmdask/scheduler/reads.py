@@ -132,6 +132,7 @@ class BlockReads:
     def fs_metadata(self, request: FsMetadata) -> Folders:
         files = self.plugin.files
         files.put(request.run, request.put)
+        files.release(request.run, request.release)
         return Folders(files.get(request.run, request.get))
 
     def fs_claim(self, request: FsClaim) -> InfoClaims | NoWorkers:

@@ -12,9 +12,11 @@ from distributed.comm import get_address_host
 from distributed.comm.core import CommClosedError
 from distributed.core import Status
 
+from ..errors import plain_worker
+from ..fs.inside import serve_worker
 from ..protocol.rows import RowChannels, asked_of
-from ..protocol.worker import (Batches, BatchRequest, Channel, ChannelRequest, DescribeRequest, Descriptions, GiveRows, HandOver,
-                               HitsReport, Kept, Missing, Moved, OPS, WorkerAPI, handler)
+from ..protocol.worker import (Batches, BatchRequest, Channel, ChannelRequest, DescribeRequest, Descriptions, GiveRows,
+                               HandOver, HitsReport, Kept, Missing, Moved, OPS, WorkerAPI, handler)
 from ..threads import ForkSafeExecutor
 from ..scheduler.placement import STREAMED_TOPIC
 from ..shm.fileblocks import assemble
@@ -29,9 +31,18 @@ from .tiers import TieredStore
 from .transforms import transform_in_order, transform_isolated
 
 
+def _refusing(op: str, address: str):
+    """The handler of dmdask's `op` on a plain Dask worker: `NotADmdaskWorker`."""
+    def refuse(**_):
+        raise plain_worker(address)
+    refuse.__name__ = op
+    return refuse
+
+
 class WorkerPlugin(distributed.WorkerPlugin):
     """dmdask on one worker: its `BlockCache` (`worker.extensions["dmdask"]`) and handlers.
-    A worker without dmdask's tiers (a plain Dask worker) is left as it is. Handlers use
+    On a worker without dmdask's tiers (a plain Dask worker) every dmdask handler raises
+    `NotADmdaskWorker` naming the worker and the fix (and `load_block` tasks do). Handlers use
     `cache`, `address` and `peers` (a `WorkerAPI`) only: testable without a cluster."""
 
     name = "dmdask"
@@ -46,7 +57,10 @@ class WorkerPlugin(distributed.WorkerPlugin):
         self.worker = None
 
     def setup(self, worker) -> None:
+        serve_worker(worker)  # dmdask:: reads in its tasks use its own connection
         if not isinstance(worker.data, TieredStore):
+            for op in OPS.values():  # (a handler the worker already has for one is kept)
+                worker.handlers.setdefault(op, _refusing(op, worker.address))
             return
         self.cache = worker.extensions.get("dmdask")  # kept when added again (by a new scheduler)
         if self.cache is None:
@@ -142,7 +156,7 @@ class WorkerPlugin(distributed.WorkerPlugin):
         return self.server.channel
 
     def describe(self, request: DescribeRequest) -> Descriptions:
-        """How to map each held block's files (None: rows through `dmdask_rows`); blocks
+        """How to map each held block's files (None: rows through its row channel); blocks
         not held (yet) are left out, the caller asks again. A block held in files can be
         read by the worker's user (or group) on this host."""
         store = self.cache.store
