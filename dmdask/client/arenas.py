@@ -52,7 +52,7 @@ class LocalArenas:
 
     def knows(self, blocks: np.ndarray) -> bool:
         """Whether every block is in a known arena (`take` applies)."""
-        return bool(len(blocks)) and bool((self.arena_of[blocks] >= 0).all())
+        return bool(self.arenas) and bool(len(blocks)) and bool((self.arena_of[blocks] >= 0).all())
 
     def remember(self, holder: str, fields: dict, blocks, first_rows) -> None:
         """Blocks `blocks` are in `holder`'s arena `fields` (`ArenaBlock.describe`), each from

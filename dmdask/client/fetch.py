@@ -111,6 +111,26 @@ class GroupFetcher:
                            f"({tries.count} tries, dmdask.client.recovery-seconds); is the cluster losing workers?") \
             from last_error
 
+    def fetch_known(self, first: int, group: list[np.ndarray]) -> list | None:
+        """In any thread: the batches `group` (sample ids), from batch `first` on, of a warm iterator with no transform whose
+        blocks all have known holders on other hosts, asked of them with no hop through the
+        event loop (`Gatherer.gather_remote`); None when that does not apply. Any error is
+        raised, and the caller fetches the group with `fetch`, which recovers from it."""
+        if self.transform is not None or self.cold:
+            return None
+        ids = np.concatenate(group)
+        blocks, offsets = self.info.locate(ids)
+        keys = {int(k): self.info.block_key(int(k)) for k in np.unique(blocks)}
+        holders = {key: self.holders.get(key) for key in keys.values()}
+        if None in holders.values():
+            return None
+        plan, positions = plan_rows(blocks, offsets, keys, holders)
+        arrays = self.gatherer.gather_remote(plan, positions, len(ids), priority=first)
+        if arrays is None:
+            return None
+        index, extra = self._index(ids)
+        return split_batches({**arrays, **extra}, index, [len(b) for b in group])
+
     async def _from_local_worker(self, plan, positions, ids, group, first: int, isolate: bool) -> list:
         """Batches gathered and transformed by a worker on this node (`isolate`: in a process
         of its own); when the transform failed on one, the batches before it and its error."""

@@ -40,6 +40,7 @@ MAPPED_BLOCKS = 4096  # blocks kept mapped per process (each costs a mapping per
 _reports_under_way: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # client -> its hit reports sent
 _pool = ForkSafeExecutor(2, "dmdask-gather")
 peer_threads = ForkSafeExecutor(16, "dmdask-peer")  # each receives one holder's rows at a time
+fetchers = ForkSafeExecutor(4, "dmdask-fetch")  # warm groups asked of other hosts with no hop through the event loop
 _channels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # client -> its RowChannels
 
 
@@ -211,9 +212,32 @@ class Gatherer:
         channels = channels_of(self.client)
         fetched = [channels.fetch(peer_threads, holder, *group.receiving(asked, np.concatenate(places), priority))
                    for holder, (asked, places) in remote.items()]  # holders wait for blocks loading
-        taken = loop.run_in_executor(_pool, self._take_files, from_files, group)
-        replies = await asyncio.gather(*fetched, taken)
-        return group.arrays, sum(from_store for _, from_store in replies[:-1])
+        if from_files:  # rows of this host's files, in a thread while the holders answer
+            fetched.append(loop.run_in_executor(_pool, self._take_files, from_files, group))
+        replies = await asyncio.gather(*fetched)
+        return group.arrays, sum(from_store for _, from_store in replies[:len(remote)])
+
+    def gather_remote(self, plan: dict[str, dict[str, np.ndarray]], positions: dict[str, np.ndarray], n: int,
+                      priority: int | None = None) -> dict[str, np.ndarray] | None:
+        """`gather` in the caller's thread, with no hop through the event loop, when every
+        holder of `plan` is on another host and its row channel is known already: one
+        holder's rows received in this thread, the others' in `peer_threads` meanwhile.
+        None otherwise; raises what `gather` raises (the caller then fetches the group
+        through `gather`, which recovers)."""
+        channels = channels_of(self.client)
+        known = {holder: channels.known(holder) for holder in plan}
+        if any(c is None for c in known.values()) or self._local_holders(plan):
+            return None
+        group = Group(n)
+        exchanges = [(holder, known[holder], *group.receiving(wanted, positions[holder], priority))
+                     for holder, wanted in plan.items()]
+        others = [peer_threads.submit(channels.exchange, *args) for args in exchanges[1:]]
+        try:
+            channels.exchange(*exchanges[0])
+        finally:
+            for other in concurrent.futures.as_completed(others):
+                other.result()  # the first error is raised (once every exchange ended)
+        return group.arrays
 
     def take_local(self, plan: dict[str, dict[str, np.ndarray]], positions: dict[str, np.ndarray],
                    n: int) -> dict[str, np.ndarray] | None:

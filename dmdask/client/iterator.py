@@ -21,7 +21,7 @@ from .contact import Contact
 from .datasets import open_dataset
 from .fetch import HITS_SECONDS, GroupFetcher
 from .first_batch import FirstBatch
-from .gather import Gatherer, Moved, copier
+from .gather import Gatherer, Moved, copier, fetchers
 from .locate import my_host
 from .mixture import MixedInfo, check_fields_match, take_mixed
 from .progress import make as _make_progress
@@ -173,6 +173,9 @@ class BatchIterator:
             return asyncio.run_coroutine_threadsafe(self._first_batch(group[0]), self._loop)
         if self._transform is None and self._known(group):
             return copier.submit(self._copy_known, first, stop, group)
+        if self._transform is None and not self._fetcher.cold:
+            self.requests += 1
+            return fetchers.submit(self._fetch_known, first, stop, group)
         return self._fetch(first, stop)
 
     async def _first_batch(self, ids: np.ndarray) -> list:
@@ -216,6 +219,17 @@ class BatchIterator:
             return self._fetch(first, stop).result()
         if self._gatherer.due(HITS_SECONDS):  # wakes the event loop only when a report is due
             self._loop.call_soon_threadsafe(self._gatherer.flush_hits_every, HITS_SECONDS)
+        return out
+
+    def _fetch_known(self, first: int, stop: int, group: list[np.ndarray]) -> list:
+        """In a fetcher thread: the group asked of its holders on other hosts with no hop
+        through the event loop (`GroupFetcher.fetch_known`), else fetched on the loop."""
+        try:
+            out = self._fetcher.fetch_known(first, group)
+        except Exception:  # noqa: BLE001 - a lost or moved holder, a corrupt block: fetched again, which recovers
+            out = None
+        if out is None:
+            return asyncio.run_coroutine_threadsafe(self._fetcher.fetch(first, stop), self._loop).result()
         return out
 
     def close(self) -> None:

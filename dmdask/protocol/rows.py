@@ -33,7 +33,8 @@ from .worker import Channel, Moved
 HEADER = struct.Struct("<Q")
 MAX_HEADER = 16 << 20  # bytes of a header (the keys of a request): more is not a dmdask peer
 MAX_ROWS = 1 << 24  # rows of one request
-CONNECT_SECONDS = 5.0  # a connection that takes longer: the worker is gone
+CONNECT_SECONDS = 5.0
+IOV_MAX = 1024  # buffers a sendmsg call takes (Linux's UIO_MAXIOV)  # a connection that takes longer: the worker is gone
 
 
 @dataclass
@@ -66,13 +67,24 @@ def asked_of(wanted: dict[str, np.ndarray], priority: float | None = None, wait:
 
 
 def send_frame(sock: socket.socket, header: dict, buffers=()) -> None:
-    """One frame: the header, then `buffers` (contiguous arrays or bytes) as they are."""
+    """One frame: the header, then `buffers` (contiguous arrays, bytes or memoryviews) as
+    they are, gathered by `sendmsg` (no copy into one buffer) where the socket has it."""
     head = msgpack.packb(header, use_bin_type=True)
-    sock.sendall(HEADER.pack(len(head)) + head)
-    for buffer in buffers:
-        view = memoryview(buffer).cast("B")
-        if view.nbytes:
+    views = [memoryview(HEADER.pack(len(head)) + head)]
+    views += [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
+    if isinstance(sock, ssl.SSLSocket):  # no sendmsg over TLS
+        for view in views:
             sock.sendall(view)
+        return
+    at = 0
+    while at < len(views):
+        sent = sock.sendmsg(views[at:at + IOV_MAX])
+        while sent:
+            if sent >= views[at].nbytes:
+                sent -= views[at].nbytes
+                at += 1
+            else:
+                views[at], sent = views[at][sent:], 0
 
 
 def recv_header(sock: socket.socket) -> dict:
@@ -222,6 +234,10 @@ class RowChannels:
             found = self._channels[holder] = await self.api.channel(holder)
         return found
 
+    def known(self, holder: str) -> Channel | None:
+        """The channel of `holder` if learnt already (from any thread)."""
+        return self._channels.get(holder)
+
     async def fetch(self, executor, holder: str, asked: RowsAsked, place=None) -> tuple:
         """Rows `asked` of `holder`, received in a thread of `executor` by `place` (see
         `exchange`; None: into new arrays): (what `place` returned, how many rows the
@@ -229,18 +245,20 @@ class RowChannels:
         does not hold; the holder's error (`BlockReadError`, `ValueError` for rows outside
         their block) raised as it was; OSError when the holder is gone or does not answer."""
         channel = await self.channel(holder)
-        try:
-            return await asyncio.get_running_loop().run_in_executor(executor, self.exchange, holder, channel, asked,
-                                                                    place)
-        except OSError:
-            self.forget(holder)
-            raise
+        return await asyncio.get_running_loop().run_in_executor(executor, self.exchange, holder, channel, asked, place)
 
     def exchange(self, holder: str, channel: Channel, asked: RowsAsked, place=None) -> tuple:
         """Blocking: send `asked`, then `place(fields, n, receive)` with the reply, where
         `receive(into)` reads the rows (`recv_fields`), once. The connection is reused once
         a whole reply was read, closed after any other failure."""
         place = place or into_new
+        try:
+            return self._exchange(holder, channel, asked, place)
+        except OSError:
+            self.forget(holder)
+            raise
+
+    def _exchange(self, holder: str, channel: Channel, asked: RowsAsked, place) -> tuple:
         sock, buffer = self._connection(holder, channel)
         error = None
         try:
@@ -252,6 +270,9 @@ class RowChannels:
             if status == "rows":
                 n = len(asked.rows)
                 placed = place(header["fields"], n, lambda into: recv_fields(sock, header["fields"], n, into, buffer))
+                moved = recv_header(sock)["moved"]  # the trailer: rows sent before their blocks were checked
+                if moved:
+                    error = Moved(moved)
             elif status == "missing":
                 error = Moved(header["keys"])
             elif status == "error":

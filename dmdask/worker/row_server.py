@@ -18,6 +18,8 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -30,6 +32,7 @@ from ..shm.arena import ID_FIELD, ArenaMaps
 from .holdings import ArenaBlock, FileBlock, concat, payload_bytes
 
 logger = logging.getLogger(__name__)
+ZERO_COPY_ROW_BYTES = 16 << 10  # rows at least this large are sent from the arena's pages (one iovec a row)
 HELLO_SECONDS = 10.0  # a connection that does not say the secret in time is closed
 OP = "dmdask row channel"
 
@@ -84,7 +87,10 @@ class RowServer:
                     header, buffers = error_header(exc)
                     send_frame(conn, {**header, "closing": True}, buffers)
                     return
-                send_frame(conn, *self.answer(asked, buffer))
+                reply = self.answer(asked, buffer, zero_copy=self.ssl_context is None)
+                send_frame(conn, reply.header, reply.buffers)
+                if reply.header["status"] == "rows":  # the trailer: rows that turned out not held
+                    send_frame(conn, {"moved": reply.moved() if reply.moved is not None else []})
         except (OSError, ValueError):  # the caller left, or sent what is not a request: drop it
             pass
         except Exception:  # noqa: BLE001 - never let a connection's thread take the worker down
@@ -94,23 +100,22 @@ class RowServer:
                 self._connections.discard(conn)
             conn.close()
 
-    def answer(self, asked: RowsAsked, buffer: Buffer) -> tuple[dict, list]:
-        """The reply to a request: (its header, the buffers to send after it)."""
+    def answer(self, asked: RowsAsked, buffer: Buffer, zero_copy: bool = False) -> Reply:
+        """The reply to a request (`zero_copy`: its rows may be sent from the arena itself)."""
         try:
-            arrays, from_store = self.rows(asked, buffer)
+            reply = self.rows(asked, buffer, zero_copy)
         except Moved as exc:
-            return {"status": "missing", "keys": exc.keys}, []
+            return Reply({"status": "missing", "keys": exc.keys}, [])
         except Exception as exc:  # noqa: BLE001 - sent to the caller, raised there
-            return error_header(exc)
-        fields, buffers = describe_fields(arrays)
+            return Reply(*error_header(exc))
         with self._lock:
-            self.cache.peer_bytes_out += payload_bytes(arrays)
+            self.cache.peer_bytes_out += sum(size for *_, size in reply.header["fields"])
             self.cache.peer_requests += 1
-        return {"status": "rows", "fields": fields, "from_store": from_store}, buffers
+        return reply
 
-    def rows(self, asked: RowsAsked, buffer: Buffer) -> tuple[dict[str, np.ndarray], int]:
-        """(the rows asked, one array per field, in the order asked; how many were read
-        from the store for them). `Moved` for blocks not held."""
+    def rows(self, asked: RowsAsked, buffer: Buffer, zero_copy: bool = False) -> Reply:
+        """The reply holding the rows asked, field by field in the order asked. `Moved` for
+        blocks not held."""
         store = self.cache.store
         held = [store.get(key) for key in asked.keys]
         if held and all(isinstance(h, (ArenaBlock, FileBlock)) for h in held):
@@ -118,34 +123,52 @@ class RowServer:
             arenas = {id(h.arena) for h in held if isinstance(h, ArenaBlock)}
             try:
                 if len(arenas) == 1 and all(isinstance(h, ArenaBlock) for h in held):
-                    return self._from_arena(asked, held, buffer), 0
-                return self._from_files(asked, held), 0
+                    return self._from_arena(asked, held, buffer, zero_copy)
+                return _rows_reply(self._from_files(asked, held), 0)
             except OSError:  # files gone or unreadable: the event loop's path reads them again
                 pass
-        return self._on_loop(asked)
+        return _rows_reply(*self._on_loop(asked))
 
-    def _from_arena(self, asked: RowsAsked, held: list[ArenaBlock], buffer: Buffer) -> dict[str, np.ndarray]:
-        """One take per field from the arena's rows straight into `buffer`."""
+    def _from_arena(self, asked: RowsAsked, held: list[ArenaBlock], buffer: Buffer, zero_copy: bool) -> Reply:
+        """Rows of one arena: large rows sent from the arena's pages themselves (`sendmsg`:
+        the kernel's copy is the only one; their labels are checked once sent, and the
+        trailer names the blocks released meanwhile), others taken into `buffer` with one
+        `np.take` per field (labels checked before sending)."""
         arena, n = held[0].arena, len(asked.rows)
         first_row = np.array([h.slot for h in held], dtype=np.int64) * arena.block_len
         start = np.array([h.start for h in held], dtype=np.int64)
         rows = first_row[asked.blocks] + asked.rows
         needed = int(rows.max()) + 1 if n else 0
         maps = ArenaMaps.shared
-        sizes = {name: n * np.dtype(dtype).itemsize * int(np.prod(shape, dtype=np.int64))
-                 for name, (_, dtype, shape) in arena.fields.items() if name != ID_FIELD}
-        memory, at, out = buffer.view(sum(sizes.values())), 0, {}
-        for name, size in sizes.items():
-            path, dtype, shape = arena.fields[name]
-            target = memory[at:at + size].view(dtype).reshape((n,) + tuple(shape))
-            np.take(maps.rows(path, dtype, shape, needed), rows, axis=0, out=target, mode="clip")
-            out[name], at = target, at + size
-        labels = maps.rows(*arena.fields[ID_FIELD], needed)[rows]
-        wrong = labels != start[asked.blocks] + asked.rows  # released (and reused) while taken
-        if wrong.any():
-            raise Moved([asked.keys[b] for b in np.unique(asked.blocks[wrong]).tolist()])
-        self.cache.store.count_hit("ram", n, sum(sizes.values()))
-        return out
+        fields = {name: (maps.rows(path, dtype, shape, needed), np.dtype(dtype).itemsize * int(np.prod(shape)))
+                  for name, (path, dtype, shape) in arena.fields.items() if name != ID_FIELD}
+
+        def moved() -> list[str]:
+            wrong = maps.rows(*arena.fields[ID_FIELD], needed)[rows] != start[asked.blocks] + asked.rows
+            return [asked.keys[b] for b in np.unique(asked.blocks[wrong]).tolist()] if wrong.any() else []
+
+        header = {"status": "rows", "from_store": 0,
+                  "fields": [[name, "fixed", values.dtype.str, list(values.shape[1:]), n * row_bytes]
+                             for name, (values, row_bytes) in fields.items()]}
+        self.cache.store.count_hit("ram", n, sum(n * row_bytes for _, row_bytes in fields.values()))
+        if zero_copy and n and min(row_bytes for _, row_bytes in fields.values()) >= ZERO_COPY_ROW_BYTES:
+            cuts = np.flatnonzero(np.diff(rows) != 1) + 1  # runs of consecutive rows: one view each
+            firsts, lengths = rows[np.r_[0, cuts]].tolist(), np.diff(np.r_[0, cuts, n]).tolist()
+            views = []
+            for values, row_bytes in fields.values():
+                flat = memoryview(values).cast("B")
+                views += [flat[a * row_bytes:(a + k) * row_bytes] for a, k in zip(firsts, lengths)]
+            return Reply(header, views, moved)
+        memory, at, out = buffer.view(sum(n * row_bytes for _, row_bytes in fields.values())), 0, []
+        for values, row_bytes in fields.values():
+            target = memory[at:at + n * row_bytes].view(values.dtype).reshape((n,) + values.shape[1:])
+            np.take(values, rows, axis=0, out=target, mode="clip")
+            out.append(target)
+            at += n * row_bytes
+        gone = moved()  # released (and reused) while taken
+        if gone:
+            raise Moved(gone)
+        return Reply(header, out)
 
     def _from_files(self, asked: RowsAsked, held: list) -> dict[str, np.ndarray]:
         """One take per block (files mapped by this worker), put in the order asked."""
@@ -189,6 +212,19 @@ class RowServer:
         deadline = time.monotonic() + 2.0
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
+
+
+class Reply(NamedTuple):
+    """A reply: its header, the buffers that follow it, and for rows sent before their
+    labels were checked, `moved()`: the blocks released meanwhile (the trailer)."""
+    header: dict
+    buffers: list
+    moved: Callable[[], list[str]] | None = None
+
+
+def _rows_reply(arrays: dict[str, np.ndarray], from_store: int) -> Reply:
+    fields, buffers = describe_fields(arrays)
+    return Reply({"status": "rows", "fields": fields, "from_store": from_store}, buffers)
 
 
 def _in_order(arrays: dict[str, np.ndarray], order: np.ndarray) -> dict[str, np.ndarray]:
