@@ -182,6 +182,20 @@ class Gatherer:
         position (holders serve lower ones first); `loading`: keys asked for rows, not described."""
         local = self._local_holders(plan)
         await asyncio.gather(*(self._describe(h, [k for k in plan[h] if k not in loading]) for h in local))
+        from_files, remote = self._sort(plan, positions, local)
+        group = Group(n)
+        loop = asyncio.get_running_loop()
+        channels = channels_of(self.client)
+        fetched = [channels.fetch(peer_threads, holder, *group.receiving(asked, where, priority))
+                   for holder, (asked, where) in remote.items()]  # holders wait for blocks loading
+        if from_files:  # rows of this host's files, in a thread while the holders answer
+            fetched.append(loop.run_in_executor(_pool, self._take_files, from_files, group))
+        replies = await asyncio.gather(*fetched)
+        return group.arrays, sum(from_store for _, from_store in replies[:len(remote)])
+
+    def _sort(self, plan, positions, local) -> tuple[list[FromFile], dict[str, tuple[dict, np.ndarray]]]:
+        """(rows taken from files on this host: one take per arena, not per block; holder ->
+        (block key -> rows, their positions) of the rows to ask of their holders)."""
         from_files: list[FromFile] = []
         from_arenas: dict[tuple, FromFile] = {}  # (holder, arena) -> its rows, one take per arena, not per block
         remote: dict[str, tuple[dict[str, np.ndarray], list[np.ndarray]]] = {}
@@ -205,35 +219,36 @@ class Gatherer:
                     asked, places = remote.setdefault(holder, ({}, []))
                     asked[key] = rows
                     places.append(where)
-        group = Group(n)
-        loop = asyncio.get_running_loop()
         from_files += [taken._replace(rows=np.concatenate(taken.rows), where=np.concatenate(taken.where),
                                       ids=np.concatenate(taken.ids)) for taken in from_arenas.values()]
-        channels = channels_of(self.client)
-        fetched = [channels.fetch(peer_threads, holder, *group.receiving(asked, np.concatenate(places), priority))
-                   for holder, (asked, places) in remote.items()]  # holders wait for blocks loading
-        if from_files:  # rows of this host's files, in a thread while the holders answer
-            fetched.append(loop.run_in_executor(_pool, self._take_files, from_files, group))
-        replies = await asyncio.gather(*fetched)
-        return group.arrays, sum(from_store for _, from_store in replies[:len(remote)])
+        return from_files, {h: (asked, np.concatenate(places)) for h, (asked, places) in remote.items()}
 
     def gather_remote(self, plan: dict[str, dict[str, np.ndarray]], positions: dict[str, np.ndarray], n: int,
                       priority: int | None = None) -> dict[str, np.ndarray] | None:
-        """`gather` in the caller's thread, with no hop through the event loop, when every
-        holder of `plan` is on another host and its row channel is known already: one
-        holder's rows received in this thread, the others' in `peer_threads` meanwhile.
-        None otherwise; raises what `gather` raises (the caller then fetches the group
+        """`gather` in the caller's thread, with no hop through the event loop, when the
+        layouts of the blocks held on this host and the row channels of the other holders
+        are known already: rows of this host's files taken in this thread (else one holder's
+        rows received in it), the holders' received in `peer_threads` meanwhile. None
+        otherwise; raises what `gather` raises (the caller then fetches the group
         through `gather`, which recovers)."""
+        local = self._local_holders(plan)
+        if any((h, k) not in _mapped.described for h in local for k in plan[h]):
+            return None  # its layout is learnt on the event loop
+        from_files, remote = self._sort(plan, positions, local)
         channels = channels_of(self.client)
-        known = {holder: channels.known(holder) for holder in plan}
-        if any(c is None for c in known.values()) or self._local_holders(plan):
+        known = {holder: channels.known(holder) for holder in remote}
+        if None in known.values():
             return None
         group = Group(n)
-        exchanges = [(holder, known[holder], *group.receiving(wanted, positions[holder], priority))
-                     for holder, wanted in plan.items()]
-        others = [peer_threads.submit(channels.exchange, *args) for args in exchanges[1:]]
+        exchanges = [(holder, known[holder], *group.receiving(asked, where, priority))
+                     for holder, (asked, where) in remote.items()]
+        here = None if from_files else exchanges.pop(0)  # one holder's rows received in this thread
+        others = [peer_threads.submit(channels.exchange, *args) for args in exchanges]
         try:
-            channels.exchange(*exchanges[0])
+            if from_files:
+                self._take_files(from_files, group)
+            else:
+                channels.exchange(*here)
         finally:
             for other in concurrent.futures.as_completed(others):
                 other.result()  # the first error is raised (once every exchange ended)

@@ -1,0 +1,160 @@
+"""The peer path on real processes: a rank whose host holds no block (`dmdask.client.host`
+names another host, so nothing is mapped and every row crosses TCP) takes the rows of a
+group from each holder's row channel in one message, exactly once even when a holder is
+killed mid-group, over TLS when the cluster's comm is TLS; the channel serves only a
+connection that knows the worker's secret."""
+import os
+import signal
+import socket
+import threading
+import time
+
+import dask.config
+import distributed
+import numpy as np
+import pytest
+
+import dmdask
+from dmdask.protocol.rows import HEADER, send_frame, recv_header
+from dmdask.protocol.worker import WorkerAPI
+from dmdask.testing.datasets import write_zarr, zarr_sample
+
+from conftest import wait_until
+
+ELSEWHERE = {"dmdask.client.host": "127.0.0.9"}  # this rank's host: one with no worker
+
+
+def peer_counts(client) -> dict[str, dict]:
+    return {w: s["peer"] for w, s in dmdask.stats(client)["workers"].items()}
+
+
+def holders_of_blocks(client, identity: str) -> dict[int, str]:
+    """Block index -> the address of the worker holding it."""
+    def held(dask_worker):
+        return [k for k in dask_worker.data if k.startswith(f"dmdask-block-{identity}-")]
+
+    return {int(k.rsplit("-", 1)[1]): w for w, keys in client.run(held).items() for k in keys}
+
+
+def identity_of(client, url):
+    return {d["url"]: d["identity"] for d in dmdask.stats(client)["datasets"]}[url]
+
+
+@pytest.mark.parametrize("prefetch", [2, 8])
+def test_a_remote_group_is_one_message_per_holder(tmp_path, prefetch):
+    """Warm, every group of batches costs each holder exactly one request on its row
+    channel (each batch here has rows of both holders), and the rows are the right ones,
+    in order, each sample once."""
+    n, chunk = 1600, 100
+    path = write_zarr(str(tmp_path / "d.zarr"), n, sample_shape=(16,), chunk=chunk)
+    with dask.config.set(ELSEWHERE), dmdask.LocalCluster(n_workers=2, ram="64 MiB") as cluster, \
+            distributed.Client(cluster) as client:
+        spec = dmdask.Spec(path, batch_size=64, seed=3, prefetch=prefetch)
+        assert len(np.concatenate([b["index"] for b in dmdask.batches(client, spec)])) == n  # loads every block
+        holders = holders_of_blocks(client, identity_of(client, path))
+        assert len(holders) == n // chunk and len(set(holders.values())) == 2
+        for epoch in (1, 2):
+            before = peer_counts(client)
+            it = dmdask.batches(client, spec, epoch=epoch)
+            ids = []
+            for batch in it:
+                np.testing.assert_array_equal(batch["x"], zarr_sample(batch["index"], (16,)))
+                assert {holders[b] for b in (batch["index"] // chunk).tolist()} == set(holders.values())
+                ids.append(batch["index"])
+            after = peer_counts(client)
+            assert np.array_equal(np.sort(np.concatenate(ids)), np.arange(n))
+            assert it.requests < len(ids) if prefetch > 2 else it.requests == len(ids)  # groups of batches
+            for worker in after:  # one message per holder per group, whatever the blocks touched
+                assert after[worker]["requests"] - before[worker]["requests"] == it.requests, (worker, it.requests)
+            sent = sum(after[w]["bytes_out"] - before[w]["bytes_out"] for w in after)
+            assert sent == n * (16 * 4 + 8)  # every row crossed TCP once: "x" float32[16] and "label" int64
+
+
+def test_a_holder_killed_mid_group_loses_and_repeats_nothing(tmp_path):
+    n, chunk = 3000, 50
+    path = write_zarr(str(tmp_path / "d.zarr"), n, sample_shape=(64,), chunk=chunk)
+    with dask.config.set(ELSEWHERE), dmdask.LocalCluster(n_workers=3, ram="64 MiB") as cluster, \
+            distributed.Client(cluster) as client:
+        spec = dmdask.Spec(path, batch_size=50, seed=5, prefetch=8)
+        for _ in dmdask.batches(client, spec):  # every block loaded, on the three workers
+            pass
+        pids = client.run(os.getpid)
+        victim = sorted(pids)[1]
+        got, errors = [], []
+        it = dmdask.batches(client, spec, epoch=1)
+
+        def consume():
+            try:
+                for b in it:
+                    np.testing.assert_array_equal(b["x"], zarr_sample(b["index"], (64,)))
+                    got.append(b["index"])
+                    time.sleep(0.01)  # a training step: groups are in flight meanwhile
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        thread = threading.Thread(target=consume)
+        thread.start()
+        wait_until(lambda: len(got) >= 5 or errors, 60, "batches handed out")
+        os.kill(pids[victim], signal.SIGKILL)
+        delivered_at_kill = len(got)
+        thread.join(180)
+        assert not errors, errors
+        assert delivered_at_kill < n // 50
+        ids = np.concatenate(got)
+        assert len(ids) == n and np.array_equal(np.sort(ids), np.arange(n))
+
+
+def test_rows_travel_over_tls_when_the_cluster_is_tls(tmp_path):
+    # distributed.Security.temporary() makes its certificates with `cryptography` (the test extra)
+    n = 800
+    path = write_zarr(str(tmp_path / "d.zarr"), n, sample_shape=(8,), chunk=100)
+    security = distributed.Security.temporary()
+    with dask.config.set(ELSEWHERE), dmdask.LocalCluster(n_workers=2, ram="64 MiB", security=security) as cluster, \
+            distributed.Client(cluster, security=security) as client:
+        workers = list(client.scheduler_info()["workers"])
+        assert all(w.startswith("tls://") for w in workers)
+        spec = dmdask.Spec(path, batch_size=32, seed=1)
+        for epoch in (0, 1):
+            batches = list(dmdask.batches(client, spec, epoch=epoch))
+            for b in batches:
+                np.testing.assert_array_equal(b["x"], zarr_sample(b["index"]))
+            assert np.array_equal(np.sort(np.concatenate([b["index"] for b in batches])), np.arange(n))
+        assert sum(p["requests"] for p in peer_counts(client).values()) > 0
+        # the channel itself is TLS: a plain TCP hello is never served
+        channel = client.sync(WorkerAPI(client.rpc).channel, workers[0])
+        with socket.create_connection((channel.host, channel.port), timeout=10) as sock:
+            sock.settimeout(10)
+            send_frame(sock, {"secret": channel.secret})
+            assert _closed_without_reply(sock)
+
+
+def test_the_channel_serves_only_who_knows_the_workers_secret(tmp_path):
+    path = write_zarr(str(tmp_path / "d.zarr"), 200, chunk=100)
+    with dmdask.LocalCluster(n_workers=1, ram="16 MiB") as cluster, distributed.Client(cluster) as client:
+        list(dmdask.batches(client, dmdask.Spec(path, batch_size=50)))
+        (worker,) = client.scheduler_info()["workers"]
+        channel = client.sync(WorkerAPI(client.rpc).channel, worker)
+        key = f"dmdask-block-{identity_of(client, path)}-0"
+        request = {"keys": [key], "n": 1, "priority": None, "wait": 0.0}
+        for hello in ({"secret": "0" * 32}, {"nothing": 1}):
+            with socket.create_connection((channel.host, channel.port), timeout=10) as sock:
+                sock.settimeout(10)
+                send_frame(sock, hello)
+                send_frame(sock, request, [np.zeros(1, np.int32), np.zeros(1, np.int64)])
+                assert _closed_without_reply(sock)
+        with socket.create_connection((channel.host, channel.port), timeout=10) as sock:  # the secret: served
+            sock.settimeout(10)
+            send_frame(sock, {"secret": channel.secret})
+            send_frame(sock, request, [np.zeros(1, np.int32), np.array([7], np.int64)])
+            header = recv_header(sock)
+            assert header["status"] == "rows" and sorted(f[0] for f in header["fields"]) == ["label", "x"]
+
+
+def _closed_without_reply(sock) -> bool:
+    """Whether the worker closed the connection (an end of file or a reset) with no reply."""
+    try:
+        return sock.recv(HEADER.size) == b""
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False
