@@ -10,7 +10,7 @@ rules of docs/architecture.md count the rest.
 - Messages (section 3), per rank and epoch, walking the sampled ranks' batches in groups of
   `prefetch // 2` batches of at most REQUEST_BYTES: one `dmdask_locate` to the scheduler for a
   group holding blocks whose holder this epoch's iterator does not know yet; one
-  `dmdask_rows` per holder on another node; one `dmdask_describe` to the own node's worker per
+  one row-channel request per holder on another node; one `dmdask_describe` to the own node's worker per
   block first read there (its files then mapped); plus one `dmdask_get_or_claim` per epoch.
 - Traffic (section 6): shared-store bytes E*D - min(C,D)*(E-1) for the cluster's cache C,
   against per-node caches of the same size that share nothing (a node's samples are a fresh
@@ -185,9 +185,9 @@ def report(result: dict, plots_dir: str) -> str:
             f"(so a group is {result['rows'][0]['group']} batch a request), prefetch {cfg['prefetch']}, exact "
             f"global shuffle, one worker a node; {cfg['sampled_ranks']} ranks walked through a whole epoch per "
             "point (their mean shown), epoch 1's order. Times are this machine's, one core. Scheduler requests: "
-            "`dmdask_locate` and `dmdask_get_or_claim` of every rank; worker requests: `dmdask_rows` and "
+            "`dmdask_locate` and `dmdask_get_or_claim` of every rank; worker requests: row-channel requests and "
             "`dmdask_describe`, spread over the workers. Epochs after the first run no scheduler task "
-            "(section 4). A rank's `dmdask_rows` requests a group are the distinct other nodes holding its "
+            "(section 4). A rank's row-channel requests a group are the distinct other nodes holding its "
             "samples, about min(nodes - 1, samples a group, blocks): they grow with the nodes until each "
             "sample of a group sits on a node of its own; the block size matters only once there are fewer blocks "
             "than that.\n\n" + "\n".join(lines)

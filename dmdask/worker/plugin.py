@@ -73,8 +73,8 @@ class WorkerPlugin(distributed.WorkerPlugin):
         self.server = worker.extensions.get("dmdask-rows")
         if self.server is None:
             context = worker.security.get_listen_args("worker").get("ssl_context") if tls else None
-            self.server = worker.extensions["dmdask-rows"] = RowServer(self.cache, get_address_host(worker.address),
-                                                                       context)
+            self.server = worker.extensions["dmdask-rows"] = RowServer(
+                self.cache, get_address_host(worker.address), context, dask.config.get("dmdask.worker.row-port"))
         context = worker.security.get_connection_args("worker").get("ssl_context")
         self.channels = RowChannels(self.peers, context, float(dask.config.get("dmdask.client.recovery-seconds")))
         worker.handlers.update({OPS[kind]: handler(kind, self._lost_once_closed(method)) for kind, method in (

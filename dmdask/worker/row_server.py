@@ -40,10 +40,9 @@ OP = "dmdask row channel"
 class RowServer:
     """Serves the rows of `cache` (a `BlockCache`) on a port of `host`; TLS with `ssl_context`."""
 
-    def __init__(self, cache, host: str, ssl_context=None):
+    def __init__(self, cache, host: str, ssl_context=None, ports: str | int = 0):
         self.cache, self.ssl_context = cache, ssl_context
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.create_server((host, 0), family=family, backlog=128)
+        self._listener = listen(host, ports)
         self.channel = Channel(host, self._listener.getsockname()[1], secrets.token_hex(16))
         self._connections: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -234,6 +233,27 @@ def _in_order(arrays: dict[str, np.ndarray], order: np.ndarray) -> dict[str, np.
         inverse[order] = np.arange(len(order))
         return {f: a[inverse] for f, a in arrays.items()}
     return arrays
+
+
+def listen(host: str, ports: str | int) -> socket.socket:
+    """A listening socket on `host` at `ports` (`dmdask.worker.row-port`: 0, any free port;
+    a port; "first:last", the first free one of that range); OSError naming the range
+    when none is free, ValueError for a setting that is no port."""
+    try:
+        first, _, last = str(ports).partition(":")
+        first, last = int(first), int(last or first)
+    except ValueError:
+        raise ValueError(f"dmdask.worker.row-port={ports!r} is not a port: give 0 (any free port), a port such as "
+                         f"50000, or a range such as '50000:50100'") from None
+    if not (0 <= first <= last <= 65535):
+        raise ValueError(f"dmdask.worker.row-port={ports!r} is not a port range within 0..65535")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for port in range(first, last + 1):
+        try:
+            return socket.create_server((host, port), family=family, backlog=128)
+        except OSError as exc:
+            error = exc
+    raise OSError(f"no free port for the row channel on {host} in dmdask.worker.row-port={ports!r}: {error}")
 
 
 def read_request(header: dict, receive) -> RowsAsked:
