@@ -48,6 +48,8 @@ HOLDER_HOST = "127.0.0.2"
 MiB = 2**20
 BLOCK_BYTES = 4 * MiB  # a Zarr chunk (a dmdask block) holds about this many bytes of samples
 TCP_BUFFER = 4 * MiB
+SPREAD_BYTES = 256 * MiB  # the link over distinct memory: each side cycles through this much, as a loader's batches do
+SPREAD_FLAG = 1 << 63  # a request's high bit: send from (receive into) distinct memory
 GATHER_FUTURES, GATHER_BYTES = 32, 8 * MiB
 
 # name -> (bytes per sample, batch size)
@@ -219,7 +221,7 @@ class _Bench:
         return dmdask.stats(self.client)["total"]["peer"]["bytes_out"]
 
     def measure(self, cfg, paths) -> dict:
-        configs = [("raw_tcp", None, None), ("gather", None, None)]
+        configs = [("raw_tcp", None, None), ("gather", None, None), ("raw_tcp_spread", None, None)]
         for name in cfg["sizes"]:
             configs += [("remote", name, True), ("remote", name, False)]
         configs += [("same_host", name, True) for name in cfg["sizes"]]
@@ -242,15 +244,16 @@ class _Bench:
                 loads.append(round(os.getloadavg()[0], 2))
         link = _summary("raw TCP", measured[configs[0]])
         gather = _summary("Dask gather(direct=True)", measured[configs[1]], link)
+        spread = _summary("raw TCP over distinct memory", measured[configs[2]], link)
         rows = []
-        for kind, name, shuffle in configs[2:]:
+        for kind, name, shuffle in configs[3:]:
             reps = measured[(kind, name, shuffle)]
             row = dict(_summary(kind, reps, link), path=kind, size=name, sample_bytes=SIZES[name][0],
                        batch=SIZES[name][1], shuffle=shuffle)
             if kind == "remote":
                 row["bytes_out_check"] = bytes_out_check(reps)
             rows.append(row)
-        return {"link": link, "gather": gather, "rows": rows, "load_1min": loads,
+        return {"link": link, "gather": gather, "link_spread": spread, "rows": rows, "load_1min": loads,
                 "worker_ram_bytes": held, "addresses": self._addresses()}
 
     def _addresses(self) -> dict:
@@ -285,8 +288,9 @@ class _Bench:
         dmdask_epoch = kind in ("remote", "same_host")
         out = self._bytes_out() if dmdask_epoch else 0
         worker, scheduler = usage(self.worker), usage(self.scheduler)
-        if kind == "raw_tcp":
-            got = self._call(self.remote, "tcp", self.tcp_port, cfg["tcp_bytes"], cfg["min_seconds"])
+        if kind in ("raw_tcp", "raw_tcp_spread"):
+            got = self._call(self.remote, "tcp", self.tcp_port, cfg["tcp_bytes"], cfg["min_seconds"],
+                             kind == "raw_tcp_spread")
             if not self.sender.poll(120):
                 raise TimeoutError("the TCP sender did not report its CPU within 120 s of the last byte")
             sent = self.sender.recv()
@@ -480,21 +484,26 @@ def _gather(client, futures, min_seconds: float = 0) -> dict:
     return {"bytes": nbytes, "seconds": seconds, "gathers": gathers, **since(before)}
 
 
-def _receive(port: int, total: int, min_seconds: float = 0) -> dict:
+def _receive(port: int, total: int, min_seconds: float = 0, spread: bool = False) -> dict:
     """From READER_HOST, over one connection: ask the sender on HOLDER_HOST:port for `total`
     bytes and `recv_into` one preallocated buffer until they are all in; again until
-    `min_seconds` have passed."""
-    buffer = memoryview(bytearray(TCP_BUFFER))
+    `min_seconds` have passed. `spread`: both sides cycle through SPREAD_BYTES of distinct
+    memory (4 MiB at a time) instead of one 4 MiB buffer that stays in the CPU's cache."""
+    memory = memoryview(np.ones(SPREAD_BYTES if spread else TCP_BUFFER, dtype=np.uint8))  # faulted in first
+    at = 0
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((READER_HOST, 0))
         s.connect((HOLDER_HOST, port))
         before, started = _me(), time.perf_counter()
         got = transfers = 0
         while not transfers or time.perf_counter() - started < min_seconds:
-            s.sendall(total.to_bytes(8, "little"))
+            s.sendall((total | (SPREAD_FLAG if spread else 0)).to_bytes(8, "little"))
             left = total
             while left:
-                n = s.recv_into(buffer, min(left, TCP_BUFFER))
+                if at + TCP_BUFFER > len(memory):
+                    at = 0
+                n = s.recv_into(memory[at:at + TCP_BUFFER], min(left, TCP_BUFFER))
+                at += n
                 if not n:
                     raise ConnectionError(f"the sender closed with {left} of {total} bytes left")
                 left -= n
@@ -508,6 +517,7 @@ def _sender_main(conn) -> None:
     N bytes and gets them as `sendall` of one 4 MiB buffer, repeated; once the reader closes
     the connection, reports the CPU-seconds and minor page faults it took on `conn`."""
     buffer = np.random.default_rng(0).integers(0, 256, TCP_BUFFER, dtype=np.uint8).tobytes()
+    spread = None  # SPREAD_BYTES of distinct memory, made at the first request for it
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
         listener.bind((HOLDER_HOST, 0))
         listener.listen(1)
@@ -521,12 +531,19 @@ def _sender_main(conn) -> None:
             with s:
                 s.settimeout(None)
                 before = _me()
+                at = 0
                 while (request := _exactly(s, 8)) is not None:
                     left = int.from_bytes(request, "little")
+                    if left & SPREAD_FLAG and spread is None:
+                        spread = memoryview(np.resize(np.frombuffer(buffer, np.uint8), SPREAD_BYTES))
+                    source = spread if left & SPREAD_FLAG else memoryview(buffer)
+                    left &= SPREAD_FLAG - 1
                     while left:
+                        if at + TCP_BUFFER > len(source):
+                            at = 0
                         n = min(left, TCP_BUFFER)
-                        s.sendall(buffer if n == TCP_BUFFER else buffer[:n])
-                        left -= n
+                        s.sendall(source[at:at + n])
+                        left, at = left - n, at + n
                 conn.send(since(before))
 
 
@@ -562,6 +579,8 @@ def table(result: dict) -> str:
                      + ("" if check is None else "yes" if check["every_row_crossed_tcp"] else "**no**") + " |")
 
     line("raw TCP, 1 connection, 4 MiB `sendall` -> `recv_into`", link, ratio=False)
+    if "link_spread" in result:
+        line(f"raw TCP over distinct memory ({SPREAD_BYTES // MiB} MiB cycled on each side)", result["link_spread"])
     line(f"Dask `client.gather(direct=True)`, {result['config']['gather']} x {GATHER_BYTES // MiB} MiB",
          result["gather"])
     for r in result["rows"]:
@@ -589,7 +608,10 @@ def report(result: dict, plots_dir: str) -> str:
         f"{cfg['min_seconds']:g} s (whole epochs, transfers or gathers back to back), medians; "
         "/ raw TCP: each repetition's MB/s over the link's in the same round, median; CPU-seconds per GB "
         "(10^9 bytes) of the reader process and of the holder (the worker, or the TCP sender), psutil user + "
-        "system; the scheduler's apart, counted in no goal; minor page faults per MB (10^6 bytes) of the "
+        "system (the link's goal figure reuses one 4 MiB buffer that stays in the CPU's cache on each side; the "
+        "line over distinct memory sends from and receives into 256 MiB cycled, as the bytes of a loader's "
+        "batches are: what moving memory that is not in the cache costs, and counted in no goal); "
+        "the scheduler's apart, counted in no goal; minor page faults per MB (10^6 bytes) of the "
         "same processes (/proc/PID/stat: memory touched for the first time).",
         (f"Load average (1 min) during the repetitions: {min(load):.1f}-{max(load):.1f}; " if load else "")
         + "read the ratios and CPU per GB, not the MB/s.",
