@@ -110,7 +110,7 @@ class Blocks:
     def _holders(self, wanted: dict[str, tuple], keys: list[str], deadline: Deadline) -> dict[str, str]:
         """A holder of each block (`wanted`: key -> (source, index)), waiting for blocks
         loading or read by another process, submitting those the cluster does not have."""
-        session, client = self.session, self.session.client
+        client = self.session.client
         api = SchedulerAPI(client)
         with contextlib.ExitStack() as waiting:
             for attempt, _ in enumerate(Tries(deadline)):  # no pause: each locate waits on the scheduler

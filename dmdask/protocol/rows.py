@@ -320,9 +320,3 @@ class RowChannels:
             idle = self._idle.pop(holder, [])
         for sock, _ in idle:
             sock.close()
-
-    def after_fork(self) -> None:
-        """In a forked child: the parent's connections are not this process's to use."""
-        self._lock = threading.Lock()
-        self._idle = {}
-
