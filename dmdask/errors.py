@@ -53,6 +53,10 @@ class NotADmdaskWorker(DmdaskError, RuntimeError):
     """The cluster's workers do not carry dmdask's tiers."""
 
 
+class DatasetHeldError(DmdaskError, PermissionError):
+    """`dmdask.release` of a dataset that other connected clients opened, from a client that did not."""
+
+
 class NoWorkersError(NotADmdaskWorker):
     """The cluster had no workers for longer than `dmdask.client.recovery-seconds`."""
 

@@ -259,3 +259,55 @@ def test_bytes_handed_over_by_another_client_are_never_served(tmp_path):
         assert _digest_in_new_process("dmdask::" + url, cluster.scheduler_address) == truth  # from the cache
         with pytest.raises(dmdask.HandlerArgumentError, match="claim"):
             client.sync(api.hand_over, next(iter(client.scheduler_info()["workers"])), poison, None)
+
+
+def _epoch(client, spec):
+    """(sample ids, x rows) of one epoch, in delivery order."""
+    got = list(dmdask.batches(client, spec))
+    return np.concatenate([b["index"] for b in got]), np.concatenate([b["x"] for b in got])
+
+
+def test_a_client_cannot_put_its_rows_under_another_clients_dataset(tmp_path):
+    """An attacker that reads its own dataset (x = 666) registers its info under the victim's
+    name (one handler call, or a claim and a registration), then releases the victim's
+    dataset: every call is refused, and the victim's epochs get the store's rows, once each,
+    read from the store once."""
+    import dataclasses
+
+    import zarr
+
+    from dmdask.protocol.scheduler import Abandon, Claimed, GetOrClaim, GetOrRegister, Ready, Register, SchedulerAPI
+    from dmdask.source import dataset_name
+    from dmdask.testing.datasets import zarr_sample
+
+    victim_spec = dmdask.Spec(write_zarr(str(tmp_path / "victim.zarr"), 200, chunk=50), batch_size=50)
+    evil = write_zarr(str(tmp_path / "evil.zarr"), 200, chunk=50)
+    zarr.open_group(evil, mode="r+")["x"][:] = 666.0
+    evil_spec, name = dmdask.Spec(evil, batch_size=50), dataset_name(victim_spec)
+    with dmdask.LocalCluster(n_workers=2, ram="16 MiB", dashboard_address=None) as cluster, \
+            distributed.Client(cluster) as attacker, distributed.Client(cluster) as victim:
+        assert (_epoch(attacker, evil_spec)[1] == 666.0).all()  # its blocks are in the cluster
+        api = SchedulerAPI(attacker)
+        own = attacker.sync(api.send, GetOrClaim(dataset_name(evil_spec), "attacker"))
+        assert isinstance(own, Ready)
+        forged = dataclasses.replace(own.info, name=name)
+        with pytest.raises(dmdask.HandlerArgumentError, match="dmdask_get_or_register: info.identity="):
+            attacker.sync(api.send, GetOrRegister(forged))
+        assert attacker.sync(api.send, GetOrClaim(name, "attacker")) == Claimed()
+        for info, field in ((forged, "info.identity"), (own.info, "info.name")):
+            with pytest.raises(dmdask.HandlerArgumentError, match=f"dmdask_register: {field}="):
+                attacker.sync(api.send, Register(name, "attacker", info))
+        attacker.sync(api.send, Abandon(name, "attacker"))
+        before = dmdask.stats(victim)["total"]["shared_store"]["bytes"]
+        for epoch in range(2):
+            ids, x = _epoch(victim, victim_spec)
+            assert sorted(ids.tolist()) == list(range(200))
+            np.testing.assert_array_equal(x, zarr_sample(ids))
+            if epoch == 0:  # a client that does not hold it cannot drop it under the victim
+                with pytest.raises(dmdask.DatasetHeldError, match="other clients"):
+                    dmdask.release(attacker, victim_spec)
+                with pytest.raises(dmdask.HandlerArgumentError, match="info.identity="):
+                    attacker.sync(api.send, GetOrRegister(forged))
+        assert dmdask.stats(victim)["total"]["shared_store"]["bytes"] - before == 200 * (8 * 4 + 8)  # read once
+        assert dmdask.release(victim, victim_spec) is True  # its holder may
+

@@ -25,8 +25,8 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 
 from ..internals import load_first
 from ..protocol.scheduler import (Abandon, Busy, Claimed, Datasets, DatasetSummary, FsClaim, FsMetadata, FsOpenBlocks,
-                                  GetOrClaim, GetOrRegister, Locate, NoWorkers, OpenBlocks, Ready, Register, Registered,
-                                  Release, serve)
+                                  GetOrClaim, GetOrRegister, Held, Locate, NoWorkers, OpenBlocks, Ready, Register,
+                                  Registered, Release, serve)
 from ..source.base import DatasetInfo, block_key, parse_block_key
 from . import placement
 from .files import FileMetadata
@@ -50,6 +50,7 @@ class DatasetState:
         self.changes = 0  # blocks that came into or left memory, ever (`BlockReads.locate_ready`)
         self.erred: set = set()  # block indices whose load failed
         self.lazy = False  # blocks are submitted when first wanted, not at creation
+        self.holders: set[str] = set()  # Dask client ids that opened it (`Release`)
 
     @property
     def identity(self) -> str | None:
@@ -99,7 +100,7 @@ class DatasetsPlugin(SchedulerPlugin):
         reads = self.reads
         scheduler.handlers.update(serve({
             GetOrClaim: self.get_or_claim, Register: self.register, GetOrRegister: self.get_or_register,
-            Abandon: self.abandon, Release: lambda request: self.release(request.name),
+            Abandon: self.abandon, Release: self.release_held,
             Datasets: lambda request: self.summaries(), Locate: reads.locate, OpenBlocks: reads.open_blocks,
             FsMetadata: reads.fs_metadata, FsClaim: reads.fs_claim, FsOpenBlocks: reads.fs_open_blocks}))
         scheduler.extensions["dmdask"] = self
@@ -115,8 +116,10 @@ class DatasetsPlugin(SchedulerPlugin):
         while True:
             ds = self.datasets.get(name)
             if ds is None:
-                self.datasets[name] = DatasetState(name, claimant)
+                ds = self.datasets[name] = DatasetState(name, claimant)
+                ds.holders.update(filter(None, [request.client]))
                 return Claimed()
+            ds.holders.update(filter(None, [request.client]))
             if ds.ready.is_set() and not self._lost(ds):
                 ready = self._ready(ds)
                 return ready if request.host is None else await self.reads.locate_ready(ready, request.host)
@@ -261,6 +264,15 @@ class DatasetsPlugin(SchedulerPlugin):
         placement.win_back(scheduler, self.datasets.values(), self.streamed, worker, stimulus_id)
 
     # -- release and the registry --------------------------------------------------------
+    def release_held(self, request: Release) -> bool | Held:
+        """`release`, for a client that holds the dataset or when none of its holders is
+        connected; else `Held` (nothing changed): a client cannot drop what others read."""
+        ds = self.datasets.get(request.name)
+        others = set() if ds is None else (ds.holders & set(self.scheduler.clients)) - {request.client}
+        if others and request.client not in ds.holders:
+            return Held(len(others))
+        return self.release(request.name)
+
     def release(self, name: str) -> bool:
         """Forget a dataset: its blocks leave every tier now; an iterator still reading it
         fails with `NotADmdaskWorker` (released)."""

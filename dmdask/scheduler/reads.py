@@ -124,7 +124,7 @@ class BlockReads:
             ds = parsed and self.plugin.by_identity.get(parsed[0])
             if ts is not None and ts.state == "memory" and ts.who_has:
                 holders[key] = preferred_holder(ts, request.host)
-            elif ts is None and not self._claimed(key) and ds and ds.lazy:
+            elif ts is None and not self._claimed(key) and ds and ds.lazy and parsed[1] < len(ds.planned):
                 self.claims[key] = request.client
                 mine[key] = placement.live_planned(self.scheduler, ds, parsed[1])
         return BlocksOpened(holders, mine)

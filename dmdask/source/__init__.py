@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dask.base import tokenize
 
-from ..errors import SourceNotFoundError
-from .base import BlockReader, DatasetInfo, Source, block_key, is_block_key, options_json, parse_block_key
+from ..errors import SourceNotFoundError, SpecError
+from .base import MAX_BLOCKS, BlockReader, DatasetInfo, Source, block_key, is_block_key, options_json, parse_block_key
 from .registry import GROUP, LAYOUTS, Format, Place, find, formats
 from .urls import LOCAL_PROTOCOLS, normalize
 
@@ -36,9 +36,16 @@ def _named(url: str) -> str:
 def open_source(spec) -> Source:
     """Open `spec.source` with the first format that claims it (`registry`). Raises
     `SourceNotFoundError` if nothing is there, `SourceError` if the layout is unusable
-    or holds no samples, `SpecError` if the spec does not fit the source."""
+    or holds no samples, `SpecError` if the spec does not fit the source (more than
+    `MAX_BLOCKS` blocks among others)."""
     place = Place(spec, dataset_name(spec))
     found = find(place)
     if found is None:
         raise SourceNotFoundError(f"dataset {place.url} does not exist; pass {LAYOUTS} as Spec(source=...)")
-    return found.open(place)
+    source = found.open(place)
+    info = source.info
+    if info.num_blocks > MAX_BLOCKS:
+        raise SpecError("block_size", f"at least {-(-info.num_samples // MAX_BLOCKS)} samples, so that the "
+                        f"{info.num_samples} samples of {place.url or place.label('files')} make at most "
+                        f"{MAX_BLOCKS} blocks", spec.block_size)
+    return source

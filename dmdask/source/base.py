@@ -35,6 +35,12 @@ TRANSIENT_ERRNOS = frozenset({errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNA
 TRANSIENT_ERRORS = (ConnectionError, TimeoutError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
                     aiohttp.ClientPayloadError)
 PERMANENT_ERRORS = (aiohttp.ClientSSLError,)  # a TLS certificate refused: a ClientOSError, but never transient
+# The most a dataset may have (`DatasetInfo`, checked where it is opened and registered): the
+# scheduler keeps a few values per block (a registration of 3x10^7 blocks grew it by 1.4 GiB and
+# froze its event loop 6.4 s, measured; 2**20 is a thirtieth of that)
+MAX_BLOCKS = 1 << 20
+MAX_SAMPLES = 1 << 48
+MAX_BYTES = 1 << 60
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +49,9 @@ class DatasetInfo:
 
     name: the registry name, a function of the spec alone; identity: a token of the data
     as opened, part of every block key, so a dataset changed and released gets new blocks;
-    nbytes: decoded bytes of the whole dataset, None when the store gives no sizes.
+    it starts with the token of `name` (`bound`), so a registry entry can only name blocks
+    whose loads read that name's source; nbytes: decoded bytes of the whole dataset, None
+    when the store gives no sizes.
     """
 
     name: str
@@ -53,6 +61,13 @@ class DatasetInfo:
     num_samples: int
     block_len: int
     nbytes: int | None
+
+    @property
+    def bound(self) -> bool:
+        """Whether `identity` is bound to `name` (`bound_identity`): what the scheduler
+        registers under a name (docs/failures.md, "Trust model")."""
+        token = name_token(self.name)
+        return bool(token) and self.identity.startswith(token)
 
     @property
     def num_blocks(self) -> int:
@@ -69,6 +84,22 @@ class DatasetInfo:
 
     def block_key(self, k: int) -> str:
         return block_key(self.identity, k)
+
+
+NAME_PREFIXES = ("ds-", "fs-")  # a spec's dataset (`dataset_name`), a file's (`dmdask.source.files`)
+
+
+def name_token(name: str) -> str:
+    """The token of a registry name (`ds-<token>` or `fs-<token>`); "" for any other name."""
+    return name[3:] if name.startswith(NAME_PREFIXES) else ""
+
+
+def bound_identity(name: str, data_token: str) -> str:
+    """The identity of a dataset registered as `name` whose data `data_token` names: the
+    name's token, then the data's. Block keys carry the identity, and the name is a hash of
+    the source's URL, options, fields and block size: a registry entry under one name cannot
+    point at the blocks of another source (`DatasetInfo.bound`, checked on the scheduler)."""
+    return name_token(name) + data_token
 
 
 def block_key(identity: str, index: int) -> str:

@@ -7,7 +7,6 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from dask.base import tokenize
 
 from ..errors import SourceError, SpecError
 from .base import DatasetInfo, Source, StoreReader, filesystem, options_json, protocol_of
@@ -47,7 +46,7 @@ def open_folder(place: Place) -> FolderSource:
         root = place.path.rstrip("/")
         relative = [f[len(root) + 1:] if f.startswith(root + "/") else f for f in files]
     block_len = spec.block_size or DEFAULT_FILES_PER_BLOCK
-    identity = tokenize("folder", url, fields, block_len, relative, sizes)[:16]
+    identity = place.identity("folder", url, fields, block_len, relative, sizes)
     size_array = None if any(s is None for s in sizes) else np.asarray(sizes, dtype=np.int64)
     nbytes = None if size_array is None else block_nbytes(size_array, fields)
     info = DatasetInfo(name=place.name, identity=identity, url=url, fields=fields,

@@ -9,7 +9,6 @@ import logging
 import warnings
 
 import numpy as np
-from dask.base import tokenize
 
 from ..errors import SourceError, SourceNotFoundError, SpecError
 from .base import DatasetInfo, Source, StoreReader, filesystem, import_extra, options_json, protocol_of, string_dtype
@@ -140,7 +139,7 @@ def open_parquet(place: Place) -> ParquetSource:
     if n == 0:
         raise SourceError(f"dataset {url} has no samples: its Parquet files hold no rows")
     block_len = _block_len(url, groups, n, spec.block_size)
-    identity = tokenize("parquet", url, fields, block_len, files, sizes, digest.hexdigest())[:16]
+    identity = place.identity("parquet", url, fields, block_len, files, sizes, digest.hexdigest())
     row_bytes = None if any(k != "fixed" for k in kinds.values()) else sum(
         row_nbytes(schema.field(f).type) for f in fields)
     info = DatasetInfo(name=place.name, identity=identity, url=url, fields=fields, num_samples=n,

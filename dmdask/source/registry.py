@@ -14,9 +14,10 @@ from importlib.metadata import entry_points
 
 import fsspec
 import fsspec.utils
+from dask.base import tokenize
 
 from ..errors import SourceNotFoundError, SpecError
-from .base import Source
+from .base import Source, bound_identity
 from .urls import listed_urls
 
 GROUP = "dmdask.sources"
@@ -60,6 +61,11 @@ class Place:
                 self.fs, self.path = fsspec.core.url_to_fs(self.url, **self.options)
             except (ImportError, ValueError) as exc:
                 raise SpecError("source", f"a URL fsspec can open ({exc})", spec.source) from None
+
+    def identity(self, *described) -> str:
+        """The identity of the dataset opened here, bound to its registry name (`bound_identity`):
+        `described` is what the blocks read (the URL, the layout, sizes or versions), tokenized."""
+        return bound_identity(self.name, tokenize(*described)[:16])
 
     def listed_paths(self, what: str) -> tuple:
         """(filesystem, paths) of `urls`; `SpecError` unless fsspec opens them all with one

@@ -9,7 +9,6 @@ import math
 import warnings
 
 import numpy as np
-from dask.base import tokenize
 
 from ..errors import SourceError, SourceNotFoundError, SpecError
 from .base import DatasetInfo, Source, StoreReader, options_json
@@ -77,7 +76,7 @@ def open_zarr(place: Place) -> ZarrSource:
     if block_len % chunk:
         raise SpecError("block_size", f"a multiple of the chunk length {chunk} of {url}", spec.block_size)
     metadata = json.dumps({name: arrays[name].metadata.to_dict() for name in fields}, sort_keys=True, default=str)
-    identity = tokenize("zarr", url, fields, block_len, metadata)[:16]
+    identity = place.identity("zarr", url, fields, block_len, metadata)
     row_bytes = sum(int(np.prod(arrays[f].shape[1:], dtype=np.int64)) * arrays[f].dtype.itemsize for f in fields)
     info = DatasetInfo(name=place.name, identity=identity, url=url, fields=fields,
                        num_samples=int(n), block_len=int(block_len), nbytes=row_bytes * int(n))
