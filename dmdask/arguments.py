@@ -14,6 +14,8 @@ import numpy as np
 from .errors import HandlerArgumentError
 from .source.base import MAX_BLOCKS, MAX_BYTES, MAX_SAMPLES, DatasetInfo
 
+REPORT_SAMPLES = 1 << 40  # the most samples one `dmdask_count_hits` report counts (a day of any epoch's)
+REPORT_BYTES = 1 << 56  # and bytes
 
 
 def refuse(handler: str, name: str, expected: str, value) -> HandlerArgumentError:

@@ -5,6 +5,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import time
 
 import dask
 import distributed
@@ -311,3 +312,27 @@ def test_a_client_cannot_put_its_rows_under_another_clients_dataset(tmp_path):
         assert dmdask.stats(victim)["total"]["shared_store"]["bytes"] - before == 200 * (8 * 4 + 8)  # read once
         assert dmdask.release(victim, victim_spec) is True  # its holder may
 
+
+def test_hit_reports_beyond_their_range_are_refused_and_the_counts_stop_at_their_limit(tmp_path):
+    """Three reports of 2**63-1 samples once pushed a counter past 2**64 and the worker shut
+    itself down at its next heartbeat (msgpack): each is refused now, and the counts of
+    reports within range stop at 2**63-1, the worker alive and counted by `stats`."""
+    from dmdask.arguments import REPORT_BYTES, REPORT_SAMPLES
+    from dmdask.worker.tier_space import COUNT_MAX
+
+    with dmdask.LocalCluster(n_workers=1, ram="16 MiB", dashboard_address=None) as cluster, \
+            distributed.Client(cluster) as client:
+        address = next(iter(client.scheduler_info()["workers"]))
+        api = WorkerAPI(client.rpc)
+        for _ in range(3):
+            message = refused(client, api.count_hits, address, {"ram": [2 ** 63 - 1, 0]})
+            assert f"<= {REPORT_SAMPLES}" in message
+        assert f"<= {REPORT_BYTES}" in refused(client, api.count_hits, address, {"ssd": [1, 2 ** 63 - 1]})
+        for _ in range(1 + COUNT_MAX // REPORT_BYTES):
+            client.sync(api.count_hits, address, {"ram": [REPORT_SAMPLES, REPORT_BYTES]})
+        time.sleep(3)  # past a few heartbeats of the worker
+        assert list(client.scheduler_info()["workers"]) == [address]  # still there, the same process
+        ram = dmdask.stats(client)["total"]["ram"]
+        assert ram["hit_bytes"] == COUNT_MAX and ram["hits"] == (1 + COUNT_MAX // REPORT_BYTES) * REPORT_SAMPLES
+        path = write_zarr(str(tmp_path / "d.zarr"), 100, chunk=50)
+        assert sum(len(b["index"]) for b in dmdask.batches(client, dmdask.Spec(path, batch_size=50))) == 100
