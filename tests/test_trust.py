@@ -336,3 +336,43 @@ def test_hit_reports_beyond_their_range_are_refused_and_the_counts_stop_at_their
         assert ram["hit_bytes"] == COUNT_MAX and ram["hits"] == (1 + COUNT_MAX // REPORT_BYTES) * REPORT_SAMPLES
         path = write_zarr(str(tmp_path / "d.zarr"), 100, chunk=50)
         assert sum(len(b["index"]) for b in dmdask.batches(client, dmdask.Spec(path, batch_size=50))) == 100
+
+
+def test_no_spelling_of_a_source_leads_workers_out_of_the_allowed_sources(tmp_path):
+    """What the filesystem will open is checked, not the URL's text: a query or fragment
+    (which `..` once climbed through), percent-encoded `..` and `/` (which the HTTP client or
+    the store decodes), symbolic links in an allowed folder (to a Zarr group, a sample file,
+    a listed sample file). Each is refused and no worker reads a byte of it; the allowed sources, and a
+    link that stays inside, still read."""
+    from benchmarks.store_server import StoreServer
+    from dmdask.source.urls import opened
+
+    allowed, secret = tmp_path / "allowed", tmp_path / "secret"
+    shard = write_tar_shards(str(secret), shards=1, per_shard=4)[0]
+    write_tar_shards(str(allowed), shards=1, per_shard=4)
+    secret_zarr = write_zarr(str(secret / "s.zarr"), 8, chunk=4)
+    write_folder(str(allowed / "images"), classes=1, per_class=4)
+    secret_file = f"{write_folder(str(secret / 'images'), classes=1, per_class=1)}/class-00/s-00000000.bin"
+    os.symlink(secret_zarr, allowed / "link.zarr")
+    os.symlink(shard, allowed / "link.tar")
+    linked = allowed / "images" / "class-00" / "s-00000009.bin"
+    os.symlink(secret_file, linked)
+    os.symlink(allowed / "shard-000000.tar", allowed / "inside.tar")
+    assert opened("file://~/x") == os.path.realpath(os.path.expanduser("~/x"))  # as fsspec expands it
+    with StoreServer(str(tmp_path)) as store:
+        http = store.url
+        with dask.config.set({"dmdask.worker.allowed-sources": [f"{http}/allowed", str(allowed)]}):
+            cluster = dmdask.LocalCluster(n_workers=1, ram="16 MiB", dashboard_address=None)
+        with cluster, distributed.Client(cluster) as client:
+            for source in (f"{http}/secret/shard-000000.tar?q=/../../allowed/shard-000000.tar",
+                           f"{http}/secret/shard-000000.tar#/../../allowed/shard-000000.tar",
+                           f"{http}/allowed/%2e%2e/secret/shard-000000.tar",
+                           f"{http}/allowed/..%2Fsecret/shard-000000.tar",
+                           str(allowed / "link.zarr"), str(allowed / "link.tar"),
+                           (str(allowed / "images" / "class-00" / "s-00000000.bin"), str(linked))):
+                with pytest.raises(dmdask.SourceNotAllowedError, match="allowed-sources"):
+                    list(dmdask.batches(client, dmdask.Spec(source, batch_size=4, block_size=4)))
+                assert dmdask.stats(client)["total"]["shared_store"]["bytes"] == 0, source  # no worker read it
+            for source in (f"{http}/allowed/shard-000000.tar", str(allowed / "inside.tar")):
+                got = np.concatenate([b["index"] for b in dmdask.batches(client, dmdask.Spec(source, batch_size=4))])
+                assert sorted(got.tolist()) == [0, 1, 2, 3]

@@ -97,8 +97,7 @@ class FolderBlockReader(StoreReader):
         self.files, self.labels, self.fields = list(files), np.asarray(labels, dtype=np.int64), fields
 
     def sources(self) -> list[str]:
-        if not self.listed:
-            return [self.url]
+        """Each file the block reads (one may be a symbolic link out of the folder)."""
         fs = filesystem(self.protocol, self.options)
         return [fs.unstrip_protocol(f) for f in self.files]
 

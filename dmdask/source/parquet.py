@@ -226,6 +226,11 @@ class ParquetBlockReader(StoreReader):
         super().__init__(url, identity, index, start, stop, nbytes)
         self.protocol, self.options, self.fields, self.parts = protocol, options, fields, parts
 
+    def sources(self) -> list[str]:
+        """Each file the block reads (one may be a symbolic link out of the folder)."""
+        fs = filesystem(self.protocol, self.options)
+        return [fs.unstrip_protocol(part.path) for part in self.parts]
+
     def _read(self) -> dict[str, np.ndarray]:
         pieces = [self._read_part(part) for part in self.parts]
         if len(pieces) == 1:
