@@ -376,3 +376,36 @@ def test_no_spelling_of_a_source_leads_workers_out_of_the_allowed_sources(tmp_pa
             for source in (f"{http}/allowed/shard-000000.tar", str(allowed / "inside.tar")):
                 got = np.concatenate([b["index"] for b in dmdask.batches(client, dmdask.Spec(source, batch_size=4))])
                 assert sorted(got.tolist()) == [0, 1, 2, 3]
+
+
+def test_credentials_in_source_urls_appear_in_no_log_stats_or_error(tmp_path, capfd, caplog):
+    """A user and password (`user:password@`) and a presigned query (`?sig=`) in a source's
+    URLs: the retries of a store answering 503 (a worker's or this process's, whichever reads)
+    log the URL without them, `stats()["datasets"]` names it without them, and so do a `BlockReadError` and a
+    `SourceNotFoundError`; the samples still come, once each."""
+    from benchmarks.store_server import StoreServer
+
+    write_folder(str(tmp_path / "images"), classes=1, per_class=4)
+    with StoreServer(str(tmp_path)) as store, \
+            dmdask.LocalCluster(n_workers=1, ram="16 MiB", dashboard_address=None) as cluster, \
+            distributed.Client(cluster) as client:
+        secret_url = store.url.replace("http://", "http://reader:hunter2@")
+        urls = tuple(f"{secret_url}/images/class-00/s-{i:08d}.bin?sig=TOPSECRET" for i in range(4))
+        store.fail_first(2, "images/*")
+        got = np.concatenate([b["index"] for b in dmdask.batches(client, dmdask.Spec(urls, batch_size=4))])
+        assert sorted(got.tolist()) == [0, 1, 2, 3]
+        assert store.stats()["failed"] > 0  # the worker retried
+        logs = capfd.readouterr().err + caplog.text  # the worker processes' and this one's
+        assert "transient error reading block 0 of" in logs and store.url in logs
+        texts = [logs, repr(dmdask.stats(client)["datasets"])]
+        assert f"{store.url}/images/class-00/s-00000000.bin?..." in texts[1]
+        store.fail_first(0)
+        (tmp_path / "images" / "class-00" / "s-00000002.bin").unlink()
+        with pytest.raises(dmdask.BlockReadError) as read:
+            list(dmdask.batches(client, dmdask.Spec(urls, batch_size=4, block_size=2)))
+        with pytest.raises(dmdask.SourceNotFoundError) as missing:
+            list(dmdask.batches(client, dmdask.Spec(f"{secret_url}/nothing.zarr?sig=TOPSECRET", batch_size=4)))
+        texts += [str(read.value), read.value.url, str(missing.value)]
+        assert store.url in texts[-1]
+        for text in texts:
+            assert "hunter2" not in text and "TOPSECRET" not in text, text

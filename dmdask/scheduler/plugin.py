@@ -23,6 +23,7 @@ from collections import defaultdict
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from ..errors import redact
 from ..internals import load_first
 from ..protocol.scheduler import (Abandon, Busy, Claimed, Datasets, DatasetSummary, FsClaim, FsMetadata, FsOpenBlocks,
                                   GetOrClaim, GetOrRegister, Held, Locate, NoWorkers, OpenBlocks, Ready, Register,
@@ -66,7 +67,7 @@ class DatasetState:
 
     def summary(self) -> DatasetSummary:
         info = self.info
-        return DatasetSummary(self.name, info and info.url, info and info.identity, info and info.num_samples,
+        return DatasetSummary(self.name, info and redact(info.url), info and info.identity, info and info.num_samples,
                               len(self.planned), info and info.nbytes, self.loaded, len(self.erred),
                               self.ready.is_set())
 

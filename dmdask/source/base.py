@@ -23,7 +23,7 @@ import dask.config
 import fsspec
 import numpy as np
 
-from ..errors import BlockReadError, SourceError
+from ..errors import BlockReadError, SourceError, redact
 
 logger = logging.getLogger(__name__)
 
@@ -264,7 +264,7 @@ class StoreReader(BlockReader):
                 # must not travel with it; its type and text are in the message.
                 raise BlockReadError(self.url, self.index, self.start, self.stop, error, detail)
             logger.warning("transient error reading block %d of %s, try %d, next in %.2f s: %s: %s",
-                           self.index, self.url, tries, wait, type(error).__name__, error)
+                           self.index, redact(self.url), tries, wait, type(error).__name__, redact(str(error)))
             if on_retry is not None:
                 on_retry(error)
             time.sleep(wait)

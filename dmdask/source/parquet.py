@@ -10,7 +10,7 @@ import warnings
 
 import numpy as np
 
-from ..errors import SourceError, SourceNotFoundError, SpecError
+from ..errors import SourceError, SourceNotFoundError, SpecError, redact
 from .base import DatasetInfo, Source, StoreReader, filesystem, import_extra, options_json, protocol_of, string_dtype
 from .parquet_footer import MAGIC, Footer, framed, read_footers
 from .registry import Format, Place
@@ -214,7 +214,7 @@ def _block_len(url: str, groups: np.ndarray, n: int, asked: int | None) -> int:
     largest = int(groups["rows"].max())
     if smallest > largest:
         logger.warning("the row groups of %s do not line up into blocks of one row group: blocks are %d rows "
-                       "(row groups have up to %d)", url, smallest, largest)
+                       "(row groups have up to %d)", redact(url), smallest, largest)
     return smallest
 
 
