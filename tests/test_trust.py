@@ -409,3 +409,36 @@ def test_credentials_in_source_urls_appear_in_no_log_stats_or_error(tmp_path, ca
         assert store.url in texts[-1]
         for text in texts:
             assert "hunter2" not in text and "TOPSECRET" not in text, text
+
+
+@pytest.fixture(scope="module")
+def two_workers():
+    with dmdask.LocalCluster(n_workers=2, ram="16 MiB", dashboard_address=None) as cluster, \
+            distributed.Client(cluster) as client:
+        yield client
+
+
+def test_a_worker_dials_no_holder_its_scheduler_does_not_know(two_workers):
+    """A batch request naming a holder that is not a worker of the cluster (here a socket of
+    this test's, listening) is refused before the worker dials anything; the workers'
+    own batches still gather from each other."""
+    import socket
+
+    client = two_workers
+    address = next(iter(client.scheduler_info()["workers"]))
+    listening = socket.create_server(("127.0.0.1", 0))
+    listening.settimeout(2)
+    stranger = f"tcp://127.0.0.1:{listening.getsockname()[1]}"
+    try:
+        request = BatchRequest(requests={stranger: {"dmdask-block-x-0": np.array([0, 1])}},
+                               positions={stranger: np.array([0, 1])}, index=np.arange(2), sizes=[2], fields=["x"])
+        message = refused(client, WorkerAPI(client.rpc).call, address, request)
+        assert message.startswith("dmdask_batch: requests=") and stranger in message and "workers of this cluster" \
+            in message
+        with pytest.raises(socket.timeout):
+            listening.accept()  # nobody dialled it
+    finally:
+        listening.close()
+    path = write_zarr(tempfile.mkdtemp() + "/d.zarr", 100, chunk=50)
+    spec = dmdask.Spec(path, batch_size=50, transform=dmdask.per_sample(lambda s: s))  # batches made by a worker
+    assert sorted(np.concatenate([b["index"] for b in dmdask.batches(client, spec)]).tolist()) == list(range(100))

@@ -161,6 +161,14 @@ class Datasets(Request):
 
 
 @message
+class Workers(Request):
+    """Which of `addresses` are workers of the cluster (a list of them): a worker asks before
+    it dials a holder a rank named (`dmdask.worker.peers`)."""
+    op = "dmdask_workers"
+    addresses: Sequence[str]
+
+
+@message
 class FsMetadata(Request):
     """Share `put`, read from the store by `run`; get what `run` read of the folders `get` (`Folders`)."""
     op = "dmdask_fs_metadata"

@@ -27,7 +27,7 @@ from ..errors import redact
 from ..internals import load_first
 from ..protocol.scheduler import (Abandon, Busy, Claimed, Datasets, DatasetSummary, FsClaim, FsMetadata, FsOpenBlocks,
                                   GetOrClaim, GetOrRegister, Held, Locate, NoWorkers, OpenBlocks, Ready, Register,
-                                  Registered, Release, serve)
+                                  Registered, Release, Workers, serve)
 from ..source.base import DatasetInfo, block_key, parse_block_key
 from . import placement
 from .files import FileMetadata
@@ -103,6 +103,7 @@ class DatasetsPlugin(SchedulerPlugin):
             GetOrClaim: self.get_or_claim, Register: self.register, GetOrRegister: self.get_or_register,
             Abandon: self.abandon, Release: self.release_held,
             Datasets: lambda request: self.summaries(), Locate: reads.locate, OpenBlocks: reads.open_blocks,
+            Workers: lambda request: [a for a in request.addresses if a in self.scheduler.workers],
             FsMetadata: reads.fs_metadata, FsClaim: reads.fs_claim, FsOpenBlocks: reads.fs_open_blocks}))
         scheduler.extensions["dmdask"] = self
         from distributed.protocol.pickle import dumps

@@ -11,6 +11,7 @@ import numpy as np
 from distributed.comm.core import CommClosedError
 from distributed.core import Status
 
+from .. import arguments as check
 from ..protocol.worker import (Batches, BatchRequest, DescribeRequest, Descriptions, GiveRows, HandOver, HitsReport,
                                Kept, Missing, Moved, OPS, Rows, RowsRequest, WorkerAPI, handler)
 from ..scheduler.placement import STREAMED_TOPIC
@@ -20,6 +21,7 @@ from ..spec import loads_transform
 from .cache import BlockCache
 from .filling import FillingBlock
 from .holdings import Holding, payload_bytes
+from .peers import ClusterWorkers
 from .reads import LAST
 from .tiers import TieredStore
 from .transforms import transform_in_order, transform_isolated
@@ -28,7 +30,8 @@ from .transforms import transform_in_order, transform_isolated
 class WorkerPlugin(distributed.WorkerPlugin):
     """dmdask on one worker: its `BlockCache` (`worker.extensions["dmdask"]`) and handlers.
     A worker without dmdask's tiers (a plain Dask worker) is left as it is. Handlers use
-    `cache`, `address` and `peers` (a `WorkerAPI`) only: testable without a cluster."""
+    `cache`, `address` and `peers` (a `WorkerAPI`) only, and `workers` (`ClusterWorkers`;
+    None: any holder is dialled): testable without a cluster."""
 
     name = "dmdask"
     idempotent = True
@@ -37,6 +40,7 @@ class WorkerPlugin(distributed.WorkerPlugin):
         self.cache = None
         self.address = None
         self.peers = None
+        self.workers = None
         self.worker = None
 
     def setup(self, worker) -> None:
@@ -49,6 +53,7 @@ class WorkerPlugin(distributed.WorkerPlugin):
                                     read_ahead=bool(dask.config.get("dmdask.worker.read-ahead")),
                                     transform_threads=int(dask.config.get("dmdask.worker.transform-threads")))
         self.worker, self.address, self.peers = worker, worker.address, WorkerAPI(worker.rpc)
+        self.workers = ClusterWorkers(worker)
         worker.handlers.update({OPS[kind]: handler(kind, self._lost_once_closed(method)) for kind, method in (
             (RowsRequest, self.rows), (BatchRequest, self.batch), (DescribeRequest, self.describe),
             (HitsReport, self.count_hits), (HandOver, self.hand_over), (GiveRows, self.give_rows))})
@@ -97,7 +102,15 @@ class WorkerPlugin(distributed.WorkerPlugin):
         return Rows(arrays, from_store)
 
     async def batch(self, request: BatchRequest):
-        """`Batches` of the group, or `Missing` for blocks a holder does not hold."""
+        """`Batches` of the group, or `Missing` for blocks a holder does not hold;
+        `HandlerArgumentError`, before anything is dialled, for holders that are not workers
+        of the cluster (its scheduler's)."""
+        strangers = [] if self.workers is None else await self.workers.strangers(
+            h for h in request.requests if h != self.address)
+        if strangers:
+            raise check.refuse(OPS[BatchRequest], "requests", "holders that are workers of this cluster (its "
+                               "scheduler's)", strangers)
+
         async def from_holder(holder, wanted):
             if holder == self.address:
                 return await self.cache.serve(wanted, _priority(request.priority), request.wait)
