@@ -57,13 +57,66 @@ def test_cgroup_v2_memory_max_of_the_process_and_its_parents(tmp_path):
     assert got.bytes == (1024 - 512) * MIB // 2 and "cgroup" in got.source
 
 
-def test_cgroup_without_limit_or_v1_is_no_limit(tmp_path):
+def test_cgroup_without_limit_is_no_limit(tmp_path):
     proc, root = _cgroup(tmp_path, {"/job/step": "max"})
     assert sizing.cgroup_memory(proc, root) is None
     v1 = tmp_path / "v1"
     v1.write_text("4:memory:/something\n")
-    assert sizing.cgroup_memory(str(v1), root) is None
+    assert sizing.cgroup_memory(str(v1), root) is None  # no such cgroup folder
+    (tmp_path / "cgroup" / "memory" / "something").mkdir(parents=True)
+    (tmp_path / "cgroup" / "memory" / "something" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    assert sizing.cgroup_memory(str(v1), root) is None  # cgroup v1's "no limit"
     assert sizing.cgroup_memory(str(tmp_path / "missing"), root) is None
+
+
+def test_cgroup_v1_memory_limit_of_the_process_and_its_parents(tmp_path):
+    """cgroup v1: the memory controller's line of /proc/self/cgroup, its hierarchy under
+    root/memory, `memory.limit_in_bytes` (a worker in a 300 MiB v1 cgroup once got the 1 GiB
+    default RAM tier and was OOM-killed)."""
+    root = tmp_path / "cgroup"
+    for path, limit in (("job", 300 * MIB), ("job/step", 2**40)):
+        (root / "memory" / path).mkdir(parents=True)
+        (root / "memory" / path / "memory.limit_in_bytes").write_text(f"{limit}\n")
+    proc = tmp_path / "proc-cgroup"
+    proc.write_text("12:pids:/job/step\n4:cpuacct,memory:/job/step\n1:name=systemd:/job\n")
+    got = sizing.cgroup_memory(str(proc), str(root))
+    assert got.bytes == 300 * MIB and got.source.endswith(os.path.join("memory", "job", "memory.limit_in_bytes"))
+
+
+V1_MEMORY = "/sys/fs/cgroup/memory"
+
+
+def test_a_worker_in_a_cgroup_v1_sizes_its_ram_tier_from_its_limit(tmp_path):
+    """A `dask worker` process started in a real cgroup v1 with a 1 GiB memory limit: its
+    RAM tier is (1 GiB - headroom) x share, and says so."""
+    import subprocess
+    import sys
+    import uuid
+
+    folder = os.path.join(V1_MEMORY, f"dmdask-test-{uuid.uuid4().hex[:8]}")
+    try:
+        os.mkdir(folder)
+        with open(os.path.join(folder, "memory.limit_in_bytes"), "w") as f:
+            f.write(str(2**30))
+    except OSError as exc:
+        pytest.skip(f"this machine lets this process make no cgroup v1 memory limit: {exc}")
+    dask_bin = os.path.join(os.path.dirname(sys.executable), "dask")
+    worker = None
+    try:
+        with dmdask.LocalCluster(n_workers=0, dashboard_address=None) as cluster, \
+                distributed.Client(cluster) as client:
+            command = (f"echo $$ > {folder}/cgroup.procs && exec {dask_bin} worker {cluster.scheduler_address} "
+                       f"--worker-class dmdask.Worker --nthreads 1 --no-nanny --local-directory {tmp_path}")
+            worker = subprocess.Popen(["sh", "-c", command], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            client.wait_for_workers(1, timeout=60)
+            ram = next(iter(dmdask.stats(client)["workers"].values()))["ram"]
+            assert ram["capacity"] == (2**30 - HEADROOM) // 2
+            assert ram["source"].startswith(f"cgroup {folder}/memory.limit_in_bytes (1.00 GiB)"), ram["source"]
+    finally:
+        if worker is not None:
+            worker.kill()
+            worker.wait(30)
+        os.rmdir(folder)
 
 
 def test_the_smaller_of_slurm_and_cgroup_wins(tmp_path):
