@@ -78,6 +78,11 @@ class DatasetHeldError(DmdaskError, PermissionError):
     """`dmdask.release` of a dataset that other connected clients opened, from a client that did not."""
 
 
+class WorkerKilledError(DmdaskError, RuntimeError):
+    """Workers died while they loaded a block (Dask's `KilledWorker`); the message names
+    the block, the likely cause (out of memory) and the evidence the workers reported."""
+
+
 class NoWorkersError(NotADmdaskWorker):
     """The cluster had no workers for longer than `dmdask.client.recovery-seconds`."""
 

@@ -211,3 +211,83 @@ def test_status_prints_each_tiers_folder_and_size_source():
         "tcp://a:1 ram: the worker's memory; size from dmdask.worker.ram",
         "tcp://a:1 ssd: /job/tmp/dmdask-ssd-1-x; size from 0.9 x free space of /job/tmp (1 TiB)",
     ]
+
+
+def _v1_cgroup(limit: int) -> str:
+    """A new cgroup v1 memory cgroup of `limit` bytes (skipped where this machine allows none)."""
+    import uuid
+
+    folder = os.path.join(V1_MEMORY, f"dmdask-test-{uuid.uuid4().hex[:8]}")
+    try:
+        os.mkdir(folder)
+        with open(os.path.join(folder, "memory.limit_in_bytes"), "w") as f:
+            f.write(str(limit))
+    except OSError as exc:
+        pytest.skip(f"this machine lets this process make no cgroup v1 memory limit: {exc}")
+    return folder
+
+
+def test_a_worker_killed_out_of_memory_while_loading_is_named(tmp_path):
+    """A worker (and its nanny) in a real 400 MiB cgroup v1, with a RAM tier of 1 GiB set by
+    hand, loads a block that decodes to 512 MiB: the kernel kills it. The rank gets
+    `WorkerKilledError` naming the block and out of memory (it got Dask's bare
+    `KilledWorker`), and, once the restarted worker reported its cgroup's count, the count."""
+    import subprocess
+    import sys
+
+    import zarr
+
+    from conftest import wait_until
+
+    group = zarr.open_group(str(tmp_path / "big.zarr"), mode="w")  # no chunk written: it reads as its fill value
+    group.create_array("x", shape=(64, 2**21), chunks=(64, 2**21), dtype="float32", fill_value=0.0)
+    zarr.consolidate_metadata(str(tmp_path / "big.zarr"))
+    folder = _v1_cgroup(400 * MIB)
+    dask_bin = os.path.join(os.path.dirname(sys.executable), "dask")
+    worker = None
+    try:
+        with dask.config.set({"distributed.scheduler.allowed-failures": 0}):
+            cluster = dmdask.LocalCluster(n_workers=0, dashboard_address=None)
+        with cluster, distributed.Client(cluster) as client, \
+                dask.config.set({"dmdask.client.read-first-batch": False}):
+            command = (f"echo $$ > {folder}/cgroup.procs && exec {dask_bin} worker {cluster.scheduler_address} "
+                       f"--worker-class dmdask.Worker --nthreads 1 --local-directory {tmp_path}")
+            env = dict(os.environ, DASK_DMDASK__WORKER__RAM="1 GiB")
+            worker = subprocess.Popen(["sh", "-c", command], env=env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL)
+            client.wait_for_workers(1, timeout=60)
+            spec = dmdask.Spec(str(tmp_path / "big.zarr"), batch_size=64)
+            with pytest.raises(dmdask.WorkerKilledError) as first:
+                list(dmdask.batches(client, spec))
+            assert "block 0 (samples 0..63) of" in str(first.value) and "out of memory" in str(first.value)
+
+            def reported():
+                return any(w["metrics"].get("dmdask", {}).get("oom_kills", 0)
+                           for w in client.scheduler_info()["workers"].values())
+
+            wait_until(reported, 120, "the restarted worker reported its cgroup's out-of-memory kills")
+            with pytest.raises(dmdask.WorkerKilledError, match=r"out of memory: the memory cgroup of worker .* "
+                                                               r"counted \d+ out-of-memory kill"):
+                list(dmdask.batches(client, spec))
+    finally:
+        _empty(folder, worker)
+
+
+def _empty(folder: str, started) -> None:
+    """Kill the processes this test started in cgroup `folder` (the nanny and its worker), then remove it."""
+    import signal
+
+    from conftest import wait_until
+
+    if started is not None:
+        started.kill()
+        started.wait(30)
+
+    def pids():
+        with open(os.path.join(folder, "cgroup.procs")) as f:
+            return [int(p) for p in f.read().split()]
+
+    for pid in pids():
+        os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not pids(), 30, "the test's cgroup empty")
+    os.rmdir(folder)

@@ -31,6 +31,7 @@ from ..protocol.scheduler import (Abandon, Busy, Claimed, Datasets, DatasetSumma
 from ..source.base import DatasetInfo, block_key, parse_block_key
 from . import placement
 from .files import FileMetadata
+from .killed import OomKills
 from .reads import BlockReads
 
 CLAIM_SECONDS = 120  # a creator that sent nothing for this long is presumed gone
@@ -87,6 +88,7 @@ class DatasetsPlugin(SchedulerPlugin):
         self.reads = BlockReads(self)
         self.streamed: set = set()  # keys of blocks held as `Streamed` markers (`placement.STREAMED_TOPIC`)
         self._next_lazy = 0  # where the next lazy dataset's plan starts (round-robin)
+        self.oom_kills = OomKills()  # what the workers that start block loads report (`WorkerKilledError`)
 
     async def start(self, scheduler) -> None:
         """Install the handlers. Two clients registering the plugin at once may both start
@@ -96,7 +98,7 @@ class DatasetsPlugin(SchedulerPlugin):
         installed = scheduler.extensions.get("dmdask")
         if isinstance(installed, DatasetsPlugin):
             self.datasets, self.by_identity, self.files = installed.datasets, installed.by_identity, installed.files
-            self.reads, self.streamed = installed.reads, installed.streamed
+            self.reads, self.streamed, self.oom_kills = installed.reads, installed.streamed, installed.oom_kills
         self.scheduler = scheduler
         reads = self.reads
         scheduler.handlers.update(serve({
@@ -211,6 +213,10 @@ class DatasetsPlugin(SchedulerPlugin):
         if parsed is None:
             return
         ds = self.by_identity.get(parsed[0])
+        if finish == "processing" and ds is not None:
+            ts = self.scheduler.tasks.get(key)
+            if ts is not None and ts.processing_on is not None:
+                self.oom_kills.seen(ts.processing_on)
         if ds is not None:
             if finish == "memory":
                 ds.loaded += 1

@@ -21,6 +21,7 @@ from ..spec import loads_transform
 from .cache import BlockCache
 from .filling import FillingBlock
 from .holdings import Holding, payload_bytes
+from . import sizing
 from .peers import ClusterWorkers
 from .reads import LAST
 from .tiers import TieredStore
@@ -58,7 +59,8 @@ class WorkerPlugin(distributed.WorkerPlugin):
             (RowsRequest, self.rows), (BatchRequest, self.batch), (DescribeRequest, self.describe),
             (HitsReport, self.count_hits), (HandOver, self.hand_over), (GiveRows, self.give_rows))})
         worker.extensions["dmdask"] = self.cache
-        worker.metrics["dmdask"] = lambda worker: self.cache.stats()
+        oom_file = sizing.oom_kill_file()  # its cgroup's: counts kills of the worker's earlier processes too
+        worker.metrics["dmdask"] = lambda worker: {**self.cache.stats(), "oom_kills": sizing.oom_kills(oom_file)}
 
     def _lost_once_closed(self, method):
         """`method`, whose RuntimeError while this worker closes (its read and transform

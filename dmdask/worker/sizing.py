@@ -102,6 +102,39 @@ def _read_limit(path: str) -> int | None:
     return int(text) if text.isdigit() and int(text) < NO_LIMIT else None  # "max" or v1's huge number: none
 
 
+def oom_kill_file(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> str | None:
+    """The file of this process's memory cgroup that counts its out-of-memory kills (cgroup
+    v2 `memory.events`, v1 `memory.oom_control`, each with a line `oom_kill N`); None if
+    there is none. Never raises."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and not parts[1]:
+            path = os.path.join(root, parts[2].lstrip("/"), "memory.events")
+        elif "memory" in parts[1].split(","):
+            path = os.path.join(root, "memory", parts[2].lstrip("/"), "memory.oom_control")
+        else:
+            continue
+        if os.path.exists(path):
+            return path
+    return None
+
+
+def oom_kills(path: str | None) -> int:
+    """The out-of-memory kills counted in `path` (`oom_kill_file`) so far; 0 if unknown."""
+    try:
+        with open(path) as f:
+            return next((int(line.split()[1]) for line in f if line.startswith("oom_kill ")), 0)
+    except (OSError, TypeError, ValueError, IndexError):
+        return 0
+
+
 def job_memory(env: Mapping[str, str], proc_cgroup: str = "/proc/self/cgroup",
                cgroup_root: str = "/sys/fs/cgroup") -> Sized | None:
     """The smallest memory limit of this process's job (Slurm's grant, cgroup v2 or v1), or None."""
@@ -174,5 +207,5 @@ def explicit(value: int, name: str) -> Sized:
     return Sized(int(value), f"dmdask.worker.{name}")
 
 
-__all__ = ["Sized", "cgroup_memory", "explicit", "free_bytes", "in_batch_job", "job_memory", "ram_size",
-           "slurm_memory", "ssd_folder", "ssd_size"]
+__all__ = ["Sized", "cgroup_memory", "explicit", "free_bytes", "in_batch_job", "job_memory", "oom_kill_file",
+           "oom_kills", "ram_size", "slurm_memory", "ssd_folder", "ssd_size"]
