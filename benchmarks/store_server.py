@@ -17,7 +17,8 @@ a background thread with its own event loop::
 
 ``fail_first(n, pattern)`` makes it answer ``503 Service Unavailable`` to the first
 ``n`` GETs of each matching path from then on, as a store under load would;
-``fail_every(k, pattern)`` to every ``k``-th GET of the matching paths.
+``fail_every(k, pattern)`` to every ``k``-th GET of the matching paths; ``hang_every(k,
+pattern, seconds)`` holds every ``k``-th GET that long before answering.
 
 As a process (prints ``URL http://HOST:PORT``, serves until SIGINT/SIGTERM;
 ``GET /__stats__`` returns the counters as JSON, ``?reset=1`` also zeroes them)::
@@ -110,6 +111,7 @@ class StoreServer:
         self._lock = threading.Lock()
         self.fail_first(0)
         self.fail_every(0)
+        self.hang_every(0)
         self.reset_stats()
         self._timeline = None  # (start, end) wall times of GETs, while `record_timeline` is on
         self._url = self._loop = self._thread = self._runner = None
@@ -212,6 +214,26 @@ class StoreServer:
         with self._lock:
             self._every = [k, pattern, status, 0]
 
+    def hang_every(self, k: int, pattern: str = "*", seconds: float = 60.0) -> None:
+        """From now on, hold every ``k``-th GET of the paths that match ``pattern`` (counted
+        over all of them) ``seconds`` before answering it: a store whose requests sometimes
+        hang.  ``hang_every(0)`` stops it (requests held already are answered late)."""
+        if k < 0 or seconds < 0:
+            raise ValueError(f"hang_every needs k >= 0 and seconds >= 0, got {k!r}, {seconds!r}")
+        with self._lock:
+            self._hang = [k, pattern, float(seconds), 0]
+
+    def _hang_for(self, path: str) -> float:
+        with self._lock:
+            k, pattern, seconds, seen = self._hang
+            if not k or not fnmatch.fnmatchcase(path, pattern):
+                return 0.0
+            self._hang[3] = seen + 1
+            if (seen + 1) % k:
+                return 0.0
+            self._stats["hung"] = self._stats.get("hung", 0) + 1
+            return seconds
+
     def _should_fail(self, path: str):
         """The status to answer this GET of ``path`` with, or None to serve it."""
         with self._lock:
@@ -260,6 +282,12 @@ class StoreServer:
     async def _serve(self, request: web.Request) -> web.StreamResponse:
         rel = request.match_info["path"]
         key, head = await self._admit(request)
+        hang = 0.0 if head else self._hang_for(key)
+        until = time.monotonic() + hang
+        while time.monotonic() < until:  # held, until the client hangs up
+            if request.transport is None or request.transport.is_closing():
+                raise web.HTTPRequestTimeout()
+            await asyncio.sleep(0.05)
         status = None if head else self._should_fail(key)
         if status is not None:
             return web.Response(status=status, text=f"failing on purpose: {key}\n")

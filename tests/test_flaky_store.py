@@ -68,3 +68,25 @@ def test_a_file_whose_body_is_not_its_listed_size_is_never_delivered(tmp_path):
         with pytest.raises(dmdask.BlockReadError, match=rf"s-00000005.bin: read {len(whole) // 2} bytes, listed as "
                                                         rf"{len(whole)}"):
             _epoch(client, spec)
+
+
+def test_a_store_whose_requests_sometimes_hang_fails_no_zarr_epoch(tmp_path):
+    """Every 3rd chunk GET hangs (60 s): a read that receives nothing for
+    `dmdask.store.read-seconds` is given up and retried, so the epoch delivers every sample
+    once with the store's values, inside the ranks' recovery time (aiohttp's 300 s was the
+    only deadline: the rank failed at its recovery time, 'still failing after 60 s')."""
+    from dmdask.testing.datasets import write_zarr, zarr_sample
+
+    write_zarr(str(tmp_path / "d.zarr"), 400, chunk=50)
+    with StoreServer(str(tmp_path)) as store:
+        with dask.config.set({"dmdask.store.read-seconds": 1}):
+            cluster = dmdask.LocalCluster(n_workers=2, ram="64 MiB", dashboard_address=None)
+        with cluster, distributed.Client(cluster) as client, \
+                dask.config.set({"dmdask.client.recovery-seconds": 20, "dmdask.store.read-seconds": 1}):
+            store.hang_every(3, "d.zarr/*/c/*", seconds=60)
+            got = list(dmdask.batches(client, dmdask.Spec(store.url + "/d.zarr", batch_size=50)))
+            ids = np.concatenate([b["index"] for b in got])
+            assert sorted(ids.tolist()) == list(range(400))
+            np.testing.assert_array_equal(np.concatenate([b["x"] for b in got]), zarr_sample(ids))
+            assert store.stats()["hung"] >= 4
+            store.hang_every(0)

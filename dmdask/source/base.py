@@ -127,11 +127,30 @@ def options_json(options) -> str:
 _fs_lock = threading.Lock()
 
 
+def read_options(protocol: str, options: dict) -> dict:
+    """`options` for a filesystem that reads: over HTTP(S), unless they set aiohttp's timeout,
+    a read (or a connection) that receives nothing for `dmdask.store.read-seconds` fails
+    with a `TimeoutError`, which the reads retry (aiohttp's own is 300 s for the whole request)."""
+    if protocol not in ("http", "https"):
+        return options
+    client_kwargs = dict(options.get("client_kwargs") or {})
+    if "timeout" in client_kwargs:
+        return options
+    seconds = float(dask.config.get("dmdask.store.read-seconds"))
+    client_kwargs["timeout"] = aiohttp.ClientTimeout(total=None, sock_connect=seconds, sock_read=seconds)
+    return {**options, "client_kwargs": client_kwargs}
+
+
 @functools.lru_cache(maxsize=16)
-def filesystem(protocol: str, options: str):
-    """The fsspec filesystem of `protocol` with these `options_json`, made once per process."""
+def _filesystem(protocol: str, options: str, read_seconds: float):
     with _fs_lock:
-        return fsspec.filesystem(protocol, **json.loads(options))
+        return fsspec.filesystem(protocol, **read_options(protocol, json.loads(options)))
+
+
+def filesystem(protocol: str, options: str):
+    """The fsspec filesystem of `protocol` with these `options_json` (and `read_options`), made
+    once per process (and `dmdask.store.read-seconds`)."""
+    return _filesystem(protocol, options, float(dask.config.get("dmdask.store.read-seconds")))
 
 
 def import_extra(module: str, requirement: str, reading: str):

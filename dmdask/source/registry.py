@@ -17,7 +17,7 @@ import fsspec.utils
 from dask.base import tokenize
 
 from ..errors import SourceNotFoundError, SpecError
-from .base import Source, bound_identity
+from .base import Source, bound_identity, read_options
 from .urls import listed_urls
 
 GROUP = "dmdask.sources"
@@ -58,7 +58,8 @@ class Place:
         else:
             self.url = spec.source.rstrip("/")
             try:
-                self.fs, self.path = fsspec.core.url_to_fs(self.url, **self.options)
+                self.fs, self.path = fsspec.core.url_to_fs(
+                    self.url, **read_options(fsspec.utils.get_protocol(self.url), self.options))
             except (ImportError, ValueError) as exc:
                 raise SpecError("source", f"a URL fsspec can open ({exc})", spec.source) from None
 
@@ -75,7 +76,7 @@ class Place:
         urls, options = self.urls, dict(self.options)
         try:
             if len({fsspec.utils.get_protocol(u) for u in urls}) == 1 and not any("::" in u for u in urls):
-                fs, _ = fsspec.core.url_to_fs(urls[0], **options)
+                fs, _ = fsspec.core.url_to_fs(urls[0], **read_options(fsspec.utils.get_protocol(urls[0]), options))
                 return fs, [fsspec.core.strip_protocol(u) for u in urls]
             fs, _, paths = fsspec.core.get_fs_token_paths(urls, storage_options=options)
         except (ImportError, ValueError) as exc:

@@ -11,7 +11,7 @@ import warnings
 import numpy as np
 
 from ..errors import SourceError, SourceNotFoundError, SpecError
-from .base import DatasetInfo, Source, StoreReader, options_json
+from .base import DatasetInfo, Source, StoreReader, options_json, read_options
 from .registry import Format, Place
 
 
@@ -20,7 +20,8 @@ def _open_node(url: str, options: str):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return zarr.open(store=url, mode="r", storage_options=json.loads(options) or None)
+        protocol = url.split("://", 1)[0] if "://" in url else "file"
+        return zarr.open(store=url, mode="r", storage_options=read_options(protocol, json.loads(options)) or None)
 
 
 @dataclasses.dataclass(frozen=True)
