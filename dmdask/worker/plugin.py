@@ -3,7 +3,9 @@ every worker (as `distributed.shuffle` does), with the handlers of `dmdask.proto
 from __future__ import annotations
 
 import asyncio
+import errno
 import inspect
+import logging
 
 import dask
 import distributed
@@ -28,6 +30,10 @@ from .tiers import TieredStore
 from .transforms import transform_in_order, transform_isolated
 
 
+logger = logging.getLogger(__name__)
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # a file system (or quota) with no room left
+
+
 class WorkerPlugin(distributed.WorkerPlugin):
     """dmdask on one worker: its `BlockCache` (`worker.extensions["dmdask"]`) and handlers.
     A worker without dmdask's tiers (a plain Dask worker) is left as it is. Handlers use
@@ -43,6 +49,7 @@ class WorkerPlugin(distributed.WorkerPlugin):
         self.peers = None
         self.workers = None
         self.worker = None
+        self.warned_full = False
 
     def setup(self, worker) -> None:
         if not isinstance(worker.data, TieredStore):
@@ -142,9 +149,21 @@ class WorkerPlugin(distributed.WorkerPlugin):
         done, error = await loop.run_in_executor(self.cache.transforms, *work, batches, request.context)
         folder = self.cache.store.shared_folder() if request.same_host else None
         if folder is not None and done and shareable(done):  # the trainer maps them: no pickle, no socket
-            shared = await loop.run_in_executor(self.cache.transforms, write_batches, folder, done)
-            return Batches(shared=shared, error=error, from_store=from_store)
+            try:
+                shared = await loop.run_in_executor(self.cache.transforms, write_batches, folder, done)
+                return Batches(shared=shared, error=error, from_store=from_store)
+            except OSError as exc:  # a full shared-memory folder: the batches go through the connection
+                if exc.errno not in FULL_ERRNOS:
+                    raise
+                self._warn_full(folder, exc)
         return Batches(batches=done, error=error, from_store=from_store)
+
+    def _warn_full(self, folder: str, exc: OSError) -> None:
+        """Say once per worker that its shared-memory folder is full (batches then come by value)."""
+        if not self.warned_full:
+            self.warned_full = True
+            logger.warning("the shared-memory folder %s is full (%s): transformed batches go to the training "
+                           "processes through their connection instead, until there is room", folder, exc)
 
     def describe(self, request: DescribeRequest) -> Descriptions:
         """How to map each held block's files (None: rows through `dmdask_rows`); blocks
