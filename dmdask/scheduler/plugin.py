@@ -121,9 +121,9 @@ class DatasetsPlugin(SchedulerPlugin):
             ds = self.datasets.get(name)
             if ds is None:
                 ds = self.datasets[name] = DatasetState(name, claimant)
-                ds.holders.update(filter(None, [request.client]))
+                self._hold(ds, request.client)
                 return Claimed()
-            ds.holders.update(filter(None, [request.client]))
+            self._hold(ds, request.client)
             if ds.ready.is_set() and not self._lost(ds):
                 ready = self._ready(ds)
                 return ready if request.host is None else await self.reads.locate_ready(ready, request.host)
@@ -237,6 +237,13 @@ class DatasetsPlugin(SchedulerPlugin):
         ts = self.scheduler.tasks.get(msg) if topic == placement.STREAMED_TOPIC else None
         if ts is not None and ts.state in ("processing", "memory"):
             self.streamed.add(msg)
+
+    def _hold(self, ds: DatasetState, client: str | None) -> None:
+        """`client` holds `ds` from now on (clients no longer connected are forgotten)."""
+        connected = self.scheduler.clients
+        ds.holders = {c for c in ds.holders if c in connected}
+        if client in connected:
+            ds.holders.add(client)
 
     def _lost(self, ds: DatasetState) -> bool:
         """Whether the scheduler forgot any block of a ready dataset."""
