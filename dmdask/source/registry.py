@@ -30,7 +30,9 @@ LAYOUTS = ("a Zarr v3 group or array, a Parquet file, folder of Parquet files or
 @dataclasses.dataclass(frozen=True)
 class Format:
     """A source layout: `claims(place)` says, with as few reads as it can, whether `place`
-    holds it; `open(place)` opens it, raising `SourceError` (or a subclass) if it cannot."""
+    holds it; `open(place)` opens it, raising `SourceError` (or a subclass) if it cannot.
+    Its `DatasetInfo` is named `place.name` with the identity `place.identity(...)` of what
+    its blocks read (the scheduler refuses any other: `DatasetInfo.bound`)."""
 
     name: str
     claims: Callable[[Place], bool]
