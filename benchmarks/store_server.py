@@ -16,7 +16,9 @@ a background thread with its own event loop::
         store.stats()  # {"requests": 1, "bytes": ..., "head_requests": 0, "by_path": {...}}
 
 ``fail_first(n, pattern)`` makes it answer ``503 Service Unavailable`` to the first
-``n`` GETs of each matching path from then on, as a store under load would.
+``n`` GETs of each matching path from then on, as a store under load would;
+``fail_every(k, pattern)`` to every ``k``-th GET of the matching paths; ``hang_every(k,
+pattern, seconds)`` holds every ``k``-th GET that long before answering.
 
 As a process (prints ``URL http://HOST:PORT``, serves until SIGINT/SIGTERM;
 ``GET /__stats__`` returns the counters as JSON, ``?reset=1`` also zeroes them)::
@@ -81,7 +83,7 @@ class StoreServer:
     folder listings and errors; ``"bytes"`` the bytes of file and listing bodies sent
     (not of error messages); ``"head_requests"`` the HEADs; ``"by_path"`` the GETs and
     bytes by path relative to ``root`` (``""`` for ``root`` itself); ``"failed"`` the
-    GETs answered with an error status by ``fail_first``.  A request is
+    GETs answered with an error status by ``fail_first`` or ``fail_every``.  A request is
     counted when it arrives and body bytes just before they are handed to the
     connection, so a client that has its response sees it in ``stats()`` (a client
     that hangs up mid-answer may be counted one chunk more).
@@ -108,6 +110,8 @@ class StoreServer:
         self.host, self.port = host, port
         self._lock = threading.Lock()
         self.fail_first(0)
+        self.fail_every(0)
+        self.hang_every(0)
         self.reset_stats()
         self._timeline = None  # (start, end) wall times of GETs, while `record_timeline` is on
         self._url = self._loop = self._thread = self._runner = None
@@ -201,9 +205,44 @@ class StoreServer:
         with self._lock:
             self._fail, self._failed_paths = (n, pattern, status), {}
 
+    def fail_every(self, k: int, pattern: str = "*", status: int = 503) -> None:
+        """From now on, answer ``status`` to every ``k``-th GET of the paths that match
+        ``pattern`` (counted over all of them): a store that throttles a steady share of the
+        requests, as S3 answers 503 SlowDown under load.  ``fail_every(0)`` stops it."""
+        if k < 0 or not 400 <= status < 600:
+            raise ValueError(f"fail_every needs k >= 0 and an HTTP error status, got {k!r}, {status!r}")
+        with self._lock:
+            self._every = [k, pattern, status, 0]
+
+    def hang_every(self, k: int, pattern: str = "*", seconds: float = 60.0) -> None:
+        """From now on, hold every ``k``-th GET of the paths that match ``pattern`` (counted
+        over all of them) ``seconds`` before answering it: a store whose requests sometimes
+        hang.  ``hang_every(0)`` stops it (requests held already are answered late)."""
+        if k < 0 or seconds < 0:
+            raise ValueError(f"hang_every needs k >= 0 and seconds >= 0, got {k!r}, {seconds!r}")
+        with self._lock:
+            self._hang = [k, pattern, float(seconds), 0]
+
+    def _hang_for(self, path: str) -> float:
+        with self._lock:
+            k, pattern, seconds, seen = self._hang
+            if not k or not fnmatch.fnmatchcase(path, pattern):
+                return 0.0
+            self._hang[3] = seen + 1
+            if (seen + 1) % k:
+                return 0.0
+            self._stats["hung"] = self._stats.get("hung", 0) + 1
+            return seconds
+
     def _should_fail(self, path: str):
         """The status to answer this GET of ``path`` with, or None to serve it."""
         with self._lock:
+            k, every_pattern, every_status, seen = self._every
+            if k and fnmatch.fnmatchcase(path, every_pattern):
+                self._every[3] = seen = seen + 1
+                if seen % k == 0:
+                    self._stats["failed"] += 1
+                    return every_status
             n, pattern, status = self._fail
             if not n or self._failed_paths.get(path, 0) >= n or not fnmatch.fnmatchcase(path, pattern):
                 return None
@@ -243,6 +282,12 @@ class StoreServer:
     async def _serve(self, request: web.Request) -> web.StreamResponse:
         rel = request.match_info["path"]
         key, head = await self._admit(request)
+        hang = 0.0 if head else self._hang_for(key)
+        until = time.monotonic() + hang
+        while time.monotonic() < until:  # held, until the client hangs up
+            if request.transport is None or request.transport.is_closing():
+                raise web.HTTPRequestTimeout()
+            await asyncio.sleep(0.05)
         status = None if head else self._should_fail(key)
         if status is not None:
             return web.Response(status=status, text=f"failing on purpose: {key}\n")

@@ -6,9 +6,9 @@ first `dmdask.batches` call registers it.
 from .config import register as _register_config
 from .client import BatchIterator, batches, release
 from .cluster import LocalCluster
-from .errors import (BlockReadError, DmdaskError, HandlerArgumentError, NoWorkersError, NotADmdaskWorker,
-                     SchedulerLostError, SourceError, SourceNotAllowedError, SourceNotFoundError, SpecError,
-                     TransformError)
+from .errors import (BlockReadError, DatasetHeldError, DmdaskError, HandlerArgumentError, NoWorkersError,
+                     NotADmdaskWorker, SchedulerLostError, SourceError, SourceNotAllowedError, SourceNotFoundError,
+                     SpecError, TransformError, WorkerKilledError)
 from .spec import Mix, Spec, TransformContext, per_sample, transform_context
 from .ranks import Rank, rank_from_environment
 from .stats import stats
@@ -21,10 +21,11 @@ _register_fs()  # `dmdask::` URLs for fsspec (and webdataset)
 __version__ = "0.1.0"
 
 __all__ = [
-    "BatchIterator", "BlockReadError", "DmdaskError", "HandlerArgumentError", "LocalCluster", "Mix",
-    "NoWorkersError", "NotADmdaskWorker", "Rank", "SchedulerLostError", "SourceError", "SourceNotAllowedError",
-    "SourceNotFoundError", "Spec", "SpecError", "TransformContext", "TransformError", "Worker", "batches",
-    "per_sample", "rank_from_environment", "release", "stats", "transform_context",
+    "BatchIterator", "BlockReadError", "DatasetHeldError", "DmdaskError", "HandlerArgumentError", "LocalCluster",
+    "Mix", "NoWorkersError", "NotADmdaskWorker", "Rank", "SchedulerLostError", "SourceError",
+    "SourceNotAllowedError", "SourceNotFoundError", "Spec", "SpecError", "TransformContext", "TransformError",
+    "Worker", "WorkerKilledError", "batches", "per_sample", "rank_from_environment", "release", "stats",
+    "transform_context",
 ]
 
 

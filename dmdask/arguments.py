@@ -12,7 +12,10 @@ from collections.abc import Iterable
 import numpy as np
 
 from .errors import HandlerArgumentError
-from .source.base import DatasetInfo
+from .source.base import MAX_BLOCKS, MAX_BYTES, MAX_SAMPLES, DatasetInfo
+
+REPORT_SAMPLES = 1 << 40  # the most samples one `dmdask_count_hits` report counts (a day of any epoch's)
+REPORT_BYTES = 1 << 56  # and bytes
 
 
 def refuse(handler: str, name: str, expected: str, value) -> HandlerArgumentError:
@@ -91,17 +94,29 @@ def indices(handler: str, name: str, value, length: int) -> np.ndarray:
     return arr
 
 
-def dataset_info(handler: str, info) -> DatasetInfo:
-    """A `DatasetInfo` whose fields are each of its type and range."""
+def dataset_info(handler: str, info, lazy: bool = False) -> DatasetInfo:
+    """A `DatasetInfo` whose fields are each of its type and range (at most `MAX_SAMPLES`
+    samples in at most `MAX_BLOCKS` blocks), its identity bound to its name
+    (`DatasetInfo.bound`); `lazy` (registered with no block loaded, which nobody checks
+    against the store): a file's dataset, named `fs-<identity>` (`dmdask.source.files`)."""
     if not isinstance(info, DatasetInfo):
         raise refuse(handler, "info", "a DatasetInfo", info)
     for name in ("name", "identity", "url"):
         text(handler, f"info.{name}", getattr(info, name))
     texts(handler, "info.fields", info.fields)
-    count(handler, "info.num_samples", info.num_samples, low=0)
-    count(handler, "info.block_len", info.block_len, low=1)
+    count(handler, "info.num_samples", info.num_samples, low=0, high=MAX_SAMPLES)
+    count(handler, "info.block_len", info.block_len, low=1, high=MAX_SAMPLES)
+    if info.num_blocks > MAX_BLOCKS:
+        raise refuse(handler, "info.num_samples", f"at most {MAX_BLOCKS} blocks of info.block_len={info.block_len} "
+                     "samples", info.num_samples)
     if info.nbytes is not None:
-        count(handler, "info.nbytes", info.nbytes, low=0)
+        count(handler, "info.nbytes", info.nbytes, low=0, high=MAX_BYTES)
+    if not info.bound:
+        raise refuse(handler, "info.identity", f"an identity that starts with the token of info.name={info.name!r} "
+                     "(a registry entry is bound to its source: dmdask.source.base.bound_identity)", info.identity)
+    if lazy and info.name != "fs-" + info.identity:
+        raise refuse(handler, "info.name", f"'fs-{info.identity}': only a file's dataset (transparent mode) is "
+                     "registered lazily", info.name)
     return info
 
 

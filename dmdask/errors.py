@@ -1,10 +1,31 @@
 """dmdask's errors; each also subclasses the builtin a caller would catch."""
 from __future__ import annotations
 
+import re
+
+_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://)([^\s'\"<>]*)")
+
+
+def redact(text: str) -> str:
+    """`text` with what may be a credential left out of every URL in it: a user and password
+    (`user:password@`) and a query string (a presigned URL's signature), which becomes `?...`."""
+    def one(match: re.Match) -> str:
+        authority, slash, rest = match.group(2).partition("/")
+        rest, query, _ = rest.partition("?")
+        if not slash:
+            authority, query, _ = authority.partition("?")
+        return f"{match.group(1)}{authority.rsplit('@', 1)[-1]}{slash}{rest}{'?...' if query else ''}"
+
+    return _URL.sub(one, text)
+
 
 class DmdaskError(Exception):
     """Base of every error dmdask raises on purpose. Every subclass pickles (a worker's error
-    reaches the client): it is rebuilt from its message and attributes, not its `__init__`."""
+    reaches the client): it is rebuilt from its message and attributes, not its `__init__`.
+    Its message never holds a URL's credentials (`redact`)."""
+
+    def __init__(self, *args):
+        super().__init__(*(redact(a) if isinstance(a, str) else a for a in args))
 
     def __reduce__(self):
         return (_rebuild, (type(self), self.args, dict(self.__dict__)))
@@ -38,7 +59,7 @@ class BlockReadError(DmdaskError, OSError):
     the message names the URL and the sample range (and `detail`, such as the retries made)."""
 
     def __init__(self, url: str, block: int, start: int, stop: int, cause: BaseException, detail: str = ""):
-        self.url, self.block, self.start, self.stop = url, block, start, stop
+        self.url, self.block, self.start, self.stop = redact(url), block, start, stop
         super().__init__(
             f"cannot read block {block} (samples {start}..{stop - 1}) of {url}{detail}: "
             f"{type(cause).__name__}: {cause}"
@@ -60,6 +81,13 @@ def plain_worker(address: str) -> NotADmdaskWorker:
         f"worker {address} has no dmdask tiers (a plain Dask worker): start the cluster's workers with "
         "`dask worker SCHEDULER --worker-class dmdask.Worker` (or `dask worker SCHEDULER --nanny-class dmdask.Nanny "
         "--worker-class dmdask.Worker`), or use dmdask.LocalCluster")
+class DatasetHeldError(DmdaskError, PermissionError):
+    """`dmdask.release` of a dataset that other connected clients opened, from a client that did not."""
+
+
+class WorkerKilledError(DmdaskError, RuntimeError):
+    """Workers died while they loaded a block (Dask's `KilledWorker`); the message names
+    the block, the likely cause (out of memory) and the evidence the workers reported."""
 
 
 class NoWorkersError(NotADmdaskWorker):

@@ -438,3 +438,36 @@ def test_a_ram_tier_larger_than_shared_memory_warns_once_and_shows_on_status(tmp
         assert err.count("dmdask tiers: RAM 64.00 MiB in") == 1, err
     finally:
         subprocess.run(["umount", "-l", str(shm)])
+
+
+def _double(batch):
+    return {**batch, "x": batch["x"] * 2}
+
+
+@pytest.mark.skipif(not can_mount(), reason="mounting a small tmpfs needs root")
+def test_a_full_shared_memory_folder_sends_transformed_batches_through_the_connection(tmp_path, capfd):
+    """The worker's shared-memory folder (a 4 MiB tmpfs) is filled to the last byte before an
+    epoch with a transform: the batches come through the rank's connection instead of the
+    folder, every sample once and transformed, and the worker says so once (the write's
+    ENOSPC once was taken for a lost worker: every batch retried in a process of its own
+    until the rank's deadline)."""
+    shm = tmp_path / "small-shm"
+    shm.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(shm)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        path = write_zarr(str(tmp_path / "d.zarr"), 400, chunk=50)
+        with dmdask.LocalCluster(n_workers=1, ram="64 MiB", shm_dir=str(shm), dashboard_address=None) as cluster, \
+                distributed.Client(cluster) as client, dask.config.set({"dmdask.client.recovery-seconds": 20}):
+            with open(shm / "filler", "wb", buffering=0) as f:
+                with pytest.raises(OSError) as full:
+                    while True:
+                        f.write(b"\0" * 4096)
+            assert full.value.errno == errno.ENOSPC
+            got = list(dmdask.batches(client, dmdask.Spec(path, batch_size=50, transform=_double)))
+            ids = np.concatenate([b["index"] for b in got])
+            assert sorted(ids.tolist()) == list(range(400))
+            np.testing.assert_array_equal(np.concatenate([b["x"] for b in got]), 2 * zarr_sample(ids))
+        assert capfd.readouterr().err.count("is full") == 1
+    finally:
+        subprocess.run(["umount", "-l", str(shm)])

@@ -19,7 +19,7 @@ from dmdask.protocol.worker import DescribeRequest, Descriptions, handler
 from dmdask.scheduler import DatasetsPlugin
 from dmdask.source.base import DatasetInfo
 
-INFO = DatasetInfo(name="ds-x", identity="x", url="/x", fields=("x",), num_samples=10, block_len=5, nbytes=40)
+INFO = DatasetInfo(name="fs-x", identity="x", url="/x", fields=("x",), num_samples=10, block_len=5, nbytes=40)
 NEW = dataclasses.replace(INFO, name="fs-z", identity="z")  # not in the registry: a refused request registers nothing
 
 
@@ -41,24 +41,24 @@ async def _api(c):
 @gen_cluster(client=True)
 async def test_get_or_claim_then_register_then_ready_with_the_same_typed_info(c, s, a, b):
     api = await _api(c)
-    assert await api.send(GetOrClaim("ds-x", "me")) == Claimed()
-    assert await api.send(GetOrClaim("ds-x", "me")) == Claimed()  # its holder asks again before registering
-    assert await api.send(Register("ds-x", "you", INFO)) == Busy()
-    assert await api.send(Register("ds-x", "me", INFO, order=[1, 0])) == Registered()
+    assert await api.send(GetOrClaim("fs-x", "me")) == Claimed()
+    assert await api.send(GetOrClaim("fs-x", "me")) == Claimed()  # its holder asks again before registering
+    assert await api.send(Register("fs-x", "you", INFO)) == Busy()
+    assert await api.send(Register("fs-x", "me", INFO, order=[1, 0])) == Registered()
     plugin = s.extensions["dmdask"]
-    assert plugin.datasets["ds-x"].planned == sorted(s.workers)[::-1]  # block 1 first: on the first worker
+    assert plugin.datasets["fs-x"].planned == sorted(s.workers)[::-1]  # block 1 first: on the first worker
     futures = c.map(lambda k: k, [0, 1], key=[INFO.block_key(0), INFO.block_key(1)])
     await wait(futures)
-    reply = await api.send(GetOrClaim("ds-x", "other"))
+    reply = await api.send(GetOrClaim("fs-x", "other"))
     assert reply == Ready(INFO, 2) and isinstance(reply.info, DatasetInfo) and reply.info.fields == ("x",)
     holders = {}  # asked with a host: who holds which block (and their layouts, see test_first_contact)
     for k in (0, 1):
         holders.setdefault(next(iter(s.tasks[INFO.block_key(k)].who_has)).address, []).append(k)
     # gen_cluster's workers have no `dmdask_describe`: left out of the layouts, the reply still comes
-    assert await api.send(GetOrClaim("ds-x", "other", get_address_host(a.address))) == Ready(INFO, 2, holders, {})
-    assert await api.send(Datasets()) == [DatasetSummary("ds-x", "/x", "x", 10, 2, 40, 2, 0, True)]
-    assert await api.send(Release("ds-x")) is True
-    assert await api.send(Release("ds-x")) is False
+    assert await api.send(GetOrClaim("fs-x", "other", get_address_host(a.address))) == Ready(INFO, 2, holders, {})
+    assert await api.send(Datasets()) == [DatasetSummary("fs-x", "/x", "x", 10, 2, 40, 2, 0, True)]
+    assert await api.send(Release("fs-x")) is True
+    assert await api.send(Release("fs-x")) is False
     assert await api.send(Datasets()) == []
 
 
@@ -80,19 +80,19 @@ async def test_the_layouts_of_a_hosts_blocks_are_asked_once_until_a_block_comes_
         worker.handlers["dmdask_describe"] = describing(worker)
     api = await _api(c)
     host = get_address_host(a.address)
-    assert await api.send(GetOrClaim("ds-x", "me")) == Claimed()
-    assert await api.send(Register("ds-x", "me", INFO)) == Registered()
+    assert await api.send(GetOrClaim("fs-x", "me")) == Claimed()
+    assert await api.send(Register("fs-x", "me", INFO)) == Registered()
     go = Event("block-1-comes", client=c)
     first, second = c.map(_load_when_told, [0, 1], key=[INFO.block_key(0), INFO.block_key(1)])  # one graph
     await wait(first)
-    plan = s.extensions["dmdask"].datasets["ds-x"].planned  # one block a worker
+    plan = s.extensions["dmdask"].datasets["fs-x"].planned  # one block a worker
     expected = {plan[0]: Layouts([ArenaBlocks(x, [0], [7])])}  # blocks of one arena: its fields said once
-    replies = await asyncio.gather(*(api.send(GetOrClaim("ds-x", f"rank{r}", host)) for r in range(4)))
+    replies = await asyncio.gather(*(api.send(GetOrClaim("fs-x", f"rank{r}", host)) for r in range(4)))
     assert [r.layouts for r in replies] == [expected] * 4 and asked == [plan[0]]
-    assert (await api.send(GetOrClaim("ds-x", "later", host))).layouts == expected and asked == [plan[0]]
+    assert (await api.send(GetOrClaim("fs-x", "later", host))).layouts == expected and asked == [plan[0]]
     await go.set()  # block 1 comes: both workers asked again
     await wait(second)
-    reply = await api.send(GetOrClaim("ds-x", "after", host))
+    reply = await api.send(GetOrClaim("fs-x", "after", host))
     assert reply.layouts == {**expected, plan[1]: Layouts([ArenaBlocks(x, [1], [7])])}
     assert sorted(asked) == sorted(plan + [plan[0]])
 
@@ -100,15 +100,15 @@ async def test_the_layouts_of_a_hosts_blocks_are_asked_once_until_a_block_comes_
         raise OSError("no answer")
 
     plugin = s.extensions["dmdask"]
-    plugin.reads.forget_layouts(dataset="ds-x")
+    plugin.reads.forget_layouts(dataset="fs-x")
     for worker in (a, b):
         worker.handlers["dmdask_describe"] = handler(DescribeRequest, silent)
-    assert (await api.send(GetOrClaim("ds-x", "unanswered", host))).layouts == {}
+    assert (await api.send(GetOrClaim("fs-x", "unanswered", host))).layouts == {}
     assert plugin.reads.layouts == {}  # not kept: asked again next time
     for worker in (a, b):
         worker.handlers["dmdask_describe"] = describing(worker)
-    assert (await api.send(GetOrClaim("ds-x", "answered", host))).layouts and len(asked) == 5  # a and b
-    assert await api.send(Release("ds-x")) is True
+    assert (await api.send(GetOrClaim("fs-x", "answered", host))).layouts and len(asked) == 5  # a and b
+    assert await api.send(Release("fs-x")) is True
     assert plugin.reads.layouts == {}
 
 
@@ -134,7 +134,7 @@ async def test_replies_come_typed_over_an_inproc_comm_too():
         api = await _api(c)
         assert c.scheduler.address.startswith("inproc://")
         assert await api.send(GetOrRegister(INFO)) == Registered()
-        assert await api.send(Datasets()) == [DatasetSummary("ds-x", "/x", "x", 10, 2, 40, 0, 0, True)]
+        assert await api.send(Datasets()) == [DatasetSummary("fs-x", "/x", "x", 10, 2, 40, 0, 0, True)]
 
 
 @gen_cluster(client=True)
@@ -142,10 +142,10 @@ async def test_get_or_register_creates_once_and_abandon_hands_the_claim_on(c, s,
     api = await _api(c)
     assert await api.send(GetOrRegister(INFO)) == Registered()
     assert await api.send(GetOrRegister(INFO)) == Ready(INFO, 0)
-    other = dataclasses.replace(INFO, name="ds-y", identity="y")
-    assert await api.send(GetOrClaim("ds-y", "me")) == Claimed()
+    other = dataclasses.replace(INFO, name="fs-y", identity="y")
+    assert await api.send(GetOrClaim("fs-y", "me")) == Claimed()
     assert await api.send(GetOrRegister(other)) == Busy()  # being created by a get_or_claim
-    await api.send(Abandon("ds-y", "me"))
+    await api.send(Abandon("fs-y", "me"))
     assert await api.send(GetOrRegister(other)) == Registered()
 
 
@@ -176,7 +176,7 @@ async def test_open_blocks_claims_a_lazy_block_for_one_reader_until_it_leaves(c,
     keys = [INFO.block_key(0), INFO.block_key(1)]
     async with Client(s.address, asynchronous=True) as reader:
         first = await api.send(OpenBlocks([INFO], keys, reader.id))
-        planned = s.extensions["dmdask"].datasets["ds-x"].planned
+        planned = s.extensions["dmdask"].datasets["fs-x"].planned
         assert first == BlocksOpened({}, dict(zip(keys, planned)))
         assert await api.send(OpenBlocks([INFO], keys, c.id)) == BlocksOpened({}, {})
         assert (await api.locate(keys, host=None, wait=0)).pending == keys  # claimed: waited for, not unknown
@@ -193,7 +193,7 @@ async def test_file_infos_are_claimed_once_per_run_and_shared_with_their_first_b
     info = {"size": 7, "mtime": 1.0}
     opened = await api.send(FsOpenBlocks("run-1", [FileEntry("f|d", "info", "d/z", info)],
                                          OpenBlocks([INFO], [INFO.block_key(0)], c.id)))
-    assert opened == BlocksOpened({}, {INFO.block_key(0): s.extensions["dmdask"].datasets["ds-x"].planned[0]})
+    assert opened == BlocksOpened({}, {INFO.block_key(0): s.extensions["dmdask"].datasets["fs-x"].planned[0]})
     assert await api.send(claim) == InfoClaims({("f|d", "d/z"): info}, [], [])
     assert await api.send(FsClaim("run-2", [("f|d", "d/z")])) == InfoClaims({}, [("f|d", "d/z")], [])
     listing = [{"name": "d/z", "size": 7}]
@@ -216,23 +216,32 @@ async def test_a_released_claim_lets_the_next_reader_read_at_once(c, s, a, b):
 
 BAD = [  # (request, the field its refusal names)
     (GetOrClaim(None, "me"), "name"),
-    (GetOrClaim("ds-x", ""), "claimant"),
-    (Register("ds-x", "me", dataclasses.replace(INFO, num_samples=-1)), "info.num_samples"),
-    (Register("ds-x", "me", dataclasses.replace(INFO, block_len=0)), "info.block_len"),
-    (Register("ds-x", "me", dataclasses.replace(INFO, fields="x")), "info.fields"),
-    (Register("ds-x", "me", dataclasses.replace(INFO, nbytes=-5)), "info.nbytes"),
-    (Register("ds-x", "me", dataclasses.replace(INFO, identity="")), "info.identity"),
-    (Register("ds-x", "me", {"name": "ds-x"}), "info"),
-    (Register("ds-x", "me", INFO, order=[0, 0]), "order"),
-    (Register("ds-x", "me", INFO, order=["a", "b"]), "order"),
-    (Register("ds-x", "me", INFO, lazy="yes"), "lazy"),
+    (GetOrClaim("fs-x", ""), "claimant"),
+    (Register("fs-x", "me", dataclasses.replace(INFO, num_samples=-1)), "info.num_samples"),
+    (Register("fs-x", "me", dataclasses.replace(INFO, block_len=0)), "info.block_len"),
+    (Register("fs-x", "me", dataclasses.replace(INFO, fields="x")), "info.fields"),
+    (Register("fs-x", "me", dataclasses.replace(INFO, nbytes=-5)), "info.nbytes"),
+    (Register("fs-x", "me", dataclasses.replace(INFO, identity="")), "info.identity"),
+    (Register("fs-x", "me", {"name": "fs-x"}), "info"),
+    (Register("fs-x", "me", INFO, order=[0, 0]), "order"),
+    (Register("fs-x", "me", INFO, order=["a", "b"]), "order"),
+    (Register("fs-x", "me", INFO, lazy="yes"), "lazy"),
     (GetOrRegister(dataclasses.replace(INFO, num_samples="10")), "info.num_samples"),
+    # a registry entry bound to its source: another dataset's blocks under this name, a name not its own
+    (Register("fs-x", "me", dataclasses.replace(INFO, identity="y")), "info.identity"),
+    (Register("fs-x", "me", dataclasses.replace(INFO, name="fs-y", identity="y")), "info.name"),
+    (Register("fs-x", "me", dataclasses.replace(INFO, name="ds-x"), lazy=True), "info.name"),
+    (GetOrRegister(dataclasses.replace(INFO, name="ds-x")), "info.name"),  # only a file's dataset is lazy
+    (OpenBlocks([NEW, dataclasses.replace(INFO, name="ds-x")], [], "c"), "info.name"),
+    (GetOrRegister(dataclasses.replace(NEW, num_samples=10 ** 18)), "info.num_samples"),
+    (GetOrRegister(dataclasses.replace(NEW, num_samples=3 * 10 ** 7, block_len=1)), "info.num_samples"),
+    (GetOrRegister(dataclasses.replace(NEW, nbytes=2 ** 64)), "info.nbytes"),
     (Locate("dmdask-block-x-0"), "keys"),
     (Locate(["dmdask-block-x-0"], timeout=10 ** 9), "timeout"),
     (Locate(["dmdask-block-x-0"], timeout=-1), "timeout"),
     (Locate(["dmdask-block-x-0"], expect=[7]), "expect"),
     (OpenBlocks([NEW, dataclasses.replace(INFO, block_len=-1)], [], "c"), "info.block_len"),
-    (OpenBlocks("ds-x", [], "c"), "datasets"),
+    (OpenBlocks("fs-x", [], "c"), "datasets"),
     (OpenBlocks([INFO], "k", "c"), "keys"),
     (Release(7), "name"),
     (FsClaim("r", "x"), "claim"),
@@ -250,17 +259,17 @@ BAD = [  # (request, the field its refusal names)
 @gen_cluster(client=True)
 async def test_handlers_refuse_what_they_do_not_take_and_change_nothing(c, s, a, b):
     api = await _api(c)
-    assert await api.send(GetOrClaim("ds-x", "me")) == Claimed()
+    assert await api.send(GetOrClaim("fs-x", "me")) == Claimed()
     for request, field in BAD:
         with pytest.raises(dmdask.HandlerArgumentError) as refused:
             await api.send(request)
         assert str(refused.value).startswith(f"{request.op}: {field}="), (request, str(refused.value))
     with pytest.raises(dmdask.HandlerArgumentError, match="dmdask_locate: request=.* expected a .*Locate"):
-        await c.scheduler.dmdask_locate(request=ToPickle(Release("ds-x")))
+        await c.scheduler.dmdask_locate(request=ToPickle(Release("fs-x")))
     with pytest.raises(dmdask.HandlerArgumentError, match="dmdask_release: request=None"):
-        await c.scheduler.dmdask_release(name="ds-x")  # the untyped call of before
+        await c.scheduler.dmdask_release(name="fs-x")  # the untyped call of before
     plugin = s.extensions["dmdask"]
-    assert list(plugin.datasets) == ["ds-x"] and plugin.datasets["ds-x"].info is None  # still only claimed
+    assert list(plugin.datasets) == ["fs-x"] and plugin.datasets["fs-x"].info is None  # still only claimed
     assert plugin.reads.claims == {} and len(plugin.files.folders) == 0
-    await api.send(Abandon("ds-x", "me"))
+    await api.send(Abandon("fs-x", "me"))
     assert await api.send(Datasets()) == []

@@ -202,6 +202,44 @@ def test_a_file_rewritten_during_a_run_is_read_in_one_version_or_named(store, cl
         said + out.stderr[-2000:]
 
 
+def test_a_file_rewritten_within_one_timestamp_tick_is_read_in_one_version_or_named(store, cluster):
+    """A file system with 1 s timestamps (emulated: each write stamped with its whole
+    second) gives a file rewritten within the second of its last write the same time: the
+    run settles the info of a file that recent (waits out the tick and reads it again), so
+    a rewrite after the run took its version is seen. The rank gets one version's bytes or
+    an error naming the change, never blocks of both (as it did in 5 of 5 tries)."""
+    _, root = store
+    path = root / "rewritten-in-the-same-second.bin"
+    url = f"dmdask::file://{path}"
+    code = ("import fsspec, distributed, dmdask, math, os, pathlib, time\n"
+            f"path = pathlib.Path({str(path)!r})\n"
+            "def write(content):  # stamped as a file system with 1 s timestamps would\n"
+            "    path.write_bytes(content)\n"
+            "    tick = math.floor(time.time()) * 10**9\n"
+            "    os.utime(path, ns=(tick, tick))\n"
+            f"with distributed.Client({cluster.scheduler_address!r}):\n"
+            "    with fsspec.open('dmdask::file://' + str(path.parent / 'warm.bin'), 'rb') as f:\n"
+            "        f.read()  # first contact made\n"
+            "    time.sleep(math.ceil(time.time()) - time.time() + 0.01)  # a second begins\n"
+            f"    write(b'a' * {3 * 65536})\n"
+            f"    with fsspec.open({url!r}, 'rb', block_size=65536) as f:\n"
+            "        assert f.read(100) == b'a' * 100\n"
+            f"    write(b'b' * {3 * 65536})\n"
+            "    try:\n"
+            f"        data = fsspec.open({url!r}, 'rb').open().read()\n"
+            "        print('READ', 'old' if data == b'a' * len(data) else\n"
+            "              'new' if data == path.read_bytes() else 'MIXED')\n"
+            "    except OSError as exc:\n"
+            "        print('ERROR', exc)\n")
+    (root / "warm.bin").write_bytes(b"w" * 100)
+    small_blocks = env(DMDASK_FS_RUN=None, DASK_DMDASK__FS__BLOCK_SIZE="64 KiB")
+    out = subprocess.run([sys.executable, "-c", code], env=small_blocks, capture_output=True, text=True,
+                         timeout=PROCESS_SECONDS)
+    said = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-2000:]
+    assert said in ("READ old", "READ new") or (said.startswith("ERROR") and path.name in said and "changed" in said), \
+        said + out.stderr[-2000:]
+
+
 def test_the_protocol_is_registered_by_the_entry_point_and_by_import():
     import importlib
     import tomllib

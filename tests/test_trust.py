@@ -5,6 +5,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import time
 
 import dask
 import distributed
@@ -267,3 +268,185 @@ def test_bytes_handed_over_by_another_client_are_never_served(tmp_path):
         assert _digest_in_new_process("dmdask::" + url, cluster.scheduler_address) == truth  # from the cache
         with pytest.raises(dmdask.HandlerArgumentError, match="claim"):
             client.sync(api.hand_over, next(iter(client.scheduler_info()["workers"])), poison, None)
+
+
+def _epoch(client, spec):
+    """(sample ids, x rows) of one epoch, in delivery order."""
+    got = list(dmdask.batches(client, spec))
+    return np.concatenate([b["index"] for b in got]), np.concatenate([b["x"] for b in got])
+
+
+def test_a_client_cannot_put_its_rows_under_another_clients_dataset(tmp_path):
+    """An attacker that reads its own dataset (x = 666) registers its info under the victim's
+    name (one handler call, or a claim and a registration), then releases the victim's
+    dataset: every call is refused, and the victim's epochs get the store's rows, once each,
+    read from the store once."""
+    import dataclasses
+
+    import zarr
+
+    from dmdask.protocol.scheduler import Abandon, Claimed, GetOrClaim, GetOrRegister, Ready, Register, SchedulerAPI
+    from dmdask.source import dataset_name
+    from dmdask.testing.datasets import zarr_sample
+
+    victim_spec = dmdask.Spec(write_zarr(str(tmp_path / "victim.zarr"), 200, chunk=50), batch_size=50)
+    evil = write_zarr(str(tmp_path / "evil.zarr"), 200, chunk=50)
+    zarr.open_group(evil, mode="r+")["x"][:] = 666.0
+    evil_spec, name = dmdask.Spec(evil, batch_size=50), dataset_name(victim_spec)
+    with dmdask.LocalCluster(n_workers=2, ram="16 MiB", dashboard_address=None) as cluster, \
+            distributed.Client(cluster) as attacker, distributed.Client(cluster) as victim:
+        assert (_epoch(attacker, evil_spec)[1] == 666.0).all()  # its blocks are in the cluster
+        api = SchedulerAPI(attacker)
+        own = attacker.sync(api.send, GetOrClaim(dataset_name(evil_spec), "attacker"))
+        assert isinstance(own, Ready)
+        forged = dataclasses.replace(own.info, name=name)
+        with pytest.raises(dmdask.HandlerArgumentError, match="dmdask_get_or_register: info.identity="):
+            attacker.sync(api.send, GetOrRegister(forged))
+        assert attacker.sync(api.send, GetOrClaim(name, "attacker")) == Claimed()
+        for info, field in ((forged, "info.identity"), (own.info, "info.name")):
+            with pytest.raises(dmdask.HandlerArgumentError, match=f"dmdask_register: {field}="):
+                attacker.sync(api.send, Register(name, "attacker", info))
+        attacker.sync(api.send, Abandon(name, "attacker"))
+        before = dmdask.stats(victim)["total"]["shared_store"]["bytes"]
+        for epoch in range(2):
+            ids, x = _epoch(victim, victim_spec)
+            assert sorted(ids.tolist()) == list(range(200))
+            np.testing.assert_array_equal(x, zarr_sample(ids))
+            if epoch == 0:  # a client that does not hold it cannot drop it under the victim
+                with pytest.raises(dmdask.DatasetHeldError, match="other clients"):
+                    dmdask.release(attacker, victim_spec)
+                with pytest.raises(dmdask.HandlerArgumentError, match="info.identity="):
+                    attacker.sync(api.send, GetOrRegister(forged))
+        assert dmdask.stats(victim)["total"]["shared_store"]["bytes"] - before == 200 * (8 * 4 + 8)  # read once
+        assert dmdask.release(victim, victim_spec) is True  # its holder may
+
+
+def test_hit_reports_beyond_their_range_are_refused_and_the_counts_stop_at_their_limit(tmp_path):
+    """Three reports of 2**63-1 samples once pushed a counter past 2**64 and the worker shut
+    itself down at its next heartbeat (msgpack): each is refused now, and the counts of
+    reports within range stop at 2**63-1, the worker alive and counted by `stats`."""
+    from dmdask.arguments import REPORT_BYTES, REPORT_SAMPLES
+    from dmdask.worker.tier_space import COUNT_MAX
+
+    with dmdask.LocalCluster(n_workers=1, ram="16 MiB", dashboard_address=None) as cluster, \
+            distributed.Client(cluster) as client:
+        address = next(iter(client.scheduler_info()["workers"]))
+        api = WorkerAPI(client.rpc)
+        for _ in range(3):
+            message = refused(client, api.count_hits, address, {"ram": [2 ** 63 - 1, 0]})
+            assert f"<= {REPORT_SAMPLES}" in message
+        assert f"<= {REPORT_BYTES}" in refused(client, api.count_hits, address, {"ssd": [1, 2 ** 63 - 1]})
+        for _ in range(1 + COUNT_MAX // REPORT_BYTES):
+            client.sync(api.count_hits, address, {"ram": [REPORT_SAMPLES, REPORT_BYTES]})
+        time.sleep(3)  # past a few heartbeats of the worker
+        assert list(client.scheduler_info()["workers"]) == [address]  # still there, the same process
+        ram = dmdask.stats(client)["total"]["ram"]
+        assert ram["hit_bytes"] == COUNT_MAX and ram["hits"] == (1 + COUNT_MAX // REPORT_BYTES) * REPORT_SAMPLES
+        path = write_zarr(str(tmp_path / "d.zarr"), 100, chunk=50)
+        assert sum(len(b["index"]) for b in dmdask.batches(client, dmdask.Spec(path, batch_size=50))) == 100
+
+
+def test_no_spelling_of_a_source_leads_workers_out_of_the_allowed_sources(tmp_path):
+    """What the filesystem will open is checked, not the URL's text: a query or fragment
+    (which `..` once climbed through), percent-encoded `..` and `/` (which the HTTP client or
+    the store decodes), symbolic links in an allowed folder (to a Zarr group, a sample file,
+    a listed sample file). Each is refused and no worker reads a byte of it; the allowed sources, and a
+    link that stays inside, still read."""
+    from benchmarks.store_server import StoreServer
+    from dmdask.source.urls import opened
+
+    allowed, secret = tmp_path / "allowed", tmp_path / "secret"
+    shard = write_tar_shards(str(secret), shards=1, per_shard=4)[0]
+    write_tar_shards(str(allowed), shards=1, per_shard=4)
+    secret_zarr = write_zarr(str(secret / "s.zarr"), 8, chunk=4)
+    write_folder(str(allowed / "images"), classes=1, per_class=4)
+    secret_file = f"{write_folder(str(secret / 'images'), classes=1, per_class=1)}/class-00/s-00000000.bin"
+    os.symlink(secret_zarr, allowed / "link.zarr")
+    os.symlink(shard, allowed / "link.tar")
+    linked = allowed / "images" / "class-00" / "s-00000009.bin"
+    os.symlink(secret_file, linked)
+    os.symlink(allowed / "shard-000000.tar", allowed / "inside.tar")
+    assert opened("file://~/x") == os.path.realpath(os.path.expanduser("~/x"))  # as fsspec expands it
+    with StoreServer(str(tmp_path)) as store:
+        http = store.url
+        with dask.config.set({"dmdask.worker.allowed-sources": [f"{http}/allowed", str(allowed)]}):
+            cluster = dmdask.LocalCluster(n_workers=1, ram="16 MiB", dashboard_address=None)
+        with cluster, distributed.Client(cluster) as client:
+            for source in (f"{http}/secret/shard-000000.tar?q=/../../allowed/shard-000000.tar",
+                           f"{http}/secret/shard-000000.tar#/../../allowed/shard-000000.tar",
+                           f"{http}/allowed/%2e%2e/secret/shard-000000.tar",
+                           f"{http}/allowed/..%2Fsecret/shard-000000.tar",
+                           str(allowed / "link.zarr"), str(allowed / "link.tar"),
+                           (str(allowed / "images" / "class-00" / "s-00000000.bin"), str(linked))):
+                with pytest.raises(dmdask.SourceNotAllowedError, match="allowed-sources"):
+                    list(dmdask.batches(client, dmdask.Spec(source, batch_size=4, block_size=4)))
+                assert dmdask.stats(client)["total"]["shared_store"]["bytes"] == 0, source  # no worker read it
+            for source in (f"{http}/allowed/shard-000000.tar", str(allowed / "inside.tar")):
+                got = np.concatenate([b["index"] for b in dmdask.batches(client, dmdask.Spec(source, batch_size=4))])
+                assert sorted(got.tolist()) == [0, 1, 2, 3]
+
+
+def test_credentials_in_source_urls_appear_in_no_log_stats_or_error(tmp_path, capfd, caplog):
+    """A user and password (`user:password@`) and a presigned query (`?sig=`) in a source's
+    URLs: the retries of a store answering 503 (a worker's or this process's, whichever reads)
+    log the URL without them, `stats()["datasets"]` names it without them, and so do a `BlockReadError` and a
+    `SourceNotFoundError`; the samples still come, once each."""
+    from benchmarks.store_server import StoreServer
+
+    write_folder(str(tmp_path / "images"), classes=1, per_class=4)
+    with StoreServer(str(tmp_path)) as store, \
+            dmdask.LocalCluster(n_workers=1, ram="16 MiB", dashboard_address=None) as cluster, \
+            distributed.Client(cluster) as client:
+        secret_url = store.url.replace("http://", "http://reader:hunter2@")
+        urls = tuple(f"{secret_url}/images/class-00/s-{i:08d}.bin?sig=TOPSECRET" for i in range(4))
+        store.fail_first(2, "images/*")
+        got = np.concatenate([b["index"] for b in dmdask.batches(client, dmdask.Spec(urls, batch_size=4))])
+        assert sorted(got.tolist()) == [0, 1, 2, 3]
+        assert store.stats()["failed"] > 0  # the worker retried
+        logs = capfd.readouterr().err + caplog.text  # the worker processes' and this one's
+        assert "transient error reading block 0 of" in logs and store.url in logs
+        texts = [logs, repr(dmdask.stats(client)["datasets"])]
+        assert f"{store.url}/images/class-00/s-00000000.bin?..." in texts[1]
+        store.fail_first(0)
+        (tmp_path / "images" / "class-00" / "s-00000002.bin").unlink()
+        with pytest.raises(dmdask.BlockReadError) as read:
+            list(dmdask.batches(client, dmdask.Spec(urls, batch_size=4, block_size=2)))
+        with pytest.raises(dmdask.SourceNotFoundError) as missing:
+            list(dmdask.batches(client, dmdask.Spec(f"{secret_url}/nothing.zarr?sig=TOPSECRET", batch_size=4)))
+        texts += [str(read.value), read.value.url, str(missing.value)]
+        assert store.url in texts[-1]
+        for text in texts:
+            assert "hunter2" not in text and "TOPSECRET" not in text, text
+
+
+@pytest.fixture(scope="module")
+def two_workers():
+    with dmdask.LocalCluster(n_workers=2, ram="16 MiB", dashboard_address=None) as cluster, \
+            distributed.Client(cluster) as client:
+        yield client
+
+
+def test_a_worker_dials_no_holder_its_scheduler_does_not_know(two_workers):
+    """A batch request naming a holder that is not a worker of the cluster (here a socket of
+    this test's, listening) is refused before the worker dials anything; the workers'
+    own batches still gather from each other."""
+    import socket
+
+    client = two_workers
+    address = next(iter(client.scheduler_info()["workers"]))
+    listening = socket.create_server(("127.0.0.1", 0))
+    listening.settimeout(2)
+    stranger = f"tcp://127.0.0.1:{listening.getsockname()[1]}"
+    try:
+        request = BatchRequest(requests={stranger: {"dmdask-block-x-0": np.array([0, 1])}},
+                               positions={stranger: np.array([0, 1])}, index=np.arange(2), sizes=[2], fields=["x"])
+        message = refused(client, WorkerAPI(client.rpc).call, address, request)
+        assert message.startswith("dmdask_batch: requests=") and stranger in message and "workers of this cluster" \
+            in message
+        with pytest.raises(socket.timeout):
+            listening.accept()  # nobody dialled it
+    finally:
+        listening.close()
+    path = write_zarr(tempfile.mkdtemp() + "/d.zarr", 100, chunk=50)
+    spec = dmdask.Spec(path, batch_size=50, transform=dmdask.per_sample(lambda s: s))  # batches made by a worker
+    assert sorted(np.concatenate([b["index"] for b in dmdask.batches(client, spec)]).tolist()) == list(range(100))

@@ -5,6 +5,7 @@ import io
 import os
 import tarfile
 
+import dask
 import distributed
 import numpy as np
 import pytest
@@ -312,7 +313,8 @@ def test_unreachable_or_unreadable_shards(client, tmp_path):
         os.makedirs(tmp_path / "bad" / "sub")
         with pytest.raises(dmdask.SourceError, match="both .tar files and subfolders"):
             dmdask.batches(client, dmdask.Spec(server.url + "/bad", batch_size=4))
-    with pytest.raises(dmdask.SourceNotFoundError, match=r"cannot reach WebDataset shard http://127.0.0.1:1/x-0.tar"):
+    refused = r"after \d+ tries .* cannot reach WebDataset shard http://127.0.0.1:1/x-0.tar"  # retried, then named
+    with dask.config.set({"dmdask.store.retry-seconds": 0.5}), pytest.raises(dmdask.SourceNotFoundError, match=refused):
         dmdask.batches(client, dmdask.Spec("http://127.0.0.1:1/x-{0..1}.tar", batch_size=4))
 
 

@@ -12,9 +12,9 @@ from collections.abc import Callable
 import numpy as np
 from distributed import Client
 
-from ..errors import NotADmdaskWorker
+from ..errors import DatasetHeldError, NotADmdaskWorker
 from ..plan.order import EpochOrder
-from ..protocol.scheduler import Abandon, GetOrClaim, GetOrRegister, NoWorkers, Ready, Register, \
+from ..protocol.scheduler import Abandon, GetOrClaim, GetOrRegister, Held, NoWorkers, Ready, Register, \
     Registered, Release, SchedulerAPI
 from ..scheduler import DatasetsPlugin
 from ..source import DatasetInfo, Source, dataset_name, open_source
@@ -64,7 +64,7 @@ def get_or_create(client: Client, name: str, opener: Callable[[], Source],
     function that starts those reads, called right after the loads are submitted."""
     claimant, registered = uuid.uuid4().hex, False
     while True:
-        reply = _call(client, GetOrClaim(name, claimant, host))
+        reply = _call(client, GetOrClaim(name, claimant, host, client.id))
         if reply is None and not registered:
             client.register_plugin(DatasetsPlugin())
             registered = True
@@ -72,6 +72,9 @@ def get_or_create(client: Client, name: str, opener: Callable[[], Source],
         if reply is None:
             raise RuntimeError(f"the scheduler at {client.scheduler.address} has no dmdask handlers after "
                                "registering dmdask's plugin; is its dmdask the same version as this one?")
+        if isinstance(reply, Ready) and reply.info.name != name:
+            raise RuntimeError(f"the scheduler answered dataset {name} with {reply.info.name}: is its dmdask the "
+                               "same version as this one?")
         if isinstance(reply, Ready):
             return reply
         try:  # then ask again: ready once the scheduler has the blocks, which later calls rely on
@@ -128,8 +131,14 @@ def submit_blocks(client: Client, readers) -> list:
 def release(client: Client, spec) -> bool:
     """Drop the cluster's cache of `spec.source` (every source of a `dmdask.Mix`): its blocks
     leave RAM and SSD now (an iterator still reading it fails with `NotADmdaskWorker`), and
-    the next `batches` reads the source afresh. True if the cluster held it (or any)."""
+    the next `batches` reads the source afresh. True if the cluster held it (or any).
+    `DatasetHeldError` (nothing released) when other connected clients hold it and `client`
+    does not: release it from a client that opened it, or once the others have left."""
     ensure_plugin(client)
-    if isinstance(spec.source, Mix):
-        return any([_call(client, Release(dataset_name(s))) for s in spec.source.specs(spec)])
-    return _call(client, Release(dataset_name(spec)))
+    specs = spec.source.specs(spec) if isinstance(spec.source, Mix) else [spec]
+    replies = [_call(client, Release(dataset_name(s), client.id)) for s in specs]
+    held = [s.source for s, reply in zip(specs, replies) if isinstance(reply, Held)]
+    if held:
+        raise DatasetHeldError(f"not released: {held[0]} is read by other clients connected to the cluster "
+                               "(release it from a client that opened it, or once they have disconnected)")
+    return any(replies)

@@ -27,7 +27,7 @@ from ..internals import strip_protocol
 from ..source.base import options_json, protocol_of
 from ..source.files import FileSource
 from . import globbing, probe
-from .metadata import modified_of, version_of
+from .metadata import modified_of, settled, version_of
 from .session import close, get_session
 
 try:  # fsspec >= 2025.x: the marker that makes `url_to_fs` hand the inner path over
@@ -235,7 +235,10 @@ class DmdaskFileSystem(_Base):
         super().invalidate_cache(path)
 
     def source(self, path: str, info: dict) -> FileSource:
-        """The dataset of file `path` (target naming) as `info` describes it."""
+        """The dataset of file `path` (target naming) as `info` describes it (a local file's
+        info settled first: `settled`)."""
+        if self.target_protocol in ("file", "local"):
+            info = settled(self.fs, path, info)
         url = self.fs.unstrip_protocol(path)
         return FileSource(url, self.target_protocol, self._options, path, int(info["size"]), version_of(info),
                           self.block_bytes)

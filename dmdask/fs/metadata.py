@@ -11,6 +11,7 @@ import asyncio
 import datetime
 import email.utils
 import logging
+import time
 
 import dask.config
 import fsspec
@@ -29,6 +30,26 @@ CLAIM_POLL_SECONDS = 0.02  # how often a process waiting for a file's info anoth
 # the keys of fsspec infos (local, S3, GCS, HTTP, ...) that change when a file is rewritten
 VERSION_KEYS = ("mtime", "LastModified", "last_modified", "Last-Modified", "ETag", "etag", "updated",
                 "generation", "VersionId", "version_id")
+
+
+TIMESTAMP_TICK = 1.0  # the coarsest modification times of a local file system (ext4 with small inodes: 1 s)
+
+
+def settled(fs, path: str, info: dict) -> dict:
+    """A local file's info whose modification time vouches for its content from now on. A
+    file system with coarse timestamps gives a file rewritten within the tick of its last
+    write the same time: the info of a file modified less than `TIMESTAMP_TICK` ago is read
+    again once that tick has passed (a rewrite after it has another time), at most one
+    tick's wait, for such files only."""
+    mtime = info.get("mtime")
+    while isinstance(mtime, (int, float)):
+        wait = mtime + TIMESTAMP_TICK - time.time()
+        if wait <= 0:
+            return info
+        time.sleep(wait)
+        info = plain(fs.info(path))
+        mtime = None if info.get("mtime") == mtime else info.get("mtime")  # rewritten meanwhile: settle that one
+    return info
 
 
 def version_of(info: dict) -> list:

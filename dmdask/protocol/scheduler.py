@@ -39,10 +39,11 @@ def _entries(op: str, name: str, value, kinds=("listing", "info")) -> None:
 
 
 def _infos(op: str, name: str, value) -> None:
+    """Datasets registered lazily when new (`OpenBlocks.datasets`)."""
     if not isinstance(value, (list, tuple)):
         raise check.refuse(op, name, "a list of DatasetInfo", value)
     for info in value:
-        check.dataset_info(op, info)
+        check.dataset_info(op, info, lazy=True)
 
 
 _VALUES = {"listing": (list, tuple), "info": dict}
@@ -72,11 +73,13 @@ class Request:
 @message
 class GetOrClaim(Request):
     """The dataset `name` (`Ready`), or the claim to create it (`Claimed`); `host`: its
-    `Ready` also names where its blocks held now are, a holder on `host` preferred."""
+    `Ready` also names where its blocks held now are, a holder on `host` preferred;
+    `client`: the caller's Dask client id, a holder of the dataset from now on (`Release`)."""
     op = "dmdask_get_or_claim"
     name: str
     claimant: str
     host: Optional[str] = None
+    client: Optional[str] = None
 
 
 @message
@@ -92,6 +95,10 @@ class Register(Request):
 
     def check(self, op: Optional[str] = None) -> None:
         super().check(op)
+        if self.info.name != self.name:
+            raise check.refuse(self.op, "info.name", f"the name registered, {self.name!r}", self.info.name)
+        if self.lazy:
+            check.dataset_info(self.op, self.info, lazy=True)
         check.block_order(self.op, self.order, self.info.num_blocks)
 
 
@@ -100,7 +107,7 @@ class GetOrRegister(Request):
     """A lazy dataset under `info.name`: `Ready`, else registered now (`Registered`) unless
     another caller creates it (`Busy`) or the cluster has no workers (`NoWorkers`)."""
     op = "dmdask_get_or_register"
-    info: DatasetInfo
+    info: DatasetInfo = checked(lambda op, name, value: check.dataset_info(op, value, lazy=True))
 
 
 @message
@@ -139,15 +146,26 @@ class OpenBlocks(Request):
 
 @message
 class Release(Request):
-    """Forget the dataset `name` (True if the registry had it)."""
+    """Forget the dataset `name` (True if the registry had it), unless other clients hold it
+    (`Held`): only a client that holds it (`GetOrClaim.client`), or any client once none of
+    its holders is connected, releases it."""
     op = "dmdask_release"
     name: str
+    client: Optional[str] = None
 
 
 @message
 class Datasets(Request):
     """A `DatasetSummary` of each registered dataset."""
     op = "dmdask_datasets"
+
+
+@message
+class Workers(Request):
+    """Which of `addresses` are workers of the cluster (a list of them): a worker asks before
+    it dials a holder a rank named (`dmdask.worker.peers`)."""
+    op = "dmdask_workers"
+    addresses: Sequence[str]
 
 
 @message
@@ -247,6 +265,12 @@ class Registered:
 @message
 class Busy:
     """Another caller holds the claim to create the dataset: ask again (in a moment)."""
+
+
+@message
+class Held:
+    """Not released: `clients` other clients connected to the cluster hold the dataset."""
+    clients: int
 
 
 @message

@@ -123,8 +123,8 @@ class HitsReport(Message):
         for tier, pair in self.hits.items():
             if not isinstance(pair, (list, tuple)) or len(pair) != 2:
                 raise check.refuse(handler, f"hits[{tier!r}]", "[samples, bytes]", pair)
-            check.count(handler, f"hits[{tier!r}] samples", pair[0])
-            check.count(handler, f"hits[{tier!r}] bytes", pair[1])
+            check.count(handler, f"hits[{tier!r}] samples", pair[0], high=check.REPORT_SAMPLES)
+            check.count(handler, f"hits[{tier!r}] bytes", pair[1], high=check.REPORT_BYTES)
 
 
 @dataclass

@@ -23,13 +23,15 @@ from collections import defaultdict
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from ..errors import redact
 from ..internals import load_first
 from ..protocol.scheduler import (Abandon, Busy, Claimed, Datasets, DatasetSummary, FsClaim, FsMetadata, FsOpenBlocks,
-                                  GetOrClaim, GetOrRegister, Locate, NoWorkers, OpenBlocks, Ready, Register, Registered,
-                                  Release, serve)
+                                  GetOrClaim, GetOrRegister, Held, Locate, NoWorkers, OpenBlocks, Ready, Register,
+                                  Registered, Release, Workers, serve)
 from ..source.base import DatasetInfo, block_key, parse_block_key
 from . import placement
 from .files import FileMetadata
+from .killed import OomKills
 from .reads import BlockReads
 
 CLAIM_SECONDS = 120  # a creator that sent nothing for this long is presumed gone
@@ -50,6 +52,7 @@ class DatasetState:
         self.changes = 0  # blocks that came into or left memory, ever (`BlockReads.locate_ready`)
         self.erred: set = set()  # block indices whose load failed
         self.lazy = False  # blocks are submitted when first wanted, not at creation
+        self.holders: set[str] = set()  # Dask client ids that opened it (`Release`)
 
     @property
     def identity(self) -> str | None:
@@ -65,7 +68,7 @@ class DatasetState:
 
     def summary(self) -> DatasetSummary:
         info = self.info
-        return DatasetSummary(self.name, info and info.url, info and info.identity, info and info.num_samples,
+        return DatasetSummary(self.name, info and redact(info.url), info and info.identity, info and info.num_samples,
                               len(self.planned), info and info.nbytes, self.loaded, len(self.erred),
                               self.ready.is_set())
 
@@ -85,6 +88,7 @@ class DatasetsPlugin(SchedulerPlugin):
         self.reads = BlockReads(self)
         self.streamed: set = set()  # keys of blocks held as `Streamed` markers (`placement.STREAMED_TOPIC`)
         self._next_lazy = 0  # where the next lazy dataset's plan starts (round-robin)
+        self.oom_kills = OomKills()  # what the workers that start block loads report (`WorkerKilledError`)
 
     async def start(self, scheduler) -> None:
         """Install the handlers. Two clients registering the plugin at once may both start
@@ -94,13 +98,14 @@ class DatasetsPlugin(SchedulerPlugin):
         installed = scheduler.extensions.get("dmdask")
         if isinstance(installed, DatasetsPlugin):
             self.datasets, self.by_identity, self.files = installed.datasets, installed.by_identity, installed.files
-            self.reads, self.streamed = installed.reads, installed.streamed
+            self.reads, self.streamed, self.oom_kills = installed.reads, installed.streamed, installed.oom_kills
         self.scheduler = scheduler
         reads = self.reads
         scheduler.handlers.update(serve({
             GetOrClaim: self.get_or_claim, Register: self.register, GetOrRegister: self.get_or_register,
-            Abandon: self.abandon, Release: lambda request: self.release(request.name),
+            Abandon: self.abandon, Release: self.release_held,
             Datasets: lambda request: self.summaries(), Locate: reads.locate, OpenBlocks: reads.open_blocks,
+            Workers: lambda request: [a for a in request.addresses if a in self.scheduler.workers],
             FsMetadata: reads.fs_metadata, FsClaim: reads.fs_claim, FsOpenBlocks: reads.fs_open_blocks}))
         scheduler.extensions["dmdask"] = self
         from distributed.protocol.pickle import dumps
@@ -115,8 +120,10 @@ class DatasetsPlugin(SchedulerPlugin):
         while True:
             ds = self.datasets.get(name)
             if ds is None:
-                self.datasets[name] = DatasetState(name, claimant)
+                ds = self.datasets[name] = DatasetState(name, claimant)
+                self._hold(ds, request.client)
                 return Claimed()
+            self._hold(ds, request.client)
             if ds.ready.is_set() and not self._lost(ds):
                 ready = self._ready(ds)
                 return ready if request.host is None else await self.reads.locate_ready(ready, request.host)
@@ -206,6 +213,10 @@ class DatasetsPlugin(SchedulerPlugin):
         if parsed is None:
             return
         ds = self.by_identity.get(parsed[0])
+        if finish == "processing" and ds is not None:
+            ts = self.scheduler.tasks.get(key)
+            if ts is not None and ts.processing_on is not None:
+                self.oom_kills.seen(ts.processing_on)
         if ds is not None:
             if finish == "memory":
                 ds.loaded += 1
@@ -226,6 +237,13 @@ class DatasetsPlugin(SchedulerPlugin):
         ts = self.scheduler.tasks.get(msg) if topic == placement.STREAMED_TOPIC else None
         if ts is not None and ts.state in ("processing", "memory"):
             self.streamed.add(msg)
+
+    def _hold(self, ds: DatasetState, client: str | None) -> None:
+        """`client` holds `ds` from now on (clients no longer connected are forgotten)."""
+        connected = self.scheduler.clients
+        ds.holders = {c for c in ds.holders if c in connected}
+        if client in connected:
+            ds.holders.add(client)
 
     def _lost(self, ds: DatasetState) -> bool:
         """Whether the scheduler forgot any block of a ready dataset."""
@@ -261,6 +279,15 @@ class DatasetsPlugin(SchedulerPlugin):
         placement.win_back(scheduler, self.datasets.values(), self.streamed, worker, stimulus_id)
 
     # -- release and the registry --------------------------------------------------------
+    def release_held(self, request: Release) -> bool | Held:
+        """`release`, for a client that holds the dataset or when none of its holders is
+        connected; else `Held` (nothing changed): a client cannot drop what others read."""
+        ds = self.datasets.get(request.name)
+        others = set() if ds is None else (ds.holders & set(self.scheduler.clients)) - {request.client}
+        if others and request.client not in ds.holders:
+            return Held(len(others))
+        return self.release(request.name)
+
     def release(self, name: str) -> bool:
         """Forget a dataset: its blocks leave every tier now; an iterator still reading it
         fails with `NotADmdaskWorker` (released)."""

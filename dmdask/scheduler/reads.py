@@ -21,6 +21,7 @@ from ..protocol.scheduler import (DESCRIBE_SECONDS, HOLDERS_BLOCKS, BlocksOpened
 from ..protocol.worker import WorkerAPI
 from ..source.base import parse_block_key
 from . import placement
+from .killed import named
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,8 @@ class BlockReads:
                 elif ts.state == "memory" and ts.who_has:
                     holders[key] = preferred_holder(ts, host)
                 elif ts.state == "erred":
-                    erred[key] = task_error(ts)
+                    erred[key] = named(key, task_error(ts), self.scheduler, self.plugin.by_identity,
+                                        self.plugin.oom_kills)
                 elif request.planned and ts.state == "processing" and ts.processing_on is not None:
                     loading[key] = ts.processing_on.address
                 else:
@@ -124,7 +126,7 @@ class BlockReads:
             ds = parsed and self.plugin.by_identity.get(parsed[0])
             if ts is not None and ts.state == "memory" and ts.who_has:
                 holders[key] = preferred_holder(ts, request.host)
-            elif ts is None and not self._claimed(key) and ds and ds.lazy:
+            elif ts is None and not self._claimed(key) and ds and ds.lazy and parsed[1] < len(ds.planned):
                 self.claims[key] = request.client
                 mine[key] = placement.live_planned(self.scheduler, ds, parsed[1])
         return BlocksOpened(holders, mine)

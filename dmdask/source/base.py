@@ -23,7 +23,7 @@ import dask.config
 import fsspec
 import numpy as np
 
-from ..errors import BlockReadError, SourceError
+from ..errors import BlockReadError, SourceError, redact
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,12 @@ TRANSIENT_ERRNOS = frozenset({errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNA
 TRANSIENT_ERRORS = (ConnectionError, TimeoutError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
                     aiohttp.ClientPayloadError)
 PERMANENT_ERRORS = (aiohttp.ClientSSLError,)  # a TLS certificate refused: a ClientOSError, but never transient
+# The most a dataset may have (`DatasetInfo`, checked where it is opened and registered): the
+# scheduler keeps a few values per block (a registration of 3x10^7 blocks grew it by 1.4 GiB and
+# froze its event loop 6.4 s; one of 2**20 blocks took 0.25 s and 48 MiB, measured in-process)
+MAX_BLOCKS = 1 << 20
+MAX_SAMPLES = 1 << 48
+MAX_BYTES = 1 << 60
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +49,9 @@ class DatasetInfo:
 
     name: the registry name, a function of the spec alone; identity: a token of the data
     as opened, part of every block key, so a dataset changed and released gets new blocks;
-    nbytes: decoded bytes of the whole dataset, None when the store gives no sizes.
+    it starts with the token of `name` (`bound`), so a registry entry can only name blocks
+    whose loads read that name's source; nbytes: decoded bytes of the whole dataset, None
+    when the store gives no sizes.
     """
 
     name: str
@@ -53,6 +61,13 @@ class DatasetInfo:
     num_samples: int
     block_len: int
     nbytes: int | None
+
+    @property
+    def bound(self) -> bool:
+        """Whether `identity` is bound to `name` (`bound_identity`): what the scheduler
+        registers under a name (docs/failures.md, "Trust model")."""
+        token = name_token(self.name)
+        return bool(token) and self.identity.startswith(token)
 
     @property
     def num_blocks(self) -> int:
@@ -69,6 +84,22 @@ class DatasetInfo:
 
     def block_key(self, k: int) -> str:
         return block_key(self.identity, k)
+
+
+NAME_PREFIXES = ("ds-", "fs-")  # a spec's dataset (`dataset_name`), a file's (`dmdask.source.files`)
+
+
+def name_token(name: str) -> str:
+    """The token of a registry name (`ds-<token>` or `fs-<token>`); "" for any other name."""
+    return name[3:] if name.startswith(NAME_PREFIXES) else ""
+
+
+def bound_identity(name: str, data_token: str) -> str:
+    """The identity of a dataset registered as `name` whose data `data_token` names: the
+    name's token, then the data's. Block keys carry the identity, and the name is a hash of
+    the source's URL, options, fields and block size: a registry entry under one name cannot
+    point at the blocks of another source (`DatasetInfo.bound`, checked on the scheduler)."""
+    return name_token(name) + data_token
 
 
 def block_key(identity: str, index: int) -> str:
@@ -96,11 +127,30 @@ def options_json(options) -> str:
 _fs_lock = threading.Lock()
 
 
+def read_options(protocol: str, options: dict) -> dict:
+    """`options` for a filesystem that reads: over HTTP(S), unless they set aiohttp's timeout,
+    a read (or a connection) that receives nothing for `dmdask.store.read-seconds` fails
+    with a `TimeoutError`, which the reads retry (aiohttp's own is 300 s for the whole request)."""
+    if protocol not in ("http", "https"):
+        return options
+    client_kwargs = dict(options.get("client_kwargs") or {})
+    if "timeout" in client_kwargs:
+        return options
+    seconds = float(dask.config.get("dmdask.store.read-seconds"))
+    client_kwargs["timeout"] = aiohttp.ClientTimeout(total=None, sock_connect=seconds, sock_read=seconds)
+    return {**options, "client_kwargs": client_kwargs}
+
+
 @functools.lru_cache(maxsize=16)
-def filesystem(protocol: str, options: str):
-    """The fsspec filesystem of `protocol` with these `options_json`, made once per process."""
+def _filesystem(protocol: str, options: str, read_seconds: float):
     with _fs_lock:
-        return fsspec.filesystem(protocol, **json.loads(options))
+        return fsspec.filesystem(protocol, **read_options(protocol, json.loads(options)))
+
+
+def filesystem(protocol: str, options: str):
+    """The fsspec filesystem of `protocol` with these `options_json` (and `read_options`), made
+    once per process (and `dmdask.store.read-seconds`)."""
+    return _filesystem(protocol, options, float(dask.config.get("dmdask.store.read-seconds")))
 
 
 def import_extra(module: str, requirement: str, reading: str):
@@ -233,7 +283,7 @@ class StoreReader(BlockReader):
                 # must not travel with it; its type and text are in the message.
                 raise BlockReadError(self.url, self.index, self.start, self.stop, error, detail)
             logger.warning("transient error reading block %d of %s, try %d, next in %.2f s: %s: %s",
-                           self.index, self.url, tries, wait, type(error).__name__, error)
+                           self.index, redact(self.url), tries, wait, type(error).__name__, redact(str(error)))
             if on_retry is not None:
                 on_retry(error)
             time.sleep(wait)

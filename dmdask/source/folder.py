@@ -7,7 +7,6 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from dask.base import tokenize
 
 from ..errors import SourceError, SpecError
 from .base import DatasetInfo, Source, StoreReader, filesystem, options_json, protocol_of
@@ -29,7 +28,7 @@ class FolderSource(Source):
         nbytes = None if self.sizes is None else block_nbytes(self.sizes[a:b], self.info.fields)
         return FolderBlockReader(self.info.url, self.protocol, self.options, self.files[a:b],
                                  self.labels[a:b], self.info.fields, self.info.identity, k, a, b, nbytes,
-                                 self.listed)
+                                 self.listed, None if self.sizes is None else self.sizes[a:b])
 
 
 def open_folder(place: Place) -> FolderSource:
@@ -47,7 +46,7 @@ def open_folder(place: Place) -> FolderSource:
         root = place.path.rstrip("/")
         relative = [f[len(root) + 1:] if f.startswith(root + "/") else f for f in files]
     block_len = spec.block_size or DEFAULT_FILES_PER_BLOCK
-    identity = tokenize("folder", url, fields, block_len, relative, sizes)[:16]
+    identity = place.identity("folder", url, fields, block_len, relative, sizes)
     size_array = None if any(s is None for s in sizes) else np.asarray(sizes, dtype=np.int64)
     nbytes = None if size_array is None else block_nbytes(size_array, fields)
     info = DatasetInfo(name=place.name, identity=identity, url=url, fields=fields,
@@ -85,38 +84,69 @@ def block_nbytes(sizes, fields) -> int:
     return (int(np.sum(sizes)) + 8 * n if "data" in fields else 0) + (8 * n if "label" in fields else 0)
 
 
+class ShortRead(ConnectionError):
+    """A file's body was shorter or longer than the listing said (a cut transfer whose
+    Content-Length agreed, or a file changed since it was listed): tried again, as a cut
+    connection is, then `BlockReadError`."""
+
+
 class FolderBlockReader(StoreReader):
     """Reads the files of one block, all of them or only some (row-granular). `listed`:
-    the files were named one by one (else they are the folder `url`'s)."""
+    the files were named one by one (else they are the folder `url`'s); `sizes`: each
+    file's size as listed (None: not known), which every read is checked against.
+    A transient error of some files retries those files only, with backoff: the files
+    already read are kept for the read's next try, so each try makes progress."""
 
     row_granular = True
 
     def __init__(self, url, protocol, options, files, labels, fields, identity, index, start, stop, nbytes,
-                 listed=False):
+                 listed=False, sizes=None):
         super().__init__(url, identity, index, start, stop, nbytes)
         self.protocol, self.options, self.listed = protocol, options, listed
         self.files, self.labels, self.fields = list(files), np.asarray(labels, dtype=np.int64), fields
+        self.sizes = None if sizes is None else np.asarray(sizes, dtype=np.int64)
 
     def sources(self) -> list[str]:
-        if not self.listed:
-            return [self.url]
+        """Each file the block reads (one may be a symbolic link out of the folder)."""
         fs = filesystem(self.protocol, self.options)
         return [fs.unstrip_protocol(f) for f in self.files]
 
+    def read(self, on_retry=None) -> dict:
+        return self.read_rows(np.arange(self.stop - self.start), on_retry)
+
+    def read_rows(self, rows, on_retry=None) -> dict:
+        kept: dict = {}  # row -> its file's bytes, kept from one try to the next
+        return self._retrying(lambda: self._read_kept(rows, kept), on_retry)
+
     def _read_rows(self, rows) -> dict[str, np.ndarray]:
-        """The given rows; the files are fetched concurrently."""
+        return self._read_kept(rows, {})
+
+    def _read_kept(self, rows, kept: dict) -> dict[str, np.ndarray]:
+        """The given rows, fetching concurrently the files not in `kept` (adding those read);
+        raises the first error once every file was tried."""
+        rows = np.asarray(rows, dtype=np.int64)
         arrays = {}
         if "data" in self.fields:
-            files = [self.files[r] for r in rows]
-            contents = filesystem(self.protocol, self.options).cat_ranges(files, None, None, on_error="return")
-            data = np.empty(len(files), dtype=object)
-            for i, content in enumerate(contents):
+            missing = sorted({int(r) for r in rows} - set(kept))
+            contents = filesystem(self.protocol, self.options).cat_ranges(
+                [self.files[r] for r in missing], None, None, on_error="return") if missing else []
+            error = None
+            for r, content in zip(missing, contents):
+                if not isinstance(content, BaseException) and self.sizes is not None \
+                        and self.sizes[r] >= 0 and len(content) != self.sizes[r]:
+                    content = ShortRead(f"{self.files[r]}: read {len(content)} bytes, listed as {self.sizes[r]}")
                 if isinstance(content, BaseException):
-                    raise content
-                data[i] = np.frombuffer(content, dtype=np.uint8)
+                    error = error or content
+                else:
+                    kept[r] = content
+            if error is not None:
+                raise error
+            data = np.empty(len(rows), dtype=object)
+            for i, r in enumerate(rows):
+                data[i] = np.frombuffer(kept[int(r)], dtype=np.uint8)
             arrays["data"] = data
         if "label" in self.fields:
-            arrays["label"] = self.labels[np.asarray(rows, dtype=np.int64)]
+            arrays["label"] = self.labels[rows]
         return arrays
 
 

@@ -13,7 +13,6 @@ from collections import Counter
 
 import numpy as np
 import zict
-from dask.base import tokenize
 
 from ..errors import SourceError, SourceNotFoundError, SpecError
 from .base import DatasetInfo, Source, StoreReader, filesystem, import_extra, options_json, protocol_of, string_dtype
@@ -138,7 +137,7 @@ def _describe(node, place: Place, path: str, group: str, entry: dict) -> HDF5Sou
         block_len = spec.block_size or max(1, DEFAULT_BLOCK_BYTES // max(1, estimate))
     shapes = [(f, datasets[f].shape, datasets[f].dtype.str, datasets[f].chunks, datasets[f].compression,
                datasets[f].compression_opts) for f in fields]
-    identity = tokenize("hdf5", url, group, fields, block_len, size, stamp, shapes)[:16]
+    identity = place.identity("hdf5", url, group, fields, block_len, size, stamp, shapes)
     known = len(fixed) == len(fields)
     info = DatasetInfo(name=place.name, identity=identity, url=url, fields=fields, num_samples=n,
                        block_len=int(block_len), nbytes=row_bytes * n if known else None)

@@ -9,9 +9,8 @@ import logging
 import warnings
 
 import numpy as np
-from dask.base import tokenize
 
-from ..errors import SourceError, SourceNotFoundError, SpecError
+from ..errors import SourceError, SourceNotFoundError, SpecError, redact
 from .base import DatasetInfo, Source, StoreReader, filesystem, import_extra, options_json, protocol_of, string_dtype
 from .parquet_footer import MAGIC, Footer, framed, read_footers
 from .registry import Format, Place
@@ -140,7 +139,7 @@ def open_parquet(place: Place) -> ParquetSource:
     if n == 0:
         raise SourceError(f"dataset {url} has no samples: its Parquet files hold no rows")
     block_len = _block_len(url, groups, n, spec.block_size)
-    identity = tokenize("parquet", url, fields, block_len, files, sizes, digest.hexdigest())[:16]
+    identity = place.identity("parquet", url, fields, block_len, files, sizes, digest.hexdigest())
     row_bytes = None if any(k != "fixed" for k in kinds.values()) else sum(
         row_nbytes(schema.field(f).type) for f in fields)
     info = DatasetInfo(name=place.name, identity=identity, url=url, fields=fields, num_samples=n,
@@ -215,7 +214,7 @@ def _block_len(url: str, groups: np.ndarray, n: int, asked: int | None) -> int:
     largest = int(groups["rows"].max())
     if smallest > largest:
         logger.warning("the row groups of %s do not line up into blocks of one row group: blocks are %d rows "
-                       "(row groups have up to %d)", url, smallest, largest)
+                       "(row groups have up to %d)", redact(url), smallest, largest)
     return smallest
 
 
@@ -226,6 +225,11 @@ class ParquetBlockReader(StoreReader):
                  identity: str, index: int, start: int, stop: int, nbytes: int | None):
         super().__init__(url, identity, index, start, stop, nbytes)
         self.protocol, self.options, self.fields, self.parts = protocol, options, fields, parts
+
+    def sources(self) -> list[str]:
+        """Each file the block reads (one may be a symbolic link out of the folder)."""
+        fs = filesystem(self.protocol, self.options)
+        return [fs.unstrip_protocol(part.path) for part in self.parts]
 
     def _read(self) -> dict[str, np.ndarray]:
         pieces = [self._read_part(part) for part in self.parts]

@@ -14,9 +14,10 @@ from importlib.metadata import entry_points
 
 import fsspec
 import fsspec.utils
+from dask.base import tokenize
 
 from ..errors import SourceNotFoundError, SpecError
-from .base import Source
+from .base import Source, bound_identity, read_options
 from .urls import listed_urls
 
 GROUP = "dmdask.sources"
@@ -29,7 +30,9 @@ LAYOUTS = ("a Zarr v3 group or array, a Parquet file, folder of Parquet files or
 @dataclasses.dataclass(frozen=True)
 class Format:
     """A source layout: `claims(place)` says, with as few reads as it can, whether `place`
-    holds it; `open(place)` opens it, raising `SourceError` (or a subclass) if it cannot."""
+    holds it; `open(place)` opens it, raising `SourceError` (or a subclass) if it cannot.
+    Its `DatasetInfo` is named `place.name` with the identity `place.identity(...)` of what
+    its blocks read (the scheduler refuses any other: `DatasetInfo.bound`)."""
 
     name: str
     claims: Callable[[Place], bool]
@@ -57,9 +60,15 @@ class Place:
         else:
             self.url = spec.source.rstrip("/")
             try:
-                self.fs, self.path = fsspec.core.url_to_fs(self.url, **self.options)
+                self.fs, self.path = fsspec.core.url_to_fs(
+                    self.url, **read_options(fsspec.utils.get_protocol(self.url), self.options))
             except (ImportError, ValueError) as exc:
                 raise SpecError("source", f"a URL fsspec can open ({exc})", spec.source) from None
+
+    def identity(self, *described) -> str:
+        """The identity of the dataset opened here, bound to its registry name (`bound_identity`):
+        `described` is what the blocks read (the URL, the layout, sizes or versions), tokenized."""
+        return bound_identity(self.name, tokenize(*described)[:16])
 
     def listed_paths(self, what: str) -> tuple:
         """(filesystem, paths) of `urls`; `SpecError` unless fsspec opens them all with one
@@ -69,7 +78,7 @@ class Place:
         urls, options = self.urls, dict(self.options)
         try:
             if len({fsspec.utils.get_protocol(u) for u in urls}) == 1 and not any("::" in u for u in urls):
-                fs, _ = fsspec.core.url_to_fs(urls[0], **options)
+                fs, _ = fsspec.core.url_to_fs(urls[0], **read_options(fsspec.utils.get_protocol(urls[0]), options))
                 return fs, [fsspec.core.strip_protocol(u) for u in urls]
             fs, _, paths = fsspec.core.get_fs_token_paths(urls, storage_options=options)
         except (ImportError, ValueError) as exc:

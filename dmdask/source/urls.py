@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import posixpath
+import re
+import urllib.parse
 
 import dask.config
 
@@ -62,20 +64,43 @@ def public(url: str) -> str:
     return "::".join(parts)
 
 
+ENCODED_SEPARATORS = re.compile(r"%(2e|2f|5c)", re.IGNORECASE)  # ".", "/", "\\" percent-encoded
+
+
+def opened(url: str) -> str:
+    """What a filesystem opens for `url` (of a chain, the last URL), in one spelling: a local
+    path as fsspec takes it (`~` expanded), then with every symbolic link resolved
+    (`realpath`); any other URL as `protocol://host/path`, the path without `.` and `..`,
+    without query, fragment or credentials. `SourceNotAllowedError` for a percent-encoded
+    `.`, `/` or `\\` in a URL's path, which a store may decode into a way out of a folder."""
+    last = url.rsplit("::", 1)[-1]
+    if last.startswith(LOCAL_PROTOCOLS) or "://" not in last:
+        path = last.split("://", 1)[1] if "://" in last else last
+        return os.path.realpath(os.path.expanduser(path))
+    parts = urllib.parse.urlsplit(last)
+    if ENCODED_SEPARATORS.search(parts.path):
+        raise SourceNotAllowedError(f"{public(url)}: a percent-encoded '.', '/' or '\\' in a source's path is "
+                                    "refused by dmdask.worker.allowed-sources (write the path plainly)")
+    path = posixpath.normpath(parts.path) if parts.path else ""
+    return f"{parts.scheme}://{parts.netloc.rsplit('@', 1)[-1]}{path}"
+
+
 def check_source(url: str) -> None:
     """Nothing when this process's `dmdask.worker.allowed-sources` (URL prefixes; empty, the
     default: any source) lets workers read `url`; `SourceNotAllowedError` naming it and the
-    prefixes otherwise. A prefix matches whole path components (`/data` allows `/data/x`, not
-    `/database`), both normalised, so `..` cannot climb out of an allowed folder."""
+    prefixes otherwise. What is compared is what the filesystem opens (`opened`, for the
+    URL and the prefixes alike): a prefix matches whole path components (`/data` allows
+    `/data/x`, not `/database`), so neither `..` (plain or percent-encoded), a query or
+    fragment, `~`, nor a symbolic link in an allowed folder leads out of it."""
     prefixes = dask.config.get("dmdask.worker.allowed-sources", None) or []
     if isinstance(prefixes, str):
         prefixes = [prefixes]
     if not all(isinstance(p, str) and p for p in prefixes):
         raise SpecError("dmdask.worker.allowed-sources", "a list of URL prefixes (empty: any source)", prefixes)
-    prefixes = [normalize(p) for p in prefixes]
     if not prefixes:
         return
-    normal = normalize(url)
+    prefixes = [opened(p) for p in prefixes]
+    normal = opened(url)
     if not any(normal == p or normal.startswith(p.rstrip("/") + "/") for p in prefixes):
-        raise SourceNotAllowedError(f"{url} is outside the sources this cluster's workers read: {prefixes} "
+        raise SourceNotAllowedError(f"{public(url)} is outside the sources this cluster's workers read: {prefixes} "
                                     "(dmdask.worker.allowed-sources in the workers' dask config)")

@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from dask.base import tokenize
 
 from ..errors import SourceError, SourceNotFoundError, SpecError
 from .base import DatasetInfo, Source, StoreReader, filesystem, options_json, protocol_of, string_dtype
@@ -157,8 +156,8 @@ def open_webdataset(place: Place) -> WebDatasetSource:
     keys = np.array([key for _, samples in indexed for key, _ in samples], dtype=string())
     offsets, sizes = np.ascontiguousarray(where[..., 0]), np.ascontiguousarray(where[..., 1])
     block_len = spec.block_size or DEFAULT_SAMPLES_PER_BLOCK
-    identity = tokenize("webdataset", urls, [size for size, _ in indexed], exts, block_len, shard, offsets, sizes,
-                        keys.tolist())[:16]
+    identity = place.identity("webdataset", urls, [size for size, _ in indexed], exts, block_len, shard, offsets,
+                              sizes, keys.tolist())
     info = DatasetInfo(name=place.name, identity=identity, url=label, fields=tuple(sorted(exts + (KEY,))),
                        num_samples=n, block_len=block_len, nbytes=block_nbytes(sizes))
     return WebDatasetSource(info, protocol_of(fs), options_json(place.options), list(urls), list(paths), exts, shard,

@@ -9,10 +9,9 @@ import math
 import warnings
 
 import numpy as np
-from dask.base import tokenize
 
 from ..errors import SourceError, SourceNotFoundError, SpecError
-from .base import DatasetInfo, Source, StoreReader, options_json
+from .base import DatasetInfo, Source, StoreReader, options_json, read_options
 from .registry import Format, Place
 
 
@@ -21,7 +20,8 @@ def _open_node(url: str, options: str):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return zarr.open(store=url, mode="r", storage_options=json.loads(options) or None)
+        protocol = url.split("://", 1)[0] if "://" in url else "file"
+        return zarr.open(store=url, mode="r", storage_options=read_options(protocol, json.loads(options)) or None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +77,7 @@ def open_zarr(place: Place) -> ZarrSource:
     if block_len % chunk:
         raise SpecError("block_size", f"a multiple of the chunk length {chunk} of {url}", spec.block_size)
     metadata = json.dumps({name: arrays[name].metadata.to_dict() for name in fields}, sort_keys=True, default=str)
-    identity = tokenize("zarr", url, fields, block_len, metadata)[:16]
+    identity = place.identity("zarr", url, fields, block_len, metadata)
     row_bytes = sum(int(np.prod(arrays[f].shape[1:], dtype=np.int64)) * arrays[f].dtype.itemsize for f in fields)
     info = DatasetInfo(name=place.name, identity=identity, url=url, fields=fields,
                        num_samples=int(n), block_len=int(block_len), nbytes=row_bytes * int(n))

@@ -49,6 +49,7 @@ class SourceTests:
     def test_readers_cover_the_blocks_and_read_rows_is_read_indexed(self, spec):
         source = open_source(spec)
         assert isinstance(source, Source) and source.info.num_blocks > 1
+        assert source.info.bound, "identity not made with Place.identity: the scheduler refuses it"
         readers = [source.reader(k) for k in range(source.info.num_blocks)]
         for k, reader in enumerate(readers):
             assert isinstance(reader, BlockReader) and (reader.start, reader.stop) == source.info.block_range(k)

@@ -3,7 +3,9 @@ every worker (as `distributed.shuffle` does), with the handlers of `dmdask.proto
 from __future__ import annotations
 
 import asyncio
+import errno
 import inspect
+import logging
 
 import dask
 import distributed
@@ -12,23 +14,30 @@ from distributed.comm import get_address_host
 from distributed.comm.core import CommClosedError
 from distributed.core import Status
 
+from .. import arguments as check
 from ..errors import plain_worker
 from ..fs.inside import serve_worker
 from ..protocol.rows import RowChannels, asked_of
 from ..protocol.worker import (Batches, BatchRequest, Channel, ChannelRequest, DescribeRequest, Descriptions, GiveRows,
                                HandOver, HitsReport, Kept, Missing, Moved, OPS, WorkerAPI, handler)
-from ..threads import ForkSafeExecutor
 from ..scheduler.placement import STREAMED_TOPIC
 from ..shm.fileblocks import assemble
 from ..shm.results import shareable, write_batches
 from ..spec import loads_transform
+from ..threads import ForkSafeExecutor
 from .cache import BlockCache
 from .filling import FillingBlock
 from .holdings import Holding, payload_bytes
+from . import sizing
+from .peers import ClusterWorkers
 from .reads import LAST
 from .row_server import RowServer
 from .tiers import TieredStore
 from .transforms import transform_in_order, transform_isolated
+
+
+logger = logging.getLogger(__name__)
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # a file system (or quota) with no room left
 
 
 def _refusing(op: str, address: str):
@@ -43,7 +52,8 @@ class WorkerPlugin(distributed.WorkerPlugin):
     """dmdask on one worker: its `BlockCache` (`worker.extensions["dmdask"]`) and handlers.
     On a worker without dmdask's tiers (a plain Dask worker) every dmdask handler raises
     `NotADmdaskWorker` naming the worker and the fix (and `load_block` tasks do). Handlers use
-    `cache`, `address` and `peers` (a `WorkerAPI`) only: testable without a cluster."""
+    `cache`, `address`, `peers` (a `WorkerAPI`), `channels` (`RowChannels`) and `workers`
+    (`ClusterWorkers`; None: any holder is dialled) only: testable without a cluster."""
 
     name = "dmdask"
     idempotent = True
@@ -54,7 +64,9 @@ class WorkerPlugin(distributed.WorkerPlugin):
         self.peers = None
         self.channels = None
         self.server = None
+        self.workers = None
         self.worker = None
+        self.warned_full = False
 
     def setup(self, worker) -> None:
         serve_worker(worker)  # dmdask:: reads in its tasks use its own connection
@@ -77,12 +89,14 @@ class WorkerPlugin(distributed.WorkerPlugin):
                 self.cache, get_address_host(worker.address), context, dask.config.get("dmdask.worker.row-port"))
         context = worker.security.get_connection_args("worker").get("ssl_context")
         self.channels = RowChannels(self.peers, context, float(dask.config.get("dmdask.client.recovery-seconds")))
+        self.workers = ClusterWorkers(worker)
         worker.handlers.update({OPS[kind]: handler(kind, self._lost_once_closed(method)) for kind, method in (
             (BatchRequest, self.batch), (DescribeRequest, self.describe),
             (HitsReport, self.count_hits), (HandOver, self.hand_over), (GiveRows, self.give_rows),
             (ChannelRequest, self.channel))})
         worker.extensions["dmdask"] = self.cache
-        worker.metrics["dmdask"] = lambda worker: self.cache.stats()
+        oom_file = sizing.oom_kill_file()  # its cgroup's: counts kills of the worker's earlier processes too
+        worker.metrics["dmdask"] = lambda worker: {**self.cache.stats(), "oom_kills": sizing.oom_kills(oom_file)}
 
     def _lost_once_closed(self, method):
         """`method`, whose RuntimeError while this worker closes (its read and transform
@@ -116,7 +130,15 @@ class WorkerPlugin(distributed.WorkerPlugin):
             self.cache.close()
 
     async def batch(self, request: BatchRequest):
-        """`Batches` of the group, or `Missing` for blocks a holder does not hold."""
+        """`Batches` of the group, or `Missing` for blocks a holder does not hold;
+        `HandlerArgumentError`, before anything is dialled, for holders that are not workers
+        of the cluster (its scheduler's)."""
+        strangers = [] if self.workers is None else await self.workers.strangers(
+            h for h in request.requests if h != self.address)
+        if strangers:
+            raise check.refuse(OPS[BatchRequest], "requests", "holders that are workers of this cluster (its "
+                               "scheduler's)", strangers)
+
         async def from_holder(holder, wanted):
             if holder == self.address:
                 return await self.cache.serve(wanted, _priority(request.priority), request.wait)
@@ -147,13 +169,24 @@ class WorkerPlugin(distributed.WorkerPlugin):
         done, error = await loop.run_in_executor(self.cache.transforms, *work, batches, request.context)
         folder = self.cache.store.shared_folder() if request.same_host else None
         if folder is not None and done and shareable(done):  # the trainer maps them: no pickle, no socket
-            shared = await loop.run_in_executor(self.cache.transforms, write_batches, folder, done)
-            return Batches(shared=shared, error=error, from_store=from_store)
+            try:
+                shared = await loop.run_in_executor(self.cache.transforms, write_batches, folder, done)
+                return Batches(shared=shared, error=error, from_store=from_store)
+            except OSError as exc:  # a full shared-memory folder: the batches go through the connection
+                if exc.errno not in FULL_ERRNOS:
+                    raise
+                self._warn_full(folder, exc)
         return Batches(batches=done, error=error, from_store=from_store)
 
     def channel(self, request: ChannelRequest) -> Channel:
         """Where this worker serves rows (`dmdask.protocol.rows`)."""
         return self.server.channel
+    def _warn_full(self, folder: str, exc: OSError) -> None:
+        """Say once per worker that its shared-memory folder is full (batches then come by value)."""
+        if not self.warned_full:
+            self.warned_full = True
+            logger.warning("the shared-memory folder %s is full (%s): transformed batches go to the training "
+                           "processes through their connection instead, until there is room", folder, exc)
 
     def describe(self, request: DescribeRequest) -> Descriptions:
         """How to map each held block's files (None: rows through its row channel); blocks

@@ -54,29 +54,43 @@ def _slurm_bytes(name: str, text: str) -> int:
     return int(match.group(1)) * _UNITS[match.group(2)]
 
 
+NO_LIMIT = 1 << 62  # cgroup v1 writes "no limit" as a huge number (PAGE_COUNTER_MAX pages)
+
+
 def cgroup_memory(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> Sized | None:
-    """The smallest cgroup v2 `memory.max` of this process's cgroup and its ancestors;
-    None on cgroup v1, without a limit ("max"), or when nothing can be read. Never raises."""
+    """The smallest memory limit of this process's cgroup and its ancestors: cgroup v2's
+    `memory.max`, else cgroup v1's `memory.limit_in_bytes` (its memory controller's
+    hierarchy under `root/memory`); None without a limit ("max", or v1's huge number) or
+    when nothing can be read. Never raises."""
     try:
         with open(proc_cgroup) as f:
             lines = f.read().splitlines()
     except OSError:
         return None
-    path = next((line[3:] for line in lines if line.startswith("0::")), None)
-    if path is None:
-        return None
+    v2 = next((line[3:] for line in lines if line.startswith("0::")), None)
+    found = None if v2 is None else _smallest(root, v2, "memory.max")
+    v1 = next((parts[2] for parts in (line.split(":", 2) for line in lines)
+               if len(parts) == 3 and "memory" in parts[1].split(",")), None)
+    if found is None and v1 is not None:
+        found = _smallest(os.path.join(root, "memory"), v1, "memory.limit_in_bytes")
+    return None if found is None else Sized(found[0], f"cgroup {found[1]}")
+
+
+def _smallest(root: str, path: str, name: str) -> tuple[int, str] | None:
+    """(limit, file) of the smallest limit file `name` in cgroup `path` of the hierarchy at
+    `root` and its ancestors, up to `root`; None if none holds a limit."""
     best = None
     folder = os.path.join(root, path.lstrip("/"))
     while True:
-        limit = _read_limit(os.path.join(folder, "memory.max"))
+        limit = _read_limit(os.path.join(folder, name))
         if limit is not None and (best is None or limit < best[0]):
-            best = (limit, os.path.join(folder, "memory.max"))
+            best = (limit, os.path.join(folder, name))
         if os.path.normpath(folder) == os.path.normpath(root):
             break
         folder = os.path.dirname(folder.rstrip("/"))
         if not folder.startswith(os.path.normpath(root)):
             break
-    return None if best is None else Sized(best[0], f"cgroup {best[1]}")
+    return best
 
 
 def _read_limit(path: str) -> int | None:
@@ -85,12 +99,45 @@ def _read_limit(path: str) -> int | None:
             text = f.read().strip()
     except OSError:
         return None
-    return int(text) if text.isdigit() else None  # "max": no limit
+    return int(text) if text.isdigit() and int(text) < NO_LIMIT else None  # "max" or v1's huge number: none
+
+
+def oom_kill_file(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> str | None:
+    """The file of this process's memory cgroup that counts its out-of-memory kills (cgroup
+    v2 `memory.events`, v1 `memory.oom_control`, each with a line `oom_kill N`); None if
+    there is none. Never raises."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and not parts[1]:
+            path = os.path.join(root, parts[2].lstrip("/"), "memory.events")
+        elif "memory" in parts[1].split(","):
+            path = os.path.join(root, "memory", parts[2].lstrip("/"), "memory.oom_control")
+        else:
+            continue
+        if os.path.exists(path):
+            return path
+    return None
+
+
+def oom_kills(path: str | None) -> int:
+    """The out-of-memory kills counted in `path` (`oom_kill_file`) so far; 0 if unknown."""
+    try:
+        with open(path) as f:
+            return next((int(line.split()[1]) for line in f if line.startswith("oom_kill ")), 0)
+    except (OSError, TypeError, ValueError, IndexError):
+        return 0
 
 
 def job_memory(env: Mapping[str, str], proc_cgroup: str = "/proc/self/cgroup",
                cgroup_root: str = "/sys/fs/cgroup") -> Sized | None:
-    """The smallest memory limit of this process's job (Slurm's grant, cgroup v2), or None."""
+    """The smallest memory limit of this process's job (Slurm's grant, cgroup v2 or v1), or None."""
     found = [s for s in (slurm_memory(env), cgroup_memory(proc_cgroup, cgroup_root)) if s is not None]
     return min(found, key=lambda s: s.bytes) if found else None
 
@@ -160,5 +207,5 @@ def explicit(value: int, name: str) -> Sized:
     return Sized(int(value), f"dmdask.worker.{name}")
 
 
-__all__ = ["Sized", "cgroup_memory", "explicit", "free_bytes", "in_batch_job", "job_memory", "ram_size",
-           "slurm_memory", "ssd_folder", "ssd_size"]
+__all__ = ["Sized", "cgroup_memory", "explicit", "free_bytes", "in_batch_job", "job_memory", "oom_kill_file",
+           "oom_kills", "ram_size", "slurm_memory", "ssd_folder", "ssd_size"]

@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+COUNT_MAX = (1 << 63) - 1  # where a counter stops
+
 
 @dataclass
 class TierStats:
@@ -102,7 +104,9 @@ class TierSpace:
             getattr(self, tier).read_errors += 1
 
     def count_hit(self, tier: str, samples: int, nbytes: int) -> None:
+        """Count a hit; the counts stop at `COUNT_MAX` (they travel in the worker's heartbeat,
+        whose msgpack takes no integer of 2**64 or more)."""
         with self._lock:
             stats = getattr(self, tier)
-            stats.hits += samples
-            stats.hit_bytes += nbytes
+            stats.hits = min(COUNT_MAX, stats.hits + samples)
+            stats.hit_bytes = min(COUNT_MAX, stats.hit_bytes + nbytes)

@@ -1,0 +1,73 @@
+"""A block whose load killed its workers (Dask's `KilledWorker`) named as a dmdask error:
+`WorkerKilledError`, with the likely cause (out of memory) and the evidence the workers
+report in their heartbeats (the out-of-memory kills their memory cgroup counted, their
+RAM tier and where its size came from)."""
+from __future__ import annotations
+
+from dask.utils import format_bytes
+from distributed import KilledWorker
+
+from ..errors import WorkerKilledError, redact
+from ..internals import reraise
+from ..source.base import parse_block_key
+
+
+KEPT = 1024  # workers whose out-of-memory kills are remembered
+
+
+class OomKills:
+    """The out-of-memory kills each worker's memory cgroup had counted when it was last seen
+    starting a block's load (from its heartbeat metrics): a worker is gone from the scheduler
+    by the time its death fails the block, so the evidence is taken before."""
+
+    def __init__(self):
+        self.counts: dict[str, int] = {}
+
+    def seen(self, ws) -> None:
+        metrics = (getattr(ws, "metrics", None) or {}).get("dmdask")
+        count = metrics.get("oom_kills", 0) if isinstance(metrics, dict) else 0
+        if count:
+            if len(self.counts) >= KEPT:
+                self.counts.pop(next(iter(self.counts)))
+            self.counts[ws.address] = count
+
+    def of(self, scheduler) -> dict[str, int]:
+        """address -> kills, of the workers present and of those seen before."""
+        found = dict(self.counts)
+        for ws in scheduler.workers.values():
+            metrics = (ws.metrics or {}).get("dmdask")
+            if isinstance(metrics, dict) and metrics.get("oom_kills", 0):
+                found[ws.address] = metrics["oom_kills"]
+        return found
+
+
+def named(key: str, error, scheduler, by_identity: dict, kills: OomKills):
+    """`error` (a failed block's, as the scheduler keeps it) as it is, unless it is a
+    `KilledWorker`: then a `WorkerKilledError` naming the block and the cause."""
+    try:
+        raised = reraise(error)
+    except Exception:  # noqa: BLE001 - an error that does not unpickle here is passed on as it is
+        return error
+    if not isinstance(raised, KilledWorker):
+        return error
+    parsed = parse_block_key(key)
+    ds = parsed and by_identity.get(parsed[0])
+    what = f"block {key}"
+    if ds and ds.info is not None:
+        start, stop = ds.info.block_range(parsed[1])
+        what = f"block {parsed[1]} (samples {start}..{stop - 1}) of {redact(ds.info.url)}"
+    metrics = {ws.address: (ws.metrics or {}).get("dmdask") for ws in scheduler.workers.values()}
+    metrics = {a: m for a, m in metrics.items() if isinstance(m, dict)}
+    killed = kills.of(scheduler)
+    if killed:
+        cause = "out of memory: " + "; ".join(f"the memory cgroup of worker {a} counted {n} out-of-memory "
+                                              f"kill{'s' if n > 1 else ''}" for a, n in sorted(killed.items()))
+    else:
+        cause = ("most likely out of memory (a worker killed while it loads a block is most often killed by the "
+                 "kernel's out-of-memory killer: its nanny logs 'killed by signal 9')")
+    ram = next((m["ram"] for m in metrics.values() if isinstance(m.get("ram"), dict)), None)
+    tier = "" if ram is None else (f"; each worker's RAM tier is {format_bytes(ram.get('capacity', 0))} "
+                                   f"({ram.get('source')})")
+    return WorkerKilledError(f"{what}: the workers that loaded it died while loading it (Dask's KilledWorker: "
+                             f"{raised}); {cause}{tier}. Give the workers more memory, or set a smaller "
+                             "dmdask.worker.ram or block_size")
