@@ -312,12 +312,18 @@ class DmdaskFileSystem(_Base):
 
     @routed
     def cat(self, path, recursive=False, on_error="raise", **kwargs):
-        """Like fsspec's `cat`; many files are read in one go (`cat_ranges`)."""
+        """Like fsspec's `cat`; many files are read in one go (`cat_ranges`). Several files
+        come keyed in the caller's spelling: `dmdask://URL` names for `dmdask://` paths, the
+        target's paths for paths the target names (a `dmdask::` chain passes those), as
+        fsspec's own filesystems key them by the paths they were given."""
         paths = self.expand_path(path, recursive=recursive)
         if len(paths) == 1 and not isinstance(path, list) and paths[0] == self.unstrip_protocol(path):
             return self.cat_file(paths[0])
         contents = self.cat_ranges(paths, None, None, on_error="raise" if on_error == "raise" else "return")
-        return {p: c for p, c in zip(paths, contents) if not (on_error == "omit" and isinstance(c, Exception))}
+        asked = path if isinstance(path, (list, tuple)) else [path]
+        named = all(fsspec.utils.stringify_path(p).startswith(f"{PROTOCOL}://") for p in asked)
+        keys = paths if named else [self.target_path(p) for p in paths]
+        return {k: c for k, c in zip(keys, contents) if not (on_error == "omit" and isinstance(c, Exception))}
 
     def _read_only(self, *args, **kwargs):
         raise PermissionError(f"{PROTOCOL}:: is read-only")
