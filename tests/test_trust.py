@@ -14,7 +14,7 @@ import pytest
 
 import dmdask
 from dmdask.protocol.rows import RowChannels, RowsAsked
-from dmdask.protocol.worker import BatchRequest, DescribeRequest, WorkerAPI, to_wire
+from dmdask.protocol.worker import BatchRequest, DescribeRequest, Moved, WorkerAPI, to_wire
 from dmdask.spec import TransformContext
 from dmdask.testing.datasets import write_folder, write_tar_shards, write_zarr
 
@@ -428,8 +428,9 @@ def two_workers():
 
 def test_a_worker_dials_no_holder_its_scheduler_does_not_know(two_workers):
     """A batch request naming a holder that is not a worker of the cluster (here a socket of
-    this test's, listening) is refused before the worker dials anything; the workers'
-    own batches still gather from each other."""
+    this test's, listening) answers its blocks as moved before the worker dials anything
+    (as for a holder that died: the rank locates them again); the workers' own batches
+    still gather from each other."""
     import socket
 
     client = two_workers
@@ -440,9 +441,9 @@ def test_a_worker_dials_no_holder_its_scheduler_does_not_know(two_workers):
     try:
         request = BatchRequest(requests={stranger: {"dmdask-block-x-0": np.array([0, 1])}},
                                positions={stranger: np.array([0, 1])}, index=np.arange(2), sizes=[2], fields=["x"])
-        message = refused(client, WorkerAPI(client.rpc).call, address, request)
-        assert message.startswith("dmdask_batch: requests=") and stranger in message and "workers of this cluster" \
-            in message
+        with pytest.raises(Moved) as moved:  # the rank locates those blocks again
+            client.sync(WorkerAPI(client.rpc).call, address, request)
+        assert moved.value.keys == ["dmdask-block-x-0"]
         with pytest.raises(socket.timeout):
             listening.accept()  # nobody dialled it
     finally:

@@ -14,7 +14,6 @@ from distributed.comm import get_address_host
 from distributed.comm.core import CommClosedError
 from distributed.core import Status
 
-from .. import arguments as check
 from ..errors import plain_worker
 from ..fs.inside import serve_worker
 from ..protocol.rows import RowChannels, asked_of
@@ -130,14 +129,14 @@ class WorkerPlugin(distributed.WorkerPlugin):
             self.cache.close()
 
     async def batch(self, request: BatchRequest):
-        """`Batches` of the group, or `Missing` for blocks a holder does not hold;
-        `HandlerArgumentError`, before anything is dialled, for holders that are not workers
-        of the cluster (its scheduler's)."""
+        """`Batches` of the group, or `Missing` for blocks a holder does not hold, and,
+        before anything is dialled, for the blocks of holders that are not workers of the
+        cluster (its scheduler's): a holder that died (the rank locates those blocks again),
+        or an address that never was one (a worker connects only to its cluster's workers)."""
         strangers = [] if self.workers is None else await self.workers.strangers(
             h for h in request.requests if h != self.address)
-        if strangers:
-            raise check.refuse(OPS[BatchRequest], "requests", "holders that are workers of this cluster (its "
-                               "scheduler's)", strangers)
+        if strangers:  # never dialled: gone (a rank's stale holder, located again) or never a worker
+            return Missing([key for h in strangers for key in request.requests[h]])
 
         async def from_holder(holder, wanted):
             if holder == self.address:
