@@ -324,7 +324,7 @@ def test_readers_racing_for_the_same_new_files_read_the_store_once(store, cluste
             "urls = sys.argv[2:]\n"
             "def read(_):\n"
             "    got = fs.cat(urls)\n"
-            "    return [hashlib.sha1(got[fs.unstrip_protocol(u)]).hexdigest() for u in urls]\n"
+            "    return [hashlib.sha1(got[u]).hexdigest() for u in urls]\n"
             "with concurrent.futures.ThreadPoolExecutor(4) as pool:\n"
             "    print(json.dumps(list(pool.map(read, range(4)))))\n")
     server.reset_stats()
