@@ -3,6 +3,12 @@
 `dmdask` fsspec protocol."""
 from __future__ import annotations
 
+import os
+
+import fsspec
+import numpy as np
+
+from ..baselines import ProcessLocalFiles
 from . import dmdask_peer, torch_dataloader
 
 NAME, LABEL, FORMAT, STORE = "transparent", "dmdask transparent mode (`dmdask::`)", "files", "http"
@@ -23,13 +29,29 @@ def available():
 
 
 def settings(cfg: dict) -> str:
-    return "the DataLoader baseline's settings, its URLs prefixed with `dmdask::`"
+    return ("the DataLoader baseline's settings, its URLs prefixed with `dmdask::` (its dataset looks `fs.cat`'s "
+            "answers up under the filesystem's own names, `dmdask://URL`)")
+
+
+class DmdaskNamedFiles(ProcessLocalFiles):
+    """The baseline's dataset, its `fs.cat` answers taken under the names the filesystem gives
+    them: dmdask's `cat` keys a file by `dmdask://URL` (fs.unstrip_protocol), not by the
+    path it was asked for, so the baseline's lookup by that path raises KeyError."""
+
+    def __getitems__(self, indices):
+        if getattr(self, "_pid", None) != os.getpid():
+            self.fs = fsspec.core.url_to_fs(self.urls[0])[0]
+            self._pid = os.getpid()
+        paths = [self.paths[i] for i in indices]
+        contents = self.fs.cat(paths)
+        return [(np.frombuffer(contents[self.fs.unstrip_protocol(p)], dtype=np.uint8), self.labels[i])
+                for p, i in zip(paths, indices)]
 
 
 class Loader(torch_dataloader.Loader):
-    def __init__(self, ctx: dict):
-        import os
+    DATASET = DmdaskNamedFiles
 
+    def __init__(self, ctx: dict):
         # the DataLoader's worker processes inherit the scheduler, and this rank's simulated node
         # (dmdask.client.host, as dmdask_peer sets it), through the environment
         os.environ["DASK_DMDASK__FS__SCHEDULER"] = os.environ[dmdask_peer.SCHEDULER_ENV]
