@@ -105,8 +105,9 @@ def test_peers_and_simulation_run_at_tiny_size_and_merge_into_the_page(peers_tin
     assert os.path.exists(tmp_path / "peers-tiny-latest.json")
     peers, simulation = results["scenarios"]["peers"], results["scenarios"]["simulate"]
     assert "error" not in peers and "error" not in simulation, (peers.get("error"), simulation.get("error"))
-    size, epochs = peers["dataset_bytes"], peers["config"]["epochs"]
+    size = peers["dataset_bytes"]
     for point in peers["points"]:
+        epochs = point["epochs"]  # the preset's, or the point's own
         rows = point["loaders"]
         assert set(rows) == {m.NAME for m in LOADERS}  # every loader has a row, run or not
         for name, r in rows.items():
@@ -149,6 +150,8 @@ def test_peers_loader_bound_point_has_no_step_and_a_same_host_run_to_compare_wit
     unbound = [p for p in peers["points"] if p["rate"] == 0]
     assert len(unbound) == 1 and all(p["rate"] == cfg["rate"] for p in peers["points"] if p not in unbound)
     point = unbound[0]
+    assert point["epochs"] == 3 != cfg["epochs"]  # its own epochs, every loader ran them
+    assert all(len(r["epochs"]) == 3 for r in point["loaders"].values() if r["status"] == "ok")
     ranks = point["nodes"] * cfg["ranks_per_node"]
     same, mine = point["same_host"], point["loaders"]["dmdask"]
     assert same["status"] == "ok", same
@@ -157,7 +160,8 @@ def test_peers_loader_bound_point_has_no_step_and_a_same_host_run_to_compare_wit
     assert roles.count("dmdask worker") == 1 and roles.count("rank") == ranks  # every rank beside the one worker
     assert [p["node"] for p in same["processes"] if p["role"] == "rank"] == [0] * ranks
     assert [p["role"] for p in mine["processes"]].count("dmdask worker") == point["nodes"]
-    assert same["exactly_once"] and all(e["samples"] == n and len(e["per_rank"]) == ranks for e in same["epochs"])
+    assert same["exactly_once"] and len(same["epochs"]) == point["epochs"]
+    assert all(e["samples"] == n and len(e["per_rank"]) == ranks for e in same["epochs"])
     assert abs(same["store_bytes"] / bound(peers, point) - 1) <= 0.02  # its one node caches what the cluster did
     for name, r in point["loaders"].items():
         if r["status"] == "ok":

@@ -11,8 +11,8 @@ OURS = ("dmdask", "transparent")
 
 
 def bound(result: dict, point: dict) -> float:
-    """E*D - min(C, D)*(E - 1), C the cluster's cache (every node's together)."""
-    epochs, size = result["config"]["epochs"], result["dataset_bytes"]
+    """E*D - min(C, D)*(E - 1), C the cluster's cache (every node's together), E the point's epochs."""
+    epochs, size = point.get("epochs", result["config"]["epochs"]), result["dataset_bytes"]
     c = min(point["nodes"] * point["node_cache_bytes"], size)
     return epochs * size - c * (epochs - 1)
 

@@ -119,7 +119,7 @@ def _plot(result: dict, path: str) -> None:
         bottom.bar(x, [r["store_bytes"] / result["dataset_bytes"] for _, r in ok], 0.6, color="tab:gray")
         bottom.axhline(bound(result, point) / result["dataset_bytes"], color="k", ls="--", lw=1,
                        label="bound E*D - min(C,D)*(E-1)")
-        bottom.set_ylabel(f"store bytes over {result['config']['epochs']} epochs (x D)")
+        bottom.set_ylabel(f"store bytes over {point.get('epochs', result['config']['epochs'])} epochs (x D)")
         for ax in (top, bottom):
             heights = [p.get_height() for p in ax.patches if p.get_height() > 0]
             if heights and max(heights) > 8 * min(heights):
@@ -214,7 +214,8 @@ def report(result: dict, plots_dir: str) -> str:
         f"Points: {covered}" + (f" (other presets: {others})" if others else "") + f". Each node runs {cfg['ranks_per_node']} rank processes (one gloo process group, "
         f"RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE set as torchrun does), each with {cfg['loader_workers']} "
         "loader worker process; dmdask has instead one worker process a node "
-        f"(threads = ranks a node). Every rank runs {cfg['epochs']} epochs of the same loop: its batches of "
+        f"(threads = ranks a node). Every rank runs {cfg['epochs']} epochs (a point that names its own: that many) "
+        "of the same loop: its batches of "
         f"{cfg['batch']}, a training step emulated by a sleep of batch / {cfg['rate']:,} samples/s (none at the "
         "loader-bound points, marked *no emulated step*: there every loader is the bottleneck, and dmdask runs "
         "once more with the point's ranks all on one node whose one worker holds the cluster's cache, its "
@@ -238,7 +239,7 @@ def report(result: dict, plots_dir: str) -> str:
         "", "**Conversion** (timed apart, not in any epoch)", "", _conversion(result),
     ]
     for point in points:
-        step = "" if point.get("rate", cfg["rate"]) else ", no emulated step (loader-bound)"
+        step = "" if point.get("rate", cfg["rate"]) else f", no emulated step (loader-bound), {point['epochs']} epochs"
         text += ["", f"**{point['nodes']} nodes, node cache {point['node_cache']:.2f} D "
                      f"(cluster {point['nodes'] * point['node_cache']:.2f} D){step}**", "", _point_table(result, point)]
     table = per_rank(result)
