@@ -196,8 +196,8 @@ def report(result: dict, plots_dir: str) -> str:
     from . import PRESETS
 
     def listed(pts):
-        return ", ".join(f"{p['nodes']} nodes x {p['node_cache']:.2f} D (cluster {p['nodes'] * p['node_cache']:.2f} D)"
-                         for p in pts)
+        return ", ".join(f"{p['nodes']} nodes x {p['node_cache']:.2f} D (cluster {p['nodes'] * p['node_cache']:.2f} D"
+                         + (", no step)" if p.get("rate", cfg["rate"]) == 0 else ")") for p in pts)
 
     covered = listed(points)
     others = "; ".join(f"`--{name}`: {listed(c['points'])}" for name, c in PRESETS.items()
@@ -220,8 +220,8 @@ def report(result: dict, plots_dir: str) -> str:
         "loader-bound points, marked *no emulated step*: there every loader is the bottleneck, and dmdask runs "
         "once more with the point's ranks all on one node whose one worker holds the cluster's cache, its "
         "same-host path, every row mapped and none over TCP), barriers between epochs; each loader's library is "
-        "imported before the first epoch (as a training script imports at its top; torch is imported by every rank anyway) and followed by one full garbage "
-        "collection (else the process's first, 0.1-0.2 s here, lands in whichever loader's epoch first "
+        "imported before the first epoch (as a training script imports at its top; torch is imported by every "
+        "rank anyway) and followed by one full garbage collection (else the process's first, 0.1-0.2 s here, lands in whichever loader's epoch first "
         "crosses the collector's threshold), the loader is built inside epoch 1's clock. All processes share "
         "this machine's cores, one loader at a time. "
         + ("Each node has its own /dev/shm (a mount namespace with a private tmpfs), as separate hosts would: "
