@@ -29,14 +29,15 @@ def available():
 
 
 def settings(cfg: dict) -> str:
-    return ("the DataLoader baseline's settings, its URLs prefixed with `dmdask::` (its dataset looks `fs.cat`'s "
+    return ("the DataLoader baseline's settings, its URLs prefixed with `dmdask::` (its dataset also looks `fs.cat`'s "
             "answers up under the filesystem's own names, `dmdask://URL`)")
 
 
 class DmdaskNamedFiles(ProcessLocalFiles):
-    """The baseline's dataset, its `fs.cat` answers taken under the names the filesystem gives
-    them: dmdask's `cat` keys a file by `dmdask://URL` (fs.unstrip_protocol), not by the
-    path it was asked for, so the baseline's lookup by that path raises KeyError."""
+    """The baseline's dataset, its `fs.cat` answers taken under the path asked for or, where
+    absent, under the filesystem's own name of it: dmdask's `cat` keyed a `dmdask::` chain's
+    files by `dmdask://URL` (802ab9b; the baseline's lookup raised KeyError), main keys them
+    by the path given again. Drop this class once every branch has that fix."""
 
     def __getitems__(self, indices):
         if getattr(self, "_pid", None) != os.getpid():
@@ -44,8 +45,8 @@ class DmdaskNamedFiles(ProcessLocalFiles):
             self._pid = os.getpid()
         paths = [self.paths[i] for i in indices]
         contents = self.fs.cat(paths)
-        return [(np.frombuffer(contents[self.fs.unstrip_protocol(p)], dtype=np.uint8), self.labels[i])
-                for p, i in zip(paths, indices)]
+        return [(np.frombuffer(contents[p] if p in contents else contents[self.fs.unstrip_protocol(p)],
+                               dtype=np.uint8), self.labels[i]) for p, i in zip(paths, indices)]
 
 
 class Loader(torch_dataloader.Loader):
