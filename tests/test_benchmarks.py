@@ -3,6 +3,7 @@
 It checks that every scenario runs and reports what its goals are judged on (bytes at the
 bound, every sample once, each goal met or not); it asserts no speed (the figures live in
 docs/benchmarks.md)."""
+import importlib
 import os
 
 import pytest
@@ -85,20 +86,28 @@ def test_transparent_scenario_runs_and_reports(tmp_path):
     assert os.listdir(tmp_path / "plots") == ["transparent.png"]
 
 
+@pytest.fixture(scope="module")
+def peers_tiny(tmp_path_factory):
+    """`run --peers` at tiny size, once for the tests that read it: (results, its folder)."""
+    pytest.importorskip("torch", reason="the ranks join a torch.distributed (gloo) process group")
+    out = tmp_path_factory.mktemp("peers")
+    return run("tiny", [], out_dir=str(out), write_doc=False, peers=True), out
+
+
 @pytest.mark.slow
-def test_peers_and_simulation_run_at_tiny_size_and_merge_into_the_page(tmp_path):
+def test_peers_and_simulation_run_at_tiny_size_and_merge_into_the_page(peers_tiny):
     """`run --peers` at tiny size: dmdask, the DataLoader baseline and WebDataset run (the peers that
     `make test` does not install are reported as not run, with the reason); the simulation runs."""
-    pytest.importorskip("torch", reason="the ranks join a torch.distributed (gloo) process group")
     from benchmarks.peers import LOADERS
     from benchmarks.peers.goals import bound
 
-    results = run("tiny", [], out_dir=str(tmp_path), write_doc=False, peers=True)
+    results, tmp_path = peers_tiny
     assert os.path.exists(tmp_path / "peers-tiny-latest.json")
     peers, simulation = results["scenarios"]["peers"], results["scenarios"]["simulate"]
     assert "error" not in peers and "error" not in simulation, (peers.get("error"), simulation.get("error"))
-    size, epochs = peers["dataset_bytes"], peers["config"]["epochs"]
+    size = peers["dataset_bytes"]
     for point in peers["points"]:
+        epochs = point["epochs"]  # the preset's, or the point's own
         rows = point["loaders"]
         assert set(rows) == {m.NAME for m in LOADERS}  # every loader has a row, run or not
         for name, r in rows.items():
@@ -124,6 +133,49 @@ def test_peers_and_simulation_run_at_tiny_size_and_merge_into_the_page(tmp_path)
     assert "## 8. Beside the loaders users pick today" in text and "## 9. " in text and "| 8 |" in text
     assert "transparent" in text
     assert sorted(os.listdir(tmp_path / "plots")) == ["peers.png", "simulate.png"]
+
+
+@pytest.mark.slow
+def test_peers_loader_bound_point_has_no_step_and_a_same_host_run_to_compare_with(peers_tiny):
+    """The loader-bound point (issue 36): no emulated step; dmdask also runs there with the point's
+    ranks all on one node, one worker holding the cluster's cache (the same-host path), every
+    sample once at the same store bytes; the per-rank samples/s of every loader that ran, the
+    goal judged with the load average and the same-host figure, and the page's table."""
+    from benchmarks.peers.goals import bound
+
+    peers_report = importlib.import_module("benchmarks.peers.report")  # the package's `report` is its function
+    results, tmp_path = peers_tiny
+    peers = results["scenarios"]["peers"]
+    cfg, n = peers["config"], peers["config"]["samples"]
+    unbound = [p for p in peers["points"] if p["rate"] == 0]
+    assert len(unbound) == 1 and all(p["rate"] == cfg["rate"] for p in peers["points"] if p not in unbound)
+    point = unbound[0]
+    assert point["epochs"] == 3 != cfg["epochs"]  # its own epochs, every loader ran them
+    assert all(len(r["epochs"]) == 3 for r in point["loaders"].values() if r["status"] == "ok")
+    ranks = point["nodes"] * cfg["ranks_per_node"]
+    same, mine = point["same_host"], point["loaders"]["dmdask"]
+    assert same["status"] == "ok", same
+    assert (same["nodes"], same["ranks"]) == (1, ranks)
+    roles = [p["role"] for p in same["processes"]]
+    assert roles.count("dmdask worker") == 1 and roles.count("rank") == ranks  # every rank beside the one worker
+    assert [p["node"] for p in same["processes"] if p["role"] == "rank"] == [0] * ranks
+    assert [p["role"] for p in mine["processes"]].count("dmdask worker") == point["nodes"]
+    assert same["exactly_once"] and len(same["epochs"]) == point["epochs"]
+    assert all(e["samples"] == n and len(e["per_rank"]) == ranks for e in same["epochs"])
+    assert abs(same["store_bytes"] / bound(peers, point) - 1) <= 0.02  # its one node caches what the cluster did
+    for name, r in point["loaders"].items():
+        if r["status"] == "ok":
+            assert len(r["load_1min"]) == 2
+            assert r["later_per_rank_samples_per_s"] == pytest.approx(
+                sum(e["samples"] / e["wall_s"] / ranks for e in r["epochs"][1:]) / (len(r["epochs"]) - 1))
+    goal = next(g for g in peers["goals"] if g["goal"].startswith("#36: loader-bound"))
+    assert isinstance(goal["met"], bool) and "no step" in goal["measured"] and "same host" in goal["measured"]
+    assert "load " in goal["measured"]
+    table = "\n".join(peers_report.per_rank(peers))
+    assert "dmdask, same host" in table and "dmdask remote / same host, per rank" in table
+    text = open(report.write(dict(results, scenarios={}), path=str(tmp_path / "page.md"),
+                             plots_dir=str(tmp_path / "plots2"), peers=results)).read()
+    assert "no emulated step (loader-bound)" in text and table in text
 
 
 @pytest.mark.slow

@@ -2,7 +2,8 @@
 
 It joins a gloo process group (as a torchrun job would: the peers read the world from it
 or from RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), then for each epoch: a barrier,
-the loader's batches with an emulated training step (a sleep of batch / rate), a barrier.
+the loader's batches with an emulated training step (a sleep of batch / rate; none where
+rate is 0, the loader-bound points), a barrier.
 Its library is imported before the first barrier (`module.available()`), as a training
 script imports at its top, and one full garbage collection follows, so that no loader's
 epoch pays for the start-up's objects; the loader is built inside epoch 1's clock. Rank 0
@@ -72,7 +73,8 @@ def main(run_dir: str, rank: int) -> None:
             got = loader.ids(batch)
             ids.append(got)
             samples += len(got)
-            time.sleep(len(got) / ctx["rate"])
+            if ctx["rate"]:
+                time.sleep(len(got) / ctx["rate"])
         end = time.time()
         del it
         np.save(os.path.join(run_dir, f"ids-{rank}-{epoch}.npy"),

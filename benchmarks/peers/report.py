@@ -5,7 +5,7 @@ from typing import List
 
 import numpy as np
 
-from .goals import bound
+from .goals import bound, load, loader_bound
 
 MIB = 2**20
 SHORT = {"dataloader": "DataLoader", "webdataset": "WebDataset", "mosaic": "Mosaic", "litdata": "LitData",
@@ -14,6 +14,10 @@ SHORT = {"dataloader": "DataLoader", "webdataset": "WebDataset", "mosaic": "Mosa
 
 def _mib(b: float) -> str:
     return f"{b / MIB:,.0f} MiB" if b >= MIB else (f"{b / 1024:,.0f} KiB" if b else "0")
+
+
+def _s(seconds: float) -> str:
+    return f"{seconds:.2f} s" if seconds < 1 else f"{seconds:.1f} s"
 
 
 def _settings(result: dict) -> str:
@@ -47,10 +51,17 @@ def _conversion(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _same_host_label(point: dict) -> str:
+    return f"dmdask, same host (all {point['same_host']['ranks']} ranks on one node)"
+
+
 def _point_table(result: dict, point: dict) -> str:
     size = result["dataset_bytes"]
     labels = {m["name"]: m["label"] for m in result["loaders"]}
-    rows = point["loaders"]
+    rows = dict(point["loaders"])
+    if "same_host" in point:
+        labels["same_host"] = _same_host_label(point)
+        rows["same_host"] = point["same_host"]
     mine = rows.get("dmdask", {})
     ref = mine if mine.get("status") == "ok" else None
     lines = ["| loader | epoch 1 | epochs 2+ | epochs 2+ / dmdask | stall 1 / 2+ | samples/s 2+ "
@@ -71,12 +82,16 @@ def _point_table(result: dict, point: dict) -> str:
         vs_bytes = f"{r['store_bytes'] / ref['store_bytes']:.2f}" if ref and ref["store_bytes"] else "-"
         m = r["memory"]
         lines.append(
-            f"| {labels[name]} | {r['epoch1_s']:.1f} s | {r['later_s']:.1f} s | {vs_later} "
+            f"| {labels[name]} | {_s(r['epoch1_s'])} | {_s(r['later_s'])} | {vs_later} "
             f"| {r['epochs'][0]['stall']:.0%} / {stall2:.0%} | {sps:,.0f} "
             f"| {r['store_bytes'] / size:.2f} / {r['store_requests']:,} | {vs_bytes} | {disk} "
             f"| {m['sum_mib']:,.0f} MiB ({m['max_mib']:,.0f} MiB, {m['processes']}) "
             f"| {'none' if r['exactly_once'] else dup + ' / ' + miss} |")
     b = bound(result, point)
+    if "same_host" in point:
+        lines.append(f"\n{labels['same_host']}: one dmdask worker whose RAM tier is the cluster's cache "
+                     f"({point['nodes']} x {point['node_cache']:.2f} D), every row mapped from its arenas, none over "
+                     "TCP: the same-host path the remote rows are compared with.")
     return "\n".join(lines) + f"\n\nBound E*D - min(C,D)*(E-1) here: {b / size:.2f} D (C = {point['nodes']} x " \
                               f"{point['node_cache']:.2f} D)."
 
@@ -99,11 +114,12 @@ def _plot(result: dict, path: str) -> None:
         top.set_ylabel("epoch wall time (s)")
         top.axhline(result["dataset_bytes"] / result["config"]["bandwidth"], color="tab:red", ls=":", lw=1,
                     label="reading D once from the store")
-        top.set_title(f"{point['nodes']} nodes, node cache {point['node_cache']:.2f} D", fontsize=9)
+        top.set_title(f"{point['nodes']} nodes, node cache {point['node_cache']:.2f} D"
+                      + ("" if point.get("rate", result["config"]["rate"]) else ", no step"), fontsize=9)
         bottom.bar(x, [r["store_bytes"] / result["dataset_bytes"] for _, r in ok], 0.6, color="tab:gray")
         bottom.axhline(bound(result, point) / result["dataset_bytes"], color="k", ls="--", lw=1,
                        label="bound E*D - min(C,D)*(E-1)")
-        bottom.set_ylabel(f"store bytes over {result['config']['epochs']} epochs (x D)")
+        bottom.set_ylabel(f"store bytes over {point.get('epochs', result['config']['epochs'])} epochs (x D)")
         for ax in (top, bottom):
             heights = [p.get_height() for p in ax.patches if p.get_height() > 0]
             if heights and max(heights) > 8 * min(heights):
@@ -130,9 +146,44 @@ def summary(result: dict) -> List[str]:
         for name, r in point["loaders"].items():
             if name == "dmdask" or r["status"] != "ok":
                 continue
-            lines.append(f"| {point['nodes']} nodes, {point['node_cache']:.2f} D a node | {labels[name]} "
+            tag = ", no step" if loader_bound(result, point) else ""
+            lines.append(f"| {point['nodes']} nodes, {point['node_cache']:.2f} D a node{tag} | {labels[name]} "
                          f"| {r['later_s'] / mine['later_s']:.2f} | {r['epoch1_s'] / mine['epoch1_s']:.2f} "
                          f"| {r['store_bytes'] / max(1, mine['store_bytes']):.2f} |")
+    return lines
+
+
+def per_rank(result: dict) -> List[str]:
+    """The loader-bound points side by side: each loader's per-rank samples/s on epochs 2+ (the
+    epoch's samples / its wall time / ranks) and dmdask's remote figure over its same-host run's."""
+    points = [p for p in result["points"] if loader_bound(result, p)]
+    if not points:
+        return []
+    labels = {m["name"]: m["label"] for m in result["loaders"]}
+    head = [f"{p['nodes']} nodes x {p['node_cache']:.2f} D" for p in points]
+    lines = ["| loader | " + " | ".join(f"{h}: per rank / dmdask's | load (start-end)" for h in head) + " |",
+             "|---|" + "---:|---:|" * len(points)]
+
+    def cell(r: dict, mine: dict) -> str:
+        if r.get("status") != "ok":
+            return f"{r.get('status', 'not run')} | "
+        v = r["later_per_rank_samples_per_s"]
+        ratio = f" ({v / mine['later_per_rank_samples_per_s']:.2f})" if mine.get("status") == "ok" else ""
+        return f"{v:,.0f}{ratio} | {load(r)}"
+
+    for name in labels:
+        cells = [cell(p["loaders"].get(name, {}), p["loaders"].get("dmdask", {})) for p in points]
+        lines.append(f"| {labels[name]} | " + " | ".join(cells) + " |")
+    if any("same_host" in p for p in points):
+        cells = [cell(p.get("same_host", {}), p["loaders"].get("dmdask", {})) for p in points]
+        lines.append("| dmdask, same host (the point's ranks all on one node) | " + " | ".join(cells) + " |")
+        ratios = []
+        for p in points:
+            mine, same = p["loaders"].get("dmdask", {}), p.get("same_host", {})
+            ok = mine.get("status") == "ok" and same.get("status") == "ok"
+            ratios.append(f"**{mine['later_per_rank_samples_per_s'] / same['later_per_rank_samples_per_s']:.2f}x** | "
+                          if ok else "- | ")
+        lines.append("| dmdask remote / same host, per rank | " + " | ".join(ratios) + " |")
     return lines
 
 
@@ -145,8 +196,8 @@ def report(result: dict, plots_dir: str) -> str:
     from . import PRESETS
 
     def listed(pts):
-        return ", ".join(f"{p['nodes']} nodes x {p['node_cache']:.2f} D (cluster {p['nodes'] * p['node_cache']:.2f} D)"
-                         for p in pts)
+        return ", ".join(f"{p['nodes']} nodes x {p['node_cache']:.2f} D (cluster {p['nodes'] * p['node_cache']:.2f} D"
+                         + (", no step)" if p.get("rate", cfg["rate"]) == 0 else ")") for p in pts)
 
     covered = listed(points)
     others = "; ".join(f"`--{name}`: {listed(c['points'])}" for name, c in PRESETS.items()
@@ -163,11 +214,14 @@ def report(result: dict, plots_dir: str) -> str:
         f"Points: {covered}" + (f" (other presets: {others})" if others else "") + f". Each node runs {cfg['ranks_per_node']} rank processes (one gloo process group, "
         f"RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE set as torchrun does), each with {cfg['loader_workers']} "
         "loader worker process; dmdask has instead one worker process a node "
-        f"(threads = ranks a node). Every rank runs {cfg['epochs']} epochs of the same loop: its batches of "
-        f"{cfg['batch']}, a training step emulated by a sleep of batch / {cfg['rate']:,} samples/s, barriers "
-        "between epochs; each loader's library is imported before the first epoch (as a training script "
-        "imports at its top; torch is imported by every rank anyway) and followed by one full garbage "
-        "collection (else the process's first, 0.1-0.2 s here, lands in whichever loader's epoch first "
+        f"(threads = ranks a node). Every rank runs {cfg['epochs']} epochs (a point that names its own: that many) "
+        "of the same loop: its batches of "
+        f"{cfg['batch']}, a training step emulated by a sleep of batch / {cfg['rate']:,} samples/s (none at the "
+        "loader-bound points, marked *no emulated step*: there every loader is the bottleneck, and dmdask runs "
+        "once more with the point's ranks all on one node whose one worker holds the cluster's cache, its "
+        "same-host path, every row mapped and none over TCP), barriers between epochs; each loader's library is "
+        "imported before the first epoch (as a training script imports at its top; torch is imported by every "
+        "rank anyway) and followed by one full garbage collection (else the process's first, 0.1-0.2 s here, lands in whichever loader's epoch first "
         "crosses the collector's threshold), the loader is built inside epoch 1's clock. All processes share "
         "this machine's cores, one loader at a time. "
         + ("Each node has its own /dev/shm (a mount namespace with a private tmpfs), as separate hosts would: "
@@ -185,8 +239,14 @@ def report(result: dict, plots_dir: str) -> str:
         "", "**Conversion** (timed apart, not in any epoch)", "", _conversion(result),
     ]
     for point in points:
+        step = "" if point.get("rate", cfg["rate"]) else f", no emulated step (loader-bound), {point['epochs']} epochs"
         text += ["", f"**{point['nodes']} nodes, node cache {point['node_cache']:.2f} D "
-                     f"(cluster {point['nodes'] * point['node_cache']:.2f} D)**", "", _point_table(result, point)]
+                     f"(cluster {point['nodes'] * point['node_cache']:.2f} D){step}**", "", _point_table(result, point)]
+    table = per_rank(result)
+    if table:
+        text += ["", "**Loader-bound points: per-rank samples/s on epochs 2+** (an epoch's samples / its wall time / "
+                     "ranks, the mean over epochs 2+; in brackets: over dmdask's at the same point; load: the 1-minute "
+                     "load average as the loader's run started and ended)", ""] + table
     text += ["", "**Ratios to dmdask** (above 1: dmdask is faster, or reads less)", ""] + summary(result)
     text += ["", "![peers](benchmarks/peers.png)", ""]
     return "\n".join(text)

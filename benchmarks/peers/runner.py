@@ -67,7 +67,7 @@ def run_one(module, point: dict, ctx: dict, store, extra_env: dict, timeout: flo
             json.dump(dict(ctx, module=module.__name__.rsplit(".", 1)[1], world=world, nodes=nodes, port=port,
                            node_dirs=run.node_dirs, node_cache_bytes=point["node_cache_bytes"]), f)
         services = getattr(module, "services", None)
-        started = time.perf_counter()
+        started, load = time.perf_counter(), os.getloadavg()[0]
         try:
             with (services(run) if services else contextlib.nullcontext({})) as service_env:
                 store.reset_stats()
@@ -77,7 +77,9 @@ def run_one(module, point: dict, ctx: dict, store, extra_env: dict, timeout: flo
             return {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"[:600]}
         if "reason" in counts:
             return {"status": "failed", "reason": counts["reason"]}
-        return _figures(root, world, ctx, counts, meter, time.perf_counter() - started, namespaces.isolated)
+        out = _figures(root, world, ctx, counts, meter, time.perf_counter() - started, namespaces.isolated)
+        # the 1-minute load average as the run started and as it ended (this machine's other work shows in it)
+        return dict(out, load_1min=[round(load, 2), round(os.getloadavg()[0], 2)])
 
 
 def _ranks(run: Run, world: int, per_node: int, nodes: int, port: int, env: dict, epochs: int, store,
@@ -149,7 +151,7 @@ def _figures(root: str, world: int, ctx: dict, counts: dict, meter: Meter, secon
         samples = int(sum(x["samples"] for x in rows))
         out.append({"wall_s": wall, "stall": float(np.mean([x["wait_s"] for x in rows])) / wall,
                     "setup_s": float(max(x["setup_s"] for x in rows)), "samples": samples,
-                    "samples_per_s": samples / wall, "duplicates": int(len(ids) - len(unique)),
+                    "samples_per_s": samples / wall, "per_rank_samples_per_s": samples / wall / world, "duplicates": int(len(ids) - len(unique)),
                     "misses": int(n - len(valid)), "per_rank": [x["samples"] for x in rows],
                     **{k: snap[k] - before[k] for k in before}})
         before = snap
@@ -157,6 +159,7 @@ def _figures(root: str, world: int, ctx: dict, counts: dict, meter: Meter, secon
     later = out[1:] or out
     return {"status": "ok", "epochs": out, "epoch1_s": out[0]["wall_s"],
             "later_s": float(np.mean([e["wall_s"] for e in later])),
+            "later_per_rank_samples_per_s": float(np.mean([e["per_rank_samples_per_s"] for e in later])),
             "store_bytes": sum(e["bytes"] for e in out), "store_requests": sum(e["requests"] for e in out),
             "disk_written": sum(e["disk"] for e in out), "shm_written": sum(e["shm"] for e in out),
             "exactly_once": all(e["duplicates"] == 0 and e["misses"] == 0 for e in out),

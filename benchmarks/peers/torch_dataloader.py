@@ -28,11 +28,13 @@ def batch_ids(batch) -> np.ndarray:
 
 
 class Loader:
+    DATASET = ProcessLocalFiles  # a batch's files in one `fs.cat`
+
     def __init__(self, ctx: dict):
         import torch.utils.data
 
         labels = [0] * len(ctx["file_urls"])
-        self.dataset = ProcessLocalFiles(ctx["file_urls"], labels)
+        self.dataset = self.DATASET(ctx["file_urls"], labels)
         self.sampler = torch.utils.data.distributed.DistributedSampler(
             self.dataset, num_replicas=ctx["world"], rank=ctx["rank"], shuffle=True, seed=ctx["seed"])
         workers = ctx["loader_workers"]
