@@ -61,6 +61,7 @@ class DmdaskFileSystem(_Base):
 
     protocol = PROTOCOL
     root_marker = ""
+    cachable = False  # an instance is cheap; a cached one could outlive the cluster and the target it was made for
 
     def __init__(self, target_protocol=None, target_options=None, fs=None, scheduler=None, block_size=None,
                  fo=None, **kwargs):
