@@ -226,6 +226,7 @@ class RowChannels:
         self.api, self.ssl_context, self.timeout = api, ssl_context, timeout
         self._channels: dict[str, Channel] = {}
         self._idle: dict[str, list] = {}  # holder -> idle (socket, Buffer)
+        self._sending: dict[str, asyncio.Lock] = {}  # holder -> held while a request to it is sent (`fetch`)
         self._lock = threading.Lock()
 
     async def channel(self, holder: str) -> Channel:
@@ -241,30 +242,48 @@ class RowChannels:
     async def fetch(self, executor, holder: str, asked: RowsAsked, place=None) -> tuple:
         """Rows `asked` of `holder`, received in a thread of `executor` by `place` (see
         `exchange`; None: into new arrays): (what `place` returned, how many rows the
-        holder read from the store for them). `Moved` for blocks it
+        holder read from the store for them). Requests to a holder leave in the order the
+        calls were made (a cold rank's earliest batch first: the worker's reads serve
+        the earliest batch first among those it has). The rest as `exchange`. `Moved` for blocks it
         does not hold; the holder's error (`BlockReadError`, `ValueError` for rows outside
         their block) raised as it was; OSError when the holder is gone or does not answer."""
         channel = await self.channel(holder)
-        return await asyncio.get_running_loop().run_in_executor(executor, self.exchange, holder, channel, asked, place)
+        loop = asyncio.get_running_loop()
+        async with self._sending.setdefault(holder, asyncio.Lock()):  # a holder gets requests in the order made
+            sent = await loop.run_in_executor(executor, self._guarded, holder, self._send, holder, channel, asked)
+        return await loop.run_in_executor(executor, self._guarded, holder, self._receive, holder, sent, asked,
+                                          place or into_new)
 
     def exchange(self, holder: str, channel: Channel, asked: RowsAsked, place=None) -> tuple:
         """Blocking: send `asked`, then `place(fields, n, receive)` with the reply, where
         `receive(into)` reads the rows (`recv_fields`), once. The connection is reused once
         a whole reply was read, closed after any other failure."""
-        place = place or into_new
+        sent = self._guarded(holder, self._send, holder, channel, asked)
+        return self._guarded(holder, self._receive, holder, sent, asked, place or into_new)
+
+    def _guarded(self, holder: str, step, *args):
         try:
-            return self._exchange(holder, channel, asked, place)
+            return step(*args)
         except OSError:
             self.forget(holder)
             raise
 
-    def _exchange(self, holder: str, channel: Channel, asked: RowsAsked, place) -> tuple:
+    def _send(self, holder: str, channel: Channel, asked: RowsAsked) -> tuple:
+        """The request sent on a connection: (the socket, its buffer)."""
         sock, buffer = self._connection(holder, channel)
-        error = None
         try:
             send_frame(sock, {"keys": asked.keys, "n": len(asked.rows), "priority": asked.priority,
                               "wait": asked.wait}, [np.ascontiguousarray(asked.blocks, dtype=np.int32),
                                                     np.ascontiguousarray(asked.rows, dtype=np.int64)])
+        except BaseException:
+            sock.close()
+            raise
+        return sock, buffer
+
+    def _receive(self, holder: str, sent: tuple, asked: RowsAsked, place) -> tuple:
+        sock, buffer = sent
+        error = None
+        try:
             header = recv_header(sock)
             status = header.get("status")
             if status == "rows":
