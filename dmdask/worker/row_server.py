@@ -12,6 +12,7 @@ after the copy); only a connection that starts with the worker's secret is serve
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hmac
 import logging
 import secrets
@@ -21,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
+import dask.config
 import numpy as np
 
 from .. import arguments as check
@@ -193,7 +195,14 @@ class RowServer:
         priority = float("inf") if asked.priority is None else float(asked.priority)
         served = asyncio.run_coroutine_threadsafe(self.cache.serve(by_key, priority, asked.wait),
                                                   self.cache.worker.loop.asyncio_loop)
-        arrays, from_store = served.result()
+        seconds = float(dask.config.get("dmdask.client.recovery-seconds"))  # as long as the caller waits for it
+        try:
+            arrays, from_store = served.result(seconds)
+        except concurrent.futures.TimeoutError:
+            served.cancel()
+            raise TimeoutError(f"rows of {len(by_key)} blocks not served within {seconds:.0f} s "
+                               "(dmdask.client.recovery-seconds): the worker's event loop or store reads are stuck") \
+                from None
         return _in_order(arrays, order), from_store
 
     def close(self) -> None:
