@@ -112,20 +112,20 @@ class GroupFetcher:
             from last_error
 
     def fetch_known(self, first: int, group: list[np.ndarray]) -> list | None:
-        """In any thread: the batches `group` (sample ids), from batch `first` on, of a warm iterator with no transform whose
-        blocks all have known holders on other hosts, asked of them with no hop through the
-        event loop (`Gatherer.gather_remote`); None when that does not apply. Any error is
-        raised, and the caller fetches the group with `fetch`, which recovers from it."""
+        """In any thread: the batches `group` (sample ids), from batch `first` on, of a warm
+        iterator with no transform whose blocks all have known holders, taken with no hop
+        through the event loop (`Gatherer.gather_known`); None when that does not apply.
+        Any error is raised, and the caller fetches the group with `fetch`, which recovers."""
         if self.transform is not None or self.cold:
             return None
         ids = np.concatenate(group)
         blocks, offsets = self.info.locate(ids)
-        keys = {int(k): self.info.block_key(int(k)) for k in np.unique(blocks)}
-        holders = {key: self.holders.get(key) for key in keys.values()}
-        if None in holders.values():
+        unique, index = np.unique(blocks, return_inverse=True)
+        keys = [self.info.block_key(k) for k in unique.tolist()]
+        holders = [self.holders.get(key) for key in keys]
+        if None in holders:
             return None
-        plan, positions = plan_rows(blocks, offsets, keys, holders)
-        arrays = self.gatherer.gather_remote(plan, positions, len(ids), priority=first)
+        arrays = self.gatherer.gather_known(keys, holders, index, offsets, priority=first)
         if arrays is None:
             return None
         index, extra = self._index(ids)
@@ -150,12 +150,15 @@ class GroupFetcher:
         """A group's "index" and its fields not read from blocks (a mixture's "source")."""
         return (ids, {}) if self.mixed is None else self.mixed.batch_fields(ids)
 
-    def learn(self, ready: Ready) -> None:
+    def learn(self, ready: Ready) -> bool:
         """Before the first fetch: where `ready`'s blocks were, and how to map those on this
-        host (docs/architecture.md section 3, step 3)."""
+        host (docs/architecture.md section 3, step 3). True when every block of its dataset
+        was held then (a warm start: no row needs the store)."""
         info = ready.info
         self.holders.update({info.block_key(k): worker for worker, blocks in ready.holders.items() for k in blocks})
         self.gatherer.learn(info.identity, ready.layouts)
+        held = set().union(*ready.holders.values()) if ready.holders else set()
+        return ready.loaded >= info.num_blocks and len(held) >= info.num_blocks
 
     async def first_rows(self) -> list:
         """The first row of every source of the mixture drawn in an epoch (None for the others)."""

@@ -133,12 +133,9 @@ class Group:
         for name, values in arrays.items():
             out[name][where] = values
 
-    def receiving(self, wanted: dict[str, np.ndarray], where: np.ndarray, priority) -> tuple[RowsAsked, object]:
-        """(the request for a holder's rows `wanted` (block key -> offsets) at positions
-        `where` of the group, asked in group order; the `place` that receives its reply)."""
-        asked = asked_of(wanted, priority, LOAD_WAIT)
-        order = np.argsort(where, kind="stable")
-        asked.blocks, asked.rows, where = asked.blocks[order], asked.rows[order], where[order]
+    def receiving(self, asked: RowsAsked, where: np.ndarray):
+        """The `place` (`RowChannels.exchange`) that receives the reply to `asked`, whose rows
+        go to positions `where` of the group (ascending: the rows asked in group order)."""
 
         def place(fields: list, n: int, receive) -> None:
             layout = fixed_layout(fields)
@@ -147,7 +144,16 @@ class Group:
             else:
                 self.put(where, receive(None))
 
-        return asked, place
+        return place
+
+
+def in_group_order(wanted: dict[str, np.ndarray], where: np.ndarray, priority) -> tuple[RowsAsked, np.ndarray]:
+    """(the request for a holder's rows `wanted` (block key -> offsets) at positions `where`
+    of the group, asked in group order; those positions, ascending)."""
+    asked = asked_of(wanted, priority, LOAD_WAIT)
+    order = np.argsort(where, kind="stable")
+    asked.blocks, asked.rows = asked.blocks[order], asked.rows[order]
+    return asked, where[order]
 
 
 class Gatherer:
@@ -186,8 +192,9 @@ class Gatherer:
         group = Group(n)
         loop = asyncio.get_running_loop()
         channels = channels_of(self.client)
-        fetched = [channels.fetch(peer_threads, holder, *group.receiving(asked, where, priority))
-                   for holder, (asked, where) in remote.items()]  # holders wait for blocks loading
+        asked = {holder: in_group_order(wanted, where, priority) for holder, (wanted, where) in remote.items()}
+        fetched = [channels.fetch(peer_threads, holder, request, group.receiving(request, where))
+                   for holder, (request, where) in asked.items()]  # holders wait for blocks loading
         if from_files:  # rows of this host's files, in a thread while the holders answer
             fetched.append(loop.run_in_executor(_pool, self._take_files, from_files, group))
         replies = await asyncio.gather(*fetched)
@@ -223,25 +230,47 @@ class Gatherer:
                                       ids=np.concatenate(taken.ids)) for taken in from_arenas.values()]
         return from_files, {h: (asked, np.concatenate(places)) for h, (asked, places) in remote.items()}
 
-    def gather_remote(self, plan: dict[str, dict[str, np.ndarray]], positions: dict[str, np.ndarray], n: int,
-                      priority: int | None = None) -> dict[str, np.ndarray] | None:
+    def gather_known(self, keys: list[str], holders: list[str], blocks: np.ndarray, offsets: np.ndarray,
+                     priority: int | None = None) -> dict[str, np.ndarray] | None:
         """`gather` in the caller's thread, with no hop through the event loop, when the
         layouts of the blocks held on this host and the row channels of the other holders
-        are known already: rows of this host's files taken in this thread (else one holder's
-        rows received in it), the holders' received in `peer_threads` meanwhile. None
-        otherwise; raises what `gather` raises (the caller then fetches the group
-        through `gather`, which recovers)."""
-        local = self._local_holders(plan)
-        if any((h, k) not in _mapped.described for h in local for k in plan[h]):
-            return None  # its layout is learnt on the event loop
-        from_files, remote = self._sort(plan, positions, local)
+        are known already: a group's rows are `keys[blocks[i]]`'s row `offsets[i]`, held by
+        `holders[blocks[i]]`; each holder is asked for its rows in group order, with no
+        per-block work. Rows of this host's files are taken in this thread (else one
+        holder's rows received in it), the holders' received in `peer_threads` meanwhile.
+        None when something is not known; raises what `gather` raises (the caller then
+        fetches the group through `gather`, which recovers)."""
+        n = len(blocks)
+        names = list(dict.fromkeys(holders))
+        holder_of_block = np.array([names.index(h) for h in holders], dtype=np.int32) if len(names) > 1 else None
+        local = set(self._local_holders(names))
         channels = channels_of(self.client)
-        known = {holder: channels.known(holder) for holder in remote}
-        if None in known.values():
-            return None
+        from_files: list[FromFile] = []
+        exchanges = []
         group = Group(n)
-        exchanges = [(holder, known[holder], *group.receiving(asked, where, priority))
-                     for holder, (asked, where) in remote.items()]
+        for i, holder in enumerate(names):
+            if holder_of_block is None:
+                mine, rows = np.arange(len(keys)), np.arange(n)
+            else:
+                mine, rows = np.flatnonzero(holder_of_block == i), np.flatnonzero(holder_of_block[blocks] == i)
+            if holder in local:  # taken from this host's files: their layouts must be known
+                if any((holder, keys[b]) not in _mapped.described for b in mine.tolist()):
+                    return None
+                plan, positions = plan_rows(blocks[rows], offsets[rows], {b: keys[b] for b in mine.tolist()},
+                                            dict.fromkeys((keys[b] for b in mine.tolist()), holder))
+                taken, asked_of_holder = self._sort(plan, {holder: rows[positions[holder]]}, [holder])
+                if asked_of_holder:  # blocks of this host not mapped here (another user's worker)
+                    return None
+                from_files += taken
+                continue
+            channel = channels.known(holder)
+            if channel is None:
+                return None
+            index = np.zeros(len(keys), dtype=np.int32)
+            index[mine] = np.arange(len(mine), dtype=np.int32)
+            asked = RowsAsked([keys[b] for b in mine.tolist()], index[blocks[rows]], offsets[rows], priority,
+                              LOAD_WAIT)
+            exchanges.append((holder, channel, asked, group.receiving(asked, rows)))
         here = None if from_files else exchanges.pop(0)  # one holder's rows received in this thread
         others = [peer_threads.submit(channels.exchange, *args) for args in exchanges]
         try:

@@ -94,10 +94,10 @@ class BatchIterator:
             local.forget_if_gone()
         self._gatherer = Gatherer(client, host, {d.identity: a for d, a in zip(datasets, self._locals)})
         self._fetcher = GroupFetcher(client, spec, epoch, info, self._batches, contact, self._gatherer, self._transform)
-        if not self._all_known():  # a warm cache serves the first batch from its arenas
-            for ready in opened:
-                self._fetcher.learn(ready)
-        self._fetcher.cold = not self._all_known()  # until a fetched batch needed no read from the store
+        warm = self._all_known()  # a warm cache on this host serves the first batch from its arenas
+        if not warm:  # a warm cache on other hosts: its holders asked from the first batch on
+            warm = all([self._fetcher.learn(ready) for ready in opened])
+        self._fetcher.cold = not warm  # until a fetched batch needed no read from the store
         if self._fetcher.cold:  # a warm cache's batches need no worker: connections are made when needed
             contact.reach_ahead(self._loop)
         if self._mixed is not None:
@@ -156,9 +156,9 @@ class BatchIterator:
 
     def _fill(self) -> None:
         """Keep up to `spec.prefetch` batches requested or ready, earliest first: one batch a
-        request while cold (`GroupFetcher.cold`), `self.group` batches while warm."""
+        request while cold (`GroupFetcher.cold`) and for batch 0, `self.group` batches while warm."""
         while self._next_request < len(self._batches):
-            group = 1 if self._fetcher.cold else self.group
+            group = 1 if self._fetcher.cold or not self._next_request else self.group  # batch 0 alone: out first
             pending = self._next_request - self._position
             if pending + group > max(self.spec.prefetch, group):
                 break
