@@ -17,7 +17,7 @@ import pytest
 import dmdask
 from dmdask.protocol.rows import HEADER, send_frame, recv_header
 from dmdask.protocol.worker import WorkerAPI
-from dmdask.testing.datasets import write_zarr, zarr_sample
+from dmdask.testing.datasets import write_zarr, zarr_label, zarr_sample
 
 from conftest import wait_until
 
@@ -68,6 +68,28 @@ def test_a_remote_group_is_one_message_per_holder(tmp_path, prefetch):
                 assert after[worker]["requests"] - before[worker]["requests"] == it.requests, (worker, it.requests)
             sent = sum(after[w]["bytes_out"] - before[w]["bytes_out"] for w in after)
             assert sent == n * (16 * 4 + 8)  # every row crossed TCP once: "x" float32[16] and "label" int64
+
+
+def test_large_rows_are_sent_from_the_arena_beside_small_fields_taken(tmp_path):
+    """Rows of 16 KiB and more leave from the holder's arena pages (`sendmsg`) while the
+    dataset's small "label" field is taken into a buffer: both arrive right, in order, each
+    sample once, and the holder sent exactly the rows' bytes."""
+    n, chunk, shape = 240, 20, (4096,)  # "x": float32[4096], 16 KiB a row (ZERO_COPY_ROW_BYTES)
+    path = write_zarr(str(tmp_path / "d.zarr"), n, sample_shape=shape, chunk=chunk)
+    with dask.config.set(ELSEWHERE), dmdask.LocalCluster(n_workers=1, ram="64 MiB") as cluster, \
+            distributed.Client(cluster) as client:
+        spec = dmdask.Spec(path, batch_size=16, seed=5)
+        for _ in dmdask.batches(client, spec):  # loads every block
+            pass
+        before = peer_counts(client)
+        ids = []
+        for batch in dmdask.batches(client, spec, epoch=1):
+            np.testing.assert_array_equal(batch["x"], zarr_sample(batch["index"], shape))
+            np.testing.assert_array_equal(batch["label"], zarr_label(batch["index"]))
+            ids.append(batch["index"])
+        after = peer_counts(client)
+        assert np.array_equal(np.sort(np.concatenate(ids)), np.arange(n))
+        assert sum(after[w]["bytes_out"] - before[w]["bytes_out"] for w in after) == n * (4096 * 4 + 8)
 
 
 def test_a_holder_killed_mid_group_loses_and_repeats_nothing(tmp_path):

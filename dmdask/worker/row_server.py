@@ -131,10 +131,10 @@ class RowServer:
         return _rows_reply(*self._on_loop(asked))
 
     def _from_arena(self, asked: RowsAsked, held: list[ArenaBlock], buffer: Buffer, zero_copy: bool) -> Reply:
-        """Rows of one arena: large rows sent from the arena's pages themselves (`sendmsg`:
-        the kernel's copy is the only one; their labels are checked once sent, and the
-        trailer names the blocks released meanwhile), others taken into `buffer` with one
-        `np.take` per field (labels checked before sending)."""
+        """Rows of one arena: fields of large rows sent from the arena's pages themselves
+        (`sendmsg`: the kernel's copy is the only one), the others taken into `buffer` with
+        one `np.take` per field. Labels are checked before sending when every field was
+        taken, else once sent (the trailer names the blocks released meanwhile)."""
         arena, n = held[0].arena, len(asked.rows)
         first_row = np.array([h.slot for h in held], dtype=np.int64) * arena.block_len
         start = np.array([h.start for h in held], dtype=np.int64)
@@ -152,20 +152,24 @@ class RowServer:
                   "fields": [[name, "fixed", values.dtype.str, list(values.shape[1:]), n * row_bytes]
                              for name, (values, row_bytes) in fields.items()]}
         self.cache.store.count_hit("ram", n, sum(n * row_bytes for _, row_bytes in fields.values()))
-        if zero_copy and n and min(row_bytes for _, row_bytes in fields.values()) >= ZERO_COPY_ROW_BYTES:
-            cuts = np.flatnonzero(np.diff(rows) != 1) + 1  # runs of consecutive rows: one view each
+        zero_copy = zero_copy and n and max(row_bytes for _, row_bytes in fields.values()) >= ZERO_COPY_ROW_BYTES
+        if zero_copy:  # runs of consecutive rows: one view each
+            cuts = np.flatnonzero(np.diff(rows) != 1) + 1
             firsts, lengths = rows[np.r_[0, cuts]].tolist(), np.diff(np.r_[0, cuts, n]).tolist()
-            views = []
-            for values, row_bytes in fields.values():
+        sent_from_arena = {name for name, (_, row_bytes) in fields.items() if zero_copy and row_bytes >= ZERO_COPY_ROW_BYTES}
+        memory = buffer.view(sum(n * row_bytes for name, (_, row_bytes) in fields.items() if name not in sent_from_arena))
+        at, out = 0, []
+        for name, (values, row_bytes) in fields.items():
+            if name in sent_from_arena:
                 flat = memoryview(values).cast("B")
-                views += [flat[a * row_bytes:(a + k) * row_bytes] for a, k in zip(firsts, lengths)]
-            return Reply(header, views, moved)
-        memory, at, out = buffer.view(sum(n * row_bytes for _, row_bytes in fields.values())), 0, []
-        for values, row_bytes in fields.values():
+                out += [flat[a * row_bytes:(a + k) * row_bytes] for a, k in zip(firsts, lengths)]
+                continue
             target = memory[at:at + n * row_bytes].view(values.dtype).reshape((n,) + values.shape[1:])
             np.take(values, rows, axis=0, out=target, mode="clip")
             out.append(target)
             at += n * row_bytes
+        if zero_copy:  # labels checked once sent: the trailer names the blocks released meanwhile
+            return Reply(header, out, moved)
         gone = moved()  # released (and reused) while taken
         if gone:
             raise Moved(gone)
