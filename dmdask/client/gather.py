@@ -279,8 +279,9 @@ class Gatherer:
             else:
                 channels.exchange(*here)
         finally:
-            for other in concurrent.futures.as_completed(others):
-                other.result()  # the first error is raised (once every exchange ended)
+            if others:
+                for other in concurrent.futures.as_completed(others):
+                    other.result()  # the first error is raised (once every exchange ended)
         return group.arrays
 
     def take_local(self, plan: dict[str, dict[str, np.ndarray]], positions: dict[str, np.ndarray],

@@ -111,7 +111,7 @@ def check_state(state: dict, num_samples: int) -> None:
 def _check_matches(state: dict, current: dict) -> None:
     if state.get("order") != ORDER_VERSION:
         raise SpecError("resume", f"a state of this dmdask's epoch order (version {ORDER_VERSION}); this one "
-                        "comes from another order (dmdask 0.1?): resume at the next epoch's start instead",
+                        "comes from another order's version (an older dmdask): resume at the next epoch's start instead",
                         state.get("order"))
     for name in STATE_FIELDS:
         if state.get(name) != current[name]:

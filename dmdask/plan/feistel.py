@@ -1,7 +1,10 @@
 """`Feistel`: a keyed permutation of range(size), evaluated per value in O(1) time and memory.
 
-A balanced Feistel network over the smallest power of 4 >= size, with cycle-walking to
-stay inside range(size). The same keys give the same permutation on any machine
+A Feistel network over the smallest power of 2 >= size, with cycle-walking to stay inside
+range(size): the value's bits are cut into a high and a low half (the high one a bit longer
+for an odd number of bits), and each round changes one half from a keyed hash of the other,
+in turn. The domain is less than twice the size, so a value takes fewer than 2 passes on
+average (a balanced network needs a power of 4: up to 4). The same keys give the same permutation on any machine
 (fixed-width integer arithmetic; keys from numpy's `SeedSequence`).
 """
 from __future__ import annotations
@@ -41,9 +44,10 @@ class Feistel:
 
     def __init__(self, size: int, round_keys: np.ndarray):
         self.size = size
-        half_bits = ((size - 1).bit_length() + 1) // 2 if size > 1 else 0
-        self._shift = np.uint64(half_bits)
-        self._mask = np.uint64((1 << half_bits) - 1)
+        bits = (size - 1).bit_length() if size > 1 else 0
+        self._low_bits = np.uint64(bits // 2)
+        self._low = np.uint64((1 << (bits // 2)) - 1)  # masks of the two halves
+        self._high = np.uint64((1 << (bits - bits // 2)) - 1)
         self._keys = round_keys
 
     def forward(self, values: np.ndarray, tweak: np.ndarray | None = None) -> np.ndarray:
@@ -72,26 +76,33 @@ class Feistel:
 
     def encrypt(self, values: np.ndarray, tweak: np.ndarray | None) -> np.ndarray:
         """One pass through the network, without cycle-walking: a permutation of the
-        power of 4 that holds range(size), for callers that walk to a bound of their own."""
-        left, right = values >> self._shift, values & self._mask
-        for key in self._keys:
-            mixed = self._round(right, key, tweak)
-            mixed ^= left
-            left, right = right, mixed
-        return (left << self._shift) | right
+        power of 2 that holds range(size), for callers that walk to a bound of their own."""
+        high, low = values >> self._low_bits, values & self._low
+        for i, key in enumerate(self._keys):
+            if i % 2:
+                low ^= self._round(high, key, tweak, self._low)
+            else:
+                high ^= self._round(low, key, tweak, self._high)
+        high <<= self._low_bits
+        high |= low
+        return high
 
     def _decrypt(self, values, tweak):
-        left, right = values >> self._shift, values & self._mask
-        for key in self._keys[::-1]:
-            mixed = self._round(left, key, tweak)
-            mixed ^= right
-            left, right = mixed, left
-        return (left << self._shift) | right
+        high, low = values >> self._low_bits, values & self._low
+        for i in range(len(self._keys) - 1, -1, -1):
+            if i % 2:
+                low ^= self._round(high, self._keys[i], tweak, self._low)
+            else:
+                high ^= self._round(low, self._keys[i], tweak, self._high)
+        high <<= self._low_bits
+        high |= low
+        return high
 
-    def _round(self, half, key, tweak):
+    @staticmethod
+    def _round(half, key, tweak, mask):
         z = half ^ key
         if tweak is not None:
             z ^= tweak
         z = mix64(z)
-        z &= self._mask
+        z &= mask
         return z

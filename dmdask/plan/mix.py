@@ -76,7 +76,7 @@ class MixOrder:
         self.offsets = np.cumsum([0] + self.sizes).astype(np.int64)  # global id of each source's sample 0
         s = len(self.sizes)
         # a round's length differs from n / rounds by less than s: rounds of at most `longest`
-        # (a power of 4, the domain of one Feistel network) with at least 32 positions on average
+        # (a power of 4, so a power of 2: the domain of one Feistel network) with at least 32 positions on average
         longest = MIX_ROUND
         while longest - s < 32:
             longest *= 4
