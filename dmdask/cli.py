@@ -71,13 +71,18 @@ def status(args) -> int:
         return _fail("status", f"cannot connect to {address}: {exc}; pass --tls-ca-file, --tls-cert and --tls-key")
     except dmdask.NotADmdaskWorker as exc:
         return _fail("status", exc)
-    print(format_table(stats))
-    for line in format_warnings(stats):
-        print(line)
+    if stats["workers"]:
+        print(format_table(stats))
+        for line in format_warnings(stats):
+            print(line)
+    else:
+        print(f"workers: none (the scheduler at {address} has no workers; start them with "
+              f"`dask worker {address} --worker-class dmdask.Worker`)")
     print()
     print(format_datasets(stats["datasets"]))
-    print()
-    print("\n".join(format_tiers(stats)))
+    if stats["workers"]:
+        print()
+        print("\n".join(format_tiers(stats)))
     if dashboard:
         print(f"\ndashboard page: {tiers_page(dashboard)} (with `dask scheduler --preload dmdask.dashboard`)")
     return 0
