@@ -241,6 +241,36 @@ def test_a_poisoned_transform_fails_its_batch_once_and_delivers_those_before(tmp
         assert np.array_equal(np.sort(ids), np.arange(n))
 
 
+class Slow:
+    """x + 1, 20 ms a batch: a worker closing is likely to be running it."""
+
+    def __call__(self, batch):
+        time.sleep(0.02)
+        return dict(batch, x=batch["x"] + 1)
+
+
+def test_closing_the_cluster_under_a_transform_iterator_blames_no_transform(tmp_path, caplog):
+    """The cluster closed on purpose while an iterator with a transform has batches in
+    flight: its workers said they were closing, so the rank does not say that a worker was
+    lost while it ran the transform, nor run batches in a process of their own (it did)."""
+    path = write_zarr(str(tmp_path / "d.zarr"), 3000, sample_shape=(8,), chunk=64)
+    cluster = dmdask.LocalCluster(n_workers=2, ram="16 MiB", dashboard_address=None)
+    client = distributed.Client(cluster)
+    try:
+        it = iter(dmdask.batches(client, dmdask.Spec(path, batch_size=64, transform=Slow(), prefetch=8)))
+        for _ in range(2):
+            b = next(it)
+            np.testing.assert_array_equal(b["x"], zarr_sample(b["index"], (8,)) + 1)
+        with caplog.at_level(logging.WARNING, logger="dmdask"):
+            cluster.close()
+            time.sleep(2)  # the fetches in flight meet the closed workers
+    finally:
+        client.close()
+        cluster.close()
+    said = [r.getMessage() for r in caplog.records]
+    assert not [m for m in said if "while it ran the transform" in m], said
+
+
 def test_capacity_lost_with_a_worker_is_won_back_when_it_restarts(tmp_path):
     """A worker holding half the cache is SIGKILLed: its blocks are streamed by the
     survivor (no room there), then loaded on the restarted worker, one read each; later
