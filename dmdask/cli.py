@@ -2,7 +2,6 @@
 MOUNTPOINT` and `dmdask --help`."""
 from __future__ import annotations
 
-import posixpath
 import sys
 from collections import defaultdict
 
@@ -71,13 +70,18 @@ def status(args) -> int:
         return _fail("status", f"cannot connect to {address}: {exc}; pass --tls-ca-file, --tls-cert and --tls-key")
     except dmdask.NotADmdaskWorker as exc:
         return _fail("status", exc)
-    print(format_table(stats))
-    for line in format_warnings(stats):
-        print(line)
+    if stats["workers"]:
+        print(format_table(stats))
+        for line in format_warnings(stats):
+            print(line)
+    else:
+        print(f"workers: none (the scheduler at {address} has no workers; start them with "
+              f"`dask worker {address} --worker-class dmdask.Worker`)")
     print()
     print(format_datasets(stats["datasets"]))
-    print()
-    print("\n".join(format_tiers(stats)))
+    if stats["workers"]:
+        print()
+        print("\n".join(format_tiers(stats)))
     if dashboard:
         print(f"\ndashboard page: {tiers_page(dashboard)} (with `dask scheduler --preload dmdask.dashboard`)")
     return 0
@@ -166,25 +170,21 @@ def format_warnings(stats: dict) -> list:
 
 def format_datasets(datasets) -> str:
     """The registry of `dmdask.stats(client)["datasets"]`: one line per dataset, and one per
-    folder of the files read in transparent mode. URLs are shown without credentials."""
-    from .source.urls import public
+    folder of the files read in transparent mode (`dmdask.stats.dataset_rows`, as the
+    dashboard groups them). URLs are shown without credentials."""
+    from .stats import dataset_rows
 
     if not datasets:
         return "datasets: none yet (they appear when a training process first iterates over one)"
     lines = ["dataset  samples  blocks  loaded  erred  url"]
-    folders: dict = {}
-    for d in datasets:
-        if str(d["name"]).startswith("fs-") and d.get("url"):  # one file of transparent mode
-            folder = folders.setdefault(posixpath.dirname(public(d["url"])), [0, 0, 0, 0, 0])
-            for i, key in enumerate(("samples", "blocks", "loaded", "erred")):
-                folder[i] += d[key] or 0
-            folder[4] += 1
-            continue
-        lines.append(f"{d['name']}  {d['samples']:,}  {d['blocks']:,}  {d['loaded']:,}  {d['erred']:,}  "
-                     f"{public(str(d['url']))}")
-    for folder, (samples, blocks, loaded, erred, files) in sorted(folders.items()):
-        lines.append(f"{files:,} files  {samples:,}  {blocks:,}  {loaded:,}  {erred:,}  {folder}/ (dmdask::)")
+    for d in dataset_rows(datasets):
+        name, url = (d["name"], d["url"]) if d["files"] is None else (f"{d['files']:,} files", f"{d['url']} (dmdask::)")
+        lines.append(f"{name}  {_count(d['samples'])}  {d['blocks']:,}  {d['loaded']:,}  {d['erred']:,}  {url}")
     return "\n".join(lines)
+
+
+def _count(n) -> str:
+    return "-" if n is None else f"{n:,}"
 
 
 DESCRIPTION = """dmdask: a shared RAM + SSD block cache on Dask workers that feeds training loops.

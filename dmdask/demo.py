@@ -9,6 +9,7 @@ import io
 import os
 import shutil
 import signal
+import textwrap
 import time
 
 import distributed
@@ -238,22 +239,31 @@ def report(rows, dataset_bytes: int, samples: int) -> None:
               f"|{r['ram']:>24}  {r['ssd']:8d}  {r['streamed']:8d}")
     epochs = len(rows)
     total = sum(r["store_bytes"] for r in rows)
-    print(f"""
-Every epoch serves each of the {samples} training samples once: "from RAM" and "from SSD" are
-samples a worker took from its cache, "streamed" the ones it read from the shared store for
-that request. The shared-store columns are what the workers read from the store (the bytes of
-the PNG files and labels, and the reads that fetched them). In epoch 0 each block is read
-once: an SSD block whole when it is loaded (its samples then count as "from SSD"; a whole
-block also counts 8 bytes a sample of file pointers, hence a little over 1.00x), a RAM block
-sample by sample as the ranks first ask for them (counted as "streamed" in epoch 0, "from RAM"
-afterwards). From epoch 1 on, only the samples the cache has no room for are streamed: the
-store reads of an epoch are those samples, whatever the RAM and SSD counts.""")
+    print()
+    print(explanation(rows, samples))
     print(f"\nshared store over epochs 0-{epochs - 1}: {format_bytes(total)} = {total / dataset_bytes:.2f}x "
           f"the dataset (a loader without a cache reads {epochs}x)")
     if epochs > 1:
         later = np.mean([r["seconds"] for r in rows[1:]])
         print(f"epoch 0 (cold cache): {rows[0]['seconds']:.2f} s; "
               f"epochs 1-{epochs - 1}: {later:.2f} s on average")
+
+
+def explanation(rows, samples: int) -> str:
+    """What the table says, with the numbers of its epoch 0: the sentences about epoch 0
+    quote that row, so they cannot disagree with it."""
+    first = rows[0]
+    cached = first["ram"] + first["ssd"]
+    return textwrap.fill(f"""Every epoch serves each of the {samples} training samples once: "from RAM" and "from SSD" are
+samples a worker took from its cache, "streamed" the ones it read from the shared store for
+that request. The shared-store columns are what the workers read from the store: the bytes of
+the PNG files and labels, and its reads (a whole block, or the samples of one block that a
+request needs). In epoch 0 each sample is read from the store once: the blocks the cache has
+room for are read whole as the ranks first ask for them and their {cached} samples served from
+the cache ({first['ram']} from RAM, {first['ssd']} from SSD; a whole block also counts 8 bytes a
+sample of file pointers, hence a little over 1.00x), and the {first['streamed']} samples it has
+no room for are streamed. From epoch 1 on, only the samples the cache has no room for are read
+from the store again.""", width=94)
 
 
 def serve(client) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import posixpath
 
 from distributed import Client
 
@@ -30,6 +31,33 @@ def stats(client: Client) -> dict[str, dict]:
         raise NotADmdaskWorker(f"workers {missing} have no dmdask tiers; start them with --worker-class dmdask.Worker")
     registry = [dataclasses.asdict(d) for d in client.sync(SchedulerAPI(client).send, Datasets())]
     return {"workers": per_worker, "total": total(per_worker.values()), "datasets": registry}
+
+
+def dataset_rows(datasets) -> list[dict]:
+    """The registry (`DatasetSummary` dicts) as `dmdask status` and the dashboard show it: one
+    row per dataset, then one per folder of the files read in transparent mode (`dmdask::`,
+    each file a dataset of its own, named fs-...), its files' counts summed, folders sorted.
+    URLs without credentials. Each row: name, url, samples, blocks, loaded, erred, nbytes
+    (None when one of its datasets' is unknown), and `files`/`folder` (None for a dataset;
+    a folder's row is named `dmdask::FOLDER/`)."""
+    from .source.urls import public
+
+    rows, folders = [], {}
+    for d in datasets:
+        if str(d["name"]).startswith("fs-") and d.get("url"):  # one file of transparent mode
+            folder = posixpath.dirname(public(str(d["url"])))
+            row = folders.setdefault(folder, {"name": f"dmdask::{folder}/", "url": f"{folder}/", "samples": 0,
+                                              "blocks": 0, "loaded": 0, "erred": 0, "nbytes": 0, "files": 0,
+                                              "folder": folder})
+            for key in ("samples", "blocks", "loaded", "erred"):
+                row[key] += d.get(key) or 0
+            row["nbytes"] = None if row["nbytes"] is None or d.get("nbytes") is None else row["nbytes"] + d["nbytes"]
+            row["files"] += 1
+            continue
+        rows.append({"name": d["name"], "url": public(str(d["url"])) if d.get("url") else None,
+                     "samples": d.get("samples"), "blocks": d["blocks"], "loaded": d["loaded"],
+                     "erred": d.get("erred", 0), "nbytes": d.get("nbytes"), "files": None, "folder": None})
+    return rows + [folders[f] for f in sorted(folders)]
 
 
 def hit_shares(stats: dict) -> dict[str, float] | None:

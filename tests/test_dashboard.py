@@ -13,6 +13,7 @@ import io
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -28,7 +29,7 @@ import pytest
 import dmdask
 from dmdask.dashboard.markup import fmt_bytes
 from dmdask.source import open_source
-from dmdask.testing.datasets import write_zarr, zarr_sample
+from dmdask.testing.datasets import write_folder, write_zarr, zarr_sample
 
 from conftest import all_ids, run_epoch, wait_until
 
@@ -479,6 +480,49 @@ def test_page_in_headless_chromium(cluster, small, large, tmp_path):
     assert colors is not None and len(colors) > 50, "the screenshot is blank"
     # non-zero occupancy drawn: the RAM and SSD bars (both tiers are full here)
     assert color_share(image, RAM_RGB) > 0.005 and color_share(image, SSD_RGB) > 0.005
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not chromium(), reason="no Chromium on PATH: run scripts/install-browser.sh "
+                                           "(or set DMDASK_CHROMIUM=/path/to/chrome)")
+def test_files_read_through_dmdask_show_as_one_row_per_folder(tmp_path, capsys):
+    """60 files of two folders read through `dmdask::` (each file a dataset of the registry)
+    and a Zarr dataset: the page's datasets table, tiers.json and `dmdask status` each show
+    three rows, the folders with their files counted (the page listed one row per file: 35,946
+    px tall after one epoch of a real folder)."""
+    import fsspec
+
+    from dmdask import cli
+
+    root = write_folder(str(tmp_path / "images"), classes=2, per_class=30)
+    paths = sorted(os.path.join(d, f) for d, _, names in os.walk(root) for f in names)
+    zarr_path = write_zarr(str(tmp_path / "d.zarr"), 300, chunk=100)
+    with dmdask.LocalCluster(n_workers=1, ram="16 MiB") as cluster, distributed.Client(cluster) as client:
+        fs = fsspec.filesystem("dmdask", target_protocol="file", scheduler=cluster.scheduler_address)
+        for path in paths:
+            with open(path, "rb") as f:
+                assert fs.cat_file(path) == f.read()
+        assert sum(len(b["index"]) for b in dmdask.batches(client, dmdask.Spec(zarr_path, batch_size=100))) == 300
+        registry = dmdask.stats(client)["datasets"]
+        assert sum(d["name"].startswith("fs-") for d in registry) == 60  # a dataset per file
+        folders = [f"file://{root}/class-00", f"file://{root}/class-01"]  # as the files were registered
+        datasets = tiers_json(client)["datasets"]
+        assert sorted(datasets) == sorted([f"dmdask::{f}/" for f in folders] +
+                                          [d["name"] for d in registry if not d["name"].startswith("fs-")])
+        for folder in folders:
+            assert datasets[f"dmdask::{folder}/"]["files"] == 30
+            assert datasets[f"dmdask::{folder}/"]["blocks"] == sum(
+                d["blocks"] for d in registry if d["name"].startswith("fs-") and d["url"].startswith(folder + "/"))
+        assert cli.main(["status", cluster.scheduler_address]) == 0
+        status = capsys.readouterr().out
+        page, _ = asyncio.run(render(chromium(), base_url(client) + "/dmdask",
+                                     lambda page: "Datasets" in page["text"] and "30 files" in page["text"]))
+    text = page["text"]
+    assert "fs-" not in text and "fs-" not in status
+    for folder in folders:
+        assert f"30 files {folder}/ (dmdask::)" in text
+        assert re.search(rf"^30 files  30  \d+  \d+  0  {re.escape(folder)}/ \(dmdask::\)$", status, re.M), status
+    assert text.count(" files ") == 2 and zarr_path in text
 
 
 def test_page_renders_without_workers_or_datasets():

@@ -11,6 +11,22 @@ pytest.importorskip("sklearn")  # the demo extra (Pillow: the test extra)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def table_rows(out: str) -> list:
+    """The report's table: epoch, time, loss, acc | KiB, ratio, reads | RAM, SSD, streamed."""
+    return [[float(v) for v in re.findall(r"[0-9.]+", line)]
+            for line in out.splitlines() if re.match(r"\s+\d+\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+\s+\|", line)]
+
+
+def demo_output_in_quickstart() -> str:
+    text = open(os.path.join(ROOT, "docs", "quickstart.md")).read()
+    return re.search(r"```\n\$ dmdask demo\n(.*?)```", text, flags=re.S).group(1)
+
+
+def explanation_of(out: str) -> str:
+    """The paragraph after the table."""
+    return re.search(r"\n(Every epoch serves.*?)\n\n", out, flags=re.S).group(1)
+
+
 @pytest.mark.slow
 def test_demo_quick_learns_the_digits_and_reports_every_tier(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
@@ -22,13 +38,22 @@ def test_demo_quick_learns_the_digits_and_reports_every_tier(tmp_path):
     accuracy = float(re.search(r"test accuracy: ([0-9.]+)", out).group(1))
     assert accuracy > 0.9, out
     # the table: epoch, time, loss, acc | KiB, ratio, reads | RAM, SSD, streamed
-    rows = [[float(v) for v in re.findall(r"[0-9.]+", line)]
-            for line in out.splitlines() if re.match(r"\s+\d+\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+\s+\|", line)]
+    rows = table_rows(out)
     assert [int(r[0]) for r in rows] == [0, 1, 2]
     ram, ssd, streamed = (sum(r[i] for r in rows) for i in (7, 8, 9))
     assert ram > 0 and ssd > 0 and streamed > 0, out
     assert all(r[7] + r[8] + r[9] == 1438 for r in rows), out  # each training sample served once an epoch
     assert rows[1][4] < rows[0][4]  # from epoch 1 on, the cache spares the store
     assert "epochs 0-2" in out and "epochs 1-2" in out  # the summary numbers epochs as the table does
+    # the explanation quotes epoch 0's row: the cached samples served from RAM and SSD, the rest streamed
+    ram, ssd, streamed = (int(v) for v in rows[0][7:10])
+    assert f"{ram + ssd} samples served from the cache ({ram} from RAM, {ssd} from SSD" in " ".join(out.split())
+    assert f"the {streamed} samples it has no room for are streamed" in " ".join(out.split())
+    # docs/quickstart.md shows what the demo prints: the same store bytes and samples per
+    # epoch (the times, losses and read counts vary from run to run)
+    shown = table_rows(demo_output_in_quickstart())
+    assert len(shown) >= 3
+    assert [r[4:6] + r[7:10] for r in shown[:3]] == [r[4:6] + r[7:10] for r in rows], out
+    assert " ".join(explanation_of(out).split()) in " ".join(demo_output_in_quickstart().split())
     assert re.search(r"dashboard: http://\S+/status  \(dmdask tiers: http://\S+/dmdask\)", out), out
     assert out.index("dashboard:") < out.index("epoch  time")  # printed before training starts

@@ -241,6 +241,51 @@ def test_a_poisoned_transform_fails_its_batch_once_and_delivers_those_before(tmp
         assert np.array_equal(np.sort(ids), np.arange(n))
 
 
+class Slow:
+    """x + 1, 50 ms a batch: a worker closing is running it."""
+
+    def __call__(self, batch):
+        time.sleep(0.05)
+        return dict(batch, x=batch["x"] + 1)
+
+
+def test_closing_the_cluster_under_a_transform_iterator_blames_no_transform(tmp_path, caplog):
+    """The cluster closed on purpose while a rank iterates with a transform (its requests
+    in flight meet closing workers): its workers said they were closing, so the rank does
+    not say that a worker was lost while it ran the transform, nor run batches in a
+    process of their own (it did). The rank then finds no workers and fails as it does
+    without them."""
+    path = write_zarr(str(tmp_path / "d.zarr"), 20_000, sample_shape=(8,), chunk=64)
+    cluster = dmdask.LocalCluster(n_workers=2, ram="16 MiB", dashboard_address=None)
+    client = distributed.Client(cluster)
+    seen, ended = [], []
+
+    def consume(it):
+        try:
+            for b in it:
+                np.testing.assert_array_equal(b["x"], zarr_sample(b["index"], (8,)) + 1)
+                seen.append(len(b["index"]))
+        except Exception as exc:  # noqa: BLE001 - what ended the iteration, asserted below
+            ended.append(exc)
+
+    try:
+        with dask.config.set({"dmdask.client.recovery-seconds": 3}), \
+                caplog.at_level(logging.WARNING, logger="dmdask"):
+            it = dmdask.batches(client, dmdask.Spec(path, batch_size=64, transform=Slow(), prefetch=8))
+            reader = threading.Thread(target=consume, args=(it,), daemon=True)
+            reader.start()
+            wait_until(lambda: len(seen) >= 4, 60, "the first batches")
+            cluster.close()
+            reader.join(60)
+            assert not reader.is_alive()
+    finally:
+        client.close()
+        cluster.close()
+    assert sum(seen) < 20_000 and ended, "the cluster closed before the epoch's end"
+    said = [r.getMessage() for r in caplog.records]
+    assert not [m for m in said if "while it ran the transform" in m], said
+
+
 def test_capacity_lost_with_a_worker_is_won_back_when_it_restarts(tmp_path):
     """A worker holding half the cache is SIGKILLed: its blocks are streamed by the
     survivor (no room there), then loaded on the restarted worker, one read each; later

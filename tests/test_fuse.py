@@ -3,6 +3,7 @@ cluster's cache. Bytes are counted by the HTTP store itself."""
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -141,3 +142,48 @@ def test_the_mount_serves_concurrent_readers_concurrently(tmp_path):
         stats, timeline = store.stats(), store.timeline()
     assert stats["requests"] == 8 and stats["head_requests"] == 0, stats
     assert max_in_flight(timeline) >= 2, timeline
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(fuse_missing() is not None, reason=str(fuse_missing()))
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_or_sigterm_unmounts_and_exits_0(tmp_path, stop):
+    """The documented ways to stop a mount end it cleanly: unmounted, exit status 0, nothing
+    on stderr (libfuse's own handling exited 1 with `dmdask mount: 8`)."""
+    root = tmp_path / "pfs"
+    write_folder(str(root / "images"), classes=2, per_class=2, **SIZES)
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    with StoreServer(str(root)) as store, \
+            dmdask.LocalCluster(n_workers=1, ram="64 MiB", dashboard_address=None) as cluster:
+        with mounted(f"{store.url}/images", mountpoint, cluster.scheduler_address) as mount:
+            assert sorted(os.listdir(mountpoint)) == ["class-00", "class-01"]
+            mount.send_signal(stop)
+            _, err = mount.communicate(timeout=60)
+            assert mount.returncode == 0, err
+            assert "dmdask mount" not in err, err
+            assert not os.path.ismount(mountpoint)
+
+
+@pytest.mark.skipif(fuse_missing() is not None, reason=str(fuse_missing()))
+def test_a_source_that_does_not_exist_is_refused_naming_it(tmp_path):
+    """Nothing is mounted for a folder the store does not have: exit status 1 and an error
+    naming the URL (it mounted an empty folder)."""
+    root = tmp_path / "pfs"
+    write_folder(str(root / "images"), classes=2, per_class=2, **SIZES)
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    with StoreServer(str(root)) as store, \
+            dmdask.LocalCluster(n_workers=1, ram="64 MiB", dashboard_address=None) as cluster:
+        for url in (f"{store.url}/imagez", str(tmp_path / "nowhere")):
+            mount = subprocess.Popen([sys.executable, "-m", "dmdask.cli", "mount", url, str(mountpoint),
+                                      "--scheduler", cluster.scheduler_address], env=env(),
+                                     stderr=subprocess.PIPE, text=True)
+            try:
+                _, err = mount.communicate(timeout=MOUNT_SECONDS)
+            finally:
+                unmount(mount, str(mountpoint))
+            assert mount.returncode == 1, err
+            assert err.strip().splitlines()[-1] == f"dmdask mount: {url} does not exist: nothing to mount (give a " \
+                "folder of the store, e.g. https://host/train or s3://bucket/train)", err
+            assert not os.listdir(mountpoint)

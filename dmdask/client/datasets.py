@@ -62,13 +62,10 @@ def get_or_create(client: Client, name: str, opener: Callable[[], Source],
     is called once the dataset is registered, before the loads are submitted: it may name
     rows it will read itself in their blocks' readers (`FirstBatch.plan`), and return the
     function that starts those reads, called right after the loads are submitted."""
-    claimant, registered = uuid.uuid4().hex, False
+    claimant = uuid.uuid4().hex
+    ensure_plugin(client)  # a scheduler without the preload logs a KeyError for a request it has no handler for
     while True:
         reply = _call(client, GetOrClaim(name, claimant, host, client.id))
-        if reply is None and not registered:
-            client.register_plugin(DatasetsPlugin())
-            registered = True
-            continue
         if reply is None:
             raise RuntimeError(f"the scheduler at {client.scheduler.address} has no dmdask handlers after "
                                "registering dmdask's plugin; is its dmdask the same version as this one?")

@@ -13,7 +13,7 @@ from distributed.comm.core import CommClosedError
 
 from ..errors import BlockReadError, NotADmdaskWorker, no_workers
 from ..plan.order import RankShare
-from ..protocol.scheduler import Ready, SchedulerAPI
+from ..protocol.scheduler import LeftOnPurpose, Ready, SchedulerAPI
 from ..protocol.rows import asked_of
 from ..protocol.worker import BatchRequest
 from ..recovery import Tries
@@ -90,7 +90,8 @@ class GroupFetcher:
                 raise
             except (OSError, CommClosedError) as exc:  # a worker left: ask again
                 last_error = exc
-                if self.transform is not None and not isolate:  # the transform may have killed it
+                if self.transform is not None and not isolate and await self._maybe_killed_by_transform():
+                    # the transform may have killed it
                     logger.warning("a worker was lost while it ran the transform of batches %d..%d of rank %d; "
                                    "running them once more in a process of their own", first, stop - 1,
                                    self.spec.rank)
@@ -110,6 +111,18 @@ class GroupFetcher:
         raise RuntimeError(f"batches {first}..{stop - 1} of rank {self.spec.rank} still failing after {recovery:.0f} s "
                            f"({tries.count} tries, dmdask.client.recovery-seconds); is the cluster losing workers?") \
             from last_error
+
+    async def _maybe_killed_by_transform(self) -> bool:
+        """Whether the local worker, just lost, may have been killed by the transform it ran:
+        not when it closed on purpose (a cluster closing, a scale-down), nor when the
+        scheduler cannot say (it is going away too: the next try finds out)."""
+        worker = self.contact.worker
+        if worker is None:  # the request lost was not to a worker running the transform
+            return False
+        try:
+            return not await SchedulerAPI(self.client).send(LeftOnPurpose(worker))
+        except (OSError, CommClosedError, RuntimeError):
+            return False
 
     def fetch_known(self, first: int, group: list[np.ndarray]) -> list | None:
         """In any thread: the batches `group` (sample ids), from batch `first` on, of a warm

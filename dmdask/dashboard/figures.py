@@ -41,15 +41,22 @@ def worker_metrics(scheduler):
 
 
 def datasets(scheduler) -> dict[str, dict]:
-    """The datasets in dmdask's registry: the source URL (without credentials), blocks,
-    blocks loaded (cached in a tier or streamed), samples and decoded bytes (None when unknown)."""
-    from ..source.urls import public
+    """The datasets in dmdask's registry, grouped as `dmdask status` groups them (one entry
+    per folder of the files read in transparent mode: `dmdask.stats.dataset_rows`): the
+    source URL (without credentials), blocks, blocks loaded (cached in a tier or streamed),
+    samples and decoded bytes (None when unknown), and a folder's number of files."""
+    import dataclasses
+
+    from ..stats import dataset_rows
 
     plugin = scheduler.extensions.get("dmdask")
+    summaries = [dataclasses.asdict(d) for d in plugin.summaries()] if plugin is not None else []
     out = {}
-    for d in plugin.summaries() if plugin is not None else ():
-        out[d.name] = {"url": public(str(d.url)) if d.url else None, "blocks": d.blocks, "loaded_blocks": d.loaded,
-                       "samples": d.samples, "bytes": d.nbytes}
+    for d in dataset_rows(summaries):
+        out[d["name"]] = {"url": d["url"], "blocks": d["blocks"], "loaded_blocks": d["loaded"],
+                          "samples": d["samples"], "bytes": d["nbytes"]}
+        if d["files"] is not None:
+            out[d["name"]]["files"] = d["files"]
     return dict(sorted(out.items()))
 
 

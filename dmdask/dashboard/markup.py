@@ -146,8 +146,9 @@ def workers_html(snap: dict) -> str:
 
 
 def datasets_html(snap: dict) -> str:
-    rows = [_row([name, d.get("url") or "", fmt_int(d["samples"]), fmt_int(d["blocks"]),
-                  fmt_int(d.get("loaded_blocks")), fmt_bytes(d["bytes"])], wrap=(1,))
+    rows = [_row([name if "files" not in d else f"{fmt_int(d['files'])} files",
+                  (d.get("url") or "") + (" (dmdask::)" if "files" in d else ""), fmt_int(d["samples"]),
+                  fmt_int(d["blocks"]), fmt_int(d.get("loaded_blocks")), fmt_bytes(d["bytes"])], wrap=(1,))
             for name, d in snap["datasets"].items()]
     if not rows:
         rows.append(f'<tr><td colspan="6" style="{TD}text-align:left;color:#666">none yet: '

@@ -11,7 +11,12 @@ import errno
 import functools
 import logging
 import os
+import shutil
+import signal
 import stat
+import subprocess
+import sys
+import threading
 
 import fsspec
 
@@ -134,16 +139,93 @@ def operations(fs: DmdaskFileSystem, root: str):
 
 def mount(url: str, mountpoint: str, scheduler=None, block_size=None, debug: bool = False) -> None:
     """Serve `url` (a folder, through the dmdask cluster at `scheduler`) read-only at
-    `mountpoint` until unmounted (`fusermount3 -u MOUNTPOINT`) or interrupted."""
+    `mountpoint` until unmounted (`fusermount3 -u MOUNTPOINT`), interrupted (Ctrl-C) or
+    terminated (SIGTERM, SIGHUP); it returns after either, the mount point unmounted.
+    `SourceNotFoundError` (naming `url`) if there is nothing at `url`, `NotADirectoryError`
+    if it is a file: nothing is mounted then."""
     if not os.path.isdir(mountpoint):
         raise NotADirectoryError(f"mount point {mountpoint!r} is not a folder")
-    chained = url if url.startswith(("dmdask::", "dmdask://")) else f"dmdask::{url}"
-    fs, path = fsspec.core.url_to_fs(chained, scheduler=scheduler, block_size=block_size)
-    ops = operations(fs, path)
-    # nothreads=False: concurrent requests; max_idle_threads: else libfuse 3.14 warns "Ignoring invalid max threads"
-    fuse = _fuse()
-    options = dict(kernel_cache=True, attr_timeout=CACHE_SECONDS, entry_timeout=CACHE_SECONDS,
-                   negative_timeout=CACHE_SECONDS)
-    if fuse.fuse_version_major >= 3:
-        options["max_idle_threads"] = THREADS
-    fuse.FUSE(ops, mountpoint, foreground=True, nothreads=False, debug=debug, ro=True, fsname="dmdask", **options)
+    mountpoint = os.path.abspath(mountpoint)  # libfuse changes the working folder to /
+    stop = _Stopper(mountpoint)  # first: the threads started from here on inherit its signal mask
+    try:
+        chained = url if url.startswith(("dmdask::", "dmdask://")) else f"dmdask::{url}"
+        fs, path = fsspec.core.url_to_fs(chained, scheduler=scheduler, block_size=block_size)
+        _check_folder(fs, path, url)
+        ops = operations(fs, path)
+        # nothreads=False: concurrent requests; max_idle_threads: else libfuse 3.14 warns "Ignoring invalid max threads"
+        fuse = _fuse()
+        options = dict(kernel_cache=True, attr_timeout=CACHE_SECONDS, entry_timeout=CACHE_SECONDS,
+                       negative_timeout=CACHE_SECONDS)
+        if fuse.fuse_version_major >= 3:
+            options["max_idle_threads"] = THREADS
+        stop.serving()
+        fuse.FUSE(ops, mountpoint, foreground=True, nothreads=False, debug=debug, ro=True, fsname="dmdask", **options)
+    finally:
+        stop.done()
+
+
+def _check_folder(fs, path: str, url: str) -> None:
+    """Refuse to mount what is not a folder of the store, naming `url`."""
+    from ..errors import SourceNotFoundError
+    from ..source.urls import public
+
+    if fs.isdir(path):
+        return
+    try:
+        fs.info(path)
+    except FileNotFoundError:
+        raise SourceNotFoundError(f"{public(url)} does not exist: nothing to mount (give a folder of the "
+                                  "store, e.g. https://host/train or s3://bucket/train)") from None
+    raise NotADirectoryError(f"{public(url)} is a file, not a folder: dmdask mount serves a folder of the store")
+
+
+class _Stopper:
+    """Ctrl-C, SIGTERM and SIGHUP stop the mount by unmounting it: the FUSE loop then ends as
+    after `fusermount3 -u`, and `mount` returns. Before the FUSE loop starts, they end the
+    process at once (status 128 + the signal's number), nothing being mounted yet. The
+    signals are blocked in the thread that makes this and in every thread started after it
+    (libfuse's and the Dask client's), and taken by a thread of this class. Left to libfuse,
+    a signal ended its loop with an error status (8), which mfusepy raises."""
+
+    SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+
+    def __init__(self, mountpoint: str):
+        self.mountpoint = mountpoint
+        self._lock = threading.Lock()
+        self._serving = False
+        self._ended = threading.Event()
+        self._blocked = signal.pthread_sigmask(signal.SIG_BLOCK, self.SIGNALS)
+        threading.Thread(target=self._wait, name="dmdask-mount-signals", daemon=True).start()
+
+    def serving(self) -> None:
+        """The FUSE loop is about to mount and serve: a signal from now on unmounts."""
+        with self._lock:
+            self._serving = True
+
+    def _wait(self) -> None:
+        got = signal.sigwait(self.SIGNALS)
+        with self._lock:
+            if not self._serving and not self._ended.is_set():
+                sys.stderr.flush()
+                os._exit(128 + got)
+        logger.info("dmdask mount: %s, unmounting %s", signal.Signals(got).name, self.mountpoint)
+        # a signal while FUSE mounts: wait for the mount (or for FUSE to give up)
+        while not os.path.ismount(self.mountpoint) and not self._ended.wait(0.05):
+            pass
+        if not self._ended.is_set():
+            _unmount(self.mountpoint)
+
+    def done(self) -> None:
+        """The FUSE loop ended (or never started): signals act as before again."""
+        with self._lock:
+            self._ended.set()
+        signal.pthread_sigmask(signal.SIG_SETMASK, self._blocked)
+
+
+def _unmount(mountpoint: str) -> None:
+    """Detach the mount (lazily: a reader with a file still open keeps it until it closes)."""
+    tool = shutil.which("fusermount3") or shutil.which("fusermount")
+    if tool:
+        subprocess.run([tool, "-u", "-z", mountpoint], check=False, timeout=60)
+    else:  # root without fuse3's tools (libfuse mounted with mount(2))
+        subprocess.run(["umount", "-l", mountpoint], check=False, timeout=60)

@@ -169,6 +169,15 @@ class Workers(Request):
 
 
 @message
+class LeftOnPurpose(Request):
+    """Whether `worker` left the cluster on purpose (True: it said it was closing, or the
+    scheduler retired it) rather than being lost (killed, unreachable): a rank asks before it
+    blames a lost worker on the transform it was running."""
+    op = "dmdask_left_on_purpose"
+    worker: str
+
+
+@message
 class FsMetadata(Request):
     """Share `put`, read from the store by `run`; drop `run`'s claims (`FsClaim`) on the
     (folder, path) of `release` (their reads failed: a missing file); get what `run` read

@@ -1,4 +1,5 @@
-"""A block whose load killed its workers (Dask's `KilledWorker`) named as a dmdask error:
+"""How workers left: on purpose (`Departures`, for a rank whose request a closing worker
+dropped), or killed. A block whose load killed its workers (Dask's `KilledWorker`) named as a dmdask error:
 `WorkerKilledError`, with the likely cause (out of memory) and the evidence the workers
 report in their heartbeats (the out-of-memory kills their memory cgroup counted, their
 RAM tier and where its size came from)."""
@@ -39,6 +40,39 @@ class OomKills:
             if isinstance(metrics, dict) and metrics.get("oom_kills", 0):
                 found[ws.address] = metrics["oom_kills"]
         return found
+
+
+class Departures:
+    """The workers that said they were closing (their status changed to closing, as a worker
+    closed by its nanny, a scale-down or `retire_workers` does) or that the scheduler removed
+    as expected: they left on purpose. The last `KEPT` are remembered; a worker that joins
+    again at the same address is forgotten."""
+
+    LEAVING = frozenset({"closing", "closing_gracefully", "closed"})
+
+    def __init__(self):
+        self.on_purpose: dict[str, None] = {}  # address -> None, oldest first
+
+    def event(self, topic: str, msg) -> None:
+        """A scheduler event (`SchedulerPlugin.log_event`)."""
+        if not isinstance(msg, dict):
+            return
+        if msg.get("action") == "worker-status-change" and msg.get("status") == "running":
+            self.joined(topic)  # a retirement given up
+            return
+        leaving = msg.get("action") == "worker-status-change" and msg.get("status") in self.LEAVING
+        if leaving or (msg.get("action") == "remove-worker" and msg.get("expected") is True):
+            address = msg.get("worker", topic)
+            self.on_purpose.pop(address, None)
+            if len(self.on_purpose) >= KEPT:
+                self.on_purpose.pop(next(iter(self.on_purpose)))
+            self.on_purpose[address] = None
+
+    def joined(self, address: str) -> None:
+        self.on_purpose.pop(address, None)
+
+    def left_on_purpose(self, address: str) -> bool:
+        return address in self.on_purpose
 
 
 def named(key: str, error, scheduler, by_identity: dict, kills: OomKills):

@@ -26,12 +26,12 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from ..errors import redact
 from ..internals import load_first
 from ..protocol.scheduler import (Abandon, Busy, Claimed, Datasets, DatasetSummary, FsClaim, FsMetadata, FsOpenBlocks,
-                                  GetOrClaim, GetOrRegister, Held, Locate, NoWorkers, OpenBlocks, Ready, Register,
+                                  GetOrClaim, GetOrRegister, Held, LeftOnPurpose, Locate, NoWorkers, OpenBlocks, Ready, Register,
                                   Registered, Release, Workers, serve)
 from ..source.base import DatasetInfo, block_key, parse_block_key
 from . import placement
 from .files import FileMetadata
-from .killed import OomKills
+from .killed import Departures, OomKills
 from .reads import BlockReads
 
 CLAIM_SECONDS = 120  # a creator that sent nothing for this long is presumed gone
@@ -89,6 +89,7 @@ class DatasetsPlugin(SchedulerPlugin):
         self.streamed: set = set()  # keys of blocks held as `Streamed` markers (`placement.STREAMED_TOPIC`)
         self._next_lazy = 0  # where the next lazy dataset's plan starts (round-robin)
         self.oom_kills = OomKills()  # what the workers that start block loads report (`WorkerKilledError`)
+        self.departures = Departures()  # the workers that left on purpose (`LeftOnPurpose`)
 
     async def start(self, scheduler) -> None:
         """Install the handlers. Two clients registering the plugin at once may both start
@@ -99,6 +100,7 @@ class DatasetsPlugin(SchedulerPlugin):
         if isinstance(installed, DatasetsPlugin):
             self.datasets, self.by_identity, self.files = installed.datasets, installed.by_identity, installed.files
             self.reads, self.streamed, self.oom_kills = installed.reads, installed.streamed, installed.oom_kills
+            self.departures = installed.departures
         self.scheduler = scheduler
         reads = self.reads
         scheduler.handlers.update(serve({
@@ -106,6 +108,7 @@ class DatasetsPlugin(SchedulerPlugin):
             Abandon: self.abandon, Release: self.release_held,
             Datasets: lambda request: self.summaries(), Locate: reads.locate, OpenBlocks: reads.open_blocks,
             Workers: lambda request: [a for a in request.addresses if a in self.scheduler.workers],
+            LeftOnPurpose: lambda request: self.departures.left_on_purpose(request.worker),
             FsMetadata: reads.fs_metadata, FsClaim: reads.fs_claim, FsOpenBlocks: reads.fs_open_blocks}))
         scheduler.extensions["dmdask"] = self
         from distributed.protocol.pickle import dumps
@@ -233,7 +236,9 @@ class DatasetsPlugin(SchedulerPlugin):
             self.streamed.discard(key)
 
     def log_event(self, topic: str, msg) -> None:
-        """A worker holds block `msg` as a `Streamed` marker (kept while its task is alive)."""
+        """A worker holds block `msg` as a `Streamed` marker (kept while its task is alive);
+        a worker leaves on purpose (`Departures`)."""
+        self.departures.event(topic, msg)
         ts = self.scheduler.tasks.get(msg) if topic == placement.STREAMED_TOPIC else None
         if ts is not None and ts.state in ("processing", "memory"):
             self.streamed.add(msg)
@@ -273,6 +278,7 @@ class DatasetsPlugin(SchedulerPlugin):
     def add_worker(self, scheduler, worker: str) -> None:
         """Blocks whose planned worker is gone (every worker left at once) go to the workers
         present; blocks streamed for want of room move to the new worker, up to its room."""
+        self.departures.joined(worker)
         live = scheduler.workers
         stimulus_id = f"dmdask-add-worker-{time.time()}"
         placement.replan(scheduler, self.datasets.values(), lambda address: address not in live, stimulus_id)

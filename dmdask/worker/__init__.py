@@ -3,8 +3,10 @@ with tiered block storage (`TieredStore`); its handlers come with the worker plu
 scheduler plugin installs (`dmdask.worker.plugin`)."""
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import sys
 
 import dask
 import distributed
@@ -96,6 +98,36 @@ def _shm_folder(value):
     if value == DEFAULT_SHM and not os.path.isdir(value):
         return None
     return value or None
+
+
+SETTINGS = (("ram", "ram"), ("ssd", "ssd"), ("stream_buffer", "stream-buffer"))  # (SpecError field, config key)
+
+
+def settings_error() -> tuple | None:
+    """(config key, `SpecError`) of the first `dmdask.worker` capacity in the dask config that
+    a `Worker` would refuse; None if every one is usable or unset."""
+    for name, key in SETTINGS:
+        value = dask.config.get(f"dmdask.worker.{key}", None)
+        if value is not None:
+            try:
+                capacity(value, name)
+            except SpecError as exc:
+                return key, exc
+    return None
+
+
+@atexit.register
+def _bad_setting_said_last() -> None:
+    """A process ending on an unhandled error (`dask worker`, whose nanny reports a worker
+    that failed to start under a traceback of its own) with a `dmdask.worker` setting a
+    worker refuses: the setting and its fix are the last line it prints."""
+    if getattr(sys, "last_value", None) is None:
+        return
+    found = settings_error()
+    if found is not None:
+        key, error = found
+        print(f"dmdask worker: not started: {error} (dask config dmdask.worker.{key}, environment variable "
+              f"DASK_DMDASK__WORKER__{key.upper().replace('-', '_')})", file=sys.stderr, flush=True)
 
 
 class Nanny(distributed.Nanny):
