@@ -107,9 +107,12 @@ class GroupFetcher:
             self.holders.clear()
         if not await self.contact.workers(wait=False):
             raise no_workers(recovery) from last_error
+        cause = "is the cluster losing workers?"
+        if isinstance(last_error, TimeoutError):  # a worker that heartbeats yet never answers is not treated as lost
+            cause = f"the last try: {last_error} (a worker is treated as lost after dmdask.worker.silent-seconds " \
+                    "with no heartbeat)"
         raise RuntimeError(f"batches {first}..{stop - 1} of rank {self.spec.rank} still failing after {recovery:.0f} s "
-                           f"({tries.count} tries, dmdask.client.recovery-seconds); is the cluster losing workers?") \
-            from last_error
+                           f"({tries.count} tries, dmdask.client.recovery-seconds); {cause}") from last_error
 
     def fetch_known(self, first: int, group: list[np.ndarray]) -> list | None:
         """In any thread: the batches `group` (sample ids), from batch `first` on, of a warm iterator with no transform whose
