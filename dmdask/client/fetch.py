@@ -67,6 +67,7 @@ class GroupFetcher:
         last_error: BaseException | None = None
         recovery = float(dask.config.get("dmdask.client.recovery-seconds"))
         isolate = False  # set once a worker was lost while this group's transform ran
+        silent_waited = False  # set once a holder left a request unanswered (`reply_seconds`)
         tries = Tries(recovery, pause=lambda attempt: min(1.0, 0.05 * attempt))
         async for _ in tries:
             await self.contact.check_scheduler()
@@ -89,6 +90,9 @@ class GroupFetcher:
             except BlockReadError:
                 raise
             except (OSError, CommClosedError) as exc:  # a worker left: ask again
+                if isinstance(exc, TimeoutError) and not silent_waited:  # a silent holder's wait: not counted, once
+                    silent_waited = True
+                    tries.deadline.renew()
                 last_error = exc
                 if self.transform is not None and not isolate:  # the transform may have killed it
                     logger.warning("a worker was lost while it ran the transform of batches %d..%d of rank %d; "
