@@ -20,6 +20,7 @@ TITLES = {
     "cold": "10. First contact: epoch 1 in rank processes, and a new process on a warm cache",
     "gpu": "11. GPUs fed from the cache: ResNet-50 images/s",
     "peer_path": "12. The peer path against the link: rows from another node's worker",
+    "faults": "13. Faults: a worker paused mid-epoch, a store with 503s and hung requests",
 }
 # `python -m benchmarks run --peers`: their own results file, merged into the page when present
 PEER_TITLES = {

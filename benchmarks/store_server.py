@@ -23,7 +23,8 @@ pattern, seconds)`` holds every ``k``-th GET that long before answering.
 As a process (prints ``URL http://HOST:PORT``, serves until SIGINT/SIGTERM;
 ``GET /__stats__`` returns the counters as JSON, ``?reset=1`` also zeroes them)::
 
-    python -m benchmarks.store_server ROOT --port 0 --latency 0.005 --bandwidth 200MB
+    python -m benchmarks.store_server ROOT --port 0 --latency 0.005 --bandwidth 200MB \
+        [--fail-every K] [--hang-every K --hang-seconds S]
 
 ``StoreProcess`` runs it so from Python, with the same ``url``, ``stats()`` and
 ``reset_stats()``: a store that shares no interpreter lock with the benchmark.
@@ -448,9 +449,16 @@ def main(argv=None) -> int:
     parser.add_argument("--port", type=int, default=0, help="0 for a free port (default)")
     parser.add_argument("--latency", type=float, default=0.0, help="seconds before each answer (default 0)")
     parser.add_argument("--bandwidth", default=None, help="cap in bytes/s over all clients, e.g. 200MB")
+    parser.add_argument("--fail-every", type=int, default=0, metavar="K",
+                        help="answer 503 to every K-th GET (fail_every; default 0: none)")
+    parser.add_argument("--hang-every", type=int, default=0, metavar="K",
+                        help="hold every K-th GET --hang-seconds before answering (hang_every; default 0: none)")
+    parser.add_argument("--hang-seconds", type=float, default=60.0, help="how long a held GET waits (default 60)")
     args = parser.parse_args(argv)
     try:
         server = StoreServer(args.root, args.latency, args.bandwidth, args.host, args.port)
+        server.fail_every(args.fail_every)
+        server.hang_every(args.hang_every, seconds=args.hang_seconds)
     except (NotADirectoryError, ValueError) as exc:
         parser.error(str(exc))
     serve_until_stopped(server)

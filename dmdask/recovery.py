@@ -12,6 +12,16 @@ from __future__ import annotations
 import asyncio
 import time
 
+import dask.config
+
+
+def reply_seconds() -> float:
+    """How long a worker's reply to a request for rows (or for their layout) may take
+    before the worker counts as lost (paused, hung): half `dmdask.client.recovery-seconds`,
+    so the request can be asked again of the blocks' next holders (the scheduler's once
+    it treats a silent worker as lost, `dmdask.scheduler.silent`) within the batch's deadline."""
+    return float(dask.config.get("dmdask.client.recovery-seconds")) / 2
+
 
 class Deadline:
     """`seconds` from now, or from the last `renew()`."""

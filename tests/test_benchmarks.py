@@ -218,3 +218,23 @@ def test_peer_path_scenario_runs_and_checks_that_every_remote_row_crossed_tcp(tm
     page = report.write(results, path=str(tmp_path / "benchmarks.md"), plots_dir=str(tmp_path / "plots"))
     text = open(page).read()
     assert "## 12. The peer path" in text and "| 12 | remote >= 0.8x raw TCP (110KB, shuffled) |" in text
+
+
+@pytest.mark.slow
+def test_faults_scenario_delivers_every_sample_once_with_a_paused_worker_and_a_flaky_store(tmp_path):
+    """Scenario 13 at tiny size: a worker SIGSTOPped mid-epoch (cold and warm) with a store that
+    answers 503 to every 20th GET and holds every 100th: every epoch delivers every sample once
+    (the scenario itself fails otherwise), the store sends the dataset once without faults and its
+    503s are counted with them; the page gets its section."""
+    results = run("tiny", ["faults"], out_dir=str(tmp_path), write_doc=False)
+    faults = results["scenarios"]["faults"]
+    assert "error" not in faults, faults
+    rows = {row["name"]: row for row in faults["rows"]}
+    assert list(rows) == ["none", "paused+flaky"]
+    assert all(e["exactly_once"] for row in rows.values() for e in row["epochs"])
+    cold, warm = rows["none"]["epochs"]
+    assert cold["store_bytes"] == faults["dataset_bytes"] and warm["store_bytes"] == 0  # the dataset, once
+    faulty_cold = rows["paused+flaky"]["epochs"][0]
+    assert faulty_cold["failed"] > 0 and faulty_cold["store_bytes"] >= faults["dataset_bytes"]
+    page = report.write(results, path=str(tmp_path / "benchmarks.md"), plots_dir=str(tmp_path / "plots"))
+    assert "| 13 |" in open(page).read()

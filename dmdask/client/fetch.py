@@ -67,6 +67,7 @@ class GroupFetcher:
         last_error: BaseException | None = None
         recovery = float(dask.config.get("dmdask.client.recovery-seconds"))
         isolate = False  # set once a worker was lost while this group's transform ran
+        silent_waited = False  # set once a holder left a request unanswered (`reply_seconds`)
         tries = Tries(recovery, pause=lambda attempt: min(1.0, 0.05 * attempt))
         async for _ in tries:
             await self.contact.check_scheduler()
@@ -89,6 +90,9 @@ class GroupFetcher:
             except BlockReadError:
                 raise
             except (OSError, CommClosedError) as exc:  # a worker left: ask again
+                if isinstance(exc, TimeoutError) and not silent_waited:  # a silent holder's wait: not counted, once
+                    silent_waited = True
+                    tries.deadline.renew()
                 last_error = exc
                 if self.transform is not None and not isolate and await self._maybe_killed_by_transform():
                     # the transform may have killed it
@@ -108,9 +112,12 @@ class GroupFetcher:
             self.holders.clear()
         if not await self.contact.workers(wait=False):
             raise no_workers(recovery) from last_error
+        cause = "is the cluster losing workers?"
+        if isinstance(last_error, TimeoutError):  # a worker that heartbeats yet never answers is not treated as lost
+            cause = f"the last try: {last_error} (a worker is treated as lost after dmdask.worker.silent-seconds " \
+                    "with no heartbeat)"
         raise RuntimeError(f"batches {first}..{stop - 1} of rank {self.spec.rank} still failing after {recovery:.0f} s "
-                           f"({tries.count} tries, dmdask.client.recovery-seconds); is the cluster losing workers?") \
-            from last_error
+                           f"({tries.count} tries, dmdask.client.recovery-seconds); {cause}") from last_error
 
     async def _maybe_killed_by_transform(self) -> bool:
         """Whether the local worker, just lost, may have been killed by the transform it ran:

@@ -30,6 +30,7 @@ import numpy as np
 from ..plan.order import EpochOrder, RankShare
 from ..protocol.scheduler import SchedulerAPI
 from ..protocol.worker import MAX_WAIT, GiveRows, WorkerAPI
+from ..recovery import reply_seconds
 from .locate import my_host
 
 logger = logging.getLogger(__name__)
@@ -141,7 +142,7 @@ class FirstBatch:
                     requests[holder].rows[key] = rows
                     requests[holder].arrays[key] = future.result()
                     requests[holder].retries += self._retries[keys[key]]
-            workers = WorkerAPI(self.client.rpc)
+            workers = WorkerAPI(self.client.rpc, reply_seconds=reply_seconds())  # a paused worker: fetched instead
             await asyncio.gather(*(workers.give_rows(holder, request) for holder, request in requests.items()))
             missing = sorted(set(keys).difference(*(r.rows for r in requests.values())))
             if missing:

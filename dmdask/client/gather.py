@@ -16,7 +16,6 @@ from collections import defaultdict
 from collections.abc import Collection
 from typing import NamedTuple
 
-import dask.config
 import numpy as np
 import zict
 from distributed.comm import get_address_host
@@ -24,6 +23,7 @@ from distributed.comm import get_address_host
 from ..protocol.scheduler import Layouts
 from ..protocol.rows import RowChannels, RowsAsked, asked_of, fixed_layout
 from ..protocol.worker import Moved, WorkerAPI
+from ..recovery import reply_seconds
 from ..shm.arena import ID_FIELD, ArenaMaps
 from ..shm.fileblocks import map_arrays, readable, take_rows
 from ..shm.memory import empty_batch
@@ -49,8 +49,8 @@ def channels_of(client) -> RowChannels:
     found = _channels.get(client)
     if found is None:
         context = client.security.get_connection_args("client").get("ssl_context")
-        found = _channels[client] = RowChannels(WorkerAPI(client.rpc, CONNECT_SECONDS), context,
-                                                float(dask.config.get("dmdask.client.recovery-seconds")))
+        found = _channels[client] = RowChannels(WorkerAPI(client.rpc, CONNECT_SECONDS, reply_seconds()), context,
+                                                reply_seconds())
     return found
 
 
@@ -162,6 +162,7 @@ class Gatherer:
     def __init__(self, client, my_host: str | None, arenas: dict[str, LocalArenas]):
         self.client = client
         self.workers = WorkerAPI(client.rpc, CONNECT_SECONDS)
+        self._describer = WorkerAPI(client.rpc, CONNECT_SECONDS, reply_seconds())  # a paused holder: an OSError
         self.my_host = my_host
         self.arenas = arenas  # dataset identity -> its blocks in arenas on this host (a mixture has several)
         self.hits: dict[str, dict[str, list[int]]] = _counters()
@@ -323,7 +324,7 @@ class Gatherer:
     async def _describe(self, holder: str, keys: list[str]) -> None:
         unknown = [k for k in keys if (holder, k) not in _mapped.described]
         if unknown:
-            self._keep(holder, await self.workers.describe(holder, unknown))
+            self._keep(holder, await self._describer.describe(holder, unknown))
 
     @staticmethod
     def _keep(holder: str, described: dict[str, dict | None]) -> None:

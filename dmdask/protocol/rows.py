@@ -264,6 +264,9 @@ class RowChannels:
     def _guarded(self, holder: str, step, *args):
         try:
             return step(*args)
+        except TimeoutError as exc:  # nothing for `timeout` seconds: a paused or hung holder, lost to the caller
+            self.forget(holder)
+            raise TimeoutError(f"worker {holder} sent no rows for {self.timeout:.0f} s: paused or hung?") from exc
         except OSError:
             self.forget(holder)
             raise

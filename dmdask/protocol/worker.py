@@ -5,6 +5,8 @@ the `Missing` reply on the wire and `Moved` everywhere else.
 """
 from __future__ import annotations
 
+import asyncio
+
 import dataclasses
 import inspect
 from dataclasses import dataclass
@@ -226,16 +228,27 @@ def handler(kind: type, method):
 
 class WorkerAPI:
     """The workers' handlers over a `ConnectionPool` (`client.rpc`, `worker.rpc`).
-    `connect_seconds`: how long a connection may take before an OSError (None: the pool's)."""
+    `connect_seconds`: how long a connection may take before an OSError (None: the pool's);
+    `reply_seconds`: how long a reply may take before a `TimeoutError` (an OSError: a lost
+    worker to the callers) that names the worker (None: no bound)."""
 
-    def __init__(self, rpc, connect_seconds: float | None = None):
-        self.rpc, self.connect_seconds = rpc, connect_seconds
+    def __init__(self, rpc, connect_seconds: float | None = None, reply_seconds: float | None = None):
+        self.rpc, self.connect_seconds, self.reply_seconds = rpc, connect_seconds, reply_seconds
 
     async def call(self, address: str, request: Message) -> Message | None:
-        """The worker's reply to `request`; `Moved` for blocks it does not hold."""
+        """The worker's reply to `request`; `Moved` for blocks it does not hold. A connection
+        whose reply did not come (a timeout, a cancelled call) is closed, never reused."""
         comm = await self.rpc.connect(address, timeout=self.connect_seconds)
         try:
-            reply = await send_recv(comm, op=OPS[type(request)], **to_wire(request))
+            reply = await asyncio.wait_for(send_recv(comm, op=OPS[type(request)], **to_wire(request)),
+                                           self.reply_seconds)
+        except asyncio.TimeoutError:
+            comm.abort()
+            raise TimeoutError(f"worker {address} sent no reply to {OPS[type(request)]} within "
+                               f"{self.reply_seconds:.0f} s: paused or hung?") from None
+        except asyncio.CancelledError:  # its reply may come later: not for the next caller
+            comm.abort()
+            raise
         finally:
             self.rpc.reuse(address, comm)
         reply = None if reply is None else _MESSAGES[reply.pop("message")](**reply)

@@ -33,6 +33,7 @@ from . import placement
 from .files import FileMetadata
 from .killed import Departures, OomKills
 from .reads import BlockReads
+from .silent import SilentWorkers
 
 CLAIM_SECONDS = 120  # a creator that sent nothing for this long is presumed gone
 
@@ -90,6 +91,7 @@ class DatasetsPlugin(SchedulerPlugin):
         self._next_lazy = 0  # where the next lazy dataset's plan starts (round-robin)
         self.oom_kills = OomKills()  # what the workers that start block loads report (`WorkerKilledError`)
         self.departures = Departures()  # the workers that left on purpose (`LeftOnPurpose`)
+        self.silent = SilentWorkers()  # workers that stopped heartbeating, treated as lost
 
     async def start(self, scheduler) -> None:
         """Install the handlers. Two clients registering the plugin at once may both start
@@ -100,8 +102,9 @@ class DatasetsPlugin(SchedulerPlugin):
         if isinstance(installed, DatasetsPlugin):
             self.datasets, self.by_identity, self.files = installed.datasets, installed.by_identity, installed.files
             self.reads, self.streamed, self.oom_kills = installed.reads, installed.streamed, installed.oom_kills
-            self.departures = installed.departures
+            self.departures, self.silent = installed.departures, installed.silent
         self.scheduler = scheduler
+        self.silent.start(scheduler)
         reads = self.reads
         scheduler.handlers.update(serve({
             GetOrClaim: self.get_or_claim, Register: self.register, GetOrRegister: self.get_or_register,
@@ -273,6 +276,7 @@ class DatasetsPlugin(SchedulerPlugin):
     def remove_worker(self, scheduler, worker: str, *, stimulus_id: str, **kwargs) -> None:
         """Plan the blocks of a worker that left over the workers present."""
         self.reads.forget_layouts(worker=worker)
+        self.silent.left(worker)
         placement.replan(scheduler, self.datasets.values(), lambda address: address == worker, stimulus_id)
 
     def add_worker(self, scheduler, worker: str) -> None:

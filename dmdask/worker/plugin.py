@@ -17,6 +17,7 @@ from distributed.core import Status
 from ..errors import plain_worker
 from ..fs.inside import serve_worker
 from ..protocol.rows import RowChannels, asked_of
+from ..recovery import reply_seconds
 from ..protocol.worker import (Batches, BatchRequest, Channel, ChannelRequest, DescribeRequest, Descriptions, GiveRows,
                                HandOver, HitsReport, Kept, Missing, Moved, OPS, WorkerAPI, handler)
 from ..scheduler.placement import STREAMED_TOPIC
@@ -87,7 +88,7 @@ class WorkerPlugin(distributed.WorkerPlugin):
             self.server = worker.extensions["dmdask-rows"] = RowServer(
                 self.cache, get_address_host(worker.address), context, dask.config.get("dmdask.worker.row-port"))
         context = worker.security.get_connection_args("worker").get("ssl_context")
-        self.channels = RowChannels(self.peers, context, float(dask.config.get("dmdask.client.recovery-seconds")))
+        self.channels = RowChannels(self.peers, context, reply_seconds())
         self.workers = ClusterWorkers(worker)
         worker.handlers.update({OPS[kind]: handler(kind, self._lost_once_closed(method)) for kind, method in (
             (BatchRequest, self.batch), (DescribeRequest, self.describe),

@@ -22,7 +22,6 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-import dask.config
 import numpy as np
 
 from .. import arguments as check
@@ -30,6 +29,7 @@ from ..errors import HandlerArgumentError
 from ..protocol.rows import (MAX_ROWS, Buffer, RowsAsked, describe_fields, error_header, recv_header,
                              recv_into, send_frame)
 from ..protocol.worker import MAX_WAIT, Channel, Moved
+from ..recovery import reply_seconds
 from ..shm.arena import ID_FIELD, ArenaMaps
 from .holdings import ArenaBlock, FileBlock, concat, payload_bytes
 
@@ -199,13 +199,13 @@ class RowServer:
         priority = float("inf") if asked.priority is None else float(asked.priority)
         served = asyncio.run_coroutine_threadsafe(self.cache.serve(by_key, priority, asked.wait),
                                                   self.cache.worker.loop.asyncio_loop)
-        seconds = float(dask.config.get("dmdask.client.recovery-seconds"))  # as long as the caller waits for it
+        seconds = reply_seconds()  # as long as the caller waits for it
         try:
             arrays, from_store = served.result(seconds)
         except concurrent.futures.TimeoutError:
             served.cancel()
             raise TimeoutError(f"rows of {len(by_key)} blocks not served within {seconds:.0f} s "
-                               "(dmdask.client.recovery-seconds): the worker's event loop or store reads are stuck") \
+                               "(half dmdask.client.recovery-seconds): the worker's event loop or store reads are stuck") \
                 from None
         return _in_order(arrays, order), from_store
 
