@@ -39,11 +39,14 @@ from .store_server import StoreProcess
 PRESETS = {
     "tiny": {"samples": 1200, "floats": 64, "chunk": 50, "batch": 50, "step": 0.02, "latency": 0.005,
              "recovery": 16, "silent": 5, "read_seconds": 2, "configs": ["none", "paused+flaky"]},
+    # quick and full: dmdask's default deadlines (recovery 60 s, silent 15 s), but a hung read cut after 10 s, not
+    # the default 30 s: with read-seconds = retry-seconds (30 s) a hung request fails its block, BlockReadError
+    # "after 1 tries in 30.0 s" (measured: the quick run failed so)
     "quick": {"samples": 24000, "floats": 1024, "chunk": 400, "batch": 200, "step": 0.02, "latency": 0.01,
-              "recovery": 20, "silent": 5, "read_seconds": 5,
+              "recovery": 60, "silent": 15, "read_seconds": 10,
               "configs": ["none", "paused", "flaky", "paused+flaky"]},
     "full": {"samples": 96000, "floats": 1024, "chunk": 800, "batch": 400, "step": 0.02, "latency": 0.01,
-             "recovery": 20, "silent": 5, "read_seconds": 5,
+             "recovery": 60, "silent": 15, "read_seconds": 10,
              "configs": ["none", "paused", "flaky", "paused+flaky"]},
 }
 RANKS, WORKERS = 2, 3
@@ -117,8 +120,8 @@ def _epoch(root: str, cfg, env: dict, address: str, source: str, epoch: int, vic
     stopped_at = None
     try:
         if victim is not None:
-            _wait(lambda: all(_delivered(out, r) >= 2 for r in range(RANKS)) or any(p.poll() is not None for p in ranks),
-                  300, "every rank has its first batches")
+            _wait(lambda: all(_delivered(out, r) >= 2 for r in range(RANKS))
+                  or any(p.poll() is not None for p in ranks), 300, "every rank has its first batches")
             os.kill(victim, signal.SIGSTOP)
             stopped_at = time.monotonic()
         while any(p.poll() is None for p in ranks):
@@ -251,7 +254,9 @@ def report(result: dict, plots_dir: str) -> str:
             f"{cfg['recovery']}); the scheduler treats it as lost after `dmdask.worker.silent-seconds` = "
             f"{cfg['silent']} with no heartbeat (Dask's floor: 5 s). `flaky`: the store answers 503 to every "
             f"{FAIL_EVERY}th GET and holds every {HANG_EVERY}th for {HANG_SECONDS:g} s "
-            f"(`dmdask.store.read-seconds` = {cfg['read_seconds']} cuts it). Store bytes: chunk bytes the store "
+            f"(`dmdask.store.read-seconds` = {cfg['read_seconds']} cuts it; at its default, 30 s, equal to "
+            "`retry-seconds`, one hung request failed its block: `BlockReadError` after 1 try in 30.0 s). "
+            "Store bytes: chunk bytes the store "
             "sent in the epoch; a paused worker's blocks are read again by the others (its share of the "
             "dataset, once). Every epoch asserts every sample exactly once. "
             f"Load average (1 min) at the end of each epoch: {min(loads):.1f}-{max(loads):.1f} on "

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import distributed
 import numpy as np
@@ -152,5 +153,30 @@ def test_a_worker_paused_while_it_loads_a_cold_epoch_has_its_blocks_loaded_by_th
             assert state(pids[victim]) == "T"  # still stopped: the deadlines ended the wait
             assert len(ids) == N and np.array_equal(np.sort(ids), np.arange(N))
             wait_until(lambda: evicted(client, victim), 60, "the scheduler treated the silent worker as lost")
+    finally:
+        stop(procs)
+
+
+def test_a_paused_scheduler_treats_no_worker_as_silent(tmp_path):
+    """The scheduler itself SIGSTOPped for longer than `silent-seconds`: once it runs again,
+    every worker's last heartbeat is old, alike; none is treated as silent (silence is
+    measured against the other workers, not the clock), and the cluster serves an epoch."""
+    path = write_zarr(str(tmp_path / "d.zarr"), 600, chunk=CHUNK)
+    address, procs = start_cluster(tmp_path)
+    try:
+        with distributed.Client(address, timeout=60) as client:
+            client.wait_for_workers(3, timeout=60)
+            workers = set(client.scheduler_info()["workers"])
+            os.kill(procs[0].pid, signal.SIGSTOP)
+            try:
+                time.sleep(3 * float(SETTINGS["DASK_DMDASK__WORKER__SILENT_SECONDS"]))
+            finally:
+                os.kill(procs[0].pid, signal.SIGCONT)
+            out = tmp_path / "epoch0"
+            out.mkdir()
+            ids = finish(start_ranks(address, path, 0, out, step=0), out)  # the scheduler's checks ran meanwhile
+            assert np.array_equal(np.sort(ids), np.arange(600))
+            assert not [msg for _, msg in client.get_events("dmdask") if msg.get("action") == "silent-workers"]
+            assert set(client.scheduler_info()["workers"]) == workers
     finally:
         stop(procs)

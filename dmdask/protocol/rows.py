@@ -18,11 +18,14 @@ trusts whom Dask's comm trusts; it is TLS when the worker's comm is.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import pickle
 import socket
 import ssl
 import struct
 import threading
+import time
+import weakref
 from dataclasses import dataclass
 
 import msgpack
@@ -226,12 +229,17 @@ class RowChannels:
         self.api, self.ssl_context, self.timeout = api, ssl_context, timeout
         self._channels: dict[str, Channel] = {}
         self._idle: dict[str, list] = {}  # holder -> idle (socket, Buffer)
+        self._busy: dict[str, weakref.WeakSet] = {}  # holder -> its connections waiting for a reply
+        self._silent: dict[str, float] = {}  # holder -> until when it counts as lost (`_cut`)
         self._sending: dict[str, asyncio.Lock] = {}  # holder -> held while a request to it is sent (`fetch`)
         self._lock = threading.Lock()
 
     async def channel(self, holder: str) -> Channel:
         found = self._channels.get(holder)
         if found is None:
+            if time.monotonic() < self._silent.get(holder, 0.0):  # asked again before its scheduler lets it go
+                raise TimeoutError(f"worker {holder} left a request unanswered for {self.timeout:.0f} s: "
+                                   "paused or hung?")
             found = self._channels[holder] = await self.api.channel(holder)
         return found
 
@@ -266,6 +274,7 @@ class RowChannels:
             return step(*args)
         except TimeoutError as exc:  # nothing for `timeout` seconds: a paused or hung holder, lost to the caller
             self.forget(holder)
+            self._cut(holder)
             raise TimeoutError(f"worker {holder} sent no rows for {self.timeout:.0f} s: paused or hung?") from exc
         except OSError:
             self.forget(holder)
@@ -274,6 +283,8 @@ class RowChannels:
     def _send(self, holder: str, channel: Channel, asked: RowsAsked) -> tuple:
         """The request sent on a connection: (the socket, its buffer)."""
         sock, buffer = self._connection(holder, channel)
+        with self._lock:
+            self._busy.setdefault(holder, weakref.WeakSet()).add(sock)
         try:
             send_frame(sock, {"keys": asked.keys, "n": len(asked.rows), "priority": asked.priority,
                               "wait": asked.wait}, [np.ascontiguousarray(asked.blocks, dtype=np.int32),
@@ -333,7 +344,20 @@ class RowChannels:
 
     def _give_back(self, holder: str, sock, buffer) -> None:
         with self._lock:
+            self._busy.get(holder, set()).discard(sock)
             self._idle.setdefault(holder, []).append((sock, buffer))
+
+    def _cut(self, holder: str) -> None:
+        """A holder that let a request wait `timeout` seconds: the other requests waiting on
+        it end now (a lost worker to their callers), not each after its own `timeout`, and
+        for `timeout` seconds more it is not asked again (its scheduler lets it go meanwhile,
+        `dmdask.scheduler.silent`: its blocks are located on the others)."""
+        with self._lock:
+            busy = list(self._busy.pop(holder, ()))
+            self._silent[holder] = time.monotonic() + self.timeout
+        for sock in busy:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
     def forget(self, holder: str) -> None:
         """A holder gone: learn its channel again next time, close its idle connections."""

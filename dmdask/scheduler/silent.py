@@ -1,6 +1,6 @@
 """`SilentWorkers`, part of the `DatasetsPlugin`: a worker that sends its scheduler no
-heartbeat for `dmdask.worker.silent-seconds` (a paused process, a hung or frozen node) is
-treated as lost, as Dask treats one after `distributed.scheduler.worker-ttl` (5 minutes by
+heartbeat for `dmdask.worker.silent-seconds` while the others do (a paused process, a hung
+or frozen node) is treated as lost, as Dask treats one after `distributed.scheduler.worker-ttl` (5 minutes by
 default): restarted by its nanny, else removed. Its blocks are then planned anew over the
 workers present (`DatasetsPlugin.remove_worker`), so the rows it owed (held or still
 loading) are read from the store by the others, and the ranks that waited on it ask them

@@ -204,8 +204,8 @@ class RowServer:
             arrays, from_store = served.result(seconds)
         except concurrent.futures.TimeoutError:
             served.cancel()
-            raise TimeoutError(f"rows of {len(by_key)} blocks not served within {seconds:.0f} s "
-                               "(half dmdask.client.recovery-seconds): the worker's event loop or store reads are stuck") \
+            raise TimeoutError(f"rows of {len(by_key)} blocks not served within {seconds:.0f} s (half "
+                               "dmdask.client.recovery-seconds): the worker's event loop or store reads are stuck") \
                 from None
         return _in_order(arrays, order), from_store
 
