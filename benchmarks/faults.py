@@ -39,9 +39,8 @@ from .store_server import StoreProcess
 PRESETS = {
     "tiny": {"samples": 1200, "floats": 64, "chunk": 50, "batch": 50, "step": 0.02, "latency": 0.005,
              "recovery": 16, "silent": 5, "read_seconds": 2, "configs": ["none", "paused+flaky"]},
-    # quick and full: dmdask's default deadlines (recovery 60 s, silent 15 s), but a hung read cut after 10 s, not
-    # the default 30 s: with read-seconds = retry-seconds (30 s) a hung request fails its block, BlockReadError
-    # "after 1 tries in 30.0 s" (measured: the quick run failed so)
+    # quick and full: dmdask's default deadlines (recovery 60 s, silent 15 s, read 10 s: at the earlier default
+    # read-seconds = retry-seconds = 30 s, a hung request failed its block, BlockReadError "after 1 tries in 30.0 s")
     "quick": {"samples": 24000, "floats": 1024, "chunk": 400, "batch": 200, "step": 0.02, "latency": 0.01,
               "recovery": 60, "silent": 15, "read_seconds": 10,
               "configs": ["none", "paused", "flaky", "paused+flaky"]},
@@ -254,7 +253,7 @@ def report(result: dict, plots_dir: str) -> str:
             f"{cfg['recovery']}); the scheduler treats it as lost after `dmdask.worker.silent-seconds` = "
             f"{cfg['silent']} with no heartbeat (Dask's floor: 5 s). `flaky`: the store answers 503 to every "
             f"{FAIL_EVERY}th GET and holds every {HANG_EVERY}th for {HANG_SECONDS:g} s "
-            f"(`dmdask.store.read-seconds` = {cfg['read_seconds']} cuts it; at its default, 30 s, equal to "
+            f"(`dmdask.store.read-seconds` = {cfg['read_seconds']} cuts it; at the earlier default, 30 s, equal to "
             "`retry-seconds`, one hung request failed its block: `BlockReadError` after 1 try in 30.0 s). "
             "Store bytes: chunk bytes the store "
             "sent in the epoch; a paused worker's blocks are read again by the others (its share of the "

@@ -46,3 +46,11 @@ def test_the_docs_configuration_row_names_exactly_the_keys_of_dmdask_yaml():
     named = {f"dmdask.{group}{key.strip()}" for group, keys in re.findall(r"`dmdask\.([\w.-]*?)\{([^}]*)\}`", row)
              for key in keys.split(",")}
     assert named == {f"dmdask.{key}" for key in _keys(_load("dmdask.yaml")["dmdask"])}
+
+
+def test_the_default_store_deadlines_leave_a_hung_request_room_to_be_retried():
+    """A hung request is cut after `read-seconds`, then retried within `retry-seconds`: with
+    the two equal (30 s each, before), one hung request failed its block after 1 try (the
+    fault benchmark measured it); the defaults keep at least two tries' room."""
+    store = _load("dmdask.yaml")["dmdask"]["store"]
+    assert 2 * store["read-seconds"] <= store["retry-seconds"], store
