@@ -9,7 +9,7 @@ from .cluster import LocalCluster
 from .errors import (BlockReadError, DatasetHeldError, DmdaskError, HandlerArgumentError, NoWorkersError,
                      NotADmdaskWorker, SchedulerLostError, SourceError, SourceNotAllowedError, SourceNotFoundError,
                      SpecError, TransformError, WorkerKilledError)
-from .spec import Mix, Spec, TransformContext, per_sample, transform_context
+from .spec import Mix, Spec, TransformContext, Window, per_sample, transform_context
 from .ranks import Rank, rank_from_environment
 from .stats import stats
 from .worker import Worker
@@ -24,7 +24,7 @@ __all__ = [
     "BatchIterator", "BlockReadError", "DatasetHeldError", "DmdaskError", "HandlerArgumentError", "LocalCluster",
     "Mix", "NoWorkersError", "NotADmdaskWorker", "Rank", "SchedulerLostError", "SourceError",
     "SourceNotAllowedError", "SourceNotFoundError", "Spec", "SpecError", "TransformContext", "TransformError",
-    "Worker", "WorkerKilledError", "batches", "per_sample", "rank_from_environment", "release", "stats",
+    "Window", "Worker", "WorkerKilledError", "batches", "per_sample", "rank_from_environment", "release", "stats",
     "transform_context",
 ]
 

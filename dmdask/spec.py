@@ -15,7 +15,7 @@ from .transform import (Transform, TransformContext, dumps_transform, loads_tran
                         transform_context, using_context)
 
 # the transform's names (dmdask.transform) are imported from here too
-__all__ = ["Mix", "Spec", "Transform", "TransformContext", "as_int", "as_source", "dumps_transform",
+__all__ = ["Mix", "Spec", "Window", "Transform", "TransformContext", "as_int", "as_source", "dumps_transform",
            "loads_transform", "per_sample", "transform_context", "using_context"]
 
 
@@ -52,6 +52,9 @@ class Spec:
         multiples fall on row-group boundaries (None: one chunk, the smallest run of
         whole row groups, about 8 MiB of a contiguous HDF5 file, or 256 samples).
     storage_options: fsspec options.
+    window: None (a sample is a row of the source), or a `Window`: a sample is that many
+        consecutive rows of every field (token windows, time windows), its "index" the
+        window's id; every guarantee for rows holds for windows.
     """
 
     source: str | Sequence[str] | Mix
@@ -67,9 +70,18 @@ class Spec:
     prefetch: int = 8
     block_size: int | None = None
     storage_options: Mapping[str, Any] | None = None
+    window: Window | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "source", as_source(self.source))
+        if self.window is not None:
+            if not isinstance(self.window, Window):
+                raise SpecError("window", "None or a dmdask.Window(length, stride)", self.window)
+            for name, value in (("source", isinstance(self.source, Mix)), ("transform", self.transform is not None),
+                                ("shuffle_window", self.shuffle_window is not None)):
+                if value:
+                    raise SpecError("window", f"None with {name}= (windows of a mixture, with a transform or a "
+                                    "shuffle window are not supported yet)", self.window)
         for name, low in (("batch_size", 1), ("seed", 0), ("world_size", 1), ("prefetch", 1),
                           ("shuffle_window", 1), ("block_size", 1)):
             if name in ("shuffle_window", "block_size") and getattr(self, name) is None:
@@ -143,6 +155,47 @@ def as_source(source):
     if not isinstance(source, str) or not source:
         raise SpecError("source", allowed, source)
     return resolve_local(source)
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """A sample made of consecutive rows: `Spec(..., window=dmdask.Window(length, stride))`.
+
+    Window w holds rows w*stride .. w*stride + length - 1 along the first axis of every
+    field (a token array: `length` = sequence length + 1 and `stride` = sequence length;
+    a (time, lat, lon) array: `length` time steps). Windows that would pass the last row
+    are not made. A batch's fields have shape (batch, length, ...) and "index" holds the
+    window ids; the order, the ranks' shares and resume work on window ids as on rows.
+
+    length: rows a window (>= 1). stride: rows between window starts (>= 1; None:
+        `length`, windows end to end).
+    """
+
+    length: int
+    stride: int | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "length", as_int("window", self.length, low=1, hint="a length >= 1"))
+        stride = self.length if self.stride is None else self.stride
+        object.__setattr__(self, "stride", as_int("window", stride, low=1, hint="a stride >= 1"))
+
+    def count(self, rows: int) -> int:
+        """How many windows `rows` rows hold."""
+        return 0 if rows < self.length else (rows - self.length) // self.stride + 1
+
+    def rows(self, windows: np.ndarray) -> np.ndarray:
+        """The row ids of `windows` (int64), window after window."""
+        starts = np.asarray(windows, dtype=np.int64) * self.stride
+        return (starts[:, None] + np.arange(self.length, dtype=np.int64)).ravel()
+
+    def as_windows(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A batch of the rows of windows (`rows`, "index" the row ids) as windows: each
+        field (n*length, ...) viewed as (n, length, ...), "index" the window ids."""
+        windows = batch["index"][::self.length] // self.stride
+        out = {name: values.reshape((len(windows), self.length) + values.shape[1:])
+               for name, values in batch.items() if name != "index"}
+        out["index"] = windows
+        return out
 
 
 @dataclasses.dataclass(frozen=True)

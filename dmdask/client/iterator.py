@@ -12,7 +12,7 @@ from distributed import Client
 
 from ..errors import SpecError
 from ..plan.elastic import remaining
-from ..plan.order import ORDER_VERSION, EpochOrder, RankShare
+from ..plan.order import ORDER_VERSION, EpochOrder, RankShare, WindowShare
 from ..source import dataset_name
 from ..spec import Mix, Spec, as_int
 from ..transform import dumps_transform
@@ -62,7 +62,7 @@ class BatchIterator:
         learn = self._transform is None and not all(LocalArenas.knows_dataset(dataset_name(s)) for s in specs)
         # a cold dataset's claimant reads its first batch from the store itself (`FirstBatch`)
         self._first = FirstBatch(client, spec, epoch) if self._transform is None and resume is None and \
-            not isinstance(spec.source, Mix) and dask.config.get("dmdask.client.read-first-batch") else None
+            not isinstance(spec.source, Mix) and spec.window is None and dask.config.get("dmdask.client.read-first-batch") else None
         opened = [open_dataset(client, s, epoch, host if learn else None,
                                None if self._first is None else self._first.plan) for s in specs]
         if isinstance(spec.source, Mix):
@@ -72,6 +72,13 @@ class BatchIterator:
         else:
             self.info = info = opened[0].info
             self._order = EpochOrder.of(info, spec, epoch)
+        if spec.window is not None:  # the order of the windows (`WindowShare` reads their rows)
+            windows = spec.window.count(info.num_samples)
+            if not windows:
+                raise SpecError("window", f"a length of at most the {info.num_samples} rows of {spec.source}",
+                                spec.window)
+            self._order = EpochOrder(windows, max(1, info.block_len // spec.window.stride), shuffle=spec.shuffle,
+                                     seed=spec.seed, epoch=epoch)
         positions = self._order.num_samples  # of the epoch (a mixture's differ from its samples)
         if positions < spec.world_size:
             raise SpecError("world_size", f"at most the {positions} samples of an epoch of {spec.source}",
@@ -148,6 +155,8 @@ class BatchIterator:
         if isinstance(batch, BaseException):  # the batches before it were handed out
             self.close()
             raise batch
+        if self.spec.window is not None:
+            batch = self.spec.window.as_windows(batch)
         self._position += 1
         if self._progress is not None:
             self._progress.update()
@@ -257,9 +266,11 @@ class BatchIterator:
                 "shuffle": spec.shuffle, "shuffle_window": spec.shuffle_window, "rank": spec.rank,
                 "world_size": spec.world_size, "batch_size": spec.batch_size,
                 "drop_last": spec.drop_last, "position": self._position,
+                "window": None if spec.window is None else [spec.window.length, spec.window.stride],
                 "history": [dict(g) for g in self._history]}
 
-    def _share(self, rank: int, world_size: int, batch_size: int, history: list[dict]) -> RankShare:
-        """A rank's share of what the generations in `history` left of the epoch."""
+    def _share(self, rank: int, world_size: int, batch_size: int, history: list[dict]) -> RankShare | WindowShare:
+        """A rank's share of what the generations in `history` left of the epoch (of its windows' rows)."""
         left = remaining(self._order.num_samples, history) if history else None
-        return RankShare(self._order, rank, world_size, batch_size, self.spec.drop_last, left)
+        share = RankShare(self._order, rank, world_size, batch_size, self.spec.drop_last, left)
+        return share if self.spec.window is None else WindowShare(share, self.spec.window)

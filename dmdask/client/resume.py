@@ -11,7 +11,7 @@ from ..errors import SpecError
 from ..plan.order import ORDER_VERSION, RankShare
 
 # what a resume state must share with the iterator it resumes (rank, world and batch size may differ)
-STATE_FIELDS = ("identity", "epoch", "seed", "shuffle", "shuffle_window", "drop_last")
+STATE_FIELDS = ("identity", "epoch", "seed", "shuffle", "shuffle_window", "drop_last", "window")
 
 
 def resume_point(resume, spec, current: dict, share: Callable[[int, int, int, list[dict]], RankShare]) -> tuple:
@@ -73,6 +73,8 @@ _FIELDS = {  # a state's fields: (type check, what it must be)
     "batch_size": (_is_int(1), "an integer >= 1"),
     "drop_last": (lambda v: isinstance(v, bool), "True or False"),
     "position": (_is_int(0), "an integer >= 0"),
+    "window": (lambda v: v is None or (isinstance(v, (list, tuple)) and len(v) == 2 and all(_is_int(1)(x) for x in v)),
+               "None or [length, stride] of the spec's window"),
     "history": (lambda v: isinstance(v, (list, tuple)), "a list of {'world_size', 'consumed'} generations"),
 }
 
@@ -84,7 +86,7 @@ def check_state(state: dict, num_samples: int) -> None:
         raise SpecError(f"resume[{unknown[0]!r}]", f"only the keys of a state_dict(): {sorted(_FIELDS)}",
                         state[unknown[0]])
     for name, (ok, allowed) in _FIELDS.items():
-        if name not in state and name == "history":
+        if name not in state and name in ("history", "window"):  # "window": not in states of rows from before it
             continue
         if name not in state or not ok(state[name]):
             raise SpecError(f"resume[{name!r}]", allowed, state.get(name, "<missing>"))
@@ -114,9 +116,9 @@ def _check_matches(state: dict, current: dict) -> None:
                         "comes from another order's version (an older dmdask): resume at the next epoch's start instead",
                         state.get("order"))
     for name in STATE_FIELDS:
-        if state.get(name) != current[name]:
+        if state.get(name) != current.get(name):
             raise SpecError("resume", f"a state of the same dataset and spec ({name} is "
-                            f"{current[name]!r} here but {state.get(name)!r} in the state)", state.get(name))
+                            f"{current.get(name)!r} here but {state.get(name)!r} in the state)", state.get(name))
 
 
 def _check_position(state: dict, share: RankShare) -> int:

@@ -205,3 +205,29 @@ class RankShare:
             ids = self.order.ids(positions)
             at, self._chunk = first, (first, ids)
         return ids[first - at:end - at]
+
+
+class WindowShare:
+    """A rank's share of an epoch of windows (`dmdask.Window`): `share` (a `RankShare` over
+    window ids) whose batches are the rows of its windows, window after window, so that
+    everything downstream reads rows; the ranks' shares partition the windows as
+    `RankShare` partitions samples."""
+
+    def __init__(self, share: RankShare, window):
+        self.share, self.window = share, window
+
+    @property
+    def order(self) -> EpochOrder:
+        return self.share.order
+
+    @property
+    def num_samples(self) -> int:
+        """The windows of this rank."""
+        return self.share.num_samples
+
+    def __len__(self) -> int:
+        return len(self.share)
+
+    def batches(self, start: int, stop: int) -> list[np.ndarray]:
+        """The row ids of batches start..stop-1 (`RankShare.batches`)."""
+        return [self.window.rows(ids) for ids in self.share.batches(start, stop)]

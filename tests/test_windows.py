@@ -1,0 +1,99 @@
+"""Window samples (`dmdask.Window`) on real worker processes: a sample is `length`
+consecutive rows of every field; every window of an epoch goes to exactly one rank, its
+rows are the source's rows in order, and an epoch stopped at one world size resumes at
+another with exactly the windows not yet delivered."""
+import distributed
+import numpy as np
+import pytest
+import zarr
+
+import dmdask
+
+
+def write_tokens(path: str, n: int, chunk: int) -> np.ndarray:
+    """A Zarr v3 group with "tokens": uint16 token ids laid end to end (a 1-D array)."""
+    tokens = (np.arange(n, dtype=np.int64) * 7919 % 50257).astype(np.uint16)
+    group = zarr.open_group(path, mode="w", zarr_format=3)
+    group.create_array("tokens", shape=(n,), chunks=(chunk,), dtype="uint16")[:] = tokens
+    return tokens
+
+
+def write_fields(path: str, steps: int, chunk: int) -> np.ndarray:
+    """A Zarr v3 group with "t2m": float32 (time, lat, lon), a step's values unique."""
+    values = np.arange(steps * 4 * 5, dtype=np.float32).reshape(steps, 4, 5)
+    group = zarr.open_group(path, mode="w", zarr_format=3)
+    group.create_array("t2m", shape=values.shape, chunks=(chunk, 4, 5), dtype="float32")[:] = values
+    return values
+
+
+@pytest.fixture(scope="module")
+def client():
+    with dmdask.LocalCluster(n_workers=2, ram="64 MiB") as cluster, distributed.Client(cluster) as client:
+        yield client
+
+
+def test_token_windows_go_once_to_one_rank_each_with_its_rows(tmp_path, client):
+    tokens = write_tokens(str(tmp_path / "corpus.zarr"), 1000, chunk=64)
+    window = dmdask.Window(17, stride=16)  # sequence length 16 and its next token
+    count = (1000 - 17) // 16 + 1
+    for epoch in (0, 1):
+        delivered, orders = [], []
+        for rank in range(3):
+            spec = dmdask.Spec(str(tmp_path / "corpus.zarr"), batch_size=8, seed=1, rank=rank, world_size=3,
+                               window=window)
+            for batch in dmdask.batches(client, spec, epoch=epoch):
+                assert batch["tokens"].shape == (len(batch["index"]), 17)
+                for w, row in zip(batch["index"].tolist(), batch["tokens"]):
+                    np.testing.assert_array_equal(row, tokens[w * 16:w * 16 + 17])
+                delivered.append(batch["index"])
+            orders.append(np.concatenate(delivered))
+        ids = np.concatenate(delivered)
+        assert sorted(ids.tolist()) == list(range(count))  # every window once, none partial
+        assert not np.array_equal(ids, np.sort(ids))  # shuffled
+
+
+def test_time_windows_of_a_field_keep_their_shape(tmp_path, client):
+    values = write_fields(str(tmp_path / "weather.zarr"), 200, chunk=16)
+    spec = dmdask.Spec(str(tmp_path / "weather.zarr"), batch_size=10, seed=2, window=dmdask.Window(4, stride=1))
+    seen = []
+    for batch in dmdask.batches(client, spec):
+        assert batch["t2m"].shape == (len(batch["index"]), 4, 4, 5)
+        for w, steps in zip(batch["index"].tolist(), batch["t2m"]):
+            np.testing.assert_array_equal(steps, values[w:w + 4])
+        seen += batch["index"].tolist()
+    assert sorted(seen) == list(range(197))
+
+
+def test_windows_stopped_at_three_ranks_resume_at_two_exactly_once(tmp_path, client):
+    write_tokens(str(tmp_path / "corpus.zarr"), 2000, chunk=64)
+    window = dmdask.Window(33, stride=32)
+    count = (2000 - 33) // 32 + 1
+
+    def spec(rank, world):
+        return dmdask.Spec(str(tmp_path / "corpus.zarr"), batch_size=4, seed=5, rank=rank, world_size=world,
+                           window=window)
+
+    before, states = [], []
+    for rank in range(3):
+        it = dmdask.batches(client, spec(rank, 3), epoch=2)
+        for _ in range(rank + 1):  # ranks stop at different points
+            before += next(it)["index"].tolist()
+        states.append(it.state_dict())
+        it.close()
+    after = []
+    for rank in range(2):
+        after += [w for b in dmdask.batches(client, spec(rank, 2), epoch=2, resume=states) for w in b["index"].tolist()]
+    assert sorted(before + after) == list(range(count))
+    with pytest.raises(dmdask.SpecError, match="window"):  # a state of other windows is refused
+        other = dmdask.Spec(str(tmp_path / "corpus.zarr"), batch_size=4, seed=5, window=dmdask.Window(32))
+        dmdask.batches(client, other, epoch=2, resume=states[0])
+
+
+def test_bad_windows_are_spec_errors_naming_the_window():
+    for bad in (dict(length=0), dict(length=4, stride=0), dict(length=2.0)):
+        with pytest.raises(dmdask.SpecError, match="window"):
+            dmdask.Window(**bad)
+    with pytest.raises(dmdask.SpecError, match="window"):
+        dmdask.Spec("x.zarr", batch_size=2, window=(4, 2))
+    with pytest.raises(dmdask.SpecError, match="window"):
+        dmdask.Spec("x.zarr", batch_size=2, window=dmdask.Window(4), shuffle_window=2)
