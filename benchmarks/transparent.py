@@ -15,7 +15,9 @@ pipeline reads
   cold copy), when FUSE is available (torchvision's own ImageFolder is not installed
   here; this Dataset lists and reads as it does, minus decoding).
 Reported: epoch 1 and epochs 2+ wall times, the bytes and requests (GETs, HEADs) the
-store received, and the goals of issue #20 as ratios.
+store received, and the goals of issue #20 as ratios. Then the loaders of `benchmarks.loaders`
+over a folder of JPEGs (DataLoader with 4 non-persistent workers, torchdata's
+StatefulDataLoader, tf.data over the mount) and the goals of issue #38.
 Alone: `python -m benchmarks run --quick --only transparent`.
 """
 from __future__ import annotations
@@ -31,14 +33,16 @@ import fsspec
 
 from dmdask.testing.mount import unmount
 
+from . import loaders
 from .common import dataset_bytes, dmdask_cluster, served_bytes, workdir, write_files
 
 PRESETS = {
-    "tiny": {"samples": 120, "sample_bytes": 4096, "epochs": 2, "latency": 0.0, "bandwidth": None, "batch": 16},
+    "tiny": {"samples": 120, "sample_bytes": 4096, "epochs": 2, "latency": 0.0, "bandwidth": None, "batch": 16,
+             "jpegs": 120, "jpeg_side": 64},
     "quick": {"samples": 2048, "sample_bytes": 16384, "epochs": 3, "latency": 0.002, "bandwidth": 16 * 2**20,
-              "batch": 32},
+              "batch": 32, "jpegs": 2000, "jpeg_side": 160},
     "full": {"samples": 8192, "sample_bytes": 65536, "epochs": 3, "latency": 0.002, "bandwidth": 32 * 2**20,
-             "batch": 64},
+             "batch": 64, "jpegs": 8000, "jpeg_side": 224},
 }
 PIPELINES = [("local", "local disk"), ("store", "the store directly"), ("dmdask", "dmdask:: (the cluster's cache)"),
              ("store_persistent", "the store directly, persistent workers"),
@@ -159,7 +163,9 @@ def run(preset: str) -> dict:
                         rows["mount"]["store"] = _store_counts(store)
                     finally:
                         unmount(proc, mountpoint)
-    return {"config": cfg, "dataset": size, "rows": rows, "goals": goals_of(rows, cfg, size)}
+                jpegs = loaders.run(cfg, root, store, cluster, lambda *a: None if _fuse_missing() else _mounted(*a))
+    return {"config": cfg, "dataset": size, "rows": rows, "jpegs": jpegs,
+            "goals": goals_of(rows, cfg, size) + loaders.goals_of(jpegs, cfg["epochs"])}
 
 
 def goals_of(rows: dict, cfg: dict, size: int) -> list:
@@ -247,4 +253,17 @@ def report(result: dict, plots_dir: str) -> str:
             "each makes its own cluster connection and asks the scheduler where its files are. The persistent "
             "and mount rows read cold copies of the files. HEADs are the store's count over the whole pipeline "
             "(listings included).\n\n"
-            + "\n".join(lines) + "\n\n![transparent mode](benchmarks/transparent.png)\n")
+            + "\n".join(lines) + "\n\n![transparent mode](benchmarks/transparent.png)\n" + _jpeg_section(result))
+
+
+def _jpeg_section(result: dict) -> str:
+    jpegs = result.get("jpegs")
+    if not jpegs:
+        return ""
+    cfg = result["config"]
+    return (f"\n**The loaders people run, over a folder of JPEGs** (`benchmarks/loaders.py`, issue #38): "
+            f"{jpegs['files']} JPEGs of {cfg['jpeg_side']}x{cfg['jpeg_side']} (D = {jpegs['dataset'] / 2**20:.1f} MiB) "
+            f"in 10 class folders, {cfg['epochs']} epochs, the same throttled store; each item read and decoded "
+            f"(Pillow; tf.io.decode_jpeg for tf.data). PyTorch's loaders: {loaders.LOADER_WORKERS} worker processes "
+            "made anew each epoch. Every dmdask row reads a cold copy. The load average is the machine's, "
+            "at the row's start and end.\n\n" + loaders.table(jpegs, cfg["epochs"]))

@@ -209,6 +209,8 @@ def test_json_and_metrics_when_the_tiers_overflow(cluster, small, large):
     assert prom[("dmdask_cached_share", frozenset())] == pytest.approx(cached / blocks)
     history = json.loads(http(base_url(client) + "/dmdask/tiers.json?history=1"))["history"]
     assert history and history[-1]["shared_store_bytes"] > history[0]["shared_store_bytes"]
+    # the once-a-second point (`figures.dataset_sizes`, not the page's per-dataset summaries) sums the same
+    assert history[-1]["dataset_bytes"] == tiers["cluster"]["dataset_bytes"]
 
 
 @pytest.mark.slow

@@ -36,8 +36,9 @@ async def connect_ahead(client, address: str) -> None:
 class Contact:
     """One iterator's view of its client's cluster; coroutines of the client's loop."""
 
-    def __init__(self, client, rank: int):
+    def __init__(self, client, rank: int, who: str | None = None):
         self.client, self.rank = client, rank
+        self.who = who or f"rank {rank}"  # named in its errors
         self.worker: str | None = None  # this rank's local worker, once chosen
         self._said_waiting = False  # the wait for workers was logged
 
@@ -69,7 +70,7 @@ class Contact:
 
     def _scheduler_lost(self, how: str, limit: float) -> SchedulerLostError:
         return SchedulerLostError(
-            f"rank {self.rank} lost the scheduler of its client ({how} for {limit:.0f} s, "
+            f"{self.who} lost the scheduler of its client ({how} for {limit:.0f} s, "
             "dmdask.client.scheduler-seconds): resume from the last state_dict() once a scheduler runs again")
 
     async def identity(self) -> dict:

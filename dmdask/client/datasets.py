@@ -2,9 +2,9 @@
 and release it. The scheduler side is `dmdask.scheduler.DatasetsPlugin`."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
-import time
 import uuid
 import weakref
 from collections.abc import Callable
@@ -14,8 +14,18 @@ from distributed import Client
 
 from ..errors import DatasetHeldError, NotADmdaskWorker
 from ..plan.order import EpochOrder
-from ..protocol.scheduler import Abandon, GetOrClaim, GetOrRegister, Held, NoWorkers, Ready, Register, \
-    Registered, Release, SchedulerAPI
+from ..protocol.scheduler import (
+    Abandon,
+    GetOrClaim,
+    GetOrRegister,
+    Held,
+    NoWorkers,
+    Ready,
+    Register,
+    Registered,
+    Release,
+    SchedulerAPI,
+)
 from ..scheduler import DatasetsPlugin
 from ..source import DatasetInfo, Source, dataset_name, open_source
 from ..spec import Mix
@@ -100,11 +110,18 @@ def get_or_register(client: Client, source: Source) -> bool:
     """Register `source`'s dataset lazily unless the registry has it: no block is loaded
     until submitted (`submit_blocks`). True when registered now (none of its blocks exists)."""
     ensure_plugin(client)
+    return client.sync(registered, client, source)
+
+
+async def registered(client: Client, source: Source) -> bool:
+    """`get_or_register` on the client's event loop, for a client whose plugin is registered."""
     while True:
-        reply = _call(client, GetOrRegister(source.info))
+        reply = await SchedulerAPI(client).send(GetOrRegister(source.info))
+        if isinstance(reply, NoWorkers):
+            raise NotADmdaskWorker(NO_WORKERS)
         if isinstance(reply, (Ready, Registered)):
             return isinstance(reply, Registered)
-        time.sleep(0.05)  # being created by a get_or_create: ready in a moment
+        await asyncio.sleep(0.05)  # being created by a get_or_create: ready in a moment
 
 
 def _create(client: Client, name: str, source: Source, order, claimant: str, first_read=None) -> None:

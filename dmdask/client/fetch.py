@@ -11,18 +11,19 @@ import numpy as np
 from distributed.comm import get_address_host
 from distributed.comm.core import CommClosedError
 
-from ..errors import BlockReadError, NotADmdaskWorker, no_workers
+from ..errors import BlockReadError, NotADmdaskWorker
 from ..plan.order import RankShare
-from ..protocol.scheduler import LeftOnPurpose, Ready, SchedulerAPI
 from ..protocol.rows import asked_of
+from ..protocol.scheduler import LeftOnPurpose, Ready, SchedulerAPI
 from ..protocol.worker import BatchRequest
 from ..recovery import Tries
 from ..shm.results import map_batches
 from ..transform import TransformContext
 from .arenas import split_batches
-from .contact import Contact
 from .coalesce import Coalesced
-from .gather import LOAD_WAIT, Gatherer, Moved, channels_of, peer_threads, plan_rows
+from .contact import Contact
+from .engine import Exhausted, fetch_rows
+from .gather import LOAD_WAIT, Gatherer, Moved, channels_of, peer_threads
 from .locate import my_host
 from .mixture import MixedInfo
 
@@ -64,60 +65,37 @@ class GroupFetcher:
         ids = np.concatenate(group)
         blocks, offsets = self.info.locate(ids)
         keys = {int(k): self.info.block_key(int(k)) for k in np.unique(blocks)}
-        last_error: BaseException | None = None
         recovery = float(dask.config.get("dmdask.client.recovery-seconds"))
         isolate = False  # set once a worker was lost while this group's transform ran
-        silent_waited = False  # set once a holder left a request unanswered (`reply_seconds`)
-        tries = Tries(recovery, pause=lambda attempt: min(1.0, 0.05 * attempt))
-        async for _ in tries:
-            await self.contact.check_scheduler()
-            try:
-                holders, loading = await self.holders_of(list(keys.values()))
-                if len(holders) < len(keys):  # still loading, being recomputed after a loss, or no worker left
-                    if await self.contact.wait_if_no_workers():
-                        tries.deadline.renew()
-                    tries.no_pause()  # the locate waited on the scheduler
-                    continue
-                plan, positions = plan_rows(blocks, offsets, keys, holders)
-                if self.transform is None:  # assembled here: local rows straight from the files
-                    arrays, from_store = await self.gatherer.gather(plan, positions, len(ids), priority=first,
-                                                                    loading=loading)
-                    self.cold = from_store > 0
-                    self.gatherer.flush_hits_every(HITS_SECONDS)
-                    index, extra = self._index(ids)
-                    return split_batches({**arrays, **extra}, index, [len(b) for b in group])
-                return await self._from_local_worker(plan, positions, ids, group, first, isolate)
-            except BlockReadError:
-                raise
-            except (OSError, CommClosedError) as exc:  # a worker left: ask again
-                if isinstance(exc, TimeoutError) and not silent_waited:  # a silent holder's wait: not counted, once
-                    silent_waited = True
-                    tries.deadline.renew()
-                last_error = exc
-                if self.transform is not None and not isolate and await self._maybe_killed_by_transform():
-                    # the transform may have killed it
-                    logger.warning("a worker was lost while it ran the transform of batches %d..%d of rank %d; "
-                                   "running them once more in a process of their own", first, stop - 1,
-                                   self.spec.rank)
-                    isolate = True
-                self.contact.forget_worker()
-                if await self.contact.wait_if_no_workers():
-                    tries.deadline.renew()  # one joined: the group gets its full time again
-            except Moved as exc:
-                last_error = exc
-            except RuntimeError as exc:  # "ConnectionPool is closed": the client is losing its scheduler
-                if self.client.status == "running":
-                    raise
-                last_error = exc
-            self.holders.clear()
-        if not await self.contact.workers(wait=False):
-            raise no_workers(recovery) from last_error
-        cause = "is the cluster losing workers?"
-        if isinstance(last_error, TimeoutError):  # a worker that heartbeats yet never answers is not treated as lost
-            cause = f"the last try: {last_error} (a worker is treated as lost after dmdask.worker.silent-seconds " \
-                    "with no heartbeat)"
-        raise RuntimeError(f"batches {first}..{stop - 1} of rank {self.spec.rank} still failing after {recovery:.0f} s "
-                           f"({tries.count} tries, dmdask.client.recovery-seconds); {cause}") from last_error
+
+        async def attempt(plan, positions, loading):
+            if self.transform is None:  # assembled here: local rows straight from the files
+                arrays, from_store = await self.gatherer.gather(plan, positions, len(ids), priority=first,
+                                                                loading=loading)
+                self.cold = from_store > 0
+                self.gatherer.flush_hits_every(HITS_SECONDS)
+                index, extra = self._index(ids)
+                return split_batches({**arrays, **extra}, index, [len(b) for b in group])
+            return await self._from_local_worker(plan, positions, ids, group, first, isolate)
+
+        async def lost(exc: BaseException) -> None:
+            nonlocal isolate
+            if self.transform is not None and not isolate and await self._maybe_killed_by_transform():
+                logger.warning("a worker was lost while it ran the transform of batches %d..%d of rank %d; "
+                               "running them once more in a process of their own", first, stop - 1, self.spec.rank)
+                isolate = True
+
+        try:
+            return await fetch_rows(self.contact, keys, blocks, offsets, self.holders_of,
+                                    lambda _: self.holders.clear(), attempt, recovery, on_lost=lost)
+        except Exhausted as exc:
+            cause = "is the cluster losing workers?"
+            if isinstance(exc.__cause__, TimeoutError):  # a worker that heartbeats yet never answers is not lost
+                cause = f"the last try: {exc.__cause__} (a worker is treated as lost after " \
+                        "dmdask.worker.silent-seconds with no heartbeat)"
+            raise RuntimeError(f"batches {first}..{stop - 1} of rank {self.spec.rank} still failing after "
+                               f"{recovery:.0f} s ({exc.tries} tries, dmdask.client.recovery-seconds); {cause}") \
+                from exc.__cause__
 
     async def _maybe_killed_by_transform(self) -> bool:
         """Whether the local worker, just lost, may have been killed by the transform it ran:

@@ -4,7 +4,8 @@ holders, and their rows from same-host files or over Dask's comms.
 Guarantees: a read returns the bytes of the file's dataset as identified when the file was
 opened (size and version). A block the cluster does not have is registered and submitted
 again; a block whose load failed is retried once per dataset, then its error is raised.
-A worker lost or a block moved is located again, for at most
+Every other fault (a worker lost, a block moved, no workers, the scheduler reconnecting) is
+handled by the fetch engine the iterator uses (`dmdask.client.engine`), for at most
 `dmdask.client.recovery-seconds`: then `NoWorkersError` when the cluster has no workers,
 otherwise a RuntimeError naming the files.
 """
@@ -14,13 +15,11 @@ import contextlib
 
 import dask.config
 import numpy as np
-from distributed.comm.core import CommClosedError
 
-from ..client.datasets import get_or_register, submit_blocks
+from ..client.datasets import registered, submit_blocks
+from ..client.engine import Exhausted, fetch_rows
 from ..client.gather import Moved, plan_rows
-from ..errors import BlockReadError, NoWorkersError
 from ..protocol.scheduler import Locate, SchedulerAPI
-from ..recovery import Deadline, Tries
 from ..source.files import ROW_BYTES
 from .inside import out_of_the_pool
 
@@ -43,7 +42,6 @@ class Blocks:
         """The bytes of each (source `FileSource`, start, stop; 0 <= start <= stop <= size),
         with one scheduler request for the blocks new to this process."""
         self.session.check_workers()
-        deadline = Deadline(float(dask.config.get("dmdask.client.recovery-seconds")))
         cuts, wanted = [], {}
         for source, start, stop in ranges:
             if stop <= start:
@@ -66,8 +64,8 @@ class Blocks:
                         held_blocks.append(number[keys[b]])
                         held_offsets.append(offset)
         gathered = iter(self._gather(wanted, np.array(held_blocks, dtype=np.int64),
-                                     np.array(held_offsets, dtype=np.int64), {i: k for k, i in number.items()},
-                                     deadline) if held_blocks else ())
+                                     np.array(held_offsets, dtype=np.int64), {i: k for k, i in number.items()})
+                        if held_blocks else ())
         out = []
         for cut in cuts:
             if cut is None:
@@ -84,59 +82,64 @@ class Blocks:
             self.session.client.loop.add_callback(gatherer.flush_hits_every, HITS_SECONDS)
         return out
 
-    def _gather(self, wanted: dict[str, tuple], blocks: np.ndarray, offsets: np.ndarray, keys: dict[int, str],
-                deadline: Deadline) -> np.ndarray:
+    def _gather(self, wanted: dict[str, tuple], blocks: np.ndarray, offsets: np.ndarray,
+                keys: dict[int, str]) -> np.ndarray:
         """Rows (block number, offset; `keys`: number -> block key; `wanted`: key ->
-        (source, index)) from the blocks' holders, as an object array."""
-        client, gatherer = self.session.client, self.session.gatherer
-        for _ in Tries(deadline, pause=lambda attempt: min(1.0, 0.05 * attempt)):
-            holders = self._holders(wanted, list(keys.values()), deadline)
+        (source, index)) from the blocks' holders, as an object array: taken in this thread
+        from this host's files when every holder is known and described, else fetched by the
+        fetch engine (`client.engine`, the iterator's) on the client's event loop."""
+        session = self.session
+        client, gatherer = session.client, session.gatherer
+        holders = {k: self.holders.get(k) for k in keys.values()}
+        if None not in holders.values():
             plan, positions = plan_rows(blocks, offsets, keys, holders)
-            try:
+            with contextlib.suppress(Moved):  # the engine locates it again
                 arrays = gatherer.take_local(plan, positions, len(blocks))
-                if arrays is None:  # a block held elsewhere, or not described yet
-                    arrays, _ = client.sync(gatherer.gather, plan, positions, len(blocks),
-                                            callback_timeout=max(1.0, deadline.left()))
-                return arrays["data"]
-            except BlockReadError:
-                raise
-            except (Moved, OSError, CommClosedError) as exc:  # released, moved, or a worker left: locate again
-                error = exc
-                for key in keys.values():
-                    self.holders.pop(key, None)
-        urls = sorted({wanted[k][0].info.url for k in keys.values()})
-        raise RuntimeError(f"{', '.join(urls[:3])} still failing after dmdask.client.recovery-seconds") from error
+                if arrays is not None:
+                    return arrays["data"]
+        recovery = float(dask.config.get("dmdask.client.recovery-seconds"))
 
-    def _holders(self, wanted: dict[str, tuple], keys: list[str], deadline: Deadline) -> dict[str, str]:
-        """A holder of each block (`wanted`: key -> (source, index)), waiting for blocks
-        loading or read by another process, submitting those the cluster does not have."""
-        client = self.session.client
-        api = SchedulerAPI(client)
-        with contextlib.ExitStack() as waiting:
-            for attempt, _ in enumerate(Tries(deadline)):  # no pause: each locate waits on the scheduler
-                unknown = [k for k in keys if k not in self.holders]
-                if not unknown:
-                    return {k: self.holders[k] for k in keys}
-                if attempt == 1:  # waiting for loads, which may be queued on this very worker (a task's read)
-                    waiting.enter_context(out_of_the_pool())
-                self._locate(wanted, unknown, client, api)
-        url = wanted[unknown[0]][0].info.url
-        if not client.scheduler_info().get("workers"):
-            raise NoWorkersError(f"the cluster has no workers to read {url} through")
-        raise RuntimeError(f"blocks of {url} still not loaded after dmdask.client.recovery-seconds; is the cluster "
-                           "losing workers?")
+        async def attempt(plan, positions, loading):
+            return (await gatherer.gather(plan, positions, len(blocks), loading=loading))[0]["data"]
 
-    def _locate(self, wanted: dict[str, tuple], unknown: list[str], client, api) -> None:
+        def forget(known: list[str]) -> None:
+            for key in known:
+                self.holders.pop(key, None)
+
+        async def holders_of(known: list[str]):
+            return await self._holders(wanted, known)
+
+        # a task's read may wait for loads queued on this very worker: out of its pool meanwhile
+        with out_of_the_pool():
+            try:
+                return client.sync(fetch_rows, session.contact, keys, blocks, offsets, holders_of, forget, attempt,
+                                   recovery)
+            except Exhausted as exc:
+                urls = sorted({wanted[k][0].info.url for k in keys.values()})
+                raise RuntimeError(f"{', '.join(urls[:3])}: blocks still not loaded or still failing after "
+                                   f"{recovery:.0f} s ({exc.tries} tries, dmdask.client.recovery-seconds); is the "
+                                   "cluster losing workers?") from exc.__cause__
+
+    async def _holders(self, wanted: dict[str, tuple], keys: list[str]) -> tuple[dict[str, str], set]:
+        """(a holder of each block of `keys` known now, no key loading), the others located
+        once (`wanted`: key -> (source, index)): the engine's `holders_of`."""
+        unknown = [k for k in keys if k not in self.holders]
+        if unknown:
+            await self._locate(wanted, unknown)
+        return {k: self.holders[k] for k in keys if k in self.holders}, set()
+
+    async def _locate(self, wanted: dict[str, tuple], unknown: list[str]) -> None:
         """One locate of the blocks `unknown`: holders learnt, erred loads retried once
         (then their error raised), blocks the cluster lacks registered and submitted."""
         session = self.session
+        client = session.client
         sources = {wanted[k][0].info.name: wanted[k][0] for k in unknown}
         checked = set(sources) - self.registered
         for name in checked:
             self.registered.add(name)
-            get_or_register(client, sources[name])
+            await registered(client, sources[name])
         expect = [k for k in unknown if k in self.submitted]
-        found = session.sync(Locate.op, lambda: api.locate(unknown, session.my_host, expect=expect))
+        found = await SchedulerAPI(client).locate(unknown, session.my_host, expect=expect)
         self.submitted.difference_update(expect)  # waited for once: from now on, as any other key
         self.holders.update(found.holders)
         for key, error in found.erred.items():
@@ -144,10 +147,10 @@ class Blocks:
             if source.info.name in self.retried:
                 raise error
             self.retried.add(source.info.name)
-            get_or_register(client, source)  # retries its erred blocks
+            await registered(client, source)  # retries its erred blocks
         if found.unknown:
             for name in {wanted[k][0].info.name for k in found.unknown} - checked:
-                get_or_register(client, sources[name])  # registered again, should it have been released
+                await registered(client, sources[name])  # registered again, should it have been released
             del submit_blocks(client, [wanted[k][0].reader(wanted[k][1]) for k in found.unknown])[:]
             self.submitted.update(found.unknown)  # the next locate waits for them
 

@@ -18,6 +18,7 @@ import dask.config
 import distributed
 from distributed.comm.core import CommClosedError
 
+from ..client.contact import Contact
 from ..client.datasets import ensure_plugin
 from ..client.gather import Gatherer
 from ..client.locate import my_host
@@ -44,6 +45,7 @@ class Session:
         self.connected: distributed.Client | None = None  # made by `client`, in this process
         self.my_host: str | None = None
         self.gatherer: Gatherer | None = None
+        self.contact: Contact | None = None  # the fetch engine's view of the cluster (`dmdask.client.engine`)
         self.metadata = Metadata(self, parent.metadata if parent else None)
         self.claims = Claims(self)
         self.blocks = Blocks(self, parent.blocks.holders if parent else {})
@@ -78,6 +80,7 @@ class Session:
                     ensure_plugin(client)
                     self.my_host = my_host(client)
                     self.gatherer = Gatherer(client, self.my_host, {})
+                    self.contact = Contact(client, 0, who=f"dmdask:: (process {os.getpid()})")
                     self.connected = client
                     if not self._exit_hook:
                         self._exit_hook = True
