@@ -4,6 +4,7 @@ section 3, steps 5-6), retried after a lost worker or a moved block until
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import dask.config
@@ -28,6 +29,7 @@ from .locate import my_host
 from .mixture import MixedInfo
 
 logger = logging.getLogger(__name__)
+LEFT_ON_PURPOSE_WAITS = (0.25, 0.5, 1.0)  # asked again after these: the scheduler may learn of a closing late
 HITS_SECONDS = 1.0  # how often workers hear of the rows taken from their files (progress bar, dashboard)
 
 
@@ -99,15 +101,22 @@ class GroupFetcher:
 
     async def _maybe_killed_by_transform(self) -> bool:
         """Whether the local worker, just lost, may have been killed by the transform it ran:
-        not when it closed on purpose (a cluster closing, a scale-down), nor when the
-        scheduler cannot say (it is going away too: the next try finds out)."""
+        not when it closed on purpose (a cluster closing, a scale-down; the scheduler is asked
+        again for 1.75 s, as a worker's word of its closing may reach it after the rank's
+        request failed), nor when the scheduler cannot say (it is going away too: the next
+        try finds out)."""
         worker = self.contact.worker
         if worker is None:  # the request lost was not to a worker running the transform
             return False
-        try:
-            return not await SchedulerAPI(self.client).send(LeftOnPurpose(worker))
-        except (OSError, CommClosedError, RuntimeError):
-            return False
+        for wait in (*LEFT_ON_PURPOSE_WAITS, None):
+            try:
+                if await SchedulerAPI(self.client).send(LeftOnPurpose(worker)):
+                    return False
+            except (OSError, CommClosedError, RuntimeError):
+                return False
+            if wait is None:
+                return True
+            await asyncio.sleep(wait)  # a closing worker's word may reach the scheduler after our request failed
 
     def fetch_known(self, first: int, group: list[np.ndarray]) -> list | None:
         """In any thread: the batches `group` (sample ids), from batch `first` on, of a warm
