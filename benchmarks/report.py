@@ -20,6 +20,7 @@ TITLES = {
     "cold": "10. First contact: epoch 1 in rank processes, and a new process on a warm cache",
     "gpu": "11. GPUs fed from the cache: ResNet-50 images/s",
     "peer_path": "12. The peer path against the link: rows from another node's worker",
+    "first_contact": "13. First contact at scale: a cold dataset of 10^4 to 10^6 blocks",
 }
 # `python -m benchmarks run --peers`: their own results file, merged into the page when present
 PEER_TITLES = {

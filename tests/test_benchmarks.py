@@ -218,3 +218,20 @@ def test_peer_path_scenario_runs_and_checks_that_every_remote_row_crossed_tcp(tm
     page = report.write(results, path=str(tmp_path / "benchmarks.md"), plots_dir=str(tmp_path / "plots"))
     text = open(page).read()
     assert "## 12. The peer path" in text and "| 12 | remote >= 0.8x raw TCP (110KB, shuffled) |" in text
+
+
+@pytest.mark.slow
+def test_first_contact_scenario_runs_and_reports(tmp_path):
+    """Scenario 13 at tiny size: both ranks get a first batch of their own rows (one-byte
+    fill values), every block loads, and the scheduler's cost and stalls are reported."""
+    results = run("tiny", ["first_contact"], out_dir=str(tmp_path), write_doc=False)
+    result = results["scenarios"]["first_contact"]
+    assert "error" not in result, result
+    for row in result["rows"]:
+        assert row["every_block_loaded_s"] is not None  # every block loaded within the timeout
+        assert [r["rank"] for r in row["ranks"]] == [0, result["config"]["other"]]
+        assert all(r["error"] is None and r["batch_ok"] for r in row["ranks"]), row["ranks"]
+        assert row["scheduler_cpu_s"] > 0 and "scheduler" in row["stalls"]
+    assert result["goals"] and all(isinstance(g["met"], bool) and g["measured"] for g in result["goals"])
+    page = report.write(results, path=str(tmp_path / "benchmarks.md"), plots_dir=str(tmp_path / "plots"))
+    assert "| 13 |" in open(page).read()
