@@ -12,7 +12,8 @@ Measured per size: the time from rank 0's call to each rank's `batches()` return
 ("registered") and to its first batch, the blocks loaded when the other rank had its first
 batch, the time until every block is loaded, the scheduler's RSS growth and CPU-seconds per
 block (start to every block loaded), and the scheduler's event-loop stalls (Dask's
-`distributed.admin.tick` warnings, "Event loop was unresponsive", in its log).
+`distributed.admin.tick` warnings, "Event loop was unresponsive", in its log); then the
+scheduler CPU of one more rank's open of the dataset, ready by then (`opens` of them).
 
 With `profile` (quick, full: at the size named), one more cluster of that size whose
 scheduler runs under `py-spy record` (its parent: no ptrace permission needed) and
@@ -35,9 +36,9 @@ import time
 from .scale import write_fill_array
 
 PRESETS = {
-    "tiny": {"blocks": [1000], "world": 1024, "other": 517, "batch": 64, "profile": None},
-    "quick": {"blocks": [10**4, 10**5], "world": 1024, "other": 517, "batch": 64, "profile": 10**5},
-    "full": {"blocks": [10**4, 10**5, 10**6], "world": 1024, "other": 517, "batch": 64, "profile": 10**5},
+    "tiny": {"blocks": [1000], "world": 1024, "other": 517, "batch": 64, "profile": None, "opens": 4},
+    "quick": {"blocks": [10**4, 10**5], "world": 1024, "other": 517, "batch": 64, "profile": 10**5, "opens": 32},
+    "full": {"blocks": [10**4, 10**5, 10**6], "world": 1024, "other": 517, "batch": 64, "profile": 10**5, "opens": 32},
 }
 GOAL_FIRST_BATCH_S = 5.0
 GOAL_KIB_PER_BLOCK = 1.0
@@ -57,7 +58,7 @@ def logged_cluster(folder: str, n_workers: int = 2, ram: str = "2 GiB", profile_
     command = [sys.executable, "-m", "distributed.cli.dask_scheduler", "--port", "0", "--dashboard-address", ":0",
                "--scheduler-file", scheduler_file]
     if profile_to:
-        command = [shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy"), "record",
+        command = [shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy"), "record", "--nonblocking",
                    "--format", "raw", "--rate", "50", "--output", profile_to, "--"] + command
     procs = [subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
                               stderr=open(os.path.join(folder, "scheduler.log"), "w"))]
@@ -177,7 +178,7 @@ def one_size(blocks: int, cfg: dict, root: str, profile: bool = False) -> dict:
     import distributed
     import psutil
 
-    from dmdask.client.datasets import ensure_plugin
+    from dmdask.client.datasets import ensure_plugin, open_dataset
 
     path = write_fill_array(os.path.join(root, f"b{blocks}.zarr"), blocks * 10, chunk=10)
     folder = tempfile.mkdtemp(prefix="dmdask-bench-first-contact-", dir=root)
@@ -191,7 +192,7 @@ def one_size(blocks: int, cfg: dict, root: str, profile: bool = False) -> dict:
             client.run_on_scheduler(_tracemalloc_start)
         rss0, cpu0 = scheduler.memory_info().rss, sum(scheduler.cpu_times()[:2])
         other = _other_rank(address, path, cfg)
-        box: dict = {}
+        box: dict = {"rank": 0, "called": time.time(), "error": "its process failed (see the log)"}
         zero = threading.Thread(target=lambda: box.update(rank(address, path, 0, cfg["world"], cfg["batch"], False)))
         started = time.time()
         zero.start()
@@ -209,6 +210,11 @@ def one_size(blocks: int, cfg: dict, root: str, profile: bool = False) -> dict:
                 break
             time.sleep(0.5)
         rss1, cpu1 = scheduler.memory_info().rss, sum(scheduler.cpu_times()[:2])
+        opened = time.perf_counter()
+        for _ in range(cfg["opens"]):  # a rank's open of the dataset once ready (`GetOrClaim`)
+            open_dataset(client, dmdask.Spec(path, batch_size=cfg["batch"]), 0)
+        opens = {"count": cfg["opens"], "seconds_each": (time.perf_counter() - opened) / max(1, cfg["opens"]),
+                 "scheduler_cpu_ms_each": (sum(scheduler.cpu_times()[:2]) - cpu1) * 1e3 / max(1, cfg["opens"])}
         memory = client.run_on_scheduler(_tracemalloc_top) if profile else None
         zero.join()
         theirs = json.loads(other.communicate(timeout=LOAD_TIMEOUT)[0].strip().splitlines()[-1])
@@ -222,7 +228,7 @@ def one_size(blocks: int, cfg: dict, root: str, profile: bool = False) -> dict:
     row = {"blocks": blocks, "load_1min": load, "ranks": ranks, "every_block_loaded_s": every,
            "scheduler_rss_kib_per_block": (rss1 - rss0) / 1024 / blocks,
            "scheduler_cpu_s": cpu1 - cpu0, "scheduler_cpu_us_per_block": (cpu1 - cpu0) * 1e6 / blocks,
-           "stalls": _stalls(folder), "load_1min_after": os.getloadavg()[0]}
+           "stalls": _stalls(folder), "opens": opens, "load_1min_after": os.getloadavg()[0]}
     if profile:
         row["memory"] = memory
         row["cpu_profile"] = summarize_profile(profile_to)
@@ -297,8 +303,8 @@ def report(result: dict, plots_dir: str) -> str:
              f"{cfg['batch']}, one-byte samples in chunks of 10 never written; a fresh stock scheduler and two "
              "workers per size; times from rank 0's `batches` call; CPU-seconds are the scheduler's own.", "",
              "| blocks | load | rank 0 registered | rank 0 first batch | other rank first batch (blocks loaded then) "
-             "| every block loaded | scheduler RSS / block | scheduler CPU (per block) | stalls (longest) |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| every block loaded | scheduler RSS / block | scheduler CPU (per block) | stalls (longest) "
+             "| scheduler CPU per later open |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def first(x):
         return f"failed after {x['after_own_call_s']:.0f} s" if x["error"] else f"{x['first_batch_s']:.1f} s"
@@ -310,7 +316,8 @@ def report(result: dict, plots_dir: str) -> str:
         lines.append(f"| {r['blocks']:,}{' (profiled)' if 'cpu_profile' in r else ''} | {r['load_1min']:.1f} "
                      f"| {zero['registered_s']:.1f} s | {first(zero)} | {first(other)} ({other['loaded_at_first']}) "
                      f"| {every} | {r['scheduler_rss_kib_per_block']:.1f} KiB | {r['scheduler_cpu_s']:.0f} s "
-                     f"({r['scheduler_cpu_us_per_block']:.0f} us) | {stalls['count']} ({stalls['longest_s']:.1f} s) |")
+                     f"({r['scheduler_cpu_us_per_block']:.0f} us) | {stalls['count']} ({stalls['longest_s']:.1f} s) "
+                     f"| {r['opens']['scheduler_cpu_ms_each']:.1f} ms |")
     profiled = result.get("profiled")
     if profiled and "cpu_profile" in profiled:
         prof = profiled["cpu_profile"]
