@@ -121,7 +121,7 @@ def rank(address: str, path: str, rank_: int, world: int, batch: int, wait_for_c
                     if _loaded(client, name) is not None:
                         break
                 time.sleep(0.05)
-        out = {"rank": rank_, "called": time.time()}
+        out = {"rank": rank_, "called": time.time(), "error": None}
         try:
             it = dmdask.batches(client, spec, epoch=0, progress=False)
             out["registered"] = time.time()

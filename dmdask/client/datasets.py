@@ -23,6 +23,10 @@ from ..tasks import load_block
 
 _registered: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # client -> scheduler address
 NEED_ORDER_POSITIONS = 8  # positions per block looked at to find the order blocks are first needed
+# blocks submitted per graph: the scheduler pins each graph's tasks and sends them to the
+# workers in one go, its event loop (and each worker's, receiving them) busy meanwhile; in
+# graphs of this size neither stalls long, and ranks' requests are answered in between
+SUBMIT_BLOCKS = 4096
 NO_WORKERS = "the cluster has no workers; start `dask worker ... --worker-class dmdask.Worker`"
 
 
@@ -56,10 +60,11 @@ def get_or_create(client: Client, name: str, opener: Callable[[], Source],
                   order: Callable[[DatasetInfo], list] | None = None, host: str | None = None,
                   first_read: Callable[[DatasetInfo, list], Callable[[], None] | None] | None = None) -> Ready:
     """The registry's dataset `name`, created once per cluster from `opener()` by the first
-    process to ask (the others wait), every block load submitted in one graph, in the
-    order `order(info)` (None: index order); `host`: see `GetOrClaim`. Registers the plugin
-    if the scheduler lacks it. In the process that creates it, `first_read(info, readers)`
-    is called once the dataset is registered, before the loads are submitted: it may name
+    process to ask (the others wait), every block load submitted in graphs of
+    `SUBMIT_BLOCKS`, in the order `order(info)` (None: index order), and loaded in that
+    order; `host`: see `GetOrClaim`. Registers the plugin if the scheduler lacks it. In
+    the process that creates it, `first_read(info, readers)` is called once the dataset
+    is registered, before the loads are submitted: it may name
     rows it will read itself in their blocks' readers (`FirstBatch.plan`), and return the
     function that starts those reads, called right after the loads are submitted."""
     claimant, registered = uuid.uuid4().hex, False
@@ -112,12 +117,15 @@ def get_or_register(client: Client, source: Source) -> bool:
 
 def _create(client: Client, name: str, source: Source, order, claimant: str, first_read=None) -> None:
     info = source.info
-    reply = _call(client, Register(name, claimant, info, None if order is None else order(info)))
+    ordered = None if order is None else order(info)
+    reply = _call(client, Register(name, claimant, info, ordered))
     if not isinstance(reply, Registered):
         return  # the claim passed to another rank: ask again
     readers = [source.reader(k) for k in range(info.num_blocks)]
     begin = None if first_read is None else first_read(info, readers)
-    del submit_blocks(client, readers)[:]
+    ordered = range(info.num_blocks) if ordered is None else ordered
+    for first in range(0, info.num_blocks, SUBMIT_BLOCKS):  # the blocks first needed first
+        del submit_blocks(client, [readers[k] for k in ordered[first:first + SUBMIT_BLOCKS]])[:]
     if begin is not None:  # after the submission: the workers get their loads first
         begin()
 
