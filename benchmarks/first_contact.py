@@ -137,14 +137,24 @@ def rank(address: str, path: str, rank_: int, world: int, batch: int, wait_for_c
         return out
 
 
-def _stalls(folder: str) -> dict:
+def _stalls(folder: str, started: float) -> dict:
+    """Per process: the event-loop stalls its log reports, the longest, and when each
+    ended (seconds after `started`, a time.time())."""
+    import datetime
+
     counts = {}
     for name in sorted(os.listdir(folder)):
         if name.endswith(".log"):
             with open(os.path.join(folder, name), errors="replace") as f:
                 lines = [line for line in f if STALL in line]
-            counts[name[:-4]] = {"count": len(lines), "longest_s": max(
-                (float(line.split(" for ")[1].split("s.")[0]) for line in lines if " for " in line), default=0.0)}
+            seconds = [float(line.split(" for ")[1].split("s.")[0]) for line in lines if " for " in line]
+            ended = []
+            for line in lines:
+                with contextlib.suppress(ValueError):
+                    when = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                    ended.append(round(when - started, 1))
+            counts[name[:-4]] = {"count": len(lines), "longest_s": max(seconds, default=0.0), "seconds": seconds,
+                                 "ended_at_s": ended}
     return counts
 
 
@@ -161,10 +171,8 @@ def _tracemalloc_top(dask_scheduler, top: int = 25):
     tracemalloc.stop()
     stats = snapshot.statistics("lineno")
     total = sum(s.size for s in stats)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__import__("distributed").__file__)))
-    return {"total": total, "top": [{"where": f"{os.path.relpath(s.traceback[0].filename, root)}:"
-                                              f"{s.traceback[0].lineno}", "bytes": s.size, "count": s.count}
-                                     for s in stats[:top]]}
+    return {"total": total, "top": [{"where": f"{_short_path(s.traceback[0].filename)}:{s.traceback[0].lineno}",
+                                     "bytes": s.size, "count": s.count} for s in stats[:top]]}
 
 
 def _other_rank(address: str, path: str, cfg: dict) -> subprocess.Popen:
@@ -228,7 +236,7 @@ def one_size(blocks: int, cfg: dict, root: str, profile: bool = False) -> dict:
     row = {"blocks": blocks, "load_1min": load, "ranks": ranks, "every_block_loaded_s": every,
            "scheduler_rss_kib_per_block": (rss1 - rss0) / 1024 / blocks,
            "scheduler_cpu_s": cpu1 - cpu0, "scheduler_cpu_us_per_block": (cpu1 - cpu0) * 1e6 / blocks,
-           "stalls": _stalls(folder), "opens": opens, "load_1min_after": os.getloadavg()[0]}
+           "stalls": _stalls(folder, started), "opens": opens, "load_1min_after": os.getloadavg()[0]}
     if profile:
         row["memory"] = memory
         row["cpu_profile"] = summarize_profile(profile_to)
@@ -263,11 +271,15 @@ def summarize_profile(path: str, top: int = 25) -> dict:
 def _short(frame: str) -> str:
     """`fn (path/to/site-packages/pkg/mod.py:12)` as `fn (pkg/mod.py)`."""
     name, _, where = frame.partition(" (")
-    where = where.rstrip(")").rsplit(":", 1)[0]
-    for marker in ("site-packages/", "/wt41/", "/main/"):
-        if marker in where:
-            where = where.split(marker, 1)[1]
-    return f"{name} ({where})"
+    return f"{name} ({_short_path(where.rstrip(')').rsplit(':', 1)[0])})"
+
+
+def _short_path(path: str) -> str:
+    """A module's path from its package on (`distributed/scheduler.py`, `dmdask/internals.py`)."""
+    for marker in ("site-packages/", "/dmdask/", "/benchmarks/"):
+        if marker in path:
+            return (marker.strip("/") + "/" if marker != "site-packages/" else "") + path.split(marker, 1)[1]
+    return path
 
 
 def run(preset: str) -> dict:
@@ -297,11 +309,29 @@ def run(preset: str) -> dict:
     return {"config": cfg, "rows": rows, "profiled": profiled, "goals": goals}
 
 
+def _before(preset: str) -> dict | None:
+    """The same scenario measured over dmdask before issue 41's changes, if recorded."""
+    import glob
+
+    found = sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                          f"first_contact-before-*-{preset}.json")))
+    if not found:
+        return None
+    with open(found[-1]) as f:
+        return json.load(f)
+
+
 def report(result: dict, plots_dir: str) -> str:
+    from dmdask.client.datasets import SUBMIT_BLOCKS
+
     cfg = result["config"]
+    before = _before(result.get("preset", "quick"))
     lines = [f"Rank 0 of {cfg['world']:,} (creates the blocks) and rank {cfg['other']} (a second process), batch "
              f"{cfg['batch']}, one-byte samples in chunks of 10 never written; a fresh stock scheduler and two "
-             "workers per size; times from rank 0's `batches` call; CPU-seconds are the scheduler's own.", "",
+             "workers per size; times from rank 0's `batches` call; CPU-seconds are the scheduler's own (start to "
+             "every block loaded), less disturbed by the machine's load than times. Since issue 41 a load still "
+             "queued on its worker when a rank asks for its rows runs next (`dmdask.internals.run_next`), and the "
+             f"loads are submitted in graphs of {SUBMIT_BLOCKS:,} blocks, one at a time, first needed first.", "",
              "| blocks | load | rank 0 registered | rank 0 first batch | other rank first batch (blocks loaded then) "
              "| every block loaded | scheduler RSS / block | scheduler CPU (per block) | stalls (longest) "
              "| scheduler CPU per later open |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -309,21 +339,28 @@ def report(result: dict, plots_dir: str) -> str:
     def first(x):
         return f"failed after {x['after_own_call_s']:.0f} s" if x["error"] else f"{x['first_batch_s']:.1f} s"
 
-    for r in result["rows"] + ([result["profiled"]] if result.get("profiled") else []):
+    rows = [(r, "") for r in result["rows"] + ([result["profiled"]] if result.get("profiled") else [])]
+    rows += [(r, f" before ({before['commit']})") for r in (before or {}).get("rows", [])]
+    for r, label in rows:
         zero, other = r["ranks"]
         stalls = r["stalls"].get("scheduler", {"count": 0, "longest_s": 0})
         every = f"{r['every_block_loaded_s']:.0f} s" if r["every_block_loaded_s"] else "not within the timeout"
-        lines.append(f"| {r['blocks']:,}{' (profiled)' if 'cpu_profile' in r else ''} | {r['load_1min']:.1f} "
+        opens = f"{r['opens']['scheduler_cpu_ms_each']:.1f} ms" if "opens" in r else "not measured"
+        lines.append(f"| {r['blocks']:,}{' (profiled)' if 'cpu_profile' in r else ''}{label} | {r['load_1min']:.1f} "
                      f"| {zero['registered_s']:.1f} s | {first(zero)} | {first(other)} ({other['loaded_at_first']}) "
                      f"| {every} | {r['scheduler_rss_kib_per_block']:.1f} KiB | {r['scheduler_cpu_s']:.0f} s "
                      f"({r['scheduler_cpu_us_per_block']:.0f} us) | {stalls['count']} ({stalls['longest_s']:.1f} s) "
-                     f"| {r['opens']['scheduler_cpu_ms_each']:.1f} ms |")
+                     f"| {opens} |")
     profiled = result.get("profiled")
+    if before:
+        lines += ["", f"Rows marked before: `{before['command']}`, {before['date']}."]
     if profiled and "cpu_profile" in profiled:
         prof = profiled["cpu_profile"]
         lines += ["", f"Where the scheduler's busy CPU went at {profiled['blocks']:,} blocks (py-spy, "
                       f"{prof.get('busy_samples', 0)} busy samples; inclusive, dmdask and distributed functions):", ""]
         lines += [f"- {n / max(1, prof['busy_samples']):.0%} {f}" for f, n in prof.get("inclusive", [])[:15]]
+        lines += ["", "The same samples by the function running (self):", ""]
+        lines += [f"- {n / max(1, prof['busy_samples']):.0%} {f}" for f, n in prof.get("self", [])[:12]]
         mem = profiled["memory"]
         lines += ["", f"Scheduler memory still allocated once every block was loaded (tracemalloc, "
                       f"{mem['total'] / 2**20:.0f} MiB in all, {mem['total'] / profiled['blocks']:.0f} B per block), "

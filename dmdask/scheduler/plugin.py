@@ -233,7 +233,7 @@ class DatasetsPlugin(SchedulerPlugin):
                 ds.erred.add(parsed[1])
             elif start == "erred":
                 ds.erred.discard(parsed[1])
-        if finish in ("memory", "erred", "forgotten", "released"):
+        if finish in ("memory", "erred", "forgotten", "released", "processing"):  # `planned` locates: on its worker
             self.reads.waiters.wake(key)
         if finish in ("erred", "forgotten", "released"):
             self.streamed.discard(key)
