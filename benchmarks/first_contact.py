@@ -322,16 +322,13 @@ def _before(preset: str) -> dict | None:
 
 
 def report(result: dict, plots_dir: str) -> str:
-    from dmdask.client.datasets import SUBMIT_BLOCKS
-
     cfg = result["config"]
     before = _before(result.get("preset", "quick"))
     lines = [f"Rank 0 of {cfg['world']:,} (creates the blocks) and rank {cfg['other']} (a second process), batch "
              f"{cfg['batch']}, one-byte samples in chunks of 10 never written; a fresh stock scheduler and two "
              "workers per size; times from rank 0's `batches` call; CPU-seconds are the scheduler's own (start to "
              "every block loaded), less disturbed by the machine's load than times. Since issue 41 a load still "
-             "queued on its worker when a rank asks for its rows runs next (`dmdask.internals.run_next`), and the "
-             f"loads are submitted in graphs of {SUBMIT_BLOCKS:,} blocks, one at a time, first needed first.", "",
+             "queued on its worker when a rank asks for its rows runs next (`dmdask.internals.run_next`).", "",
              "| blocks | load | rank 0 registered | rank 0 first batch | other rank first batch (blocks loaded then) "
              "| every block loaded | scheduler RSS / block | scheduler CPU (per block) | stalls (longest) "
              "| scheduler CPU per later open |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

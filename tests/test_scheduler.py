@@ -118,38 +118,3 @@ def test_blocks_are_created_again_after_a_cluster_restart(zarr_path):
         assert np.array_equal(np.sort(all_ids([batches])), np.arange(N))
         np.testing.assert_array_equal(batches[3]["x"], zarr_sample(batches[3]["index"]))
         assert dmdask.stats(client)["total"]["shared_store"]["requests"] == 61  # since the restart
-
-
-def _block_tasks(dask_scheduler, name):
-    """(blocks submitted, ready, each block's (first priority term, pinned workers, planned worker)) of a dataset."""
-    ds = dask_scheduler.extensions["dmdask"].datasets[name]
-    tasks = [dask_scheduler.tasks.get(f"dmdask-block-{ds.info.identity}-{k}") for k in range(len(ds.planned))]
-    return ds.submitted, ds.ready.is_set(), [(ts.priority[0], sorted(ts.worker_restrictions or ()), planned)
-                                             if ts else None for ts, planned in zip(tasks, ds.planned)]
-
-
-def test_blocks_submitted_in_several_graphs_are_ready_once_all_are_in(zarr_path, monkeypatch):
-    """The claimant submits the loads in graphs of `SUBMIT_BLOCKS` (no long stall of the
-    scheduler's or the workers' event loops), the blocks first needed first: the dataset
-    is ready once the last graph is in, every block pinned to its planned worker and
-    loading in the epoch's order; an epoch is every sample once."""
-    from dmdask.client import datasets
-    from dmdask.plan.order import EpochOrder
-
-    monkeypatch.setattr(datasets, "SUBMIT_BLOCKS", 16)
-    graphs = []
-    submit = datasets.submit_blocks
-    monkeypatch.setattr(datasets, "submit_blocks", lambda client, readers: graphs.append(
-        [r.key for r in readers]) or submit(client, readers))
-    with dmdask.LocalCluster(n_workers=2, ram="64 MiB") as cluster, distributed.Client(cluster) as client:
-        spec = dmdask.Spec(zarr_path, batch_size=64, seed=2)
-        info = datasets.open_dataset(client, spec, 0).info
-        submitted, ready, blocks = client.run_on_scheduler(_block_tasks, name=dataset_name(spec))
-        ids = all_ids(run_epoch(client, spec, epoch=0, world_size=2))
-    assert [len(g) for g in graphs] == [16, 16, 16, 13]
-    assert (submitted, ready) == (61, True) and None not in blocks
-    assert all(pinned == [planned] for _, pinned, planned in blocks)  # pinned before first scheduled
-    load_order = sorted(range(61), key=lambda k: blocks[k][0])
-    assert load_order == EpochOrder.of(info, spec, 0).blocks_first_needed(8 * 61).tolist()
-    assert [info.block_key(k) for k in load_order] == [key for g in graphs for key in g]  # first needed, first sent
-    assert np.array_equal(np.sort(ids), np.arange(N))

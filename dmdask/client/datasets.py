@@ -23,11 +23,6 @@ from ..tasks import load_block
 
 _registered: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # client -> scheduler address
 NEED_ORDER_POSITIONS = 8  # positions per block looked at to find the order blocks are first needed
-# blocks submitted per graph, one graph at a time: the scheduler pins each graph's tasks
-# and sends them to the workers in one go, its event loop (and each worker's, receiving
-# them) busy meanwhile; in graphs of this size neither stalls long, and ranks' requests
-# are answered in between (one graph of 10^5: 5.6 s on the scheduler, 6 s on the workers)
-SUBMIT_BLOCKS = 2048
 NO_WORKERS = "the cluster has no workers; start `dask worker ... --worker-class dmdask.Worker`"
 
 
@@ -61,11 +56,10 @@ def get_or_create(client: Client, name: str, opener: Callable[[], Source],
                   order: Callable[[DatasetInfo], list] | None = None, host: str | None = None,
                   first_read: Callable[[DatasetInfo, list], Callable[[], None] | None] | None = None) -> Ready:
     """The registry's dataset `name`, created once per cluster from `opener()` by the first
-    process to ask (the others wait), every block load submitted in graphs of
-    `SUBMIT_BLOCKS`, in the order `order(info)` (None: index order), and loaded in that
-    order; `host`: see `GetOrClaim`. Registers the plugin if the scheduler lacks it. In
-    the process that creates it, `first_read(info, readers)` is called once the dataset
-    is registered, before the loads are submitted: it may name
+    process to ask (the others wait), every block load submitted in one graph, in the
+    order `order(info)` (None: index order); `host`: see `GetOrClaim`. Registers the plugin
+    if the scheduler lacks it. In the process that creates it, `first_read(info, readers)`
+    is called once the dataset is registered, before the loads are submitted: it may name
     rows it will read itself in their blocks' readers (`FirstBatch.plan`), and return the
     function that starts those reads, called right after the loads are submitted."""
     claimant, registered = uuid.uuid4().hex, False
@@ -118,20 +112,12 @@ def get_or_register(client: Client, source: Source) -> bool:
 
 def _create(client: Client, name: str, source: Source, order, claimant: str, first_read=None) -> None:
     info = source.info
-    ordered = None if order is None else order(info)
-    reply = _call(client, Register(name, claimant, info, ordered))
+    reply = _call(client, Register(name, claimant, info, None if order is None else order(info)))
     if not isinstance(reply, Registered):
         return  # the claim passed to another rank: ask again
     readers = [source.reader(k) for k in range(info.num_blocks)]
     begin = None if first_read is None else first_read(info, readers)
-    ordered = range(info.num_blocks) if ordered is None else ordered
-    api = SchedulerAPI(client)
-    for first in range(0, info.num_blocks, SUBMIT_BLOCKS):  # the blocks first needed first
-        if first:  # once the scheduler took the graph before in (its last load is on its
-            # worker, or LOCATE_SECONDS passed): one graph at a time on its event loop
-            client.sync(api.locate, [part[-1].key], None, expect=[part[-1].key], planned=True)
-        part = [readers[k] for k in ordered[first:first + SUBMIT_BLOCKS]]
-        del submit_blocks(client, part)[:]
+    del submit_blocks(client, readers)[:]
     if begin is not None:  # after the submission: the workers get their loads first
         begin()
 

@@ -51,7 +51,6 @@ class DatasetState:
         self.loaded = 0  # blocks in memory somewhere
         self.changes = 0  # blocks that came into or left memory, ever (`BlockReads.locate_ready`)
         self.erred: set = set()  # block indices whose load failed
-        self.submitted = 0  # blocks whose load task the scheduler has (their graphs come in parts)
         self.forgotten = 0  # its blocks the scheduler forgot once all were submitted (`client.restart()`)
         self.lazy = False  # blocks are submitted when first wanted, not at creation
         self.holders: set[str] = set()  # Dask client ids that opened it (`Release`)
@@ -204,9 +203,7 @@ class DatasetsPlugin(SchedulerPlugin):
             scheduler.set_restrictions(restrictions)
         for ds, ds_keys in wanted.items():
             scheduler.client_desires_keys(keys=ds_keys, client=ds.holder_client)
-            ds.submitted += len(ds_keys)
-            ds.claimed_at = time.monotonic()  # its creator is submitting: not gone
-            if ds.submitted >= len(ds.planned):  # the last of its graphs (`SUBMIT_BLOCKS` blocks each)
+            if len(ds_keys) == len(ds.planned):
                 ds.ready.set()
 
     def remove_client(self, scheduler, client: str) -> None:
@@ -233,7 +230,7 @@ class DatasetsPlugin(SchedulerPlugin):
                 ds.erred.add(parsed[1])
             elif start == "erred":
                 ds.erred.discard(parsed[1])
-        if finish in ("memory", "erred", "forgotten", "released", "processing"):  # `planned` locates: on its worker
+        if finish in ("memory", "erred", "forgotten", "released"):
             self.reads.waiters.wake(key)
         if finish in ("erred", "forgotten", "released"):
             self.streamed.discard(key)
