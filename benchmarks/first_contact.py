@@ -274,6 +274,20 @@ def _short(frame: str) -> str:
     return f"{name} ({_short_path(where.rstrip(')').rsplit(':', 1)[0])})"
 
 
+def _code(where: str) -> str:
+    """The source line `package/module.py:line` names, as installed here (the run's versions)."""
+    import importlib.util
+    import linecache
+
+    path, _, line = where.rpartition(":")
+    package, _, rest = path.partition("/")
+    spec = importlib.util.find_spec(package) if package and rest else None
+    if spec is None or not spec.submodule_search_locations:
+        return "?"
+    text = linecache.getline(os.path.join(list(spec.submodule_search_locations)[0], rest), int(line)).strip()
+    return text.replace("`", "'") or "?"
+
+
 def _short_path(path: str) -> str:
     """A module's path from its package on (`distributed/scheduler.py`, `dmdask/internals.py`)."""
     for marker in ("site-packages/", "/dmdask/", "/benchmarks/"):
@@ -290,23 +304,28 @@ def run(preset: str) -> dict:
             rows.append(one_size(blocks, cfg, root))
             print(f"[first_contact] {blocks} blocks: {json.dumps(rows[-1], default=float)}", flush=True)
         profiled = one_size(cfg["profile"], cfg, root, profile=True) if cfg["profile"] else None
-    goals = [{"goal": f"a cold first batch of a rank of {cfg['world']:,} within {GOAL_FIRST_BATCH_S:.0f} s "
+    return {"config": cfg, "rows": rows, "profiled": profiled, "goals": goals(cfg, rows)}
+
+
+def goals(cfg: dict, rows: list) -> list:
+    """Issue 41's goals, judged on the rows measured (the profiled run left out: it is slowed)."""
+    out = [{"goal": f"a cold first batch of a rank of {cfg['world']:,} within {GOAL_FIRST_BATCH_S:.0f} s "
                       f"at {r['blocks']:,} blocks (every rank measured)",
               "met": all(x["error"] is None and x["first_batch_s"] <= GOAL_FIRST_BATCH_S for x in r["ranks"]),
               "measured": ", ".join(f"rank {x['rank']}: " + (f"{x['first_batch_s']:.1f} s" if x["error"] is None
                                                              else f"failed after {x['after_own_call_s']:.0f} s")
                                     for x in r["ranks"]) + f" (load {r['load_1min']:.1f})"} for r in rows]
     big = rows[-1]
-    goals.append({"goal": f"<= {GOAL_KIB_PER_BLOCK:g} KiB and <= {GOAL_US_PER_BLOCK:g} us of scheduler CPU per block, "
+    out.append({"goal": f"<= {GOAL_KIB_PER_BLOCK:g} KiB and <= {GOAL_US_PER_BLOCK:g} us of scheduler CPU per block, "
                           "no event-loop stall over 1 s",
                   "met": big["scheduler_rss_kib_per_block"] <= GOAL_KIB_PER_BLOCK
                   and big["scheduler_cpu_us_per_block"] <= GOAL_US_PER_BLOCK
-                  and big["stalls"].get("scheduler", {}).get("longest_s", 0) <= 1.0,
+                  and max(_loading_stalls(big), default=0.0) <= 1.0,
                   "measured": f"{big['blocks']:,} blocks: {big['scheduler_rss_kib_per_block']:.1f} KiB, "
                               f"{big['scheduler_cpu_us_per_block']:.0f} us, "
-                              f"{big['stalls'].get('scheduler', {}).get('count', 0)} stalls "
-                              f"(load {big['load_1min']:.1f})"})
-    return {"config": cfg, "rows": rows, "profiled": profiled, "goals": goals}
+                              f"{len(_loading_stalls(big))} stalls until every block was loaded, the longest "
+                              f"{max(_loading_stalls(big), default=0.0):.1f} s (load {big['load_1min']:.1f})"})
+    return out
 
 
 def _before(preset: str) -> dict | None:
@@ -321,6 +340,26 @@ def _before(preset: str) -> dict | None:
         return json.load(f)
 
 
+def _loading_stalls(row: dict) -> list:
+    """The scheduler's stalls that ended by the time every block was loaded (not those of
+    the cluster's shutdown); all of them when their end was not recorded."""
+    found = row["stalls"].get("scheduler", {})
+    seconds, ended = found.get("seconds"), found.get("ended_at_s")
+    if seconds is None or ended is None or len(ended) != len(seconds):
+        return [found.get("longest_s", 0.0)] * found.get("count", 0)
+    end = (row["every_block_loaded_s"] or float("inf")) + 1
+    return [s for s, e in zip(seconds, ended) if e <= end]
+
+
+def _stall_text(row: dict) -> str:
+    found = row["stalls"].get("scheduler", {})
+    if "ended_at_s" not in found:
+        return f"{found.get('count', 0)} (longest {found.get('longest_s', 0):.1f} s)"
+    return f"{found['count']}" + (" (" + ", ".join(f"{s:.1f} s, {e:.0f} s" for s, e in
+                                                  zip(found["seconds"], found["ended_at_s"])) + ")"
+                                  if found["count"] else "")
+
+
 def report(result: dict, plots_dir: str) -> str:
     cfg = result["config"]
     before = _before(result.get("preset", "quick"))
@@ -330,7 +369,7 @@ def report(result: dict, plots_dir: str) -> str:
              "every block loaded), less disturbed by the machine's load than times. Since issue 41 a load still "
              "queued on its worker when a rank asks for its rows runs next (`dmdask.internals.run_next`).", "",
              "| blocks | load | rank 0 registered | rank 0 first batch | other rank first batch (blocks loaded then) "
-             "| every block loaded | scheduler RSS / block | scheduler CPU (per block) | stalls (longest) "
+             "| every block loaded | scheduler RSS / block | scheduler CPU (per block) | scheduler stalls (long, ended at) "
              "| scheduler CPU per later open |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def first(x):
@@ -340,17 +379,22 @@ def report(result: dict, plots_dir: str) -> str:
     rows += [(r, f" before ({before['commit']})") for r in (before or {}).get("rows", [])]
     for r, label in rows:
         zero, other = r["ranks"]
-        stalls = r["stalls"].get("scheduler", {"count": 0, "longest_s": 0})
+        stalls = _stall_text(r)
         every = f"{r['every_block_loaded_s']:.0f} s" if r["every_block_loaded_s"] else "not within the timeout"
         opens = f"{r['opens']['scheduler_cpu_ms_each']:.1f} ms" if "opens" in r else "not measured"
         lines.append(f"| {r['blocks']:,}{' (profiled)' if 'cpu_profile' in r else ''}{label} | {r['load_1min']:.1f} "
                      f"| {zero['registered_s']:.1f} s | {first(zero)} | {first(other)} ({other['loaded_at_first']}) "
                      f"| {every} | {r['scheduler_rss_kib_per_block']:.1f} KiB | {r['scheduler_cpu_s']:.0f} s "
-                     f"({r['scheduler_cpu_us_per_block']:.0f} us) | {stalls['count']} ({stalls['longest_s']:.1f} s) "
+                     f"({r['scheduler_cpu_us_per_block']:.0f} us) | {stalls} "
                      f"| {opens} |")
     profiled = result.get("profiled")
     if before:
-        lines += ["", f"Rows marked before: `{before['command']}`, {before['date']}."]
+        lines += ["", f"Rows marked before: `{before['command']}`, {before['date']}."] + before.get("notes", [])
+    if result.get("profiled"):
+        lines += ["", "The profiled row runs the scheduler under py-spy and tracemalloc (every allocation traced): "
+                      "its times and CPU are inflated and are not compared with the others; a rank whose client "
+                      "lost the scheduler meanwhile (a stall past `dmdask.client.scheduler-seconds`) is reported "
+                      "as failed. CPU per later open: psutil counts the scheduler's CPU in 10 ms steps."]
     if profiled and "cpu_profile" in profiled:
         prof = profiled["cpu_profile"]
         lines += ["", f"Where the scheduler's busy CPU went at {profiled['blocks']:,} blocks (py-spy, "
@@ -363,7 +407,7 @@ def report(result: dict, plots_dir: str) -> str:
                       f"{mem['total'] / 2**20:.0f} MiB in all, {mem['total'] / profiled['blocks']:.0f} B per block), "
                       "by line:", ""]
         lines += [f"- {m['bytes'] / profiled['blocks']:.0f} B/block ({m['count'] / profiled['blocks']:.1f} objects) "
-                  f"{m['where']}" for m in mem["top"][:15]]
+                  f"{m['where']}: `{_code(m['where'])}`" for m in mem["top"][:15]]
     return "\n".join(lines) + "\n"
 
 
