@@ -21,6 +21,28 @@ def load_first(ts, rank: int) -> None:
     ts.priority = (-rank,) + tuple(ts.priority[1:])
 
 
+def run_next(state, keys, rank: float) -> list:
+    """Move the tasks of `keys` queued on a worker (`state`: its `WorkerState`; state
+    "ready") ahead of every task queued there that was not moved so; among those moved,
+    a lower `rank` runs first, then the scheduler's order. The worker runs its queued
+    tasks in the order of their priority, kept in a heap (`WorkerState.ready`) that no
+    public API reorders: each task is taken out, given a priority ahead of the
+    scheduler's (which are tuples of numbers), and put back. The keys moved."""
+    moved = []
+    for key in keys:
+        ts = state.tasks.get(key)
+        if ts is None or ts.state != "ready" or ts not in state.ready:
+            continue
+        if ts.priority and ts.priority[0] == float("-inf") and ts.priority[1] <= rank:
+            continue  # moved already, as early or earlier
+        base = ts.priority[2:] if ts.priority and ts.priority[0] == float("-inf") else ts.priority
+        state.ready.discard(ts)
+        ts.priority = (float("-inf"), rank) + tuple(base)
+        state.ready.add(ts)
+        moved.append(key)
+    return moved
+
+
 def reraise(exception):
     """The exception an RPC reply carries (pickled as `distributed.core.error_message`
     makes it, or as the scheduler keeps a task's error: `Serialized`, which a reply sent

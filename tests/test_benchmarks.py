@@ -236,5 +236,19 @@ def test_faults_scenario_delivers_every_sample_once_with_a_paused_worker_and_a_f
     assert cold["store_bytes"] == faults["dataset_bytes"] and warm["store_bytes"] == 0  # the dataset, once
     faulty_cold = rows["paused+flaky"]["epochs"][0]
     assert faulty_cold["failed"] > 0 and faulty_cold["store_bytes"] >= faults["dataset_bytes"]
+
+
+def test_first_contact_scenario_runs_and_reports(tmp_path):
+    """Scenario 13 at tiny size: both ranks get a first batch of their own rows (one-byte
+    fill values), every block loads, and the scheduler's cost and stalls are reported."""
+    results = run("tiny", ["first_contact"], out_dir=str(tmp_path), write_doc=False)
+    result = results["scenarios"]["first_contact"]
+    assert "error" not in result, result
+    for row in result["rows"]:
+        assert row["every_block_loaded_s"] is not None  # every block loaded within the timeout
+        assert [r["rank"] for r in row["ranks"]] == [0, result["config"]["other"]]
+        assert all(r["error"] is None and r["batch_ok"] for r in row["ranks"]), row["ranks"]
+        assert row["scheduler_cpu_s"] > 0 and "scheduler" in row["stalls"]
+    assert result["goals"] and all(isinstance(g["met"], bool) and g["measured"] for g in result["goals"])
     page = report.write(results, path=str(tmp_path / "benchmarks.md"), plots_dir=str(tmp_path / "plots"))
     assert "| 13 |" in open(page).read()

@@ -2,6 +2,7 @@
 read, and a new process on a warm cache takes its rows from the arenas from its first
 batch on. Real worker processes, a real throttled HTTP store."""
 import multiprocessing
+import time
 
 import distributed
 import numpy as np
@@ -105,3 +106,74 @@ def test_a_new_process_on_a_warm_cache_takes_its_rows_from_the_arenas(tmp_path, 
     assert report["requests"] == 0, f"{report['requests']} of {report['batches']} batches asked workers for rows"
     assert sorted(report["ids"]) == list(range(4000))
     assert elsewhere["requests"] > 0 and sorted(elsewhere["ids"]) == list(range(4000))
+
+
+def _other_rank_epoch(address, path, rank, world, batch, queue):
+    """Rank `rank`, started once another rank holds the dataset's claim: its whole epoch,
+    and the blocks the registry counted loaded when its first batch came."""
+    from dmdask.protocol.scheduler import Datasets, SchedulerAPI
+
+    with distributed.Client(address) as client:
+        spec = dmdask.Spec(path, batch_size=batch, rank=rank, world_size=world, seed=3)
+
+        def registry():
+            return {d.name: d for d in client.sync(SchedulerAPI(client).send, Datasets())}
+
+        name = None
+        while name is None:  # until the claimant registered the plugin and claimed the dataset
+            try:
+                name = next(iter(registry()), None)
+            except Exception:  # noqa: BLE001 - the scheduler has no dmdask handlers yet
+                pass
+        it = dmdask.batches(client, spec, progress=False)
+        first = next(it)
+        loaded = registry()[name].loaded
+        ids = np.concatenate([first["index"]] + [b["index"] for b in it])
+        queue.put({"loaded_at_first": loaded, "ids": ids.tolist()})
+
+
+@pytest.mark.slow
+def test_a_rank_that_is_not_the_claimant_gets_its_first_batch_ahead_of_the_other_loads(tmp_path):
+    """A cold dataset of 2,000 blocks on a slow store, 64 ranks: the first batches of all
+    ranks touch most blocks, and the blocks of rank 37's are spread over the first ~60% of
+    the load order. Rank 37 (its own process, not the claimant) asks the workers for them:
+    their loads run next, ahead of those no rank asked for yet, so its first batch comes
+    while most blocks are still unloaded (it waited for every block before them, before
+    issue 41). Its epoch holds exactly its share, and every chunk left the store once."""
+    from dmdask.plan.order import EpochOrder, RankShare
+    from test_traffic import chunk_files
+
+    blocks, chunk, world, batch, other = 2000, 10, 64, 32, 37
+    write_zarr(str(tmp_path / "d.zarr"), blocks * chunk, chunk=chunk)
+    files = chunk_files(str(tmp_path / "d.zarr"))
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    with StoreServer(str(tmp_path), latency=0.01) as store, \
+            dmdask.LocalCluster(n_workers=2, ram="64 MiB") as cluster, distributed.Client(cluster) as client:
+        path = store.url + "/d.zarr"
+        proc = ctx.Process(target=_other_rank_epoch, args=(cluster.scheduler_address, path, other, world, batch, queue))
+        proc.start()
+        try:
+            spec = dmdask.Spec(path, batch_size=batch, rank=0, world_size=world, seed=3)
+            it = dmdask.batches(client, spec, progress=False)  # the claimant: creates the blocks
+            next(it)
+            theirs = queue.get(timeout=300)
+        finally:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.terminate()
+        it.close()
+        order = EpochOrder.of(it.info, spec, 0)
+        share = RankShare(order, other, world, batch, spec.drop_last)
+        load_order = order.blocks_first_needed(8 * blocks)
+        ahead = np.flatnonzero(np.isin(load_order, np.unique(share.batch(0) // chunk))).max()  # last block it needs
+        while dmdask.stats(client)["datasets"][0]["loaded"] < blocks:
+            time.sleep(0.2)
+        served = {p: v for p, v in store.stats()["by_path"].items() if "/c/" in p}
+    assert ahead > 0.4 * blocks  # without jumping the queue, its first batch waits for this many loads
+    assert theirs["loaded_at_first"] < ahead / 2, (theirs["loaded_at_first"], ahead)
+    expected = np.concatenate(share.batches(0, len(share)))
+    assert len(theirs["ids"]) == len(set(theirs["ids"])) == len(expected)  # each of its samples once
+    assert sorted(theirs["ids"]) == sorted(expected.tolist())
+    assert sum(v["bytes"] for v in served.values()) == sum(files.values())  # each chunk from the store once
+    assert all(v["requests"] == 1 for v in served.values()) and len(served) == len(files)

@@ -52,6 +52,7 @@ class DatasetState:
         self.loaded = 0  # blocks in memory somewhere
         self.changes = 0  # blocks that came into or left memory, ever (`BlockReads.locate_ready`)
         self.erred: set = set()  # block indices whose load failed
+        self.forgotten = 0  # its blocks the scheduler forgot once all were submitted (`client.restart()`)
         self.lazy = False  # blocks are submitted when first wanted, not at creation
         self.holders: set[str] = set()  # Dask client ids that opened it (`Release`)
 
@@ -229,6 +230,8 @@ class DatasetsPlugin(SchedulerPlugin):
             elif start == "memory":
                 ds.loaded -= 1
             ds.changes += finish == "memory" or start == "memory"
+            if finish == "forgotten" and ds.ready.is_set():
+                ds.forgotten += 1
             if finish == "erred":
                 ds.erred.add(parsed[1])
             elif start == "erred":
@@ -254,9 +257,11 @@ class DatasetsPlugin(SchedulerPlugin):
             ds.holders.add(client)
 
     def _lost(self, ds: DatasetState) -> bool:
-        """Whether the scheduler forgot any block of a ready dataset."""
-        tasks = self.scheduler.tasks
-        return ds.info is not None and not ds.lazy and any(key not in tasks for key in ds.keys())
+        """Whether the scheduler forgot any block of a ready dataset. O(1), so that every
+        rank's open costs the scheduler the same whatever the number of blocks: a block's
+        task leaves the scheduler only through the transition to "forgotten", which
+        `transition` counts (looking every key up cost 29 ms a rank at 10^5 blocks)."""
+        return ds.info is not None and not ds.lazy and ds.forgotten > 0
 
     def _forget(self, ds: DatasetState) -> None:
         self.datasets.pop(ds.name, None)

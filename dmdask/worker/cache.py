@@ -11,6 +11,7 @@ import distributed
 import numpy as np
 
 from ..arrivals import Arrivals
+from ..internals import run_next
 from ..protocol.worker import Moved
 from .filling import FillingBlock
 from .given import GIVEN_SECONDS, GivenRows
@@ -216,19 +217,23 @@ class BlockCache:
         worker has is waited for, up to `wait` seconds (a rank sent here by
         `locate(planned=True)` needs no round trip through the scheduler); `Moved` names
         those not held then."""
-        missing = await self._missing(list(requests), wait)
+        missing = await self._missing(list(requests), wait, priority)
         if missing:
             raise Moved(missing)
         taken = await asyncio.gather(*(self.take(key, rows, priority) for key, rows in requests.items()))
         parts = [arrays for arrays, _ in taken]
         return ({f: concat([p[f] for p in parts]) for f in parts[0]} if parts else {}), sum(n for _, n in taken)
 
-    async def _missing(self, keys: list[str], wait: float) -> list[str]:
-        """The keys not held once those whose load task this worker has are waited for, up to `wait` seconds."""
+    async def _missing(self, keys: list[str], wait: float, priority: float = 0) -> list[str]:
+        """The keys not held once those whose load task this worker has are waited for, up
+        to `wait` seconds. A rank waits for them now: their loads still queued here run
+        next, ahead of the loads no rank asked for yet (earlier batches' first: `priority`),
+        so a rank's first batches never wait behind the rest of the dataset's loads."""
         missing = [key for key in keys if key not in self.store]
         tasks = self.worker.state.tasks
         coming = [k for k in missing if k in tasks and tasks[k].state in LOADING_STATES]
         if coming and wait > 0:
+            run_next(self.worker.state, coming, priority)  # queued only while every thread is busy
             await self.arrivals.wait(coming, wait)
             missing = [key for key in keys if key not in self.store]
         return missing
