@@ -239,7 +239,7 @@ def test_faults_scenario_delivers_every_sample_once_with_a_paused_worker_and_a_f
 
 
 def test_first_contact_scenario_runs_and_reports(tmp_path):
-    """Scenario 13 at tiny size: both ranks get a first batch of their own rows (one-byte
+    """Scenario 14 at tiny size: both ranks get a first batch of their own rows (one-byte
     fill values), every block loads, and the scheduler's cost and stalls are reported."""
     results = run("tiny", ["first_contact"], out_dir=str(tmp_path), write_doc=False)
     result = results["scenarios"]["first_contact"]
@@ -251,4 +251,4 @@ def test_first_contact_scenario_runs_and_reports(tmp_path):
         assert row["scheduler_cpu_s"] > 0 and "scheduler" in row["stalls"]
     assert result["goals"] and all(isinstance(g["met"], bool) and g["measured"] for g in result["goals"])
     page = report.write(results, path=str(tmp_path / "benchmarks.md"), plots_dir=str(tmp_path / "plots"))
-    assert "| 13 |" in open(page).read()
+    assert "| 14 |" in open(page).read()
