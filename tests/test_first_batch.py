@@ -15,7 +15,7 @@ from dmdask.client.first_batch import FirstBatch
 from dmdask.errors import HandlerArgumentError
 from dmdask.protocol.worker import GiveRows
 from dmdask.testing.datasets import folder_sample, write_folder
-from dmdask.worker.given import GivenRows
+from dmdask.worker.handover import Handovers
 
 from conftest import all_ids, run_epoch
 
@@ -174,15 +174,17 @@ def test_give_rows_refuses_arrays_that_do_not_match_their_rows():
 
 
 def test_given_rows_are_taken_once_with_their_claim_and_waited_for():
-    given = GivenRows(seconds=60)
+    given = Handovers(capacity=1000, seconds=60)
     rows, arrays = np.array([1, 4]), {"data": np.array([10, 40])}
-    given.put("b", "c", rows, arrays)
+    assert given.put("b", "c", (rows, arrays), 32)
     assert given.take("b", "other") is None
     got = given.take("b", "c")
     assert np.array_equal(got[0], rows) and got[1] is arrays
-    assert given.take("b", "c") is None  # once
+    assert given.take("b", "c") is None and given.bytes == 0  # once
     assert given.take("b", "c", timeout=0.05) is None  # not given: not waited for longer
-    later = threading.Timer(0.1, given.put, ("b", "c", rows, arrays))
+    later = threading.Timer(0.1, given.put, ("b", "c", (rows, arrays), 32))
     later.start()
     assert given.take("b", "c", timeout=30) is not None  # waited for, and woken when given
     later.join()
+    # given rows and handed-over bytes share one bound
+    assert given.put("k", "c", b"x" * 900, 900) and not given.put("r", "c", (rows, arrays), 200)
