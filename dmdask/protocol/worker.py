@@ -1,7 +1,9 @@
 """The workers' handlers as typed messages, and `WorkerAPI`, which sends them. On the wire a
 message is the handler's keyword arguments: "message" (its class) and its fields, the
-`PAYLOAD` ones (arrays, bytes) wrapped by `to_serialize`. Blocks not held where asked are
-the `Missing` reply on the wire and `Moved` everywhere else.
+`PAYLOAD` ones (arrays, bytes) wrapped by `to_serialize`. A handler checks its request once
+(`Message.check`, as the scheduler's do: by the fields' types and declared ranges,
+`dmdask.protocol.message`; fields of arrays by the request's own `check` too). Blocks not
+held where asked are the `Missing` reply on the wire and `Moved` everywhere else.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from distributed.core import send_recv
 from distributed.protocol.serialize import to_serialize
 
 from .. import arguments as check
+from .message import Message as Checked
+from .message import checked, ranged
 
 MAX_WAIT = 5.0  # seconds a request may wait for blocks its worker is loading
 
@@ -27,11 +31,8 @@ class Moved(Exception):
         super().__init__(f"blocks moved: {self.keys[:3]}")
 
 
-class Message:
+class Message(Checked):
     PAYLOAD: ClassVar[tuple] = ()  # fields serialised by Dask (`to_serialize`)
-
-    def check(self, handler: str) -> None:
-        """`HandlerArgumentError` unless the fields are of their types and ranges."""
 
 
 @dataclass
@@ -46,45 +47,39 @@ class BatchRequest(Message):
     `TransformContext`; `isolate`: the transform in a process of its own; `same_host`: batches
     may come back in shared memory; `priority`: the position of the first batch (lower
     first; None: last); `wait`: seconds a holder may wait for blocks it is loading."""
-    requests: dict[str, dict[str, np.ndarray]]
-    positions: dict[str, np.ndarray]
-    index: np.ndarray
-    sizes: list[int]
-    fields: list[str]
+    op: ClassVar[str] = "dmdask_batch"
+    requests: dict[str, dict[str, np.ndarray]] = checked(None)  # checked below
+    positions: dict[str, np.ndarray] = checked(None)
+    index: np.ndarray = checked(None)
+    sizes: list[int] = checked(None)
+    fields: list[str] = checked(check.texts)
     transform: bytes | None = None
-    context: Any = None
-    extra: dict[str, np.ndarray] | None = None
+    context: Any = checked(None, None)
+    extra: dict[str, np.ndarray] | None = checked(lambda op, name, value: value is None or check.mapping(op, name, value),
+                                                  None)
     isolate: bool = False
     same_host: bool = False
     priority: int | None = None
-    wait: float = 0.0
+    wait: float = ranged(0, MAX_WAIT, 0.0)
     PAYLOAD: ClassVar[tuple] = ("requests", "positions", "index", "extra", "context", "transform")
 
-    def check(self, handler: str) -> None:
+    def check(self, handler: str | None = None) -> None:
         """The rows themselves are checked against their blocks when taken (`check_rows`)."""
+        handler = handler or self.op
+        super().check(handler)
         index = np.asarray(self.index)
         if index.ndim != 1 or (index.size and index.dtype.kind not in "iu"):
             raise check.refuse(handler, "index", "a 1-d array of sample ids", self.index)
         sizes = self.sizes
         if not isinstance(sizes, (list, tuple)) or sum(check.count(handler, "sizes", s) for s in sizes) != len(index):
             raise check.refuse(handler, "sizes", f"batch lengths that add up to {len(index)}", sizes)
-        check.texts(handler, "fields", self.fields)
         requests = check.mapping(handler, "requests", self.requests)
         check.mapping(handler, "positions", self.positions, known=list(requests), required=list(requests))
         for holder, wanted in requests.items():
             check.mapping(handler, f"requests[{holder!r}]", wanted)
             check.indices(handler, f"positions[{holder!r}]", self.positions[holder], len(index))
-        if self.transform is not None and not isinstance(self.transform, bytes):
-            raise check.refuse(handler, "transform", "a pickled transform (bytes) or None", type(self.transform))
         for name in ("epoch", "seed") if self.context is not None else ():
             check.count(handler, f"context.{name}", getattr(self.context, name, None))
-        if self.extra is not None:
-            check.mapping(handler, "extra", self.extra)
-        check.flag(handler, "isolate", self.isolate)
-        check.flag(handler, "same_host", self.same_host)
-        if self.priority is not None:
-            check.count(handler, "priority", self.priority)
-        check.number(handler, "wait", self.wait, 0, MAX_WAIT)
 
 
 @dataclass
@@ -101,10 +96,8 @@ class Batches(Message):
 @dataclass
 class DescribeRequest(Message):
     """`dmdask_describe`: how to map these blocks' files."""
+    op: ClassVar[str] = "dmdask_describe"
     keys: list[str]
-
-    def check(self, handler: str) -> None:
-        check.texts(handler, "keys", self.keys)
 
 
 @dataclass
@@ -116,9 +109,11 @@ class Descriptions(Message):
 @dataclass
 class HitsReport(Message):
     """`dmdask_count_hits`: tier -> [samples, bytes] taken from the worker's files by others."""
-    hits: dict[str, list[int]]
+    op: ClassVar[str] = "dmdask_count_hits"
+    hits: dict[str, list[int]] = checked(None)  # checked below: [samples, bytes], each in its range
 
-    def check(self, handler: str) -> None:
+    def check(self, handler: str | None = None) -> None:
+        handler = handler or self.op
         check.mapping(handler, "hits", self.hits, known=("ram", "ssd"))
         for tier, pair in self.hits.items():
             if not isinstance(pair, (list, tuple)) or len(pair) != 2:
@@ -130,16 +125,10 @@ class HitsReport(Message):
 @dataclass
 class HandOver(Message):
     """`dmdask_hand_over`: bytes of blocks a reader read, for their load tasks of `claim`."""
+    op: ClassVar[str] = "dmdask_hand_over"
     blocks: dict[str, bytes]
     claim: str
     PAYLOAD: ClassVar[tuple] = ("blocks",)
-
-    def check(self, handler: str) -> None:
-        check.mapping(handler, "blocks", self.blocks)
-        check.text(handler, "claim", self.claim)
-        for key, content in self.blocks.items():
-            if not isinstance(content, (bytes, bytearray, memoryview)):
-                raise check.refuse(handler, f"blocks[{key!r}]", "bytes", type(content).__name__)
 
 
 @dataclass
@@ -148,14 +137,17 @@ class GiveRows(Message):
     rows, block key -> one array per field), for the worker to keep if their readers
     name them with `claim`; `retries`: the transient errors the reads retried; `wait`:
     seconds to wait for blocks loading."""
-    rows: dict[str, np.ndarray]
-    arrays: dict[str, dict[str, np.ndarray]]
+    op: ClassVar[str] = "dmdask_give_rows"
+    rows: dict[str, np.ndarray] = checked(None)  # checked below, with `arrays`
+    arrays: dict[str, dict[str, np.ndarray]] = checked(None)
     claim: str = ""
     retries: int = 0
-    wait: float = 0.0
+    wait: float = ranged(0, MAX_WAIT, 0.0)
     PAYLOAD: ClassVar[tuple] = ("rows", "arrays")
 
-    def check(self, handler: str) -> None:
+    def check(self, handler: str | None = None) -> None:
+        handler = handler or self.op
+        super().check(handler)
         keys = list(check.mapping(handler, "rows", self.rows))
         for key, rows in self.rows.items():
             if not isinstance(rows, np.ndarray) or rows.ndim != 1 or (rows.size and rows.dtype.kind not in "iu"):
@@ -166,14 +158,12 @@ class GiveRows(Message):
                 if not isinstance(values, np.ndarray) or values.shape[:1] != (len(self.rows[key]),):
                     raise check.refuse(handler, f"arrays[{key!r}][{name!r}]",
                                        f"an array of {len(self.rows[key])} rows (one per row given)", values)
-        check.text(handler, "claim", self.claim)
-        check.count(handler, "retries", self.retries)
-        check.number(handler, "wait", self.wait, 0, MAX_WAIT)
 
 
 @dataclass
 class ChannelRequest(Message):
     """`dmdask_channel`: where the worker serves rows (`dmdask.protocol.rows`)."""
+    op: ClassVar[str] = "dmdask_channel"
 
 
 @dataclass
@@ -189,9 +179,7 @@ class Kept(Message):
     keys: list[str]  # those whose bytes the worker kept (others had no room)
 
 
-OPS = {BatchRequest: "dmdask_batch", DescribeRequest: "dmdask_describe",
-       HitsReport: "dmdask_count_hits", HandOver: "dmdask_hand_over", GiveRows: "dmdask_give_rows",
-       ChannelRequest: "dmdask_channel"}
+OPS = {kind: kind.op for kind in (BatchRequest, DescribeRequest, HitsReport, HandOver, GiveRows, ChannelRequest)}
 _MESSAGES = {cls.__name__: cls for cls in (*OPS, Missing, Batches, Descriptions, Kept, Channel)}
 
 
