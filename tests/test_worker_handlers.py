@@ -234,3 +234,21 @@ def test_scheduler_and_worker_messages_are_checked_by_one_base_from_their_type_h
         worker.GiveRows({}, {}, "claim", wait=worker.MAX_WAIT + 1).check()
     with pytest.raises(HandlerArgumentError, match=r"dmdask_locate: timeout="):
         scheduler.Locate(["k"], timeout=scheduler.LOCATE_LONGEST + 1).check()
+
+
+def test_block_layouts_are_typed_and_a_malformed_one_is_not_mapped():
+    """`dmdask_describe`'s answers (a file block's folder and layout, an arena block's files and
+    rows) are checked where they are received (`WorkerAPI.describe`): one of another shape is
+    None, as for a block in no file (its rows then come by request)."""
+    from dmdask.protocol.worker import read_layout
+
+    files = {"path": "/dev/shm/b0", "layout": [["x", "fixed", "<f4", [4]], ["data", "ragged", "|u1", [90]]],
+             "tier": "ram"}
+    arena = {"arena": {"x": ["/dev/shm/ds.x", "<f4", [4]], "__id__": ["/dev/shm/ds.id", "<i8", []]},
+             "first_row": 128, "start": 64, "tier": "ram"}
+    assert read_layout(files) is files and read_layout(arena) is arena
+    for bad in (None, {"path": "/x"}, dict(files, layout=[["x", "weird", "<f4", [4]]]),
+                dict(files, layout=[["x", "fixed", "<f4", [-1]]]), dict(files, extra=1),
+                dict(arena, first_row=-1), dict(arena, arena={"x": ["", "<f4", [4]]}), dict(arena, start="0")):
+        assert read_layout(bad) is None, bad
+

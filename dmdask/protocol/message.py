@@ -50,7 +50,7 @@ class Message:
 @functools.lru_cache(maxsize=None)
 def _checks(kind: type) -> tuple:
     """(field name, check) of each field of `kind` that is checked here."""
-    hints = typing.get_type_hints(kind)
+    hints = type_hints(kind)
     out = []
     for f in dataclasses.fields(kind):
         how = f.metadata["check"] if "check" in f.metadata else check_of(hints[f.name], f.metadata, kind, f.name)
@@ -113,3 +113,20 @@ def _items(item: Check, op: str, name: str, value) -> None:
 def _mapping(value_check: Check, op: str, name: str, value) -> None:
     for key, v in check.mapping(op, name, value).items():
         value_check(op, f"{name}[{key!r}]", v)
+
+
+def from_dict(kind: type, value, op: str):
+    """An instance of the message `kind` from the plain dict `value` (as msgpack carries it;
+    nested messages too), its keys checked (`HandlerArgumentError` naming `op`), not its values
+    (`check` them)."""
+    fields = {f.name: f for f in dataclasses.fields(kind)}
+    check.mapping(op, kind.__name__, value, known=list(fields), required=[
+        n for n, f in fields.items() if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING])
+    hints = type_hints(kind)
+    return kind(**{name: from_dict(hints[name], v, op) if isinstance(hints[name], type) and issubclass(hints[name], Message)
+                   else v for name, v in value.items()})
+
+
+@functools.lru_cache(maxsize=None)
+def type_hints(kind: type) -> dict:
+    return typing.get_type_hints(kind)

@@ -7,13 +7,10 @@ worker of another version, or a plain one, is told apart from a dmdask worker's 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import typing
 from typing import Optional
 
-from .. import arguments as check
 from ..errors import HandlerArgumentError
-from .message import Message
+from .message import Message, type_hints, from_dict
 
 METRIC = "dmdask"  # its name in a worker's metrics
 message = dataclasses.dataclass(frozen=True)
@@ -75,7 +72,7 @@ class WorkerMetric(Message):
 def empty_metric() -> dict:
     """A metric with every counter at zero and no tier (capacity 0)."""
     def zeros(kind: type) -> dict:
-        hints = _hints(kind)
+        hints = type_hints(kind)
         return {f.name: zeros(hints[f.name]) if isinstance(hints[f.name], type) and issubclass(hints[f.name], Message)
                 else (False if hints[f.name] is bool else None if f.name in ("error", "warning", "source", "dir") else 0)
                 for f in dataclasses.fields(kind)}
@@ -88,7 +85,7 @@ def read_metric(value) -> dict | None:
     if not isinstance(value, dict):
         return None
     try:
-        _build(WorkerMetric, value).check(f"the {METRIC} metric")
+        from_dict(WorkerMetric, value, f"the {METRIC} metric").check(f"the {METRIC} metric")
     except HandlerArgumentError:
         return None
     return value
@@ -108,19 +105,3 @@ def metric_of(ws) -> dict | None:
         _last.pop(next(iter(_last)))
     result = _last[ws.address] = (value, read_metric(value))
     return result[1]
-
-
-def _build(kind: type, value):
-    """An instance of `kind` from the dict `value` (nested messages too), unchecked."""
-    op = f"the {METRIC} metric"
-    fields = {f.name: f for f in dataclasses.fields(kind)}
-    check.mapping(op, kind.__name__, value, known=list(fields),
-                  required=[n for n, f in fields.items() if f.default is dataclasses.MISSING])
-    hints = _hints(kind)
-    return kind(**{name: _build(hints[name], v) if isinstance(hints[name], type) and issubclass(hints[name], Message)
-                   else v for name, v in value.items()})
-
-
-@functools.lru_cache(maxsize=None)
-def _hints(kind: type) -> dict:
-    return typing.get_type_hints(kind)

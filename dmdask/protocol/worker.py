@@ -17,8 +17,9 @@ from distributed.core import send_recv
 from distributed.protocol.serialize import to_serialize
 
 from .. import arguments as check
+from ..errors import HandlerArgumentError
 from .message import Message as Checked
-from .message import checked, ranged
+from .message import checked, from_dict, ranged
 
 MAX_WAIT = 5.0  # seconds a request may wait for blocks its worker is loading
 
@@ -98,6 +99,58 @@ class DescribeRequest(Message):
     """`dmdask_describe`: how to map these blocks' files."""
     op: ClassVar[str] = "dmdask_describe"
     keys: list[str]
+
+
+def _layout(op: str, name: str, value) -> None:
+    """One (field, kind, dtype, shape) per field (`dmdask.shm.fileblocks`)."""
+    if not isinstance(value, (list, tuple)) or not all(
+            isinstance(e, (list, tuple)) and len(e) == 4 and isinstance(e[0], str) and e[0]
+            and e[1] in ("fixed", "ragged", "strings") and isinstance(e[2], str) and _shape(e[3]) for e in value):
+        raise check.refuse(op, name, "a list of [field, 'fixed'|'ragged'|'strings', dtype, shape]", value)
+
+
+def _arena_fields(op: str, name: str, value) -> None:
+    """Field -> (file, dtype, row shape) (`dmdask.shm.arena.Arena.fields`)."""
+    for field, entry in check.mapping(op, name, value).items():
+        if not (isinstance(entry, (list, tuple)) and len(entry) == 3 and isinstance(entry[0], str) and entry[0]
+                and isinstance(entry[1], str) and _shape(entry[2])):
+            raise check.refuse(op, f"{name}[{field!r}]", "[file, dtype, row shape]", entry)
+
+
+def _shape(value) -> bool:
+    return isinstance(value, (list, tuple)) and all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value)
+
+
+@dataclass
+class FileLayout(Message):
+    """How a process on the worker's host maps a block held in files of its own
+    (`FileBlock.describe`): its folder, each field's layout, its tier."""
+    path: str
+    layout: list = checked(_layout)
+    tier: str = "ssd"
+
+
+@dataclass
+class ArenaLayout(Message):
+    """How it takes the rows of a RAM block held in a slot of its dataset's arena
+    (`ArenaBlock.describe`): the arena's files, the slot's first row, the block's first sample."""
+    arena: dict = checked(_arena_fields)
+    first_row: int = 0
+    start: int = 0
+    tier: str = "ram"
+
+
+def read_layout(value) -> dict | None:
+    """`value`, a block's description from `dmdask_describe`, if it is a `FileLayout` or an
+    `ArenaLayout` (each field of its type); None otherwise: not mappable, its rows then come
+    by request, as for a block in no file."""
+    kind = ArenaLayout if isinstance(value, dict) and "arena" in value else FileLayout
+    try:
+        from_dict(kind, value, "dmdask_describe").check("dmdask_describe")
+    except HandlerArgumentError:
+        return None
+    return value
 
 
 @dataclass
@@ -235,7 +288,9 @@ class WorkerAPI:
         return await self.call(address, ChannelRequest())
 
     async def describe(self, address: str, keys: list[str]) -> dict[str, dict | None]:
-        return (await self.call(address, DescribeRequest(keys))).blocks
+        """Key -> its layout (`read_layout`: None when not mappable) of the blocks `address` holds."""
+        blocks = (await self.call(address, DescribeRequest(keys))).blocks
+        return {key: read_layout(found) for key, found in blocks.items()}
 
     async def count_hits(self, address: str, hits: dict[str, list[int]]) -> None:
         await self.call(address, HitsReport(hits))
