@@ -13,7 +13,7 @@ import numpy as np
 from ..arrivals import Arrivals
 from ..protocol.worker import Moved
 from .filling import FillingBlock
-from .handover import GIVEN_SECONDS, Handovers
+from .handover import GIVEN_SECONDS, ROWS, Handovers
 from .holdings import Arrays, Block, FileBlock, Holding, Streamed, arrays_nbytes, concat, payload_bytes
 from .read_ahead import ReadAhead
 from .reads import LAST, PriorityPool
@@ -90,7 +90,7 @@ class BlockCache:
         theirs = np.asarray(reader.rank_rows, dtype=np.int64)
         ours = np.setdiff1d(np.arange(n), theirs)
         parts = [(ours, reader.read_rows(ours, on_retry=self.store_reads.retried))] if len(ours) else []
-        given = self.handovers.take(reader.key, reader.rank_claim, GIVEN_SECONDS)
+        given = self.handovers.take(reader.key, reader.claim, GIVEN_SECONDS, ROWS)
         if given is None or not np.array_equal(given[0], theirs):
             given = None
             parts.append((theirs, reader.read_rows(theirs, on_retry=self.store_reads.retried)))
@@ -238,16 +238,16 @@ class BlockCache:
         is waited for, up to `wait` seconds), a block being read whole takes them instead of
         reading them (`Handovers`); (the keys of the blocks that took any, those not held
         once waited for: a load that failed or is slow). Only the rows its
-        reader names with `claim` (`rank_rows`, `rank_claim`); others are let go. Counted as
+        reader names with `claim` (`rank_rows`, the reader's `claim`); others are let go. Counted as
         this worker's, for the blocks it holds: the store reads (with their `retries`) and
         the rows served from the store (stream hits)."""
         kept = {key: self.handovers.put(key, claim, (wanted, arrays[key]), wanted.nbytes + arrays_nbytes(arrays[key]),
-                                        GIVEN_SECONDS) for key, wanted in rows.items()}
+                                        GIVEN_SECONDS, ROWS) for key, wanted in rows.items()}
         missing = set(await self._missing(list(rows), wait))
         taken = []
         for key, wanted in rows.items():
             # None: a whole read took them; not kept (no room): a whole read reads them itself
-            found = self.handovers.take(key, claim) if kept[key] else (wanted, arrays[key])
+            found = self.handovers.take(key, claim, kind=ROWS) if kept[key] else (wanted, arrays[key])
             if key in missing:
                 continue
             block = self.store.get(key)
