@@ -57,6 +57,9 @@ def test_demo_quick_learns_the_digits_and_reports_every_tier(tmp_path):
     assert [r[4:6] for r in shown[:3]] == [r[4:6] for r in rows], out
     assert [r[7:10] for r in shown[1:3]] == [r[7:10] for r in rows[1:]], out
     assert shown[0][8] == rows[0][8] and abs(shown[0][7] - rows[0][7]) <= 16, out
-    assert " ".join(explanation_of(out).split()) in " ".join(demo_output_in_quickstart().split())
+    def words(text):  # numbers left out: epoch 0's may differ by a few samples
+        return re.sub(r"\d+", "N", " ".join(text.split()))
+
+    assert words(explanation_of(out)) in words(demo_output_in_quickstart())
     assert re.search(r"dashboard: http://\S+/status  \(dmdask tiers: http://\S+/dmdask\)", out), out
     assert out.index("dashboard:") < out.index("epoch  time")  # printed before training starts
