@@ -484,6 +484,36 @@ def test_page_in_headless_chromium(cluster, small, large, tmp_path):
     assert color_share(image, RAM_RGB) > 0.005 and color_share(image, SSD_RGB) > 0.005
 
 
+def test_the_heartbeat_metric_is_typed_and_checked_where_it_is_read(cluster, small):
+    """Each worker's `dmdask` metric has the shape `dmdask.protocol.metric` declares; one of
+    another shape (a counter of another type, a tier missing, a field unknown, a negative
+    count) is read as no metric: the page lists its worker as one without dmdask tiers."""
+    import copy
+    import types as pytypes
+
+    from dmdask.dashboard.figures import worker_metrics
+    from dmdask.protocol.metric import read_metric
+
+    _, client = cluster
+    real = client.run(lambda dask_worker: dask_worker.metrics["dmdask"](dask_worker))
+    assert real and all(read_metric(m) is m for m in real.values())
+    good = next(iter(real.values()))
+
+    def changed(edit):
+        bad = copy.deepcopy(good)
+        edit(bad)
+        return bad
+
+    bads = [changed(lambda m: m["ram"].update(hits="12")), changed(lambda m: m.pop("ssd")),
+            changed(lambda m: m.update(surprise=1)), changed(lambda m: m["shared_store"].update(bytes=-1)),
+            changed(lambda m: m["ssd"].update(full=1)), "not a dict"]
+    assert [read_metric(b) for b in bads] == [None] * len(bads)
+    workers = {f"tcp://w{i}:1": pytypes.SimpleNamespace(address=f"tcp://w{i}:1", name=f"w{i}", metrics={"dmdask": m})
+               for i, m in enumerate([good] + bads)}
+    found, _, others = worker_metrics(pytypes.SimpleNamespace(workers=workers))
+    assert list(found) == ["tcp://w0:1"] and len(others) == len(bads)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not chromium(), reason="no Chromium on PATH: run scripts/install-browser.sh "
                                            "(or set DMDASK_CHROMIUM=/path/to/chrome)")

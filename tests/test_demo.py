@@ -49,11 +49,17 @@ def test_demo_quick_learns_the_digits_and_reports_every_tier(tmp_path):
     ram, ssd, streamed = (int(v) for v in rows[0][7:10])
     assert f"{ram + ssd} samples served from the cache ({ram} from RAM, {ssd} from SSD" in " ".join(out.split())
     assert f"the {streamed} samples it has no room for are streamed" in " ".join(out.split())
-    # docs/quickstart.md shows what the demo prints: the same store bytes and samples per
-    # epoch (the times, losses and read counts vary from run to run)
+    # docs/quickstart.md shows what the demo prints: the same store bytes per epoch, the same
+    # samples per tier from epoch 1 on, and in epoch 0 the same from SSD (the times, losses,
+    # read counts and epoch 0's split between RAM and streamed vary from run to run)
     shown = table_rows(demo_output_in_quickstart())
     assert len(shown) >= 3
-    assert [r[4:6] + r[7:10] for r in shown[:3]] == [r[4:6] + r[7:10] for r in rows], out
-    assert " ".join(explanation_of(out).split()) in " ".join(demo_output_in_quickstart().split())
+    assert [r[4:6] for r in shown[:3]] == [r[4:6] for r in rows], out
+    assert [r[7:10] for r in shown[1:3]] == [r[7:10] for r in rows[1:]], out
+    assert shown[0][8] == rows[0][8] and abs(shown[0][7] - rows[0][7]) <= 16, out
+    def words(text):  # numbers left out: epoch 0's may differ by a few samples
+        return re.sub(r"\d+", "N", " ".join(text.split()))
+
+    assert words(explanation_of(out)) in words(demo_output_in_quickstart())
     assert re.search(r"dashboard: http://\S+/status  \(dmdask tiers: http://\S+/dmdask\)", out), out
     assert out.index("dashboard:") < out.index("epoch  time")  # printed before training starts

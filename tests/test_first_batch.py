@@ -15,7 +15,7 @@ from dmdask.client.first_batch import FirstBatch
 from dmdask.errors import HandlerArgumentError
 from dmdask.protocol.worker import GiveRows
 from dmdask.testing.datasets import folder_sample, write_folder
-from dmdask.worker.given import GivenRows
+from dmdask.worker.handover import ROWS, Handovers
 
 from conftest import all_ids, run_epoch
 
@@ -174,15 +174,20 @@ def test_give_rows_refuses_arrays_that_do_not_match_their_rows():
 
 
 def test_given_rows_are_taken_once_with_their_claim_and_waited_for():
-    given = GivenRows(seconds=60)
+    given = Handovers(capacity=1000, seconds=60)
     rows, arrays = np.array([1, 4]), {"data": np.array([10, 40])}
-    given.put("b", "c", rows, arrays)
-    assert given.take("b", "other") is None
-    got = given.take("b", "c")
+    assert given.put("b", "c", (rows, arrays), 32, kind=ROWS)
+    assert given.take("b", "other", kind=ROWS) is None and given.take("b", "c") is None  # another claim, kind
+    got = given.take("b", "c", kind=ROWS)
     assert np.array_equal(got[0], rows) and got[1] is arrays
-    assert given.take("b", "c") is None  # once
-    assert given.take("b", "c", timeout=0.05) is None  # not given: not waited for longer
-    later = threading.Timer(0.1, given.put, ("b", "c", rows, arrays))
+    assert given.take("b", "c", kind=ROWS) is None and given.bytes == 0  # once
+    assert given.take("b", "c", timeout=0.05, kind=ROWS) is None  # not given: not waited for longer
+    later = threading.Timer(0.1, given.put, ("b", "c", (rows, arrays), 32), {"kind": ROWS})
     later.start()
-    assert given.take("b", "c", timeout=30) is not None  # waited for, and woken when given
+    assert given.take("b", "c", timeout=30, kind=ROWS) is not None  # waited for, and woken when given
     later.join()
+    # given rows and handed-over bytes share one bound
+    assert given.put("k", "c", b"x" * 900, 900) and not given.put("r", "c", (rows, arrays), 200, kind=ROWS)
+    # one secret per reading process, two kinds: a block's bytes are never taken as its rows
+    assert given.put("k", "c", (rows, arrays), 32, kind=ROWS)
+    assert given.take("k", "c", kind=ROWS)[1] is arrays and given.take("k", "c") == b"x" * 900

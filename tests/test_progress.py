@@ -42,8 +42,12 @@ def test_hit_text():
         "hit 97% (RAM 81%, SSD 16%, streamed 3%)"
     assert progress.hit_text(before, {"ram": 0, "ssd": 0, "stream": 9}) == \
         "hit 0% (RAM 0%, SSD 0%, streamed 100%)"  # a restarted worker counts from 0 again
-    assert progress.served([{"ram": {"hits": 1}, "ssd": {"hits": 2}, "stream": {"hits": 3}}, None, {}]) == \
-        {"ram": 1, "ssd": 2, "stream": 3}
+    from dmdask.protocol.metric import empty_metric
+
+    metric = empty_metric()
+    metric["ram"]["hits"], metric["ssd"]["hits"], metric["stream"]["hits"] = 1, 2, 3
+    partial = {"ram": {"hits": 5}, "ssd": {"hits": 5}, "stream": {"hits": 5}}  # not a dmdask metric: left out
+    assert progress.served([metric, None, {}, partial]) == {"ram": 1, "ssd": 2, "stream": 3}
 
 
 def test_no_bar_by_default_when_not_a_terminal(client, zarr_path):

@@ -372,12 +372,12 @@ def test_handovers_are_bounded_taken_once_with_their_claim_and_expire():
     from dmdask.worker.handover import Handovers
 
     kept = Handovers(capacity=10, seconds=60)
-    assert kept.put("a", "mine", b"123456") and not kept.put("b", "mine", b"12345")  # no room for b
+    assert kept.put("a", "mine", b"123456", 6) and not kept.put("b", "mine", b"12345", 5)  # no room for b
     assert kept.take("a", "theirs") is None and kept.take("a", None) is None  # only with its claim
     assert kept.take("a", "mine") == b"123456" and kept.take("a", "mine") is None and kept.bytes == 0
     old = Handovers(capacity=10, seconds=0)
-    assert old.put("a", "mine", b"1")
-    old.put("b", "mine", b"2")  # a has expired by now
+    assert old.put("a", "mine", b"1", 1)
+    old.put("b", "mine", b"2", 1, seconds=60)  # a has expired by now
     assert old.take("a", "mine") is None and old.take("b", "mine") == b"2"
 
 

@@ -2,6 +2,7 @@
 (`dmdask.protocol.worker`), called with injected parts (a cache, peers) where a cluster
 isn't the point, and the plugin's installation through `gen_cluster`."""
 import asyncio
+import re
 import types
 from concurrent.futures import ThreadPoolExecutor
 
@@ -184,3 +185,70 @@ async def test_the_scheduler_plugin_installs_the_worker_plugin(c, s, a):
     await a.plugin_add(WorkerPlugin(), name="dmdask")  # as a new scheduler adds it again
     assert a.extensions["dmdask"] is cache and cache.stats()["ram"]["hits"] == 3  # the same cache, still open
     assert await cache.in_thread(0, sum, [1, 2]) == 3
+
+
+def test_scheduler_and_worker_messages_are_checked_by_one_base_from_their_type_hints():
+    """Both sides' requests derive from `dmdask.protocol.message.Message`; fields are checked
+    from `typing.get_type_hints` (a field typed `int` raised KeyError 'int' when the
+    scheduler's checks looked up the annotation's text), with ranges declared with the field;
+    a type with no check must declare one."""
+    import dataclasses
+    from typing import Optional
+
+    from dmdask.errors import HandlerArgumentError
+    from dmdask.protocol import scheduler, worker
+    from dmdask.protocol.message import Message, checked, ranged
+
+    assert issubclass(scheduler.Request, Message) and issubclass(worker.Message, Message)
+
+    @dataclasses.dataclass(frozen=True)
+    class Probe(Message):
+        op = "dmdask_probe"
+        count: int
+        share: float = ranged(0, 1, 0.5)
+        name: Optional[str] = None
+        ids: list[int] = dataclasses.field(default_factory=list)
+        blobs: dict[str, bytes] = dataclasses.field(default_factory=dict)
+
+    Probe(3, 0.25, "x", [0, 7], {"a": b"1"}).check()
+    for bad, field in ((Probe(-1), "count"), (Probe(True), "count"), (Probe(1, 1.5), "share"),
+                       (Probe(1, float("nan")), "share"), (Probe(1, name=""), "name"),
+                       (Probe(1, ids=[1, -2]), "ids[1]"), (Probe(1, blobs={"a": "text"}), "blobs['a']")):
+        with pytest.raises(HandlerArgumentError, match=re.escape(f"dmdask_probe: {field}=")):
+            bad.check()
+
+    @dataclasses.dataclass
+    class Unchecked(Message):
+        where: complex
+
+    with pytest.raises(TypeError, match="Unchecked.where: no check"):
+        Unchecked(1j).check()
+
+    @dataclasses.dataclass
+    class Declared(Message):
+        where: complex = checked(None)
+
+    Declared(1j).check()
+    # the worker's ranges come from their fields: wait in 0..MAX_WAIT
+    with pytest.raises(HandlerArgumentError, match=r"dmdask_give_rows: wait="):
+        worker.GiveRows({}, {}, "claim", wait=worker.MAX_WAIT + 1).check()
+    with pytest.raises(HandlerArgumentError, match=r"dmdask_locate: timeout="):
+        scheduler.Locate(["k"], timeout=scheduler.LOCATE_LONGEST + 1).check()
+
+
+def test_block_layouts_are_typed_and_a_malformed_one_is_not_mapped():
+    """`dmdask_describe`'s answers (a file block's folder and layout, an arena block's files and
+    rows) are checked where they are received (`WorkerAPI.describe`): one of another shape is
+    None, as for a block in no file (its rows then come by request)."""
+    from dmdask.protocol.worker import read_layout
+
+    files = {"path": "/dev/shm/b0", "layout": [["x", "fixed", "<f4", [4]], ["data", "ragged", "|u1", [90]]],
+             "tier": "ram"}
+    arena = {"arena": {"x": ["/dev/shm/ds.x", "<f4", [4]], "__id__": ["/dev/shm/ds.id", "<i8", []]},
+             "first_row": 128, "start": 64, "tier": "ram"}
+    assert read_layout(files) is files and read_layout(arena) is arena
+    for bad in (None, {"path": "/x"}, dict(files, layout=[["x", "weird", "<f4", [4]]]),
+                dict(files, layout=[["x", "fixed", "<f4", [-1]]]), dict(files, extra=1),
+                dict(arena, first_row=-1), dict(arena, arena={"x": ["", "<f4", [4]]}), dict(arena, start="0")):
+        assert read_layout(bad) is None, bad
+

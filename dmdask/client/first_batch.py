@@ -8,7 +8,7 @@ sample by sample (`row_granular`), with no transform, at an epoch's start, and u
 `dmdask.client.read-first-batch` is off.
 
 Guarantees: the readers of the blocks it reads from name those rows and a secret claim
-(`rank_rows`, `rank_claim`); no worker reads them ahead, and a block read whole waits for
+(`rank_rows`, `claim`); no worker reads them ahead, and a block read whole waits for
 them (`dmdask.worker.given`); the rank gives them to the blocks' workers once read
 (`dmdask_give_rows`), so every sample leaves the store once. Batch 0 is handed out once the
 giving is answered, and holds the same samples, in the same order, as when fetched; if a
@@ -60,7 +60,7 @@ class FirstBatch:
 
     def plan(self, info, readers: list):
         """Name this rank's first-batch rows in the readers of their blocks (`rank_rows`,
-        `rank_claim`), before the readers are submitted; the function that starts reading
+        `claim`), before the readers are submitted; the function that starts reading
         them (no I/O before it is called; call it once the loads are submitted, so the
         workers start as early as they can), or None: nothing to read (readers of whole blocks)."""
         if not readers or not readers[0].row_granular:
@@ -71,7 +71,7 @@ class FirstBatch:
         blocks, offsets = info.locate(ids)
         wanted = {int(k): np.unique(offsets[blocks == k]) for k in np.unique(blocks)}
         for k, rows in wanted.items():
-            readers[k].rank_rows, readers[k].rank_claim = tuple(rows.tolist()), self.claim
+            readers[k].rank_rows, readers[k].claim = tuple(rows.tolist()), self.claim
         self.batch = concurrent.futures.Future()
         return lambda: self._start(info, readers, ids, blocks, offsets, wanted)
 

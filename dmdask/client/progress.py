@@ -11,6 +11,8 @@ import time
 
 import dask.config
 
+from ..protocol.metric import read_metric
+
 STATS_INTERVAL = 1.0  # seconds between two hit-rate requests (scaled up on large clusters)
 WORKERS_PER_SECOND = 50  # above this many workers, ask less often
 
@@ -34,7 +36,7 @@ def wanted(progress, rank: int = 0, stream=None) -> bool:
 
 def served(workers_metrics) -> dict:
     """Samples served by tier, summed over the workers' dmdask metrics."""
-    metrics = [m for m in workers_metrics if isinstance(m, dict) and "ram" in m]
+    metrics = [m for m in map(read_metric, workers_metrics) if m is not None]
     return {tier: sum(m[tier]["hits"] for m in metrics) for tier in ("ram", "ssd", "stream")}
 
 

@@ -10,6 +10,7 @@ import time
 import weakref
 from collections import deque
 
+from ..protocol.metric import empty_metric, metric_of
 from ..stats import hit_shares
 from ..stats import total as sum_stats
 
@@ -18,12 +19,9 @@ SAMPLE_INTERVAL = 1.0  # seconds between two history points
 
 
 def empty_stats() -> dict:
-    """A worker's stats with every counter at zero (the shape of `BlockCache.stats()`)."""
-    tier = {"capacity": 0, "bytes": 0, "blocks": 0, "samples": 0, "hits": 0, "hit_bytes": 0, "full": False,
-            "error": None, "read_errors": 0, "warning": None, "dir": None, "source": None}
-    return {"ram": dict(tier), "ssd": dict(tier), "streamed_blocks": 0,
-            "stream": {"hits": 0, "buffer_bytes": 0, "buffer_capacity": 0},
-            "shared_store": {"requests": 0, "bytes": 0, "retries": 0}, "peer": {"bytes_out": 0, "bytes_in": 0}}
+    """A worker's stats with every counter at zero (the shape of `BlockCache.stats()`, as
+    `dmdask.protocol.metric` declares it)."""
+    return empty_metric()
 
 
 def worker_metrics(scheduler):
@@ -31,8 +29,8 @@ def worker_metrics(scheduler):
     addresses of the workers that do not (plain Dask workers, or not heartbeated yet)."""
     workers, names, others = {}, {}, []
     for address, ws in list(scheduler.workers.items()):
-        metrics = (ws.metrics or {}).get("dmdask")
-        if isinstance(metrics, dict) and "ram" in metrics:
+        metrics = metric_of(ws)
+        if metrics is not None:
             workers[address] = metrics
             names[address] = str(ws.name)
         else:

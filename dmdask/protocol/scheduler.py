@@ -1,7 +1,8 @@
 """The scheduler plugin's handlers (`dmdask.scheduler`): a request and a reply dataclass each,
 both sent as `ToPickle` so they keep their types, and `SchedulerAPI`, which sends them. A
-handler checks its request once (`Request.check`, by the fields' types) before it changes
-anything. Outcomes that are not errors (`NoWorkers`, `Busy`) are replies."""
+handler checks its request once (`Message.check`: by the fields' types and declared ranges,
+`dmdask.protocol.message`) before it changes anything. Outcomes that are not errors
+(`NoWorkers`, `Busy`) are replies."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,6 +15,7 @@ from distributed.protocol import ToPickle
 from .. import arguments as check
 from ..internals import reraise
 from ..source.base import DatasetInfo, parse_block_key
+from .message import Message, checked, ranged
 
 LOCATE_LONGEST = 60.0  # the longest a `Locate` may wait
 LOCATE_SECONDS = 2.0  # one wait on the scheduler for blocks still loading
@@ -47,27 +49,12 @@ def _infos(op: str, name: str, value) -> None:
 
 
 _VALUES = {"listing": (list, tuple), "info": dict}
-# a field's check by the text of its annotation (strings here: `from __future__ import annotations`)
-_BY_TYPE = {"str": check.text, "Optional[str]": functools.partial(check.text, optional=True),
-            "Sequence[str]": check.texts, "bool": check.flag, "Sequence[FileEntry]": _entries,
-            "DatasetInfo": lambda op, name, value: check.dataset_info(op, value), "Sequence[DatasetInfo]": _infos}
-
-
-def checked(how: Callable, default=dataclasses.MISSING):
-    """A field checked by `how(op, name, value)` rather than by its type (None: by its request's `check`)."""
-    return dataclasses.field(default=default, metadata={"check": how})
+_PAIRS = functools.partial(check.tuples, width=2, leading_texts=2)  # (folder, path) pairs
 
 
 @message
-class Request:
+class Request(Message):
     op: ClassVar[str]  # the handler's name on the scheduler
-
-    def check(self, op: Optional[str] = None) -> None:
-        """`HandlerArgumentError`, naming `op` and the field, unless each field is of its type and range."""
-        for f in dataclasses.fields(self):
-            how = f.metadata["check"] if "check" in f.metadata else _BY_TYPE[f.type]
-            if how is not None:
-                how(op or self.op, f.name, getattr(self, f.name))
 
 
 @message
@@ -127,7 +114,7 @@ class Locate(Request):
     op = "dmdask_locate"
     keys: Sequence[str]
     host: Optional[str] = None
-    timeout: float = checked(functools.partial(check.number, low=0, high=LOCATE_LONGEST), LOCATE_SECONDS)
+    timeout: float = ranged(0, LOCATE_LONGEST, LOCATE_SECONDS)
     expect: Sequence[str] = ()
     planned: bool = False
 
@@ -138,7 +125,7 @@ class OpenBlocks(Request):
     `datasets` registered when new, the blocks nobody holds, loads or reads claimed for
     `client`, which reads them from the store and submits their loads."""
     op = "dmdask_open_blocks"
-    datasets: Sequence[DatasetInfo]
+    datasets: Sequence[DatasetInfo] = checked(_infos)
     keys: Sequence[str]
     client: str
     host: Optional[str] = None
@@ -185,8 +172,8 @@ class FsMetadata(Request):
     op = "dmdask_fs_metadata"
     run: str
     get: Sequence[str] = ()
-    put: Sequence[FileEntry] = ()
-    release: Sequence[Tuple[str, str]] = checked(functools.partial(check.tuples, width=2, leading_texts=2), ())
+    put: Sequence[FileEntry] = checked(_entries, ())
+    release: Sequence[Tuple[str, str]] = checked(_PAIRS, ())
 
 
 @message
@@ -195,13 +182,7 @@ class FsClaim(Request):
     knows them or another of its processes reads them (`InfoClaims` or `NoWorkers`)."""
     op = "dmdask_fs_claim"
     run: str
-    claim: Sequence[Tuple[str, str]] = checked(functools.partial(check.tuples, width=2, leading_texts=2))
-
-
-def _open(op: str, name: str, value) -> None:
-    if not isinstance(value, OpenBlocks):
-        raise check.refuse(op, name, "an OpenBlocks", value)
-    value.check(op)
+    claim: Sequence[Tuple[str, str]] = checked(_PAIRS)
 
 
 @message
@@ -211,7 +192,7 @@ class FsOpenBlocks(Request):
     op = "dmdask_fs_open_blocks"
     run: str
     put: Sequence[FileEntry] = checked(functools.partial(_entries, kinds=("info",)))
-    open: OpenBlocks = checked(_open)
+    open: OpenBlocks
 
 
 @message

@@ -1,7 +1,9 @@
 """The workers' handlers as typed messages, and `WorkerAPI`, which sends them. On the wire a
 message is the handler's keyword arguments: "message" (its class) and its fields, the
-`PAYLOAD` ones (arrays, bytes) wrapped by `to_serialize`. Blocks not held where asked are
-the `Missing` reply on the wire and `Moved` everywhere else.
+`PAYLOAD` ones (arrays, bytes) wrapped by `to_serialize`. A handler checks its request once
+(`Message.check`, as the scheduler's do: by the fields' types and declared ranges,
+`dmdask.protocol.message`; fields of arrays by the request's own `check` too). Blocks not
+held where asked are the `Missing` reply on the wire and `Moved` everywhere else.
 """
 from __future__ import annotations
 
@@ -17,6 +19,9 @@ from distributed.core import send_recv
 from distributed.protocol.serialize import to_serialize
 
 from .. import arguments as check
+from ..errors import HandlerArgumentError
+from .message import Message as Checked
+from .message import checked, from_dict, ranged
 
 MAX_WAIT = 5.0  # seconds a request may wait for blocks its worker is loading
 
@@ -29,11 +34,8 @@ class Moved(Exception):
         super().__init__(f"blocks moved: {self.keys[:3]}")
 
 
-class Message:
+class Message(Checked):
     PAYLOAD: ClassVar[tuple] = ()  # fields serialised by Dask (`to_serialize`)
-
-    def check(self, handler: str) -> None:
-        """`HandlerArgumentError` unless the fields are of their types and ranges."""
 
 
 @dataclass
@@ -48,45 +50,39 @@ class BatchRequest(Message):
     `TransformContext`; `isolate`: the transform in a process of its own; `same_host`: batches
     may come back in shared memory; `priority`: the position of the first batch (lower
     first; None: last); `wait`: seconds a holder may wait for blocks it is loading."""
-    requests: dict[str, dict[str, np.ndarray]]
-    positions: dict[str, np.ndarray]
-    index: np.ndarray
-    sizes: list[int]
-    fields: list[str]
+    op: ClassVar[str] = "dmdask_batch"
+    requests: dict[str, dict[str, np.ndarray]] = checked(None)  # checked below
+    positions: dict[str, np.ndarray] = checked(None)
+    index: np.ndarray = checked(None)
+    sizes: list[int] = checked(None)
+    fields: list[str] = checked(check.texts)
     transform: bytes | None = None
-    context: Any = None
-    extra: dict[str, np.ndarray] | None = None
+    context: Any = checked(None, None)
+    extra: dict[str, np.ndarray] | None = checked(lambda op, name, value: value is None or check.mapping(op, name, value),
+                                                  None)
     isolate: bool = False
     same_host: bool = False
     priority: int | None = None
-    wait: float = 0.0
+    wait: float = ranged(0, MAX_WAIT, 0.0)
     PAYLOAD: ClassVar[tuple] = ("requests", "positions", "index", "extra", "context", "transform")
 
-    def check(self, handler: str) -> None:
+    def check(self, handler: str | None = None) -> None:
         """The rows themselves are checked against their blocks when taken (`check_rows`)."""
+        handler = handler or self.op
+        super().check(handler)
         index = np.asarray(self.index)
         if index.ndim != 1 or (index.size and index.dtype.kind not in "iu"):
             raise check.refuse(handler, "index", "a 1-d array of sample ids", self.index)
         sizes = self.sizes
         if not isinstance(sizes, (list, tuple)) or sum(check.count(handler, "sizes", s) for s in sizes) != len(index):
             raise check.refuse(handler, "sizes", f"batch lengths that add up to {len(index)}", sizes)
-        check.texts(handler, "fields", self.fields)
         requests = check.mapping(handler, "requests", self.requests)
         check.mapping(handler, "positions", self.positions, known=list(requests), required=list(requests))
         for holder, wanted in requests.items():
             check.mapping(handler, f"requests[{holder!r}]", wanted)
             check.indices(handler, f"positions[{holder!r}]", self.positions[holder], len(index))
-        if self.transform is not None and not isinstance(self.transform, bytes):
-            raise check.refuse(handler, "transform", "a pickled transform (bytes) or None", type(self.transform))
         for name in ("epoch", "seed") if self.context is not None else ():
             check.count(handler, f"context.{name}", getattr(self.context, name, None))
-        if self.extra is not None:
-            check.mapping(handler, "extra", self.extra)
-        check.flag(handler, "isolate", self.isolate)
-        check.flag(handler, "same_host", self.same_host)
-        if self.priority is not None:
-            check.count(handler, "priority", self.priority)
-        check.number(handler, "wait", self.wait, 0, MAX_WAIT)
 
 
 @dataclass
@@ -103,10 +99,60 @@ class Batches(Message):
 @dataclass
 class DescribeRequest(Message):
     """`dmdask_describe`: how to map these blocks' files."""
+    op: ClassVar[str] = "dmdask_describe"
     keys: list[str]
 
-    def check(self, handler: str) -> None:
-        check.texts(handler, "keys", self.keys)
+
+def _layout(op: str, name: str, value) -> None:
+    """One (field, kind, dtype, shape) per field (`dmdask.shm.fileblocks`)."""
+    if not isinstance(value, (list, tuple)) or not all(
+            isinstance(e, (list, tuple)) and len(e) == 4 and isinstance(e[0], str) and e[0]
+            and e[1] in ("fixed", "ragged", "strings") and isinstance(e[2], str) and _shape(e[3]) for e in value):
+        raise check.refuse(op, name, "a list of [field, 'fixed'|'ragged'|'strings', dtype, shape]", value)
+
+
+def _arena_fields(op: str, name: str, value) -> None:
+    """Field -> (file, dtype, row shape) (`dmdask.shm.arena.Arena.fields`)."""
+    for field, entry in check.mapping(op, name, value).items():
+        if not (isinstance(entry, (list, tuple)) and len(entry) == 3 and isinstance(entry[0], str) and entry[0]
+                and isinstance(entry[1], str) and _shape(entry[2])):
+            raise check.refuse(op, f"{name}[{field!r}]", "[file, dtype, row shape]", entry)
+
+
+def _shape(value) -> bool:
+    return isinstance(value, (list, tuple)) and all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value)
+
+
+@dataclass
+class FileLayout(Message):
+    """How a process on the worker's host maps a block held in files of its own
+    (`FileBlock.describe`): its folder, each field's layout, its tier."""
+    path: str
+    layout: list = checked(_layout)
+    tier: str = "ssd"
+
+
+@dataclass
+class ArenaLayout(Message):
+    """How it takes the rows of a RAM block held in a slot of its dataset's arena
+    (`ArenaBlock.describe`): the arena's files, the slot's first row, the block's first sample."""
+    arena: dict = checked(_arena_fields)
+    first_row: int = 0
+    start: int = 0
+    tier: str = "ram"
+
+
+def read_layout(value) -> dict | None:
+    """`value`, a block's description from `dmdask_describe`, if it is a `FileLayout` or an
+    `ArenaLayout` (each field of its type); None otherwise: not mappable, its rows then come
+    by request, as for a block in no file."""
+    kind = ArenaLayout if isinstance(value, dict) and "arena" in value else FileLayout
+    try:
+        from_dict(kind, value, "dmdask_describe").check("dmdask_describe")
+    except HandlerArgumentError:
+        return None
+    return value
 
 
 @dataclass
@@ -118,9 +164,11 @@ class Descriptions(Message):
 @dataclass
 class HitsReport(Message):
     """`dmdask_count_hits`: tier -> [samples, bytes] taken from the worker's files by others."""
-    hits: dict[str, list[int]]
+    op: ClassVar[str] = "dmdask_count_hits"
+    hits: dict[str, list[int]] = checked(None)  # checked below: [samples, bytes], each in its range
 
-    def check(self, handler: str) -> None:
+    def check(self, handler: str | None = None) -> None:
+        handler = handler or self.op
         check.mapping(handler, "hits", self.hits, known=("ram", "ssd"))
         for tier, pair in self.hits.items():
             if not isinstance(pair, (list, tuple)) or len(pair) != 2:
@@ -132,16 +180,10 @@ class HitsReport(Message):
 @dataclass
 class HandOver(Message):
     """`dmdask_hand_over`: bytes of blocks a reader read, for their load tasks of `claim`."""
+    op: ClassVar[str] = "dmdask_hand_over"
     blocks: dict[str, bytes]
     claim: str
     PAYLOAD: ClassVar[tuple] = ("blocks",)
-
-    def check(self, handler: str) -> None:
-        check.mapping(handler, "blocks", self.blocks)
-        check.text(handler, "claim", self.claim)
-        for key, content in self.blocks.items():
-            if not isinstance(content, (bytes, bytearray, memoryview)):
-                raise check.refuse(handler, f"blocks[{key!r}]", "bytes", type(content).__name__)
 
 
 @dataclass
@@ -150,14 +192,17 @@ class GiveRows(Message):
     rows, block key -> one array per field), for the worker to keep if their readers
     name them with `claim`; `retries`: the transient errors the reads retried; `wait`:
     seconds to wait for blocks loading."""
-    rows: dict[str, np.ndarray]
-    arrays: dict[str, dict[str, np.ndarray]]
+    op: ClassVar[str] = "dmdask_give_rows"
+    rows: dict[str, np.ndarray] = checked(None)  # checked below, with `arrays`
+    arrays: dict[str, dict[str, np.ndarray]] = checked(None)
     claim: str = ""
     retries: int = 0
-    wait: float = 0.0
+    wait: float = ranged(0, MAX_WAIT, 0.0)
     PAYLOAD: ClassVar[tuple] = ("rows", "arrays")
 
-    def check(self, handler: str) -> None:
+    def check(self, handler: str | None = None) -> None:
+        handler = handler or self.op
+        super().check(handler)
         keys = list(check.mapping(handler, "rows", self.rows))
         for key, rows in self.rows.items():
             if not isinstance(rows, np.ndarray) or rows.ndim != 1 or (rows.size and rows.dtype.kind not in "iu"):
@@ -168,14 +213,12 @@ class GiveRows(Message):
                 if not isinstance(values, np.ndarray) or values.shape[:1] != (len(self.rows[key]),):
                     raise check.refuse(handler, f"arrays[{key!r}][{name!r}]",
                                        f"an array of {len(self.rows[key])} rows (one per row given)", values)
-        check.text(handler, "claim", self.claim)
-        check.count(handler, "retries", self.retries)
-        check.number(handler, "wait", self.wait, 0, MAX_WAIT)
 
 
 @dataclass
 class ChannelRequest(Message):
     """`dmdask_channel`: where the worker serves rows (`dmdask.protocol.rows`)."""
+    op: ClassVar[str] = "dmdask_channel"
 
 
 @dataclass
@@ -191,9 +234,7 @@ class Kept(Message):
     keys: list[str]  # those whose bytes the worker kept (others had no room)
 
 
-OPS = {BatchRequest: "dmdask_batch", DescribeRequest: "dmdask_describe",
-       HitsReport: "dmdask_count_hits", HandOver: "dmdask_hand_over", GiveRows: "dmdask_give_rows",
-       ChannelRequest: "dmdask_channel"}
+OPS = {kind: kind.op for kind in (BatchRequest, DescribeRequest, HitsReport, HandOver, GiveRows, ChannelRequest)}
 _MESSAGES = {cls.__name__: cls for cls in (*OPS, Missing, Batches, Descriptions, Kept, Channel)}
 
 
@@ -260,7 +301,9 @@ class WorkerAPI:
         return await self.call(address, ChannelRequest())
 
     async def describe(self, address: str, keys: list[str]) -> dict[str, dict | None]:
-        return (await self.call(address, DescribeRequest(keys))).blocks
+        """Key -> its layout (`read_layout`: None when not mappable) of the blocks `address` holds."""
+        blocks = (await self.call(address, DescribeRequest(keys))).blocks
+        return {key: read_layout(found) for key, found in blocks.items()}
 
     async def count_hits(self, address: str, hits: dict[str, list[int]]) -> None:
         await self.call(address, HitsReport(hits))

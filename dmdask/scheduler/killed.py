@@ -10,6 +10,7 @@ from distributed import KilledWorker
 
 from ..errors import WorkerKilledError, redact
 from ..internals import reraise
+from ..protocol.metric import metric_of
 from ..source.base import parse_block_key
 
 
@@ -25,8 +26,8 @@ class OomKills:
         self.counts: dict[str, int] = {}
 
     def seen(self, ws) -> None:
-        metrics = (getattr(ws, "metrics", None) or {}).get("dmdask")
-        count = metrics.get("oom_kills", 0) if isinstance(metrics, dict) else 0
+        metrics = metric_of(ws)
+        count = metrics.get("oom_kills", 0) if metrics is not None else 0
         if count:
             if len(self.counts) >= KEPT:
                 self.counts.pop(next(iter(self.counts)))
@@ -36,8 +37,8 @@ class OomKills:
         """address -> kills, of the workers present and of those seen before."""
         found = dict(self.counts)
         for ws in scheduler.workers.values():
-            metrics = (ws.metrics or {}).get("dmdask")
-            if isinstance(metrics, dict) and metrics.get("oom_kills", 0):
+            metrics = metric_of(ws)
+            if metrics is not None and metrics.get("oom_kills", 0):
                 found[ws.address] = metrics["oom_kills"]
         return found
 
@@ -90,8 +91,8 @@ def named(key: str, error, scheduler, by_identity: dict, kills: OomKills):
     if ds and ds.info is not None:
         start, stop = ds.info.block_range(parsed[1])
         what = f"block {parsed[1]} (samples {start}..{stop - 1}) of {redact(ds.info.url)}"
-    metrics = {ws.address: (ws.metrics or {}).get("dmdask") for ws in scheduler.workers.values()}
-    metrics = {a: m for a, m in metrics.items() if isinstance(m, dict)}
+    metrics = {ws.address: metric_of(ws) for ws in scheduler.workers.values()}
+    metrics = {a: m for a, m in metrics.items() if m is not None}
     killed = kills.of(scheduler)
     if killed:
         cause = "out of memory: " + "; ".join(f"the memory cgroup of worker {a} counted {n} out-of-memory "
@@ -99,7 +100,7 @@ def named(key: str, error, scheduler, by_identity: dict, kills: OomKills):
     else:
         cause = ("most likely out of memory (a worker killed while it loads a block is most often killed by the "
                  "kernel's out-of-memory killer: its nanny logs 'killed by signal 9')")
-    ram = next((m["ram"] for m in metrics.values() if isinstance(m.get("ram"), dict)), None)
+    ram = next((m["ram"] for m in metrics.values()), None)
     tier = "" if ram is None else (f"; each worker's RAM tier is {format_bytes(ram.get('capacity', 0))} "
                                    f"({ram.get('source')})")
     return WorkerKilledError(f"{what}: the workers that loaded it died while loading it (Dask's KilledWorker: "

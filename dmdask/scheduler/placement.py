@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
+from ..protocol.metric import metric_of
 from ..source.base import block_key
 
 logger = logging.getLogger(__name__)
@@ -39,9 +40,9 @@ def win_back(scheduler, datasets: Iterable, streamed: set[str], worker: str, sti
     (from its dmdask metrics) takes. Each costs one read now, in place of the next
     epoch's stream read."""
     ws = scheduler.workers.get(worker)
-    tiers = (ws.metrics.get("dmdask") if ws is not None else None) or {}
-    room = sum(max(0, t.get("capacity", 0) - t.get("bytes", 0) - t.get("reserved", 0))
-               for name, t in tiers.items() if name in ("ram", "ssd") and not t.get("error"))
+    tiers = (metric_of(ws) if ws is not None else None) or {}
+    room = sum(max(0, t["capacity"] - t["bytes"]) for name, t in tiers.items()
+               if name in ("ram", "ssd") and not t["error"])
     moved = []
     for ds in datasets:
         if ds.info is None or not ds.info.nbytes:

@@ -235,7 +235,8 @@ class StoreReader(BlockReader):
     protocol: str | None = None
     options = "{}"
     rank_rows: tuple = ()  # rows the opening rank reads itself and gives the worker (`dmdask.client.first_batch`)
-    rank_claim: str | None = None  # the secret those rows come with
+    claim: str | None = None  # the secret of what a process read itself and handed this block's worker:
+    # those rows, or a transparent-mode block's bytes (`dmdask.worker.handover`)
 
     def __init__(self, url: str, identity: str, index: int, start: int, stop: int, nbytes: int | None):
         self.url, self.index, self.start, self.stop, self.nbytes = url, index, start, stop, nbytes

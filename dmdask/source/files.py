@@ -104,7 +104,6 @@ class FileBlockReader(StoreReader):
         super().__init__(url, identity, index, start, stop, (last - first) + 8 * (stop - start))
         self.protocol, self.options, self.path, self.first, self.last = protocol, options, path, first, last
         self.version = version  # [[field, value], ...] of the file's info (`dmdask.fs.metadata.version_of`)
-        self.claim: str | None = None  # the secret its reader handed its bytes over with (`Handovers`)
 
     def __dask_tokenize__(self):
         # the same block submitted by several processes is the same task

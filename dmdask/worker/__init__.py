@@ -21,6 +21,7 @@ from .plugin import WorkerPlugin
 from .tiers import TieredStore
 
 DEFAULT_SHM = "/dev/shm"
+_starting = False  # a Worker was made in this process (else: a `dask worker` CLI process, or none)
 logger = logging.getLogger("distributed.worker")  # the one line of tiers among the worker's own start lines
 
 
@@ -46,6 +47,9 @@ class Worker(distributed.Worker):
 
     def __init__(self, *args, ram=None, ssd=None, ssd_dir=None, shm_dir=None, stream_buffer=None,
                  group=None, **kwargs):
+        global _starting
+        _starting = True
+
         def config(name, value):
             return value if value is not None else dask.config.get(f"dmdask.worker.{name}")
 
@@ -118,11 +122,12 @@ def settings_error() -> tuple | None:
 
 @atexit.register
 def _bad_setting_said_last() -> None:
-    """A process ending on an unhandled error (`dask worker`, whose nanny reports a worker
-    that failed to start under a traceback of its own) with a `dmdask.worker` setting a
-    worker refuses: the setting and its fix are the last line it prints."""
-    if getattr(sys, "last_value", None) is None:
-        return
+    """A process that starts workers (`dask worker`, whose nanny reports a worker that failed
+    to start under a traceback of its own, or one that made a `Worker`) ending on an
+    unhandled error with a `dmdask.worker` setting a worker refuses: the setting and its fix
+    are the last line it prints."""
+    if getattr(sys, "last_value", None) is None or not (_starting or "distributed.cli.dask_worker" in sys.modules):
+        return  # ended well, or not a process that starts workers
     found = settings_error()
     if found is not None:
         key, error = found

@@ -14,8 +14,7 @@ from ..arrivals import Arrivals
 from ..internals import run_next
 from ..protocol.worker import Moved
 from .filling import FillingBlock
-from .given import GIVEN_SECONDS, GivenRows
-from .handover import Handovers
+from .handover import GIVEN_SECONDS, ROWS, Handovers
 from .holdings import Arrays, Block, FileBlock, Holding, Streamed, arrays_nbytes, concat, payload_bytes
 from .read_ahead import ReadAhead
 from .reads import LAST, PriorityPool
@@ -63,11 +62,10 @@ class BlockCache:
         self.stream = StreamBuffer(stream_buffer, self.read, self.reads)
         self.streamed_hits = 0  # samples served from blocks streamed from the store
         self.rows_given = 0  # rows ranks read from the store and gave this worker (`receive`)
-        self.given = GivenRows()  # those rows, for the blocks read whole meanwhile
         self.peer_bytes_out = 0
         self.peer_bytes_in = 0
         self.peer_requests = 0  # requests answered on the row channel (`RowServer`)
-        self.handovers = Handovers()
+        self.handovers = Handovers()  # what ranks and readers read from the store and handed over
         self.arrivals = Arrivals()  # requests waiting for load tasks of this worker
         store.on_block = self._arrived
         self._rereads: dict[str, asyncio.Future] = {}  # key -> (block, value) being read again (`_reread`)
@@ -93,7 +91,7 @@ class BlockCache:
         theirs = np.asarray(reader.rank_rows, dtype=np.int64)
         ours = np.setdiff1d(np.arange(n), theirs)
         parts = [(ours, reader.read_rows(ours, on_retry=self.store_reads.retried))] if len(ours) else []
-        given = self.given.take(reader.key, reader.rank_claim, GIVEN_SECONDS)
+        given = self.handovers.take(reader.key, reader.claim, GIVEN_SECONDS, ROWS)
         if given is None or not np.array_equal(given[0], theirs):
             given = None
             parts.append((theirs, reader.read_rows(theirs, on_retry=self.store_reads.retried)))
@@ -243,17 +241,18 @@ class BlockCache:
         """Take rows the rank that opened their dataset read from the store itself
         (`dmdask.client.first_batch`): a block filled sample by sample keeps them (one loading
         is waited for, up to `wait` seconds), a block being read whole takes them instead of
-        reading them (`GivenRows`); (the keys of the blocks that took any, those not held
+        reading them (`Handovers`); (the keys of the blocks that took any, those not held
         once waited for: a load that failed or is slow). Only the rows its
-        reader names with `claim` (`rank_rows`, `rank_claim`); others are let go. Counted as
+        reader names with `claim` (`rank_rows`, the reader's `claim`); others are let go. Counted as
         this worker's, for the blocks it holds: the store reads (with their `retries`) and
         the rows served from the store (stream hits)."""
-        for key, wanted in rows.items():
-            self.given.put(key, claim, wanted, arrays[key])
+        kept = {key: self.handovers.put(key, claim, (wanted, arrays[key]), wanted.nbytes + arrays_nbytes(arrays[key]),
+                                        GIVEN_SECONDS, ROWS) for key, wanted in rows.items()}
         missing = set(await self._missing(list(rows), wait))
         taken = []
         for key, wanted in rows.items():
-            found = self.given.take(key, claim)  # None: a whole read took them
+            # None: a whole read took them; not kept (no room): a whole read reads them itself
+            found = self.handovers.take(key, claim, kind=ROWS) if kept[key] else (wanted, arrays[key])
             if key in missing:
                 continue
             block = self.store.get(key)

@@ -139,10 +139,10 @@ class FillingBlock(Holding):
 
     def receive(self, rows: np.ndarray, arrays: Arrays, claim: str, cache) -> int:
         """Keep rows the opening rank read from the store: those its reader names with
-        `claim` (`rank_rows`, `rank_claim`) that are neither held nor being read, as far as
+        `claim` (`rank_rows`, the reader's `claim`) that are neither held nor being read, as far as
         the tier has room; how many were kept (no rank of this epoch asks for the others:
         let go)."""
-        if claim != self.reader.rank_claim:
+        if claim != self.reader.claim:
             return 0
         new = np.isin(rows, self.reader.rank_rows)
         new[new] = ~self.have[rows[new]]

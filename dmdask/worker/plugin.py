@@ -213,7 +213,7 @@ class WorkerPlugin(distributed.WorkerPlugin):
     def hand_over(self, request: HandOver) -> Kept:
         """Keep blocks' bytes for their load tasks of `request.claim` (`Handovers`)."""
         return Kept([key for key, content in request.blocks.items()
-                     if self.cache.handovers.put(key, request.claim, content)])
+                     if self.cache.handovers.put(key, request.claim, content, len(content))])
 
 
 _peer_threads = ForkSafeExecutor(8, "dmdask-peer")  # the rows of other workers, for this worker's transforms
