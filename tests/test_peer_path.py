@@ -71,10 +71,10 @@ def test_a_remote_group_is_one_message_per_holder(tmp_path, prefetch):
 
 
 def test_large_rows_are_sent_from_the_arena_beside_small_fields_taken(tmp_path):
-    """Rows of 16 KiB and more leave from the holder's arena pages (`sendmsg`) while the
+    """Rows of 2 KiB and more leave from the holder's arena pages (`Pieces`) while the
     dataset's small "label" field is taken into a buffer: both arrive right, in order, each
     sample once, and the holder sent exactly the rows' bytes."""
-    n, chunk, shape = 240, 20, (4096,)  # "x": float32[4096], 16 KiB a row (ZERO_COPY_ROW_BYTES)
+    n, chunk, shape = 240, 20, (4096,)  # "x": float32[4096], 16 KiB a row (>= ZERO_COPY_ROW_BYTES)
     path = write_zarr(str(tmp_path / "d.zarr"), n, sample_shape=shape, chunk=chunk)
     with dask.config.set(ELSEWHERE), dmdask.LocalCluster(n_workers=1, ram="64 MiB") as cluster, \
             distributed.Client(cluster) as client:
@@ -180,3 +180,31 @@ def _closed_without_reply(sock) -> bool:
         return True
     except socket.timeout:
         return False
+
+
+def test_pieces_arrive_whole_and_in_order_through_partial_sends():
+    """`send_pieces` hands the kernel 1,024 ranges a call and carries on where a call
+    stopped: a small send buffer makes every call partial, and the bytes received are the
+    ranges' bytes, in order."""
+    from dmdask.protocol.pieces import Pieces, send_pieces
+
+    rng = np.random.default_rng(1)
+    buffer = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    lengths = rng.integers(1, 700, 5000)
+    starts = rng.integers(0, len(buffer) - 700, 5000)
+    expected = b"".join(buffer[a:a + n].tobytes() for a, n in zip(starts, lengths))
+    left, right = socket.socketpair()
+    left.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    got = bytearray()
+
+    def receive():
+        while len(got) < len(expected):
+            got.extend(right.recv(65536))
+
+    reader = threading.Thread(target=receive)
+    reader.start()
+    send_pieces(left, Pieces(buffer, starts, lengths))
+    reader.join(30)
+    left.close()
+    right.close()
+    assert bytes(got) == expected

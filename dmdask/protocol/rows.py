@@ -31,13 +31,13 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
+from .pieces import IOV_MAX, Pieces, send_pieces
 from .worker import Channel, Moved
 
 HEADER = struct.Struct("<Q")
 MAX_HEADER = 16 << 20  # bytes of a header (the keys of a request): more is not a dmdask peer
 MAX_ROWS = 1 << 24  # rows of one request
-CONNECT_SECONDS = 5.0
-IOV_MAX = 1024  # buffers a sendmsg call takes (Linux's UIO_MAXIOV)  # a connection that takes longer: the worker is gone
+CONNECT_SECONDS = 5.0  # a connection that takes longer: the worker is gone
 
 
 @dataclass
@@ -70,11 +70,24 @@ def asked_of(wanted: dict[str, np.ndarray], priority: float | None = None, wait:
 
 
 def send_frame(sock: socket.socket, header: dict, buffers=()) -> None:
-    """One frame: the header, then `buffers` (contiguous arrays, bytes or memoryviews) as
-    they are, gathered by `sendmsg` (no copy into one buffer) where the socket has it."""
+    """One frame: the header, then `buffers` (contiguous arrays, bytes, memoryviews, or
+    `Pieces` of an arena) as they are, gathered by `sendmsg` (no copy into one buffer)
+    where the socket has it."""
     head = msgpack.packb(header, use_bin_type=True)
     views = [memoryview(HEADER.pack(len(head)) + head)]
-    views += [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
+    for buffer in buffers:
+        if isinstance(buffer, Pieces):
+            _send_views(sock, views)
+            send_pieces(sock, buffer)
+            views = []
+        else:
+            view = memoryview(buffer).cast("B")
+            if view.nbytes:
+                views.append(view)
+    _send_views(sock, views)
+
+
+def _send_views(sock: socket.socket, views: list) -> None:
     if isinstance(sock, ssl.SSLSocket):  # no sendmsg over TLS
         for view in views:
             sock.sendall(view)

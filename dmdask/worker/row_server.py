@@ -26,6 +26,7 @@ import numpy as np
 
 from .. import arguments as check
 from ..errors import HandlerArgumentError
+from ..protocol.pieces import Pieces
 from ..protocol.rows import (MAX_ROWS, Buffer, RowsAsked, describe_fields, error_header, recv_header,
                              recv_into, send_frame)
 from ..protocol.worker import MAX_WAIT, Channel, Moved
@@ -34,7 +35,7 @@ from ..shm.arena import ID_FIELD, ArenaMaps
 from .holdings import ArenaBlock, FileBlock, concat, payload_bytes
 
 logger = logging.getLogger(__name__)
-ZERO_COPY_ROW_BYTES = 16 << 10  # rows at least this large are sent from the arena's pages (one iovec a row)
+ZERO_COPY_ROW_BYTES = 2 << 10  # fields of rows at least this large are sent from the arena's pages (`Pieces`)
 HELLO_SECONDS = 10.0  # a connection that does not say the secret in time is closed
 OP = "dmdask row channel"
 
@@ -155,14 +156,13 @@ class RowServer:
         zero_copy = zero_copy and n and max(row_bytes for _, row_bytes in fields.values()) >= ZERO_COPY_ROW_BYTES
         if zero_copy:  # runs of consecutive rows: one view each
             cuts = np.flatnonzero(np.diff(rows) != 1) + 1
-            firsts, lengths = rows[np.r_[0, cuts]].tolist(), np.diff(np.r_[0, cuts, n]).tolist()
+            firsts, lengths = rows[np.r_[0, cuts]], np.diff(np.r_[0, cuts, n])
         sent_from_arena = {name for name, (_, row_bytes) in fields.items() if zero_copy and row_bytes >= ZERO_COPY_ROW_BYTES}
         memory = buffer.view(sum(n * row_bytes for name, (_, row_bytes) in fields.items() if name not in sent_from_arena))
         at, out = 0, []
         for name, (values, row_bytes) in fields.items():
             if name in sent_from_arena:
-                flat = memoryview(values).cast("B")
-                out += [flat[a * row_bytes:(a + k) * row_bytes] for a, k in zip(firsts, lengths)]
+                out.append(Pieces(values, firsts * row_bytes, lengths * row_bytes))
                 continue
             target = memory[at:at + n * row_bytes].view(values.dtype).reshape((n,) + values.shape[1:])
             np.take(values, rows, axis=0, out=target, mode="clip")
