@@ -240,9 +240,14 @@ def test_pooled_batch_memory_is_reused_only_after_the_batch_is_dropped():
     assert any(empty_batch(layout, 5)["x"].__array_interface__["data"][0] == address for _ in range(20))
 
 
+SENTINEL = 0x5EED_F0CC_C0DE_BEEF  # what the forked child writes
+
+
 def test_pooled_batch_memory_is_private_to_a_forked_child():
     """A DataLoader worker forked from the trainer takes batches from its own copy of
-    the pool: what it writes there never shows in the parent's batches."""
+    the pool: what it writes there never shows in the parent's batches. (The child writes
+    a value no earlier test leaves in pooled memory: the parent's chunks are uninitialised
+    and once held 9 in a CI run, an earlier batch's sample id.)"""
     from dmdask.shm.memory import empty_batch
 
     layout = (("x", "<i8", ()),)
@@ -256,8 +261,8 @@ def test_pooled_batch_memory_is_private_to_a_forked_child():
         try:
             batches = [empty_batch(layout, 4) for _ in range(16)]
             for b in batches:
-                b["x"][:] = 9
-            parent["x"][:] = 9
+                b["x"][:] = SENTINEL
+            parent["x"][:] = SENTINEL
         finally:
             os._exit(0)
     try:  # a child stuck on a lock held at the fork fails the test, not hangs the run
@@ -267,7 +272,7 @@ def test_pooled_batch_memory_is_private_to_a_forked_child():
         os.waitpid(pid, 0)
         raise
     assert parent["x"].tolist() == [2, 2, 2, 2]
-    assert all((empty_batch(layout, 4)["x"] != 9).all() for _ in range(4))
+    assert all((empty_batch(layout, 4)["x"] != SENTINEL).all() for _ in range(4))
 
 
 def _resident_fraction(array: np.ndarray) -> float:
