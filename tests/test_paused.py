@@ -93,6 +93,15 @@ def pause_mid_epoch(out, pid: int, batches: int) -> None:
     assert all(delivered(out, r) < N // BATCH // RANKS for r in range(RANKS))  # mid-epoch
 
 
+def ended_while_paused(client, ranks, out, victim: str, pid: int) -> None:
+    """The ranks ended with every sample once while `victim` (process `pid`) was still
+    stopped (the deadlines ended the wait), and the scheduler treated it as lost."""
+    ids = finish(ranks, out)
+    assert state(pid) == "T"
+    assert len(ids) == N and np.array_equal(np.sort(ids), np.arange(N))
+    wait_until(lambda: evicted(client, victim), 60, "the scheduler treated the silent worker as lost")
+
+
 def evicted(client, victim: str) -> bool:
     events = [msg for _, msg in client.get_events("dmdask") if msg.get("action") == "silent-workers"]
     return any(victim in msg["workers"] for msg in events) and victim not in client.scheduler_info()["workers"]
@@ -119,10 +128,7 @@ def test_a_worker_paused_in_a_warm_epoch_costs_a_bounded_wait_and_nothing_else(t
             ranks = start_ranks(address, path, 1, out, env)
             procs += ranks  # stopped at the end, whatever happens
             pause_mid_epoch(out, pids[victim], 3)
-            ids = finish(ranks, out)
-            assert state(pids[victim]) == "T"  # still stopped: the deadlines ended the wait
-            assert len(ids) == N and np.array_equal(np.sort(ids), np.arange(N))
-            wait_until(lambda: evicted(client, victim), 60, "the scheduler treated the silent worker as lost")
+            ended_while_paused(client, ranks, out, victim, pids[victim])
     finally:
         stop(procs)
 
@@ -149,10 +155,7 @@ def test_a_worker_paused_while_it_loads_a_cold_epoch_has_its_blocks_loaded_by_th
             victim = max(loading, key=lambda w: len(loading[w]))
             os.kill(pids[victim], signal.SIGSTOP)
             assert loading[victim], "the paused worker had no block load left: nothing was tested"
-            ids = finish(ranks, out)
-            assert state(pids[victim]) == "T"  # still stopped: the deadlines ended the wait
-            assert len(ids) == N and np.array_equal(np.sort(ids), np.arange(N))
-            wait_until(lambda: evicted(client, victim), 60, "the scheduler treated the silent worker as lost")
+            ended_while_paused(client, ranks, out, victim, pids[victim])
     finally:
         stop(procs)
 

@@ -242,8 +242,9 @@ class Gatherer:
         None when something is not known; raises what `gather` raises (the caller then
         fetches the group through `gather`, which recovers)."""
         n = len(blocks)
-        names = list(dict.fromkeys(holders))
-        holder_of_block = np.array([names.index(h) for h in holders], dtype=np.int32) if len(names) > 1 else None
+        index_of = {h: i for i, h in enumerate(dict.fromkeys(holders))}  # holder -> its number, in order met
+        names = list(index_of)
+        holder_of_block = np.array([index_of[h] for h in holders], dtype=np.int32) if len(names) > 1 else None
         local = set(self._local_holders(names))
         channels = channels_of(self.client)
         from_files: list[FromFile] = []

@@ -62,7 +62,8 @@ class BatchIterator:
         learn = self._transform is None and not all(LocalArenas.knows_dataset(dataset_name(s)) for s in specs)
         # a cold dataset's claimant reads its first batch from the store itself (`FirstBatch`)
         self._first = FirstBatch(client, spec, epoch) if self._transform is None and resume is None and \
-            not isinstance(spec.source, Mix) and spec.window is None and dask.config.get("dmdask.client.read-first-batch") else None
+            not isinstance(spec.source, Mix) and spec.window is None and \
+            dask.config.get("dmdask.client.read-first-batch") else None
         opened = [open_dataset(client, s, epoch, host if learn else None,
                                None if self._first is None else self._first.plan) for s in specs]
         if isinstance(spec.source, Mix):
@@ -113,7 +114,8 @@ class BatchIterator:
         self.requests = 0  # requests sent to workers (batches taken from arenas on this host need none)
         self.group = max(1, spec.prefetch // 2)  # batches a request: two in flight, each up to REQUEST_BYTES
         if info.nbytes is not None:
-            batch_bytes = spec.batch_size * info.nbytes / max(1, info.num_samples)
+            rows = spec.batch_size * (1 if spec.window is None else spec.window.length)  # a batch's rows
+            batch_bytes = rows * info.nbytes / max(1, info.num_samples)
             self.group = int(max(1, min(self.group, REQUEST_BYTES // max(1, batch_bytes))))
         self._progress = _make_progress(self, progress)  # None unless a bar is shown
 
