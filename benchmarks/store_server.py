@@ -113,6 +113,7 @@ class StoreServer:
         self.fail_first(0)
         self.fail_every(0)
         self.hang_every(0)
+        self.release()
         self.reset_stats()
         self._timeline = None  # (start, end) wall times of GETs, while `record_timeline` is on
         self._url = self._loop = self._thread = self._runner = None
@@ -224,6 +225,22 @@ class StoreServer:
         with self._lock:
             self._hang = [k, pattern, float(seconds), 0]
 
+    def hold(self, which) -> None:
+        """From now on, hold every GET of a path for which ``which(path)`` is true (the path
+        relative to ``root``) until ``release()`` or until its client hangs up: a store
+        whose answers for some objects come only when a test says so."""
+        with self._lock:
+            self._held = which
+
+    def release(self) -> None:
+        """Answer the GETs that ``hold`` holds, and hold no more."""
+        with self._lock:
+            self._held = None
+
+    def _is_held(self, path: str) -> bool:
+        with self._lock:
+            return self._held is not None and bool(self._held(path))
+
     def _hang_for(self, path: str) -> float:
         with self._lock:
             k, pattern, seconds, seen = self._hang
@@ -285,7 +302,7 @@ class StoreServer:
         key, head = await self._admit(request)
         hang = 0.0 if head else self._hang_for(key)
         until = time.monotonic() + hang
-        while time.monotonic() < until:  # held, until the client hangs up
+        while time.monotonic() < until or (not head and self._is_held(key)):  # until the client hangs up
             if request.transport is None or request.transport.is_closing():
                 raise web.HTTPRequestTimeout()
             await asyncio.sleep(0.05)

@@ -2,8 +2,10 @@
 read, and a new process on a warm cache takes its rows from the arenas from its first
 batch on. Real worker processes, a real throttled HTTP store."""
 import multiprocessing
+import threading
 import time
 
+import dask
 import distributed
 import numpy as np
 import pytest
@@ -19,18 +21,28 @@ FILES, FILE_BYTES, BATCH = 512, 4096, 32
 @pytest.mark.slow
 def test_a_cold_batch_is_handed_out_before_the_rows_of_later_batches_are_read(tmp_path):
     """Cold, batches 0..prefetch-1 are all requested at once; batch 1 must come as soon as
-    its own files are in, not with the batches behind it (the store is throttled so that
-    reading all of them takes far longer than reading two batches)."""
+    its own files are in, not with the batches behind it. The store holds every file of
+    batches 2 and later until batch 1 is out (or 60 s have passed): batch 1 comes while
+    they are held, with exactly the bytes of batches 0 and 1 read by then."""
     write_files(str(tmp_path / "files"), FILES, FILE_BYTES)
-    with StoreServer(str(tmp_path), latency=0.002, bandwidth=512 * 1024) as store, \
+    later = lambda path: path.endswith(".bin") and int(path[-12:-4]) >= 2 * BATCH  # s-00000064.bin on
+    with dask.config.set({"dmdask.store.read-seconds": 300}), StoreServer(str(tmp_path), latency=0.002) as store, \
             dmdask.LocalCluster(n_workers=2, ram="64 MiB") as cluster, distributed.Client(cluster) as client:
-        spec = dmdask.Spec(store.url + "/files", batch_size=BATCH, block_size=32, seed=0, prefetch=8)
+        # unshuffled, batch k is block k: files 32k .. 32k + 31
+        spec = dmdask.Spec(store.url + "/files", batch_size=BATCH, block_size=BATCH, shuffle=False, prefetch=8)
+        store.hold(later)
+        give_up = threading.Timer(60, store.release)
+        give_up.start()
         it = dmdask.batches(client, spec, progress=False)
         first_two = [next(it), next(it)]
+        came_while_held = give_up.is_alive()
+        give_up.cancel()
         served_then = _file_bytes(store)
+        store.release()
         rest = list(it)
-    window = spec.prefetch * BATCH * FILE_BYTES  # the files of the batches requested with batch 1
-    assert served_then < 0.6 * window, f"batch 1 waited for {served_then} B of the {window} B requested with it"
+    assert came_while_held, "batch 1 came only once the files of later batches were served"
+    assert served_then == 2 * BATCH * FILE_BYTES, f"{served_then} B read by batch 1, not batches 0 and 1's"
+    assert np.array_equal(np.concatenate([b["index"] for b in first_two]), np.arange(2 * BATCH))
     ids = np.concatenate([b["index"] for b in first_two + rest])
     assert np.array_equal(np.sort(ids), np.arange(FILES))  # every sample once
     assert _file_bytes(store) == FILES * FILE_BYTES  # each file read once
