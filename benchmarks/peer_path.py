@@ -605,7 +605,7 @@ def report(result: dict, plots_dir: str) -> str:
         "it read); the same-host reader's host is the worker's (mapped arenas).",
         f"Every socket of the run was on these two addresses, the holders listening on {HOLDER_HOST} only."
         if addresses.get("only_the_two_addresses") else f"**Sockets on other addresses than these two**: {addresses}.",
-        f"Batch sizes as in the table, dmdask's default prefetch ({cfg['prefetch']}), no transform. "
+        f"Batch sizes as in the table, dmdask's default prefetch ({cfg['prefetch'] or '8 batches, or 16 MiB of small ones'}), no transform. "
         f"{cfg['reps']} interleaved repetitions of every configuration after one warm-up round, each at least "
         f"{cfg['min_seconds']:g} s (whole epochs, transfers or gathers back to back), medians; "
         "/ raw TCP: each repetition's MB/s over the link's in the same round, median; CPU-seconds per GB "

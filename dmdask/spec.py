@@ -46,7 +46,9 @@ class Spec:
     keys: the arrays (Parquet columns, HDF5 datasets) of the source to read (None: all).
     transform: a picklable function `dict[str, ndarray] -> dict[str, ndarray]` applied to
         each batch on the workers, after the cache (see `per_sample` and `dmdask.images`).
-    prefetch: batches in flight ahead of the consumer (>= 1).
+    prefetch: at most this many batches requested or ready ahead of the consumer (>= 1);
+        None (the default): 8, or more small batches where they hold under 16 MiB (asked
+        up to 32 and about 8 MiB a request, two requests ahead: fewer requests per byte).
     block_size: samples per block for file folders and tar shards; for Zarr and HDF5,
         a multiple of the chunk length along the sample axis; for Parquet, rows whose
         multiples fall on row-group boundaries (None: one chunk, the smallest run of
@@ -67,7 +69,7 @@ class Spec:
     shuffle_window: int | None = None
     keys: Sequence[str] | None = None
     transform: Transform | None = None
-    prefetch: int = 8
+    prefetch: int | None = None
     block_size: int | None = None
     storage_options: Mapping[str, Any] | None = None
     window: Window | None = None
@@ -84,7 +86,7 @@ class Spec:
                                     "shuffle window are not supported yet)", self.window)
         for name, low in (("batch_size", 1), ("seed", 0), ("world_size", 1), ("prefetch", 1),
                           ("shuffle_window", 1), ("block_size", 1)):
-            if name in ("shuffle_window", "block_size") and getattr(self, name) is None:
+            if name in ("shuffle_window", "block_size", "prefetch") and getattr(self, name) is None:
                 continue
             object.__setattr__(self, name, as_int(name, getattr(self, name), low=low))
         object.__setattr__(self, "rank", as_int("rank", self.rank, low=0, high=self.world_size - 1,

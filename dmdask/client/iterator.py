@@ -28,6 +28,8 @@ from .progress import make as _make_progress
 from .resume import resume_point
 
 REQUEST_BYTES = 8 << 20  # small batches are fetched several per request, up to about this size
+PREFETCH = 8  # batches ahead when `Spec.prefetch` is None, or two groups where that is more
+MAX_GROUP = 32  # ... and then up to this many small batches a request
 
 
 def batches(client: Client, spec: Spec, epoch: int = 0, resume: dict | None = None, progress=None) -> BatchIterator:
@@ -112,11 +114,13 @@ class BatchIterator:
             check_fields_match(self._mixed, lambda: self._run(self._fetcher.first_rows()))
         self.wait_seconds = 0.0  # time the consumer spent waiting for batches
         self.requests = 0  # requests sent to workers (batches taken from arenas on this host need none)
-        self.group = max(1, spec.prefetch // 2)  # batches a request: two in flight, each up to REQUEST_BYTES
-        if info.nbytes is not None:
+        prefetch = PREFETCH if spec.prefetch is None else spec.prefetch
+        self.group = max(1, prefetch // 2)  # batches a request: two requests in flight
+        if info.nbytes is not None:  # up to REQUEST_BYTES a request; by default, up to MAX_GROUP small batches
             rows = spec.batch_size * (1 if spec.window is None else spec.window.length)  # a batch's rows
-            batch_bytes = rows * info.nbytes / max(1, info.num_samples)
-            self.group = int(max(1, min(self.group, REQUEST_BYTES // max(1, batch_bytes))))
+            by_bytes = REQUEST_BYTES // max(1.0, rows * info.nbytes / max(1, info.num_samples))
+            self.group = int(max(1, min(by_bytes, self.group if spec.prefetch is not None else MAX_GROUP)))
+        self._ahead = max(prefetch, 2 * self.group)  # batches requested or ready ahead of the consumer
         self._progress = _make_progress(self, progress)  # None unless a bar is shown
 
     @property
@@ -126,7 +130,8 @@ class BatchIterator:
 
     @property
     def requested(self) -> int:
-        """Batches handed out, ready or in flight (at most `position + spec.prefetch`)."""
+        """Batches handed out, ready or in flight (at most `position + spec.prefetch`; by
+        default, 8 or two groups of about 8 MiB, where that is more)."""
         return self._next_request
 
     @property
@@ -166,12 +171,13 @@ class BatchIterator:
         return batch
 
     def _fill(self) -> None:
-        """Keep up to `spec.prefetch` batches requested or ready, earliest first: one batch a
-        request while cold (`GroupFetcher.cold`) and for batch 0, `self.group` batches while warm."""
+        """Keep up to `spec.prefetch` batches (by default, 8 or two groups) requested or
+        ready, earliest first: one batch a request while cold (`GroupFetcher.cold`) and for
+        batch 0, `self.group` batches while warm."""
         while self._next_request < len(self._batches):
             group = 1 if self._fetcher.cold or not self._next_request else self.group  # batch 0 alone: out first
             pending = self._next_request - self._position
-            if pending + group > max(self.spec.prefetch, group):
+            if pending + group > self._ahead:
                 break
             stop = min(len(self._batches), self._next_request + group)
             self._in_flight.append(self._request(self._next_request, stop))
