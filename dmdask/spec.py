@@ -170,16 +170,23 @@ class Window:
     window ids; the order, the ranks' shares and resume work on window ids as on rows.
 
     length: rows a window (>= 1). stride: rows between window starts (>= 1; None:
-        `length`, windows end to end).
+        `length`, windows end to end). dim: for a Zarr group written by xarray (arrays
+        that name their dimensions), the dimension the windows run along: the fields are
+        the arrays whose first dimension it is, its coordinate included (times decoded
+        from CF units to datetime64), so each window carries its own coordinates; None:
+        every array (or `Spec.keys`), all of one length along their first axis.
     """
 
     length: int
     stride: int | None = None
+    dim: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "length", as_int("window", self.length, low=1, hint="a length >= 1"))
         stride = self.length if self.stride is None else self.stride
         object.__setattr__(self, "stride", as_int("window", stride, low=1, hint="a stride >= 1"))
+        if self.dim is not None and (not isinstance(self.dim, str) or not self.dim):
+            raise SpecError("window", "a Window whose dim is None or a dimension name such as 'time'", self)
 
     def count(self, rows: int) -> int:
         """How many windows `rows` rows hold."""
