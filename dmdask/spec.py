@@ -79,11 +79,11 @@ class Spec:
         if self.window is not None:
             if not isinstance(self.window, Window):
                 raise SpecError("window", "None or a dmdask.Window(length, stride)", self.window)
-            for name, value in (("source", isinstance(self.source, Mix)), ("transform", self.transform is not None),
+            for name, value in (("transform", self.transform is not None),
                                 ("shuffle_window", self.shuffle_window is not None)):
                 if value:
-                    raise SpecError("window", f"None with {name}= (windows of a mixture, with a transform or a "
-                                    "shuffle window are not supported yet)", self.window)
+                    raise SpecError("window", f"None with {name}= (windows with a transform or a shuffle window "
+                                    "are not supported yet)", self.window)
         for name, low in (("batch_size", 1), ("seed", 0), ("world_size", 1), ("prefetch", 1),
                           ("shuffle_window", 1), ("block_size", 1)):
             if name in ("shuffle_window", "block_size", "prefetch") and getattr(self, name) is None:
@@ -197,11 +197,13 @@ class Window:
         starts = np.asarray(windows, dtype=np.int64) * self.stride
         return (starts[:, None] + np.arange(self.length, dtype=np.int64)).ravel()
 
-    def as_windows(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def as_windows(self, batch: dict[str, np.ndarray], per_window=()) -> dict[str, np.ndarray]:
         """A batch of the rows of windows (`rows`, "index" the row ids) as windows: each
-        field (n*length, ...) viewed as (n, length, ...), "index" the window ids."""
+        field (n*length, ...) viewed as (n, length, ...), "index" the window ids, and the
+        fields named in `per_window` (the same for a window's rows) one value a window."""
         windows = batch["index"][::self.length] // self.stride
-        out = {name: values.reshape((len(windows), self.length) + values.shape[1:])
+        out = {name: values[::self.length] if name in per_window else
+               values.reshape((len(windows), self.length) + values.shape[1:])
                for name, values in batch.items() if name != "index"}
         out["index"] = windows
         return out
@@ -224,6 +226,7 @@ class Mix:
         leaves its source out); None: in proportion to the sources' sizes, so that an
         epoch reads every sample of every source once.
     epoch_size: positions per epoch (>= 1); None: the sum of the sources' sizes.
+    With `Spec(window=...)`, sizes, weights and `epoch_size` count windows.
     """
 
     sources: Sequence[Any]

@@ -153,6 +153,32 @@ def test_a_window_dim_that_cannot_be_read_is_a_spec_error_naming_the_fix(tmp_pat
         dmdask.Window(4, dim="")
 
 
+def test_a_blend_of_three_corpora_deals_their_windows_by_weight_exactly_once(tmp_path, client):
+    """`Mix` of three token corpora with a window: unweighted, two ranks get every window of
+    every source once, each the source's own tokens; weighted, each source gets exactly its
+    apportioned count of distinct windows."""
+    corpora = [str(tmp_path / f"c{i}.zarr") for i in range(3)]
+    tokens = [write_tokens(path, n, chunk=64) for path, n in zip(corpora, (700, 1300, 333))]
+    for i, t in enumerate(tokens):  # tell the corpora apart
+        zarr.open_group(corpora[i], mode="r+")["tokens"][:] = (t + 1000 * i).astype(np.uint16)
+        tokens[i] = (t + 1000 * i).astype(np.uint16)
+    window = dmdask.Window(17, stride=16)
+    counts = [window.count(len(t)) for t in tokens]
+    seen = []
+    for rank in (0, 1):
+        spec = dmdask.Spec(dmdask.Mix(corpora), batch_size=5, seed=4, rank=rank, world_size=2, window=window)
+        for batch in dmdask.batches(client, spec):
+            assert batch["tokens"].shape == (len(batch["index"]), 17) and batch["source"].shape == batch["index"].shape
+            for s, w, row in zip(batch["source"].tolist(), batch["index"].tolist(), batch["tokens"]):
+                np.testing.assert_array_equal(row, tokens[s][w * 16:w * 16 + 17])
+                seen.append((s, w))
+    assert sorted(seen) == [(s, w) for s in range(3) for w in range(counts[s])]
+    weighted = dmdask.Spec(dmdask.Mix(corpora, weights=[3, 0, 1], epoch_size=40), batch_size=8, seed=1, window=window)
+    drawn = [(s, w) for b in dmdask.batches(client, weighted) for s, w in zip(b["source"].tolist(), b["index"].tolist())]
+    assert len(drawn) == len(set(drawn)) == 40
+    assert [sum(s == i for s, _ in drawn) for i in range(3)] == [30, 0, 10]
+
+
 def test_bad_windows_are_spec_errors_naming_the_window():
     for bad in (dict(length=0), dict(length=4, stride=0), dict(length=2.0)):
         with pytest.raises(dmdask.SpecError, match="window"):
@@ -161,3 +187,5 @@ def test_bad_windows_are_spec_errors_naming_the_window():
         dmdask.Spec("x.zarr", batch_size=2, window=(4, 2))
     with pytest.raises(dmdask.SpecError, match="window"):
         dmdask.Spec("x.zarr", batch_size=2, window=dmdask.Window(4), shuffle_window=2)
+    with pytest.raises(dmdask.SpecError, match="transform"):
+        dmdask.Spec("x.zarr", batch_size=2, window=dmdask.Window(4), transform=dict)
