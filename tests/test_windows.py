@@ -125,6 +125,12 @@ def test_xarray_time_windows_carry_their_times_across_two_ranks(tmp_path, client
                 np.testing.assert_array_equal(times, expected["time"].values)
             seen += batch["index"].tolist()
     assert sorted(seen) == list(range((150 - 8) // 4 + 1))
+    warm = dmdask.batches(client, dmdask.Spec(path, batch_size=6, seed=1, window=window), epoch=1)
+    for batch in warm:  # every block held on this host: windows taken from the arenas a run at a time
+        for w, t2m, times in zip(batch["index"].tolist(), batch["t2m"], batch["time"]):
+            np.testing.assert_array_equal(t2m, ds["t2m"].values[w * 4:w * 4 + 8])
+            np.testing.assert_array_equal(times, ds["time"].values[w * 4:w * 4 + 8])
+    assert warm.requests == 0  # no request: the same-host path
 
 
 def test_a_window_dim_that_cannot_be_read_is_a_spec_error_naming_the_fix(tmp_path, client):

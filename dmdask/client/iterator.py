@@ -231,7 +231,8 @@ class BatchIterator:
             if self._mixed is not None:
                 out = take_mixed(self._mixed, self._locals, group, self._gatherer.count)
             else:
-                out = self._local.take(group, self._gatherer.count)
+                out = self._local.take(group, self._gatherer.count, 1 if self.spec.window is None else
+                                       self.spec.window.length)
         except Moved:  # released or moved since it was known: locate the blocks again
             return self._fetch(first, stop).result()
         if self._gatherer.due(HITS_SECONDS):  # wakes the event loop only when a report is due
