@@ -21,9 +21,10 @@ from .base import Source, bound_identity, read_options
 from .urls import listed_urls
 
 GROUP = "dmdask.sources"
-BUILTIN = ("tokens", "zarr", "hdf5", "parquet", "webdataset", "folder")  # modules of dmdask.source, each with FORMAT
+# modules of dmdask.source, each with FORMAT; "megatron" before those that claim any file or folder
+BUILTIN = ("tokens", "zarr", "hdf5", "megatron", "parquet", "webdataset", "folder")
 LAYOUTS = ("a Zarr v3 group or array, a Parquet file, folder of Parquet files or glob, an HDF5 file "
-           "(or a group in it: file.h5/group), WebDataset .tar shards, "
+           "(or a group in it: file.h5/group), a Megatron indexed dataset (.bin + .idx), WebDataset .tar shards, "
            "a folder of class subfolders, a list of sample files, or dmdask.Tokens(path, dtype) for a raw file of "
            "token ids")
 

@@ -64,28 +64,35 @@ def version_of(entry: dict) -> dict:
     return {k: str(entry[k]) for k in VERSION_FIELDS if k in entry}
 
 
-def token_source(place: Place, path: str, dtype: str, *described) -> TokenSource:
+def token_source(place: Place, path: str, dtype: str, *described, url: str | None = None,
+                 tokens: int | None = None) -> TokenSource:
     """The tokens of the file at `path` on `place.fs` as a dataset (field "tokens"): one `info`
-    request. `described`: what else names the data (for the identity). `SourceNotFoundError`
-    if there is no such file, `SourceError` if it is empty or not a whole number of tokens."""
-    spec = place.spec
+    request. `described`: what else names the data (for the identity); `url`: the file's URL
+    (default `place.url`); `tokens`: how many of its first tokens are the dataset (default:
+    all). `SourceNotFoundError` if there is no such file, `SourceError` if it is empty, not a
+    whole number of tokens, or shorter than `tokens`."""
+    spec, url = place.spec, url or place.url
     if spec.keys is not None and tuple(spec.keys) != (FIELD,):
         raise SpecError("keys", f"None or [{FIELD!r}] (a token file has the one field {FIELD!r})", list(spec.keys))
     try:
         entry = place.fs.info(path)
     except FileNotFoundError as exc:
-        raise SourceNotFoundError(f"token file {place.url} does not exist: {exc}") from exc
+        raise SourceNotFoundError(f"token file {url} does not exist: {exc}") from exc
     size, itemsize = int(entry.get("size") or 0), np.dtype(dtype).itemsize
     if entry.get("type") == "directory" or size == 0:
-        raise SourceError(f"token file {place.url} holds no tokens (it is {'a folder' if size else 'empty'})")
-    if size % itemsize:
-        raise SourceError(f"token file {place.url} is {size} bytes, not a whole number of {dtype} tokens "
+        raise SourceError(f"token file {url} holds no tokens (it is {'a folder' if size else 'empty'})")
+    if tokens is None and size % itemsize:
+        raise SourceError(f"token file {url} is {size} bytes, not a whole number of {dtype} tokens "
                           f"({itemsize} bytes each): is the dtype right?")
+    count = size // itemsize if tokens is None else tokens
+    if count * itemsize > size or count <= 0:
+        raise SourceError(f"token file {url} is {size} bytes, but its index describes {count} tokens of {dtype} "
+                          f"({count * itemsize} bytes): the file is truncated, or not the index's")
     block_len = spec.block_size or max(1, DEFAULT_BLOCK_BYTES // itemsize)
-    identity = place.identity("tokens", place.url, dtype, block_len, size, version_of(entry), *described)
-    info = DatasetInfo(name=place.name, identity=identity, url=place.url, fields=(FIELD,),
-                       num_samples=size // itemsize, block_len=int(block_len), nbytes=size)
-    layout = TokenLayout(place.url, protocol_of(place.fs), options_json(place.options), path, dtype, identity)
+    identity = place.identity("tokens", url, dtype, block_len, size, count, version_of(entry), *described)
+    info = DatasetInfo(name=place.name, identity=identity, url=url, fields=(FIELD,),
+                       num_samples=count, block_len=int(block_len), nbytes=count * itemsize)
+    layout = TokenLayout(url, protocol_of(place.fs), options_json(place.options), path, dtype, identity)
     return TokenSource(info, layout)
 
 
