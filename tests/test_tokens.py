@@ -3,6 +3,10 @@ store, on real worker processes: the source contract, windows of seq_len + 1 tok
 of seq_len across block boundaries equal to numpy slicing of the same file, each block read
 from the store once per run while the cache holds it, and the errors of a wrong dtype or file."""
 import concurrent.futures
+import os
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -85,3 +89,19 @@ def test_tokens_name_their_dtype_and_local_path():
 
     spec = dmdask.Spec(tokens, batch_size=2)
     assert dataset_name(spec) != dataset_name(spec.replace(source=dmdask.Tokens("train.bin", "uint32")))
+
+
+def test_the_quickstart_recipe_runs(tmp_path):
+    """docs/quickstart.md's raw-token recipe, as written, in an empty folder (it checks its windows
+    against numpy.memmap itself). Not a `runnable` block: the docs' check of those refuses any
+    warning, and a LocalCluster's exit leaves ResourceWarnings of distributed's sockets."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    text = open(os.path.join(root, "docs", "quickstart.md")).read()
+    code, = re.findall(r"\*\*Raw token files\*\*.*?```python\n(.*?)```", text, flags=re.S)
+    (tmp_path / "recipe.py").write_text(code)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+               DASK_DMDASK__PROGRESS="false")
+    done = subprocess.run([sys.executable, "recipe.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert (tmp_path / "train.bin").stat().st_size == 200_000
