@@ -252,3 +252,21 @@ def test_first_contact_scenario_runs_and_reports(tmp_path):
     assert result["goals"] and all(isinstance(g["met"], bool) and g["measured"] for g in result["goals"])
     page = report.write(results, path=str(tmp_path / "benchmarks.md"), plots_dir=str(tmp_path / "plots"))
     assert "| 14 |" in open(page).read()
+
+
+@pytest.mark.slow
+def test_token_corpus_scenario_runs_and_reports(tmp_path):
+    """Scenario 15 at tiny size: a sparse token file (nothing written), two ranks of their own
+    processes each get a first batch of their windows (zeros, ids within the epoch), and the
+    time and allocations of each are reported against the goal."""
+    results = run("tiny", ["token_corpus"], out_dir=str(tmp_path), write_doc=False)
+    result = results["scenarios"]["token_corpus"]
+    assert "error" not in result, result
+    assert result["on_disk_bytes"] < result["file_bytes"] // 100  # described, not written
+    ranks = result["ranks"]
+    assert [x["rank"] for x in ranks] == [result["config"]["first"], result["config"]["second"]]
+    assert all(x["error"] is None and x["batch_ok"] and len(x["windows"]) == result["config"]["batch"] for x in ranks)
+    assert all(x["allocated_peak_mib"] > 0 and x["first_batch_s"] > 0 for x in ranks)
+    assert result["goals"] and all(isinstance(g["met"], bool) and g["measured"] for g in result["goals"])
+    page = report.write(results, path=str(tmp_path / "benchmarks.md"), plots_dir=str(tmp_path / "plots"))
+    assert "| 15 |" in open(page).read()
