@@ -105,3 +105,19 @@ def test_the_quickstart_recipe_runs(tmp_path):
                           timeout=240)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
     assert (tmp_path / "train.bin").stat().st_size == 200_000
+
+
+def test_token_files_mix_as_other_sources_do(client, store):
+    """Two token files in a `dmdask.Mix` (rows, in proportion to their sizes): every token of
+    both once per epoch, each row its file's."""
+    server, root = store
+    files = {"train.bin": np.fromfile(root / "train.bin", dtype=np.uint16),
+             "odd.bin": np.fromfile(root / "odd.bin", dtype=np.uint16)}
+    mix = dmdask.Mix([dmdask.Tokens(f"{server.url}/{name}", "uint16") for name in files])
+    seen = {0: [], 1: []}
+    for batch in dmdask.batches(client, dmdask.Spec(mix, batch_size=500, block_size=1000, seed=2)):
+        for s, name in enumerate(files):
+            mine = batch["source"] == s
+            np.testing.assert_array_equal(batch["tokens"][mine], files[name][batch["index"][mine]])
+            seen[s] += batch["index"][mine].tolist()
+    assert [sorted(seen[s]) for s in (0, 1)] == [list(range(len(f))) for f in files.values()]
