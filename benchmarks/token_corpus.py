@@ -24,9 +24,11 @@ import tempfile
 import time
 
 PRESETS = {
-    "tiny": {"tokens": 10**8, "world": 64, "first": 17, "second": 3, "batch": 8, "seq_len": 1024},
-    "quick": {"tokens": 10**10, "world": 1024, "first": 517, "second": 3, "batch": 8, "seq_len": 1024},
-    "full": {"tokens": 10**10, "world": 1024, "first": 517, "second": 3, "batch": 8, "seq_len": 1024},
+    "tiny": {"tokens": 10**8, "world": 64, "first": 17, "second": 3, "batch": 8, "seq_len": 1024, "ram": "512 MiB"},
+    "quick": {"tokens": 10**10, "world": 1024, "first": 517, "second": 3, "batch": 8, "seq_len": 1024,
+              "ram": "512 MiB"},
+    "full": {"tokens": 10**10, "world": 1024, "first": 517, "second": 3, "batch": 8, "seq_len": 1024,
+             "ram": "512 MiB"},
 }
 GOAL_FIRST_BATCH_S = 2.0
 GOAL_ALLOCATED_MIB = 64.0
@@ -88,7 +90,7 @@ def run(preset: str) -> dict:
         with open(path, "wb") as f:
             f.truncate(2 * cfg["tokens"])  # uint16 tokens; sparse: no block of it is written
         on_disk = os.stat(path).st_blocks * 512
-        with dmdask.LocalCluster(n_workers=2, ram="512 MiB") as cluster, distributed.Client(cluster) as client:
+        with dmdask.LocalCluster(n_workers=2, ram=cfg["ram"]) as cluster, distributed.Client(cluster) as client:
             address = client.scheduler.address
             ranks = [_rank_process(address, path, cfg[which], cfg) for which in ("first", "second")]
             datasets = dmdask.stats(client)["datasets"]
@@ -125,7 +127,7 @@ def report(result: dict, plots_dir: str) -> str:
     lines = [f"A raw uint16 token file of {cfg['tokens']:,} tokens ({result['file_bytes'] / 2**30:.1f} GiB, "
              f"{result['blocks']:,} blocks of 8 MiB) made with `truncate` ({result['on_disk_bytes']:,} bytes on "
              f"disk), read as `dmdask.Tokens(path, 'uint16')` with `Window({cfg['seq_len'] + 1}, "
-             f"stride={cfg['seq_len']})`, batch {cfg['batch']}; a LocalCluster of two workers. Each rank is a "
+             f"stride={cfg['seq_len']})`, batch {cfg['batch']}; a LocalCluster of two workers, RAM tier {cfg['ram']} each. Each rank is a "
              "process of its own; times from its `batches` call; allocations traced by tracemalloc from that "
              "call (the peak, and what is held with the first batch in hand).", "",
              "| rank | dataset | open | first batch | allocated (peak) | allocated (held) | RSS growth | batches "

@@ -149,3 +149,24 @@ def test_bad_windows_are_spec_errors_naming_the_window():
         dmdask.Spec("x.zarr", batch_size=2, window=(4, 2))
     with pytest.raises(dmdask.SpecError, match="window"):
         dmdask.Spec("x.zarr", batch_size=2, window=dmdask.Window(4), shuffle_window=2)
+
+
+def test_blocks_load_in_the_order_the_windows_of_the_epoch_need_them():
+    """The claimant submits a windowed dataset's blocks in the order its windows first need
+    them (`load_order`), not in the order of a row epoch: the blocks of the first batches'
+    windows load first (a window's rows may span 3 blocks here)."""
+    from dmdask.plan.order import EpochOrder, load_order
+    from dmdask.source.base import DatasetInfo
+
+    info = DatasetInfo(name="ds-x", identity="x", url="u", fields=("tokens",), num_samples=100_000, block_len=500,
+                       nbytes=None)
+    spec = dmdask.Spec("u.zarr", batch_size=4, seed=3, window=dmdask.Window(1025, stride=1024))
+    windows = EpochOrder(spec.window.count(info.num_samples), 1, shuffle=True, seed=3, epoch=2)
+    expected = []
+    for w in windows.ids(np.arange(40)):  # brute force: each window's rows' blocks, first need first
+        expected += [b for b in range(w * 1024 // 500, (w * 1024 + 1024) // 500 + 1) if b not in expected]
+    expected += [b for b in range(info.num_blocks) if b not in expected]
+    order = load_order(info, spec, epoch=2, limit=40)
+    assert order.tolist() == expected
+    assert not np.array_equal(order, load_order(info, spec.replace(window=None), epoch=2, limit=40))
+    assert load_order(info, spec.replace(shuffle=False), epoch=2, limit=40).tolist() == list(range(200))
