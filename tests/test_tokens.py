@@ -121,3 +121,21 @@ def test_token_files_mix_as_other_sources_do(client, store):
             np.testing.assert_array_equal(batch["tokens"][mine], files[name][batch["index"][mine]])
             seen[s] += batch["index"][mine].tolist()
     assert [sorted(seen[s]) for s in (0, 1)] == [list(range(len(f))) for f in files.values()]
+
+
+def test_requests_of_token_windows_count_what_each_row_costs_besides_its_token(client, store):
+    """A request of small batches holds about REQUEST_BYTES, counting per row what the fetch keeps
+    beside it (int64 ids and places), not only its 4 bytes: batches of 8 windows of 4,097 uint32
+    tokens go one a request (by their tokens alone, 32 a request: 63 MiB of a rank's memory
+    measured at 1,025-token windows, 15 MiB since)."""
+    from dmdask.client.iterator import REQUEST_BYTES, ROW_INDEX_BYTES
+
+    server = store[0]
+    spec = dmdask.Spec(dmdask.Tokens(server.url + "/windows.bin", "uint32"), batch_size=8, block_size=1000,
+                       window=dmdask.Window(4097, stride=1024))
+    it = dmdask.batches(client, spec)
+    try:
+        assert it.group == max(1, REQUEST_BYTES // (8 * 4097 * (4 + ROW_INDEX_BYTES))) == 1
+        assert sorted(np.concatenate([b["index"] for b in it]).tolist()) == list(range((9001 - 4097) // 1024 + 1))
+    finally:
+        it.close()
