@@ -9,7 +9,7 @@ from .cluster import LocalCluster
 from .errors import (BlockReadError, DatasetHeldError, DmdaskError, HandlerArgumentError, NoWorkersError,
                      NotADmdaskWorker, SchedulerLostError, SourceError, SourceNotAllowedError, SourceNotFoundError,
                      SpecError, TransformError, WorkerKilledError)
-from .spec import Mix, Spec, TransformContext, Window, per_sample, transform_context
+from .spec import Mix, Spec, Tokens, TransformContext, Window, per_sample, transform_context
 from .ranks import Rank, rank_from_environment
 from .stats import stats
 from .worker import Worker
@@ -23,8 +23,8 @@ __version__ = "0.1.0"
 __all__ = [
     "BatchIterator", "BlockReadError", "DatasetHeldError", "DmdaskError", "HandlerArgumentError", "LocalCluster",
     "Mix", "NoWorkersError", "NotADmdaskWorker", "Rank", "SchedulerLostError", "SourceError",
-    "SourceNotAllowedError", "SourceNotFoundError", "Spec", "SpecError", "TransformContext", "TransformError",
-    "Window", "Worker", "WorkerKilledError", "batches", "per_sample", "rank_from_environment", "release", "stats",
+    "SourceNotAllowedError", "SourceNotFoundError", "Spec", "SpecError", "Tokens", "TransformContext",
+    "TransformError", "Window", "Worker", "WorkerKilledError", "batches", "per_sample", "rank_from_environment", "release", "stats",
     "transform_context",
 ]
 

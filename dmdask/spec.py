@@ -15,7 +15,7 @@ from .transform import (Transform, TransformContext, dumps_transform, loads_tran
                         transform_context, using_context)
 
 # the transform's names (dmdask.transform) are imported from here too
-__all__ = ["Mix", "Spec", "Window", "Transform", "TransformContext", "as_int", "as_source", "dumps_transform",
+__all__ = ["Mix", "Spec", "Tokens", "Window", "Transform", "TransformContext", "as_int", "as_source", "dumps_transform",
            "loads_transform", "per_sample", "transform_context", "using_context"]
 
 
@@ -29,8 +29,10 @@ class Spec:
     floats.
 
     source: a local path or any fsspec URL of a Zarr v3 group or array, Parquet, HDF5
-        (`file.h5/group`), a class-per-subfolder folder of files or WebDataset tar shards
-        (docs/quickstart.md, "Sources"); a list of URLs, kept as a tuple: WebDataset shards
+        (`file.h5/group`), a Megatron indexed dataset (`.bin` + `.idx`, named by either file
+        or by their common prefix), a class-per-subfolder folder of files or WebDataset tar
+        shards (docs/quickstart.md, "Sources"); a `dmdask.Tokens` (a raw file of token ids);
+        a list of URLs, kept as a tuple: WebDataset shards
         when all end in `.tar`, else one file per sample (opened without listing the store),
         both read in the list's order; or a `dmdask.Mix` of several sources.
     batch_size: samples per batch (>= 1).
@@ -59,7 +61,7 @@ class Spec:
         window's id; every guarantee for rows holds for windows.
     """
 
-    source: str | Sequence[str] | Mix
+    source: str | Sequence[str] | Tokens | Mix
     batch_size: int
     shuffle: bool = True
     seed: int = 0
@@ -144,8 +146,8 @@ def as_source(source):
     `SpecError` unless it is a non-empty path or URL, or a non-empty list of them. A
     relative local path is made absolute here, in the client's working directory."""
     allowed = ("a non-empty path or fsspec URL, or a non-empty list of shard or sample-file paths or URLs, "
-               "or a dmdask.Mix")
-    if isinstance(source, Mix):
+               "a dmdask.Tokens or a dmdask.Mix")
+    if isinstance(source, (Mix, Tokens)):
         return source
     if isinstance(source, (list, tuple)):
         urls = tuple(os.fspath(s) if isinstance(s, os.PathLike) else s for s in source)
@@ -157,6 +159,47 @@ def as_source(source):
     if not isinstance(source, str) or not source:
         raise SpecError("source", allowed, source)
     return resolve_local(source)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokens:
+    """A raw file of token ids laid end to end, as `numpy.memmap(path, dtype)` would see it
+    (nanoGPT's `train.bin`): `Spec(source=dmdask.Tokens("train.bin", "uint16"), ...)`.
+
+    Each token is a sample (field "tokens"); with `Spec(window=dmdask.Window(seq_len + 1,
+    seq_len))` a sample is a training sequence and its next token. Blocks are byte ranges of
+    the file, each one ranged read (so any fsspec store that serves ranges works, HTTP
+    included); `Spec.block_size` counts tokens (default: 8 MiB of them).
+
+    path: a local path or fsspec URL of the file. dtype: the token ids' integer numpy dtype
+        ("uint16", "uint32", or a `numpy.dtype`; byte order little-endian unless named,
+        as "<u2" or ">u4"). Its size must be a whole number of tokens.
+    """
+
+    path: str
+    dtype: Any
+
+    def __post_init__(self):
+        path = os.fspath(self.path) if isinstance(self.path, os.PathLike) else self.path
+        if not isinstance(path, str) or not path:
+            raise SpecError("source", "dmdask.Tokens(path, dtype) with a non-empty path or fsspec URL", self.path)
+        object.__setattr__(self, "path", resolve_local(path))
+        object.__setattr__(self, "dtype", token_dtype(self.dtype, "dtype"))
+
+
+def token_dtype(dtype, name: str) -> str:
+    """`dtype` as the string of an integer numpy dtype (little-endian unless it names an order:
+    "uint16" -> "<u2"); `SpecError` naming `name` for anything else."""
+    allowed = "an integer numpy dtype of token ids, such as 'uint16' or 'uint32'"
+    try:
+        parsed = np.dtype(dtype)
+    except TypeError:
+        raise SpecError(name, allowed, dtype) from None
+    if isinstance(dtype, (bool, type(None))) or parsed.kind not in "iu":
+        raise SpecError(name, allowed, dtype)
+    if parsed.byteorder == "=":  # native: little-endian, as files are written on x86 and ARM
+        parsed = parsed.newbyteorder("<")
+    return parsed.str
 
 
 @dataclasses.dataclass(frozen=True)

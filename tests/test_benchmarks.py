@@ -254,8 +254,26 @@ def test_first_contact_scenario_runs_and_reports(tmp_path):
     assert "| 14 |" in open(page).read()
 
 
+@pytest.mark.slow
+def test_token_corpus_scenario_runs_and_reports(tmp_path):
+    """Scenario 15 at tiny size: a sparse token file (nothing written), two ranks of their own
+    processes each get a first batch of their windows (zeros, ids within the epoch), and the
+    time and allocations of each are reported against the goal."""
+    results = run("tiny", ["token_corpus"], out_dir=str(tmp_path), write_doc=False)
+    result = results["scenarios"]["token_corpus"]
+    assert "error" not in result, result
+    assert result["on_disk_bytes"] < result["file_bytes"] // 100  # described, not written
+    ranks = result["ranks"]
+    assert [x["rank"] for x in ranks] == [result["config"]["first"], result["config"]["second"]]
+    assert all(x["error"] is None and x["batch_ok"] and len(x["windows"]) == result["config"]["batch"] for x in ranks)
+    assert all(x["allocated_peak_mib"] > 0 and x["first_batch_s"] > 0 for x in ranks)
+    assert result["goals"] and all(isinstance(g["met"], bool) and g["measured"] for g in result["goals"])
+    page = report.write(results, path=str(tmp_path / "benchmarks.md"), plots_dir=str(tmp_path / "plots"))
+    assert "| 15 |" in open(page).read()
+
+
 def test_science_windows_scenario_reads_the_store_once_and_checks_every_window(tmp_path):
-    """Scenario 15 at tiny size: dmdask's time windows of an xarray-written Zarr and
+    """Scenario 16 at tiny size: dmdask's time windows of an xarray-written Zarr and
     xbatcher's, each pass every window once with sampled windows equal to the generated
     values (the scenario fails otherwise); dmdask's store bytes are the dataset's, once."""
     results = run("tiny", ["science_windows"], out_dir=str(tmp_path), write_doc=False)
@@ -267,4 +285,4 @@ def test_science_windows_scenario_reads_the_store_once_and_checks_every_window(t
     assert [p["store_bytes"] for p in dmdask_passes[1:]] == [0, 0]  # warm: from the cache
     assert all(p["store_bytes"] >= result["config"]["dataset_bytes"] for p in xbatcher_passes)  # every pass
     page = report.write(results, path=str(tmp_path / "benchmarks.md"), plots_dir=str(tmp_path / "plots"))
-    assert "| 15 |" in open(page).read() and "xbatcher" in open(page).read()
+    assert "| 16 |" in open(page).read() and "xbatcher" in open(page).read()

@@ -13,7 +13,7 @@ import numpy as np
 from distributed import Client
 
 from ..errors import DatasetHeldError, NotADmdaskWorker
-from ..plan.order import EpochOrder
+from ..plan.order import load_order
 from ..protocol.scheduler import (
     Abandon,
     GetOrClaim,
@@ -56,8 +56,7 @@ def open_dataset(client: Client, spec, epoch: int, host: str | None = None, firs
     needs them; `host`: see `GetOrClaim`; `first_read`: see `get_or_create`."""
 
     def order(info: DatasetInfo):
-        epoch_order = EpochOrder.of(info, spec, epoch)
-        return np.asarray(epoch_order.blocks_first_needed(limit=NEED_ORDER_POSITIONS * info.num_blocks)).tolist()
+        return np.asarray(load_order(info, spec, epoch, limit=NEED_ORDER_POSITIONS * info.num_blocks)).tolist()
 
     return get_or_create(client, dataset_name(spec), lambda: open_source(spec), order, host, first_read)
 

@@ -30,6 +30,9 @@ from .resume import resume_point
 REQUEST_BYTES = 8 << 20  # small batches are fetched several per request, up to about this size
 PREFETCH = 8  # batches ahead when `Spec.prefetch` is None, or two groups where that is more
 MAX_GROUP = 32  # ... and then up to this many small batches a request
+# what a request keeps per row besides the row (ids, blocks, offsets, orders: int64 arrays), counted in
+# REQUEST_BYTES: 63 MiB for two requests of 32 batches of 8 windows of 1,025 uint16 tokens (126 B a row)
+ROW_INDEX_BYTES = 128
 
 
 def batches(client: Client, spec: Spec, epoch: int = 0, resume: dict | None = None, progress=None) -> BatchIterator:
@@ -118,7 +121,7 @@ class BatchIterator:
         self.group = max(1, prefetch // 2)  # batches a request: two requests in flight
         if info.nbytes is not None:  # up to REQUEST_BYTES a request; by default, up to MAX_GROUP small batches
             rows = spec.batch_size * (1 if spec.window is None else spec.window.length)  # a batch's rows
-            by_bytes = REQUEST_BYTES // max(1.0, rows * info.nbytes / max(1, info.num_samples))
+            by_bytes = REQUEST_BYTES // max(1.0, rows * (info.nbytes / max(1, info.num_samples) + ROW_INDEX_BYTES))
             self.group = int(max(1, min(by_bytes, self.group if spec.prefetch is not None else MAX_GROUP)))
         self._ahead = max(prefetch, 2 * self.group)  # batches requested or ready ahead of the consumer
         self._progress = _make_progress(self, progress)  # None unless a bar is shown

@@ -116,20 +116,25 @@ class EpochOrder:
             out = flat.copy()
         return out.reshape(shape)
 
-    def blocks_first_needed(self, limit: int) -> np.ndarray:
+    def blocks_first_needed(self, limit: int, blocks_of=None, num_blocks: int | None = None) -> np.ndarray:
         """Block indices ordered by the first position that touches them, judged from the first
         `limit` positions only; blocks not seen follow in index order. Every block appears
-        exactly once. O(limit + num_blocks)."""
+        exactly once. O(limit + num_blocks). blocks_of(ids): the blocks each id touches, an
+        int64 array (n, k) or (n,), in ids' order, rising with the ids (default: ids //
+        block_len); num_blocks: how many there are (default: this order's); given both, the
+        ids may be of windows (`window_order`) and the blocks of their rows."""
         limit = min(check_int("limit", limit, 0), self.num_samples)
+        num_blocks = self.num_blocks if num_blocks is None else num_blocks
         if not self.shuffle:  # position order is block order
-            return np.arange(self.num_blocks, dtype=np.int64)
-        seen = np.zeros(self.num_blocks, dtype=bool)
+            return np.arange(num_blocks, dtype=np.int64)
+        blocks_of = blocks_of or (lambda ids: ids // self.block_len)
+        seen = np.zeros(num_blocks, dtype=bool)
         found: list[np.ndarray] = []
         num_seen = 0
         for start in range(0, limit, _CHUNK):
-            if num_seen == self.num_blocks:
+            if num_seen == num_blocks:
                 break
-            blocks = self.ids(np.arange(start, min(limit, start + _CHUNK), dtype=np.int64)) // self.block_len
+            blocks = blocks_of(self.ids(np.arange(start, min(limit, start + _CHUNK), dtype=np.int64))).ravel()
             unique, first_index = np.unique(blocks, return_index=True)
             new = ~seen[unique]
             unique, first_index = unique[new], first_index[new]
@@ -205,6 +210,30 @@ class RankShare:
             ids = self.order.ids(positions)
             at, self._chunk = first, (first, ids)
         return ids[first - at:end - at]
+
+
+def window_order(info, spec, epoch: int) -> EpochOrder:
+    """The order of `spec.window`'s windows over the rows of `info` in `epoch` (the order
+    `BatchIterator` hands them out in): `spec.window.count(info.num_samples)` window ids."""
+    return EpochOrder(spec.window.count(info.num_samples), max(1, info.block_len // spec.window.stride),
+                      shuffle=spec.shuffle, seed=spec.seed, epoch=epoch)
+
+
+def load_order(info, spec, epoch: int, limit: int) -> np.ndarray:
+    """The blocks of `info` in the order `spec`'s epoch first needs them, judged from its first
+    `limit` positions (`EpochOrder.blocks_first_needed`): of its samples, or with a
+    `spec.window`, of its windows, each needing the blocks of its rows."""
+    if spec.window is None:
+        return EpochOrder.of(info, spec, epoch).blocks_first_needed(limit)
+    window, block_len = spec.window, info.block_len
+    span = (window.length - 1) // block_len + 2  # the most blocks one window's rows touch
+
+    def blocks_of(windows):
+        first = windows * window.stride // block_len
+        last = (windows * window.stride + window.length - 1) // block_len
+        return np.minimum(first[:, None] + np.arange(span, dtype=np.int64), last[:, None])
+
+    return window_order(info, spec, epoch).blocks_first_needed(limit, blocks_of, info.num_blocks)
 
 
 class WindowShare:

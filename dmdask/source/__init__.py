@@ -17,7 +17,7 @@ from dask.base import tokenize
 from ..errors import SourceNotFoundError, SpecError, redact
 from .base import (FIRST_RETRY_WAIT, LONGEST_RETRY_WAIT, MAX_BLOCKS, BlockReader, DatasetInfo, Source, block_key,
                    is_block_key, is_transient, options_json, parse_block_key)
-from .registry import GROUP, LAYOUTS, Format, Place, find, formats
+from .registry import GROUP, LAYOUTS, Format, Place, find, formats, is_tokens
 from .urls import LOCAL_PROTOCOLS, normalize
 
 logger = logging.getLogger(__name__)
@@ -28,9 +28,15 @@ __all__ = ["BlockReader", "DatasetInfo", "Format", "GROUP", "Place", "Source", "
 
 def dataset_name(spec) -> str:
     """The registry name of the dataset `spec` reads, from its URL (`urls.normalize` for local
-    paths), storage options, fields (and the window's `dim`, which picks them) and block size."""
+    paths; a `dmdask.Tokens`'s with its dtype), storage options, fields (and the window's `dim`,
+    which picks them) and block size."""
     keys = None if spec.keys is None else sorted(spec.keys)
-    source = tuple(map(_named, spec.source)) if isinstance(spec.source, tuple) else _named(spec.source)
+    if isinstance(spec.source, tuple):
+        source = tuple(map(_named, spec.source))
+    elif is_tokens(spec.source):
+        source = ("tokens", _named(spec.source.path), spec.source.dtype)
+    else:
+        source = _named(spec.source)
     dim = () if spec.window is None or spec.window.dim is None else (spec.window.dim,)  # it picks the fields
     return f"ds-{tokenize(source, options_json(spec.storage_options), keys, spec.block_size, *dim)[:16]}"
 

@@ -21,10 +21,12 @@ from .base import Source, bound_identity, read_options
 from .urls import listed_urls
 
 GROUP = "dmdask.sources"
-BUILTIN = ("zarr", "hdf5", "parquet", "webdataset", "folder")  # modules of dmdask.source, each with FORMAT
+# modules of dmdask.source, each with FORMAT; "megatron" before those that claim any file or folder
+BUILTIN = ("tokens", "zarr", "hdf5", "megatron", "parquet", "webdataset", "folder")
 LAYOUTS = ("a Zarr v3 group or array, a Parquet file, folder of Parquet files or glob, an HDF5 file "
-           "(or a group in it: file.h5/group), WebDataset .tar shards, a folder of class subfolders, or a list "
-           "of sample files")
+           "(or a group in it: file.h5/group), a Megatron indexed dataset (.bin + .idx), WebDataset .tar shards, "
+           "a folder of class subfolders, a list of sample files, or dmdask.Tokens(path, dtype) for a raw file of "
+           "token ids")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,12 +45,14 @@ class Place:
     """A spec's source. Named one by one (a list, a brace pattern, a `.tar` URL): `urls`, and
     either `shards` (all of them `.tar`) or `files` (none of them), the other None; `url`
     and `fs` None. Else `url` on the filesystem `fs` at `path` (`SpecError` for a URL fsspec
-    cannot open), `urls` None. Each fact read from the store (`exists`, `head`, `listing`)
-    is read once, when first asked."""
+    cannot open), `urls` None; `tokens` the source when it is a `dmdask.Tokens` (its dtype),
+    else None. Each fact read from the store (`exists`, `head`, `listing`) is read once,
+    when first asked."""
 
     def __init__(self, spec, name: str):
         self.spec, self.name, self.options = spec, name, dict(spec.storage_options or {})
-        self.urls = listed_urls(spec.source)
+        self.tokens = spec.source if is_tokens(spec.source) else None
+        self.urls = None if self.tokens is not None else listed_urls(spec.source)
         self.shards = self.files = None
         self.url, self.fs, self.path = None, None, ""
         if self.urls is not None:
@@ -58,7 +62,7 @@ class Place:
                                 "sample), not both", spec.source)
             self.shards, self.files = (self.urls, None) if all(tars) else (None, self.urls)
         else:
-            self.url = spec.source.rstrip("/")
+            self.url = (spec.source.path if self.tokens is not None else spec.source).rstrip("/")
             try:
                 self.fs, self.path = fsspec.core.url_to_fs(
                     self.url, **read_options(fsspec.utils.get_protocol(self.url), self.options))
@@ -129,6 +133,14 @@ class Place:
             return False
         except Exception as exc:  # network errors, permissions
             raise SourceNotFoundError(f"cannot reach dataset {self.url}: {exc}") from exc
+
+
+def is_tokens(source) -> bool:
+    """Whether a `Spec.source` is a `dmdask.Tokens` (imported here, where it is asked: the
+    spec's module imports this package)."""
+    from ..spec import Tokens
+
+    return isinstance(source, Tokens)
 
 
 LISTED = ("webdataset", "folder")  # the built-in formats that claim a list of URLs (the others never do)
