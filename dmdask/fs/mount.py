@@ -3,7 +3,9 @@
 
 Guarantees: requests are served concurrently (libfuse's multithreaded loop; the session is
 thread-safe); listings, attributes and file pages stay in the kernel's caches for the mount's
-lifetime (`CACHE_SECONDS`, `kernel_cache`).
+lifetime (`CACHE_SECONDS`, `kernel_cache`). The lookup of a file new to the run reads up to
+`READ_AHEAD_FILES` other new files of its folder ahead (the kernel sends one folder's lookups
+one at a time), each still from the store once.
 """
 from __future__ import annotations
 
