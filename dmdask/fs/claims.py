@@ -129,6 +129,8 @@ class Claims:
 
         def done(path: str, future) -> None:
             try:
+                if self.session.connected is None:  # closed meanwhile (`dmdask.fs.close`): its claims end with it
+                    return
                 got = None if future.cancelled() or future.exception() is not None else future.result()
                 if got is not None:
                     self._took(fs, path, 0, got, keep=True)
