@@ -123,7 +123,7 @@ class BatchIterator:
             rows = spec.batch_size * (1 if spec.window is None else spec.window.length)  # a batch's rows
             by_bytes = REQUEST_BYTES // max(1.0, rows * (info.nbytes / max(1, info.num_samples) + ROW_INDEX_BYTES))
             self.group = int(max(1, min(by_bytes, self.group if spec.prefetch is not None else MAX_GROUP)))
-        self._ahead = max(prefetch, 2 * self.group)  # batches requested or ready ahead of the consumer
+        self._prefetch = prefetch  # batches ahead of the consumer, or two groups where that is more (warm)
         self._progress = _make_progress(self, progress)  # None unless a bar is shown
 
     @property
@@ -180,7 +180,7 @@ class BatchIterator:
         while self._next_request < len(self._batches):
             group = 1 if self._fetcher.cold or not self._next_request else self.group  # batch 0 alone: out first
             pending = self._next_request - self._position
-            if pending + group > self._ahead:
+            if pending + group > max(self._prefetch, 2 * group):  # cold: `prefetch` requests of a batch
                 break
             stop = min(len(self._batches), self._next_request + group)
             self._in_flight.append(self._request(self._next_request, stop))
