@@ -328,3 +328,40 @@ def test_the_blocks_are_all_submitted_when_the_claimant_stops_after_its_first_ba
     assert loaded == blocks
     assert sum(v["bytes"] for v in served.values()) == sum(files.values())  # each chunk from the store once
     assert all(v["requests"] == 1 for v in served.values()) and len(served) == len(files)
+
+
+@pytest.mark.slow
+def test_a_dataset_released_while_its_blocks_are_submitted_gets_no_more_of_them(tmp_path, monkeypatch):
+    """Released after its first chunk of 100 (of 2,000 blocks): the claimant's process sends
+    no further chunk, and the scheduler keeps no task of the dataset."""
+    from dmdask.client import submit
+
+    write_zarr(str(tmp_path / "d.zarr"), 20000, chunk=10)
+    go_on, made = threading.Event(), []
+    chunk_of, rest = submit.Submission._chunk, submit.Submission.rest_in_background
+
+    def held(self, wanted):  # after the first chunk: nothing until go_on
+        if self.count:
+            go_on.wait(60)
+        return chunk_of(self, wanted)
+
+    def kept(self):
+        made.append(self)
+        rest(self)
+
+    monkeypatch.setattr(submit, "CHUNK_BLOCKS", 100)
+    monkeypatch.setattr(submit.Submission, "_chunk", held)
+    monkeypatch.setattr(submit.Submission, "rest_in_background", kept)
+    with dmdask.LocalCluster(n_workers=2, ram="64 MiB") as cluster, distributed.Client(cluster) as client:
+        spec = dmdask.Spec(str(tmp_path / "d.zarr"), batch_size=32, seed=3, prefetch=1)
+        it = dmdask.batches(client, spec, progress=False)
+        next(it)
+        it.close()
+        assert dmdask.release(client, spec)
+        go_on.set()
+        made[0].thread.join(60)
+        time.sleep(0.5)
+        left = client.run_on_scheduler(_block_tasks)
+    assert not made[0].thread.is_alive()
+    assert made[0].count <= 200, made[0].count  # the first chunk, and the one held when it was released
+    assert left == 0

@@ -10,6 +10,7 @@ Guarantees:
   chunk the blocks ranks asked for before they were submitted (`Wanted`), then the next of
   `order`. A chunk is sent once the scheduler took in the one before.
 - the readers of a chunk are made when it is sent (`Readers`): none is held for 10^6 blocks.
+- a dataset released meanwhile gets no more chunks (the scheduler answers `Busy`).
 - the chunks after the first are sent by a thread with a client of its own, so closing
   the caller's client (a rank that stops after its first batches) does not stop them, and
   the process exits once they are sent; if the process dies first, the scheduler creates
@@ -102,10 +103,12 @@ class Submission:
             with distributed.Client(self.client.scheduler.address, security=self.client.security,
                                     set_as_default=False, name="dmdask-submit") as own:
                 reply = self._send(own, (), chunk=False)  # the submitter from now on: this client
-                wanted += reply.blocks if isinstance(reply, Wanted) else []
-                while not self.done and own.status == "running":
-                    reply = self._send(own, wanted)
-                    wanted = reply.blocks if isinstance(reply, Wanted) else []
+                while isinstance(reply, Wanted) and not self.done and own.status == "running":
+                    reply = self._send(own, wanted + reply.blocks)
+                    wanted = []
+                if not self.done:  # released meanwhile (`Busy`), or the client lost its scheduler
+                    logger.debug("submitting the blocks of %s stopped after %d of %d: %r", self.name, self.count,
+                                 len(self.sent), reply)
         except Exception as exc:  # noqa: BLE001 - the cluster went away: its next open creates the rest
             logger.debug("submitting the blocks of %s stopped after %d of %d: %r", self.name, self.count,
                          len(self.sent), exc)
