@@ -189,3 +189,179 @@ def test_a_rank_that_is_not_the_claimant_gets_its_first_batch_ahead_of_the_other
     assert sorted(theirs["ids"]) == sorted(expected.tolist())
     assert sum(v["bytes"] for v in served.values()) == sum(files.values())  # each chunk from the store once
     assert all(v["requests"] == 1 for v in served.values()) and len(served) == len(files)
+
+
+def _block_tasks(dask_scheduler) -> int:
+    from dmdask.source.base import parse_block_key
+
+    return sum(1 for key in dask_scheduler.tasks if isinstance(key, str) and parse_block_key(key) is not None)
+
+
+def _rank_reporting_its_first_batch(address, path, rank, world, batch, queue):
+    """Rank `rank`, started once another rank holds the dataset's claim: the block tasks the
+    scheduler had when its first batch came, that batch, then its whole epoch."""
+    with distributed.Client(address) as client:
+        while not dmdask.stats(client).get("datasets"):  # until the claimant registered it
+            time.sleep(0.05)
+        it = dmdask.batches(client, dmdask.Spec(path, batch_size=batch, rank=rank, world_size=world, seed=3),
+                            progress=False)
+        first = next(it)
+        queue.put({"tasks_at_first": client.run_on_scheduler(_block_tasks), "first": first["index"].tolist()})
+        queue.put({"ids": np.concatenate([first["index"]] + [b["index"] for b in it]).tolist()})
+
+
+@pytest.mark.slow
+def test_a_rank_opens_the_dataset_before_every_block_is_submitted(tmp_path, monkeypatch):
+    """The claimant submits the loads of a 2,000-block dataset in chunks of 100, and only the
+    blocks ranks ask for after its first chunk until the test lets it go on: another rank
+    (its own process) opens the dataset and gets its first batch, exactly its own samples,
+    while the scheduler has under half of the blocks' tasks (it had all 2,000 before any
+    rank's open returned before). Then every rank's epoch is exactly its share, every block
+    is loaded, and every chunk left the store once."""
+    from dmdask.client import submit
+    from dmdask.plan.order import EpochOrder, RankShare
+    from test_traffic import chunk_files
+
+    blocks, chunk, world, batch, other = 2000, 10, 64, 32, 37
+    write_zarr(str(tmp_path / "d.zarr"), blocks * chunk, chunk=chunk)
+    files = chunk_files(str(tmp_path / "d.zarr"))
+    go_on = threading.Event()
+    chunk_of = submit.Submission._chunk
+
+    def held(self, wanted):  # after the first chunk, until go_on: only the blocks ranks asked for
+        if not self.count or go_on.is_set():
+            return chunk_of(self, wanted)
+        out = [k for k in dict.fromkeys(int(k) for k in wanted) if not self.sent[k]]
+        self.sent[out] = True
+        self.count += len(out)
+        if not out:
+            time.sleep(0.02)
+        return out
+
+    monkeypatch.setattr(submit, "CHUNK_BLOCKS", 100)
+    monkeypatch.setattr(submit.Submission, "_chunk", held)
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    with StoreServer(str(tmp_path), latency=0.002) as store, \
+            dmdask.LocalCluster(n_workers=2, ram="64 MiB") as cluster, distributed.Client(cluster) as client:
+        path = store.url + "/d.zarr"
+        proc = ctx.Process(target=_rank_reporting_its_first_batch,
+                           args=(cluster.scheduler_address, path, other, world, batch, queue))
+        proc.start()
+        try:
+            spec = dmdask.Spec(path, batch_size=batch, rank=0, world_size=world, seed=3)
+            it = dmdask.batches(client, spec, progress=False)  # the claimant: submits the blocks
+            mine = [next(it)]
+            theirs = queue.get(timeout=120)
+            go_on.set()
+            mine += list(it)
+            theirs.update(queue.get(timeout=300))
+        finally:
+            go_on.set()
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.terminate()
+        while dmdask.stats(client)["datasets"][0]["loaded"] < blocks:
+            time.sleep(0.2)
+        served = {p: v for p, v in store.stats()["by_path"].items() if "/c/" in p}
+    order = EpochOrder.of(it.info, spec, 0)
+    assert theirs["tasks_at_first"] < blocks / 2, theirs["tasks_at_first"]
+    assert theirs["first"] == RankShare(order, other, world, batch, spec.drop_last).batch(0).tolist()
+    for rank, ids in ((0, np.concatenate([b["index"] for b in mine])), (other, np.array(theirs["ids"]))):
+        share = RankShare(order, rank, world, batch, spec.drop_last)
+        expected = np.concatenate(share.batches(0, len(share)))
+        assert len(ids) == len(set(ids.tolist())) and sorted(ids.tolist()) == sorted(expected.tolist())
+    assert sum(v["bytes"] for v in served.values()) == sum(files.values())  # each chunk from the store once
+    assert all(v["requests"] == 1 for v in served.values()) and len(served) == len(files)
+
+
+def _claimant_that_leaves_after_its_first_batch(address, path, queue):
+    """Rank 0 creates the dataset in chunks of 100 blocks, each after the first 0.2 s late
+    (a slow submitter: 4 s for the whole dataset), takes its first batch and closes its
+    client at once; its process then ends."""
+    from dmdask.client import submit
+
+    submit.CHUNK_BLOCKS = 100
+    chunk_of = submit.Submission._chunk
+
+    def slow(self, wanted):
+        if self.count:
+            time.sleep(0.2)
+        return chunk_of(self, wanted)
+
+    submit.Submission._chunk = slow
+    with distributed.Client(address) as client:
+        it = dmdask.batches(client, dmdask.Spec(path, batch_size=32, rank=0, world_size=64, seed=3), progress=False)
+        queue.put(next(it)["index"].tolist())
+        it.close()
+
+
+@pytest.mark.slow
+def test_the_blocks_are_all_submitted_when_the_claimant_stops_after_its_first_batch(tmp_path):
+    """A claimant that closes its client right after its first batch, with most of a
+    2,000-block dataset's loads not submitted yet: its process submits the rest before it
+    exits, and the cluster loads every block, each chunk from the store once."""
+    from test_traffic import chunk_files
+
+    blocks = 2000
+    write_zarr(str(tmp_path / "d.zarr"), blocks * 10, chunk=10)
+    files = chunk_files(str(tmp_path / "d.zarr"))
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    with StoreServer(str(tmp_path), latency=0.002) as store, \
+            dmdask.LocalCluster(n_workers=2, ram="64 MiB") as cluster, distributed.Client(cluster) as client:
+        proc = ctx.Process(target=_claimant_that_leaves_after_its_first_batch,
+                           args=(cluster.scheduler_address, store.url + "/d.zarr", queue))
+        proc.start()
+        try:
+            first = queue.get(timeout=120)
+            proc.join(timeout=120)
+        finally:
+            if proc.is_alive():
+                proc.terminate()
+        deadline = time.monotonic() + 120
+        while dmdask.stats(client)["datasets"][0]["loaded"] < blocks and time.monotonic() < deadline:
+            time.sleep(0.2)
+        loaded = dmdask.stats(client)["datasets"][0]["loaded"]
+        served = {p: v for p, v in store.stats()["by_path"].items() if "/c/" in p}
+    assert len(first) == 32 and proc.exitcode == 0
+    assert loaded == blocks
+    assert sum(v["bytes"] for v in served.values()) == sum(files.values())  # each chunk from the store once
+    assert all(v["requests"] == 1 for v in served.values()) and len(served) == len(files)
+
+
+@pytest.mark.slow
+def test_a_dataset_released_while_its_blocks_are_submitted_gets_no_more_of_them(tmp_path, monkeypatch):
+    """Released after its first chunk of 100 (of 2,000 blocks): the claimant's process sends
+    no further chunk, and the scheduler keeps no task of the dataset."""
+    from dmdask.client import submit
+
+    write_zarr(str(tmp_path / "d.zarr"), 20000, chunk=10)
+    go_on, made = threading.Event(), []
+    chunk_of, rest = submit.Submission._chunk, submit.Submission.rest_in_background
+
+    def held(self, wanted):  # after the first chunk: nothing until go_on
+        if self.count:
+            go_on.wait(60)
+        return chunk_of(self, wanted)
+
+    def kept(self):
+        made.append(self)
+        rest(self)
+
+    monkeypatch.setattr(submit, "CHUNK_BLOCKS", 100)
+    monkeypatch.setattr(submit.Submission, "_chunk", held)
+    monkeypatch.setattr(submit.Submission, "rest_in_background", kept)
+    with dmdask.LocalCluster(n_workers=2, ram="64 MiB") as cluster, distributed.Client(cluster) as client:
+        spec = dmdask.Spec(str(tmp_path / "d.zarr"), batch_size=32, seed=3, prefetch=1)
+        it = dmdask.batches(client, spec, progress=False)
+        next(it)
+        it.close()
+        assert dmdask.release(client, spec)
+        go_on.set()
+        made[0].thread.join(60)
+        time.sleep(0.5)
+        left = client.run_on_scheduler(_block_tasks)
+    assert not made[0].thread.is_alive()
+    assert made[0].count <= 200, made[0].count  # the first chunk, and the one held when it was released
+    assert left == 0

@@ -273,3 +273,30 @@ async def test_handlers_refuse_what_they_do_not_take_and_change_nothing(c, s, a,
     assert plugin.reads.claims == {} and len(plugin.files.folders) == 0
     await api.send(Abandon("fs-x", "me"))
     assert await api.send(Datasets()) == []
+
+
+@gen_cluster(client=True)
+async def test_submitted_makes_the_dataset_ready_and_names_the_blocks_ranks_waited_for(c, s, a, b):
+    """A claimant's first chunk (block 0 of 2) in: ready, still submitting; a rank locating
+    block 1 (not submitted) waits for it and it is named `Wanted`; once submitted, found.
+    A bad count is refused naming the field; a stranger's `Submitted` answers `Busy`."""
+    from dmdask.protocol.scheduler import Submitted, Wanted
+
+    api = await _api(c)
+    assert await api.send(GetOrClaim("fs-x", "me", client=c.id)) == Claimed()
+    assert await api.send(Register("fs-x", "me", INFO)) == Registered()
+    first = c.map(lambda k: k, [0], key=[INFO.block_key(0)])
+    assert await api.send(Submitted("fs-x", "me", 1, client=c.id)) == Wanted([])
+    ready = await asyncio.wait_for(api.send(GetOrClaim("fs-x", "other")), 5)  # ready: no wait for block 1
+    assert isinstance(ready, Ready) and ready.info == INFO
+    found = await api.locate([INFO.block_key(1)], None, wait=0.2)
+    assert found.unknown == [] and found.pending == [INFO.block_key(1)]  # waited for, not unknown
+    assert await api.send(Submitted("fs-x", "me", 1, client=c.id)) == Wanted([1])
+    second = c.map(lambda k: k, [1], key=[INFO.block_key(1)])
+    assert await api.send(Submitted("fs-x", "me", 2, done=True, client=c.id)) == Wanted([])
+    found = await api.locate([INFO.block_key(1)], None, wait=10)
+    assert list(found.holders) == [INFO.block_key(1)]
+    assert await api.send(Submitted("fs-x", "stranger", 2)) == Busy()
+    with pytest.raises(Exception, match="count"):
+        await api.send(Submitted("fs-x", "me", -1))
+    del first, second

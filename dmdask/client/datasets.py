@@ -30,6 +30,7 @@ from ..scheduler import DatasetsPlugin
 from ..source import DatasetInfo, Source, dataset_name, open_source
 from ..spec import Mix
 from ..tasks import load_block
+from .submit import Readers, Submission
 
 _registered: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # client -> scheduler address
 NEED_ORDER_POSITIONS = 8  # positions per block looked at to find the order blocks are first needed
@@ -65,12 +66,14 @@ def get_or_create(client: Client, name: str, opener: Callable[[], Source],
                   order: Callable[[DatasetInfo], list] | None = None, host: str | None = None,
                   first_read: Callable[[DatasetInfo, list], Callable[[], None] | None] | None = None) -> Ready:
     """The registry's dataset `name`, created once per cluster from `opener()` by the first
-    process to ask (the others wait), every block load submitted in one graph, in the
-    order `order(info)` (None: index order); `host`: see `GetOrClaim`. Registers the plugin
-    if the scheduler lacks it. In the process that creates it, `first_read(info, readers)`
-    is called once the dataset is registered, before the loads are submitted: it may name
-    rows it will read itself in their blocks' readers (`FirstBatch.plan`), and return the
-    function that starts those reads, called right after the loads are submitted."""
+    process to ask (the others wait), its block loads submitted in chunks in the order
+    `order(info)` (None: index order), ready once the first chunk is in (`dmdask.client.submit`:
+    the others follow from a thread); `host`: see `GetOrClaim`. Registers the plugin if
+    the scheduler lacks it. In the process that creates it, `first_read(info, readers)` is
+    called once the dataset is registered, before the loads are submitted: it may name rows
+    it will read itself in their blocks' readers (`FirstBatch.plan`; those blocks go in the
+    first chunk), and return the function that starts those reads, called right after the
+    first chunk is submitted."""
     claimant = uuid.uuid4().hex
     ensure_plugin(client)  # a scheduler without the preload logs a KeyError for a request it has no handler for
     while True:
@@ -125,14 +128,16 @@ async def registered(client: Client, source: Source) -> bool:
 
 def _create(client: Client, name: str, source: Source, order, claimant: str, first_read=None) -> None:
     info = source.info
-    reply = _call(client, Register(name, claimant, info, None if order is None else order(info)))
+    blocks_order = None if order is None else order(info)
+    reply = _call(client, Register(name, claimant, info, blocks_order))
     if not isinstance(reply, Registered):
         return  # the claim passed to another rank: ask again
-    readers = [source.reader(k) for k in range(info.num_blocks)]
+    readers = Readers(source, info.num_blocks)
     begin = None if first_read is None else first_read(info, readers)
-    del submit_blocks(client, readers)[:]
-    if begin is not None:  # after the submission: the workers get their loads first
-        begin()
+    submission = Submission(client, name, claimant, readers, submit_blocks, blocks_order)
+    # the reads begin once the first chunk is sent (the workers get their loads first); ready once it is in
+    submission.first(readers.made(), then=begin)
+    submission.rest_in_background()
 
 
 def submit_blocks(client: Client, readers) -> list:

@@ -90,6 +90,22 @@ class Register(Request):
 
 
 @message
+class Submitted(Request):
+    """The claimant of dataset `name` submitted `count` of its blocks' loads (in chunks, the
+    first of them before the dataset is ready): once the scheduler has them (or after
+    `timeout` s), the dataset is ready (`done`: every block submitted); reply `Wanted`.
+    `client`: the Dask client id submitting the rest (if it leaves first, the dataset is
+    created again at the next open)."""
+    op = "dmdask_submitted"
+    name: str
+    claimant: str
+    count: int = ranged(0, None)
+    done: bool = False
+    client: Optional[str] = None
+    timeout: float = ranged(0, LOCATE_LONGEST, LOCATE_LONGEST)
+
+
+@message
 class GetOrRegister(Request):
     """A lazy dataset under `info.name`: `Ready`, else registered now (`Registered`) unless
     another caller creates it (`Busy`) or the cluster has no workers (`NoWorkers`)."""
@@ -250,6 +266,13 @@ class Claimed:
 @message
 class Registered:
     """Registered now: its blocks are planned, none of them exists yet."""
+
+
+@message
+class Wanted:
+    """Blocks of a dataset still being submitted that ranks asked for (`Locate`) before their
+    loads were submitted: the claimant submits them next."""
+    blocks: List[int]
 
 
 @message

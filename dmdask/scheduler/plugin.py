@@ -10,6 +10,12 @@ Guarantees:
 - a block's load runs on its planned worker (strict restrictions, set before the task
   is first scheduled); a leaving worker's unfinished and lost blocks are planned again
   over the workers present, or the next to join (`dmdask.scheduler.placement`).
+- a dataset's claimant submits its blocks' loads in chunks (`dmdask.client.submit`): the
+  dataset is ready once the first chunk is in, so ranks open it without waiting for every
+  load to be registered; a rank that asks for a block not submitted yet waits for it, and
+  the claimant submits the blocks ranks asked for next (`Submitted`, `Wanted`). No chunk
+  costs the event loop more than its own blocks. If the claimant's client leaves before it
+  submitted every block, the next open creates the missing ones.
 - lazy datasets (`get_or_register`, `register` with `lazy`; transparent mode's files):
   ready once registered; a block's load is submitted by whoever first wants it. Their
   blocks are planned round-robin from where the previous lazy dataset stopped.
@@ -27,7 +33,7 @@ from ..errors import redact
 from ..internals import load_first
 from ..protocol.scheduler import (Abandon, Busy, Claimed, Datasets, DatasetSummary, FsClaim, FsMetadata, FsOpenBlocks,
                                   GetOrClaim, GetOrRegister, Held, LeftOnPurpose, Locate, NoWorkers, OpenBlocks, Ready, Register,
-                                  Registered, Release, Workers, serve)
+                                  Registered, Release, Submitted, Wanted, Workers, serve)
 from ..source.base import DatasetInfo, block_key, parse_block_key
 from . import placement
 from .files import FileMetadata
@@ -55,6 +61,11 @@ class DatasetState:
         self.forgotten = 0  # its blocks the scheduler forgot once all were submitted (`client.restart()`)
         self.lazy = False  # blocks are submitted when first wanted, not at creation
         self.holders: set[str] = set()  # Dask client ids that opened it (`Release`)
+        self.creator: str | None = None  # the claimant's Dask client id (`remove_client`)
+        self.submitted = 0  # block loads the scheduler took in for it, counted per graph (`Submitted`)
+        self.submitting = False  # ready, some blocks not submitted yet
+        self.wanted: set[int] = set()  # blocks ranks asked for before they were submitted
+        self.arrived = asyncio.Event()  # set at each graph of its blocks taken in
 
     @property
     def identity(self) -> str | None:
@@ -108,7 +119,7 @@ class DatasetsPlugin(SchedulerPlugin):
         self.silent.start(scheduler)
         reads = self.reads
         scheduler.handlers.update(serve({
-            GetOrClaim: self.get_or_claim, Register: self.register, GetOrRegister: self.get_or_register,
+            GetOrClaim: self.get_or_claim, Register: self.register, Submitted: self.submitted, GetOrRegister: self.get_or_register,
             Abandon: self.abandon, Release: self.release_held,
             Datasets: lambda request: self.summaries(), Locate: reads.locate, OpenBlocks: reads.open_blocks,
             Workers: lambda request: [a for a in request.addresses if a in self.scheduler.workers],
@@ -128,6 +139,7 @@ class DatasetsPlugin(SchedulerPlugin):
             ds = self.datasets.get(name)
             if ds is None:
                 ds = self.datasets[name] = DatasetState(name, claimant)
+                ds.creator = request.client
                 self._hold(ds, request.client)
                 return Claimed()
             self._hold(ds, request.client)
@@ -141,7 +153,7 @@ class DatasetsPlugin(SchedulerPlugin):
                 return Claimed()
             left = CLAIM_SECONDS - (time.monotonic() - ds.claimed_at)
             if left <= 0:  # its creator is gone: the caller takes the claim over
-                ds.claimant, ds.claimed_at = claimant, time.monotonic()
+                ds.claimant, ds.claimed_at, ds.creator = claimant, time.monotonic(), request.client
                 return Claimed()
             with contextlib.suppress(asyncio.TimeoutError):  # then look again (abandoned: claim it afresh)
                 await asyncio.wait_for(asyncio.shield(ds.ready.wait()), timeout=left)
@@ -165,6 +177,34 @@ class DatasetsPlugin(SchedulerPlugin):
             ds.lazy = True
             ds.ready.set()
         return Registered()
+
+    async def submitted(self, request: Submitted) -> Wanted | Busy:
+        """The claimant's chunk of loads is in (or `timeout` passed): the dataset is ready,
+        still submitting unless `done`; the blocks ranks asked for meanwhile, to submit next."""
+        ds = self.datasets.get(request.name)
+        if ds is None or ds.claimant != request.claimant or ds.info is None:
+            return Busy()
+        deadline = time.monotonic() + request.timeout
+        while ds.submitted < request.count and time.monotonic() < deadline:
+            ds.arrived.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(ds.arrived.wait(), deadline - time.monotonic())
+        ds.submitting = not request.done
+        ds.creator = request.client or ds.creator
+        ds.claimed_at = time.monotonic()
+        ds.ready.set()
+        wanted, ds.wanted = sorted(ds.wanted), set()
+        return Wanted(wanted)
+
+    def unsubmitted(self, key: str) -> bool:
+        """Whether `key` is a block of a dataset still being submitted, whose load is not
+        submitted yet (the scheduler has no task of it): noted as wanted (`Wanted`)."""
+        parsed = parse_block_key(key)
+        ds = parsed and self.by_identity.get(parsed[0])
+        if not ds or not ds.submitting or not 0 <= parsed[1] < len(ds.planned):
+            return False
+        ds.wanted.add(parsed[1])
+        return True
 
     def get_or_register(self, request: GetOrRegister) -> Ready | Registered | Busy | NoWorkers:
         """For datasets whose description needs no I/O (transparent mode's files)."""
@@ -209,11 +249,20 @@ class DatasetsPlugin(SchedulerPlugin):
             scheduler.set_restrictions(restrictions)
         for ds, ds_keys in wanted.items():
             scheduler.client_desires_keys(keys=ds_keys, client=ds.holder_client)
-            if len(ds_keys) == len(ds.planned):
+            ds.submitted += len(ds_keys)
+            ds.arrived.set()
+            if len(ds_keys) == len(ds.planned):  # every block in one graph
+                ds.submitting = False
                 ds.ready.set()
 
     def remove_client(self, scheduler, client: str) -> None:
+        """A reader's claims pass on; a dataset whose claimant left before it submitted every
+        block is treated as lost (`_lost`): the next open submits the missing blocks."""
         self.reads.remove_client(client)
+        for ds in self.datasets.values():
+            if ds.submitting and ds.creator == client:
+                ds.submitting = False
+                ds.forgotten += 1
 
     def transition(self, key, start, finish, *args, **kwargs) -> None:
         parsed = parse_block_key(key)
@@ -236,7 +285,7 @@ class DatasetsPlugin(SchedulerPlugin):
                 ds.erred.add(parsed[1])
             elif start == "erred":
                 ds.erred.discard(parsed[1])
-        if finish in ("memory", "erred", "forgotten", "released"):
+        if finish in ("processing", "memory", "erred", "forgotten", "released"):  # processing: `Locate.planned`
             self.reads.waiters.wake(key)
         if finish in ("erred", "forgotten", "released"):
             self.streamed.discard(key)

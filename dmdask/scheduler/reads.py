@@ -50,7 +50,8 @@ class BlockReads:
             for key in request.keys:
                 ts = self.scheduler.tasks.get(key)
                 if ts is None:
-                    (pending if key in expect or self._claimed(key) else unknown).append(key)
+                    waited = key in expect or self._claimed(key) or self.plugin.unsubmitted(key)
+                    (pending if waited else unknown).append(key)
                 elif ts.state == "memory" and ts.who_has:
                     holders[key] = preferred_holder(ts, host)
                 elif ts.state == "erred":
