@@ -45,6 +45,7 @@ def write_indexed(prefix, docs, version=1, code=None, pointers=None, cut=0) -> N
 
 DOCS = documents(60, np.uint16, seed=1)
 TOKENS = np.concatenate(DOCS)
+DOCUMENT = np.repeat(np.arange(len(DOCS)), [len(d) for d in DOCS])  # each token's document
 
 
 def write_store(root):  # the `store` fixture's files (conftest.py)
@@ -60,6 +61,43 @@ class TestMegatronSource(SourceTests):
     def check(self, batch):
         assert set(batch) == {"tokens", "index"} and batch["tokens"].dtype == np.uint16
         np.testing.assert_array_equal(batch["tokens"], TOKENS[batch["index"]])
+
+
+class TestMegatronSourceWithDocuments(SourceTests):
+    @pytest.fixture
+    def spec(self, store):
+        return dmdask.Spec(store[0].url + "/corpus_text_document", batch_size=64, block_size=1500, seed=3,
+                           keys=["tokens", "document"])
+
+    def check(self, batch):
+        assert set(batch) == {"tokens", "document", "index"} and batch["document"].dtype == np.int64
+        np.testing.assert_array_equal(batch["tokens"], TOKENS[batch["index"]])
+        np.testing.assert_array_equal(batch["document"], DOCUMENT[batch["index"]])
+
+
+def test_windows_carry_each_tokens_document_for_the_attention_mask(client, store):
+    """With keys=["tokens", "document"], a window says which document each token is in (documents of
+    one sequence each, some empty), so a trainer masks attention across documents and restarts
+    positions at each, as Megatron's reset_attention_mask and reset_position_ids do."""
+    server, root = store
+    docs = documents(50, np.uint16, seed=4)
+    docs[7] = docs[7][:0]  # an empty document, then one of a single token
+    docs[8] = docs[8][:1]
+    write_indexed(root / "with_empty", docs)
+    tokens, document = np.concatenate(docs), np.repeat(np.arange(len(docs)), [len(d) for d in docs])
+    spec = dmdask.Spec(f"{server.url}/with_empty", batch_size=4, block_size=333, seed=6, keys=["tokens", "document"],
+                       window=dmdask.Window(257, stride=256))
+    ids = []
+    for batch in dmdask.batches(client, spec):
+        assert batch["document"].shape == batch["tokens"].shape == (len(batch["index"]), 257)
+        for w, window, doc in zip(batch["index"].tolist(), batch["tokens"], batch["document"]):
+            np.testing.assert_array_equal(window, tokens[w * 256:w * 256 + 257])
+            np.testing.assert_array_equal(doc, document[w * 256:w * 256 + 257])
+        assert (np.diff(batch["document"], axis=1) >= 0).all()  # a mask: document[:, :, None] == document[:, None]
+        ids += batch["index"].tolist()
+    assert sorted(ids) == list(range((len(tokens) - 257) // 256 + 1))
+    with pytest.raises(dmdask.SpecError, match="keys"):
+        open_source(spec.replace(keys=["document"]))
 
 
 @pytest.mark.parametrize("name", ["wide", "wide.bin", "wide.idx"])
