@@ -24,7 +24,7 @@ def documents(count: int, dtype, seed: int) -> list:
     return [((np.arange(a, b) * 7919) % 50257).astype(dtype) for a, b in zip(start[:-1], start[1:])]
 
 
-def write_indexed(prefix, docs, version=1, code=None, pointers=None, cut=0) -> None:
+def write_indexed(prefix, docs, version=1, code=None, pointers=None, cut=0, doc_idx=None) -> None:
     """`prefix`.bin (the documents' tokens end to end) and `prefix`.idx: magic, version (uint64),
     dtype code (uint8), sequence and document counts (uint64), sizes (int32), pointers (int64: byte
     offsets in the .bin), document indices (int64: 0, then each document's end in sequences);
@@ -33,7 +33,7 @@ def write_indexed(prefix, docs, version=1, code=None, pointers=None, cut=0) -> N
     sizes = np.array([len(d) for d in docs], dtype="<i4")
     if pointers is None:
         pointers = np.concatenate([[0], np.cumsum(sizes[:-1], dtype=np.int64) * dtype.itemsize])
-    doc_idx = np.arange(len(docs) + 1, dtype="<i8")  # one sequence a document
+    doc_idx = np.arange(len(docs) + 1, dtype="<i8") if doc_idx is None else np.asarray(doc_idx, "<i8")  # one a doc
     header = b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", version, code or CODES[dtype], len(sizes), len(doc_idx))
     index = header + sizes.tobytes() + np.asarray(pointers, dtype="<i8").tobytes() + doc_idx.tobytes()
     with open(f"{prefix}.idx", "wb") as f:
@@ -131,6 +131,7 @@ def test_windows_over_the_documents_end_to_end_named_by_prefix_bin_or_idx(client
     (dict(code=7), "dtype code 7"),
     (dict(cut=9), "truncated"),
     (dict(pointers=[0] * 5), "not laid end to end"),
+    (dict(doc_idx=[0, 3, 2, 5]), "document indices must rise from 0 to its 5 sequences"),
 ])
 def test_a_broken_index_is_a_source_error_naming_what_is_wrong(tmp_path, broken, message):
     write_indexed(tmp_path / "c", documents(5, np.uint16, seed=3), **broken)
