@@ -144,11 +144,10 @@ def report(result: dict, plots_dir: str) -> str:
                      f"| {x['rss_growth_mib']:.0f} MiB | {x['store_requests']:,} ({x['store_bytes'] / 2**20:,.0f} MiB) "
                      f"| {x['batches']:,} | {x['batch_ok']} |")
     lines += ["", f"Load (1 min) {result['load_1min']:.1f} at the start, {result['load_1min_after']:.1f} at the end.",
-              "", "The first batches of all ranks of a large world together touch nearly every block (8,192 windows "
-              "of 2 KiB spread over the blocks), and a block is read whole: a cold rank's first batch waits for the "
-              "loads queued before its own blocks (the RAM tier filling, whole 8 MiB blocks read and stored), "
-              "counted in the column of blocks read. RSS growth counts the workers' shared-memory arenas the rank "
-              "maps (pages of /dev/shm it touches), which tracemalloc does not see."]
+              "", "Blocks read by then: whole 8 MiB blocks the workers read (and stored) before the rank had its "
+              "first batch; the first batches of all ranks of a large world together touch nearly every block. RSS "
+              "growth counts the pages of the workers' shared-memory arenas the rank maps (/dev/shm), which "
+              "tracemalloc does not see. One run per rank: on a shared machine its times vary several-fold."]
     return "\n".join(lines) + "\n"
 
 
