@@ -124,6 +124,10 @@ def test_windows_over_the_documents_end_to_end_named_by_prefix_bin_or_idx(client
     assert read["wide.idx"] == {"requests": 1 + probe["wide.idx"][0], "bytes": index + probe["wide.idx"][1]}
     assert read["wide.bin"]["bytes"] - probe["wide.bin"][1] <= tokens.nbytes  # each block at most once
     assert read["wide.bin"]["requests"] - probe["wide.bin"][0] <= -(-len(tokens) // 700)
+    restarted = dmdask.batches(client, spec.replace(rank=1, world_size=3), epoch=2)  # a restart at another size
+    next(restarted)
+    restarted.close()
+    assert server.stats()["by_path"]["wide.idx"] == read["wide.idx"]  # plans without reading the index again
 
 
 @pytest.mark.parametrize("broken, message", [
