@@ -18,7 +18,7 @@ from . import report
 from .common import machine
 
 SCENARIOS = ["traffic", "training", "throughput", "control_plane", "scale", "transparent", "cold", "gpu", "peer_path",
-             "faults", "first_contact", "token_corpus"]
+             "faults", "first_contact", "token_corpus", "science_windows"]
 PEER_SCENARIOS = ["peers", "simulate"]  # `run --peers`: results in peers-<preset>-latest.json
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

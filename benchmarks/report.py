@@ -23,6 +23,7 @@ TITLES = {
     "faults": "13. Faults: a worker paused mid-epoch, a store with 503s and hung requests",
     "first_contact": "14. First contact at scale: a cold dataset of 10^4 to 10^6 blocks",
     "token_corpus": "15. A language-model corpus of 10^10 tokens: a rank's first batch of windows",
+    "science_windows": "16. Time windows of a (time, lat, lon) Zarr: dmdask against xbatcher",
 }
 # `python -m benchmarks run --peers`: their own results file, merged into the page when present
 PEER_TITLES = {

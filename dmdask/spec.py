@@ -81,11 +81,11 @@ class Spec:
         if self.window is not None:
             if not isinstance(self.window, Window):
                 raise SpecError("window", "None or a dmdask.Window(length, stride)", self.window)
-            for name, value in (("source", isinstance(self.source, Mix)), ("transform", self.transform is not None),
+            for name, value in (("transform", self.transform is not None),
                                 ("shuffle_window", self.shuffle_window is not None)):
                 if value:
-                    raise SpecError("window", f"None with {name}= (windows of a mixture, with a transform or a "
-                                    "shuffle window are not supported yet)", self.window)
+                    raise SpecError("window", f"None with {name}= (windows with a transform or a shuffle window "
+                                    "are not supported yet)", self.window)
         for name, low in (("batch_size", 1), ("seed", 0), ("world_size", 1), ("prefetch", 1),
                           ("shuffle_window", 1), ("block_size", 1)):
             if name in ("shuffle_window", "block_size", "prefetch") and getattr(self, name) is None:
@@ -213,16 +213,23 @@ class Window:
     window ids; the order, the ranks' shares and resume work on window ids as on rows.
 
     length: rows a window (>= 1). stride: rows between window starts (>= 1; None:
-        `length`, windows end to end).
+        `length`, windows end to end). dim: for a Zarr group written by xarray (arrays
+        that name their dimensions), the dimension the windows run along: the fields are
+        the arrays whose first dimension it is, its coordinate included (times decoded
+        from CF units to datetime64), so each window carries its own coordinates; None:
+        every array (or `Spec.keys`), all of one length along their first axis.
     """
 
     length: int
     stride: int | None = None
+    dim: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "length", as_int("window", self.length, low=1, hint="a length >= 1"))
         stride = self.length if self.stride is None else self.stride
         object.__setattr__(self, "stride", as_int("window", stride, low=1, hint="a stride >= 1"))
+        if self.dim is not None and (not isinstance(self.dim, str) or not self.dim):
+            raise SpecError("window", "a Window whose dim is None or a dimension name such as 'time'", self)
 
     def count(self, rows: int) -> int:
         """How many windows `rows` rows hold."""
@@ -233,11 +240,13 @@ class Window:
         starts = np.asarray(windows, dtype=np.int64) * self.stride
         return (starts[:, None] + np.arange(self.length, dtype=np.int64)).ravel()
 
-    def as_windows(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def as_windows(self, batch: dict[str, np.ndarray], per_window=()) -> dict[str, np.ndarray]:
         """A batch of the rows of windows (`rows`, "index" the row ids) as windows: each
-        field (n*length, ...) viewed as (n, length, ...), "index" the window ids."""
+        field (n*length, ...) viewed as (n, length, ...), "index" the window ids, and the
+        fields named in `per_window` (the same for a window's rows) one value a window."""
         windows = batch["index"][::self.length] // self.stride
-        out = {name: values.reshape((len(windows), self.length) + values.shape[1:])
+        out = {name: values[::self.length] if name in per_window else
+               values.reshape((len(windows), self.length) + values.shape[1:])
                for name, values in batch.items() if name != "index"}
         out["index"] = windows
         return out
@@ -260,6 +269,7 @@ class Mix:
         leaves its source out); None: in proportion to the sources' sizes, so that an
         epoch reads every sample of every source once.
     epoch_size: positions per epoch (>= 1); None: the sum of the sources' sizes.
+    With `Spec(window=...)`, sizes, weights and `epoch_size` count windows.
     """
 
     sources: Sequence[Any]

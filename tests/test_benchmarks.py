@@ -270,3 +270,19 @@ def test_token_corpus_scenario_runs_and_reports(tmp_path):
     assert result["goals"] and all(isinstance(g["met"], bool) and g["measured"] for g in result["goals"])
     page = report.write(results, path=str(tmp_path / "benchmarks.md"), plots_dir=str(tmp_path / "plots"))
     assert "| 15 |" in open(page).read()
+
+
+def test_science_windows_scenario_reads_the_store_once_and_checks_every_window(tmp_path):
+    """Scenario 16 at tiny size: dmdask's time windows of an xarray-written Zarr and
+    xbatcher's, each pass every window once with sampled windows equal to the generated
+    values (the scenario fails otherwise); dmdask's store bytes are the dataset's, once."""
+    results = run("tiny", ["science_windows"], out_dir=str(tmp_path), write_doc=False)
+    result = results["scenarios"]["science_windows"]
+    assert "error" not in result, result
+    dmdask_passes, xbatcher_passes = result["rows"]["dmdask"], result["rows"]["xbatcher"]
+    assert all(p["windows"] == result["windows"] for p in dmdask_passes + xbatcher_passes)
+    assert dmdask_passes[0]["store_bytes"] == result["config"]["dataset_bytes"]  # cold: every chunk once
+    assert [p["store_bytes"] for p in dmdask_passes[1:]] == [0, 0]  # warm: from the cache
+    assert all(p["store_bytes"] >= result["config"]["dataset_bytes"] for p in xbatcher_passes)  # every pass
+    page = report.write(results, path=str(tmp_path / "benchmarks.md"), plots_dir=str(tmp_path / "plots"))
+    assert "| 16 |" in open(page).read() and "xbatcher" in open(page).read()

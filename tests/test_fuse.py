@@ -146,6 +146,36 @@ def test_the_mount_serves_concurrent_readers_concurrently(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(fuse_missing() is not None, reason=str(fuse_missing()))
+def test_a_lookup_reads_the_next_files_of_its_folder_ahead(tmp_path):
+    """One reader opens the 10 new files of one folder one after the other, over a store that
+    takes 0.3 s a request: the lookup of the first also reads the first blocks of the others
+    (the kernel sends lookups in one folder one at a time), so the store sees GETs in flight
+    together; still one GET per file (and the folder's listing), no HEAD, each byte once,
+    every file's right bytes."""
+    root = tmp_path / "pfs"
+    write_folder(str(root / "images"), classes=1, per_class=10, **SIZES)
+    sizes = {os.path.relpath(os.path.join(d, f), root): os.path.getsize(os.path.join(d, f))
+             for d, _, names in os.walk(root / "images") for f in names}
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    with StoreServer(str(root), latency=0.3) as store, \
+            dmdask.LocalCluster(n_workers=2, ram="64 MiB", dashboard_address=None) as cluster:
+        with mounted(f"{store.url}/images", mountpoint, cluster.scheduler_address):
+            assert os.listdir(mountpoint) == ["class-00"]
+            store.reset_stats()
+            store.record_timeline()
+            reader = subprocess.run([sys.executable, "-c", READER, str(mountpoint), "1"], env=env(),
+                                    capture_output=True, text=True, timeout=READ_SECONDS)
+            assert reader.returncode == 0, reader.stderr
+            assert reader.stdout.split() == ["10"]
+        stats, timeline = store.stats(), store.timeline()
+    assert {p: stats["by_path"][p]["bytes"] for p in sizes} == sizes
+    assert all(stats["by_path"][p]["requests"] == 1 for p in sizes) and stats["head_requests"] == 0, stats
+    assert max_in_flight(timeline) >= 2, timeline
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(fuse_missing() is not None, reason=str(fuse_missing()))
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_ctrl_c_or_sigterm_unmounts_and_exits_0(tmp_path, stop):
     """The documented ways to stop a mount end it cleanly: unmounted, exit status 0, nothing

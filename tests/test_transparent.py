@@ -341,6 +341,53 @@ def test_readers_racing_for_the_same_new_files_read_the_store_once(store, cluste
     assert all(c["requests"] == 1 for c in counts.values())
 
 
+def test_reads_ahead_race_other_readers_and_still_read_each_file_once(store, cluster, tmp_path):
+    """One process opens a new file reading 12 others of its folder ahead (as the mount's
+    lookups do: one claim request, concurrent GETs), one of them missing, while another
+    process reads the 11 that exist at once, 4 threads each all of them: every byte leaves
+    the store once, both read the right bytes, and the missing file's claim is released
+    (its one GET answered 404)."""
+    server, root = store
+    folder = root / "ahead"
+    folder.mkdir()
+    rng = np.random.default_rng(7)
+    for i in range(12):
+        (folder / f"f{i:02d}.bin").write_bytes(rng.integers(0, 256, 2000 + 131 * i, dtype=np.uint8).tobytes())
+    sizes = file_sizes(folder, root)
+    urls = [f"{server.url}/{p}" for p in sorted(sizes)]
+    ahead = ("import hashlib, json, sys, fsspec\n"
+             "import dmdask\n"
+             "fs = fsspec.filesystem('dmdask', target_protocol='http', scheduler=sys.argv[1])\n"
+             "urls = sys.argv[2:]\n"
+             "assert fs.open_info(urls[0], urls[1:], 12)['size'] > 0\n"
+             "got = fs.cat(urls[:-1])\n"
+             "print(json.dumps([hashlib.sha1(got[u]).hexdigest() for u in urls[:-1]]))\n")
+    racing = ("import concurrent.futures, hashlib, json, sys, fsspec\n"
+              "import dmdask\n"
+              "fs = fsspec.filesystem('dmdask', target_protocol='http', scheduler=sys.argv[1])\n"
+              "urls = sys.argv[2:-1]\n"
+              "def read(_):\n"
+              "    got = fs.cat(urls)\n"
+              "    return [hashlib.sha1(got[u]).hexdigest() for u in urls]\n"
+              "with concurrent.futures.ThreadPoolExecutor(4) as pool:\n"
+              "    print(json.dumps(list(pool.map(read, range(4)))[0]))\n")
+    server.reset_stats()
+    args = [cluster.scheduler_address, *urls, f"{server.url}/ahead/missing.bin"]
+    procs = [subprocess.Popen([sys.executable, "-c", code, *args], env=env(), stdout=subprocess.PIPE, text=True)
+             for code in (ahead, racing)]
+    outs = [p.communicate(timeout=PROCESS_SECONDS)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    import hashlib
+
+    expected = [hashlib.sha1((root / p).read_bytes()).hexdigest() for p in sorted(sizes)]
+    assert [json.loads(out) for out in outs] == [expected, expected]
+    counts = sent(server, [*sizes, "ahead/missing.bin"])
+    assert {p: c["bytes"] for p, c in counts.items() if p in sizes} == sizes
+    assert all(c["requests"] == 1 for c in counts.values())
+    with distributed.Client(cluster.scheduler_address, set_as_default=False) as client:
+        assert client.run_on_scheduler(_claims_standing) == []
+
+
 def test_a_reader_that_leaves_with_claimed_blocks_holds_no_one_up(store, cluster):
     """A client claims a new file's block (as a first reader does) and never hands it
     over: another reader waits for it while that client lives, then, once it has left,

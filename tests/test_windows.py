@@ -10,6 +10,7 @@ import pytest
 import zarr
 
 import dmdask
+from benchmarks.common import write_files
 
 
 def write_tokens(path: str, n: int, chunk: int) -> np.ndarray:
@@ -91,6 +92,99 @@ def test_windows_stopped_at_three_ranks_resume_at_two_exactly_once(tmp_path, cli
         dmdask.batches(client, other, epoch=2, resume=states[0])
 
 
+def write_xarray(path: str, steps: int, chunk: int):
+    """An xarray Dataset (time, lat, lon) written to Zarr v3 by xarray: two variables, a
+    datetime "time" coordinate (CF units) and static "lat"/"lon" coordinates."""
+    import pandas as pd
+    import xarray as xr
+
+    shape = (steps, 3, 4)
+    ds = xr.Dataset({"t2m": (("time", "lat", "lon"), np.arange(np.prod(shape), dtype=np.float32).reshape(shape)),
+                     "u10": (("time", "lat", "lon"), -np.arange(np.prod(shape), dtype=np.float64).reshape(shape))},
+                    coords={"time": pd.date_range("2020-01-01", periods=steps, freq="6h"),
+                            "lat": [-45.0, 0.0, 45.0], "lon": [0.0, 90.0, 180.0, 270.0]})
+    ds.chunk({"time": chunk}).to_zarr(path, zarr_format=3, consolidated=False)
+    return ds
+
+
+def test_xarray_time_windows_carry_their_times_across_two_ranks(tmp_path, client):
+    """`Window(dim="time")` on an xarray-written Zarr: the fields are the arrays along time
+    (both variables and the time coordinate, decoded to datetime64), each window equals
+    xarray's own `isel(time=...)` of it, and two ranks share every window once."""
+    path = str(tmp_path / "era.zarr")
+    ds = write_xarray(path, 150, chunk=16)
+    window = dmdask.Window(8, stride=4, dim="time")
+    seen = []
+    for rank in (0, 1):
+        spec = dmdask.Spec(path, batch_size=6, seed=1, rank=rank, world_size=2, window=window)
+        for batch in dmdask.batches(client, spec):
+            assert sorted(batch) == ["index", "t2m", "time", "u10"]  # lat/lon are not along time
+            assert batch["time"].dtype == np.dtype("datetime64[ns]")
+            for w, t2m, u10, times in zip(batch["index"].tolist(), batch["t2m"], batch["u10"], batch["time"]):
+                expected = ds.isel(time=slice(w * 4, w * 4 + 8))
+                np.testing.assert_array_equal(t2m, expected["t2m"].values)
+                np.testing.assert_array_equal(u10, expected["u10"].values)
+                np.testing.assert_array_equal(times, expected["time"].values)
+            seen += batch["index"].tolist()
+    assert sorted(seen) == list(range((150 - 8) // 4 + 1))
+    warm = dmdask.batches(client, dmdask.Spec(path, batch_size=6, seed=1, window=window), epoch=1)
+    for batch in warm:  # every block held on this host: windows taken from the arenas a run at a time
+        for w, t2m, times in zip(batch["index"].tolist(), batch["t2m"], batch["time"]):
+            np.testing.assert_array_equal(t2m, ds["t2m"].values[w * 4:w * 4 + 8])
+            np.testing.assert_array_equal(times, ds["time"].values[w * 4:w * 4 + 8])
+    assert warm.requests == 0  # no request: the same-host path
+
+
+def test_a_window_dim_that_cannot_be_read_is_a_spec_error_naming_the_fix(tmp_path, client):
+    import xarray as xr
+
+    path = str(tmp_path / "era.zarr")
+    ds = write_xarray(path, 40, chunk=8)
+    with pytest.raises(dmdask.SpecError, match="one of .'lat', 'lon', 'time'."):  # no such dimension
+        next(iter(dmdask.batches(client, dmdask.Spec(path, batch_size=2, window=dmdask.Window(4, dim="step")))))
+    with pytest.raises(dmdask.SpecError, match="Spec.keys="):  # a coordinate chosen that is not along time
+        next(iter(dmdask.batches(client, dmdask.Spec(path, batch_size=2, keys=["t2m", "lat"],
+                                                     window=dmdask.Window(4, dim="time")))))
+    lon_first = str(tmp_path / "transposed.zarr")
+    xr.Dataset({"v": ds["t2m"].transpose("lon", "time", "lat")}).to_zarr(lon_first, zarr_format=3, consolidated=False)
+    with pytest.raises(dmdask.SpecError, match=r"v has \('lon', 'time', 'lat'\).*transpose\('time'"):
+        next(iter(dmdask.batches(client, dmdask.Spec(lon_first, batch_size=2, window=dmdask.Window(4, dim="time")))))
+    plain = str(tmp_path / "tokens.zarr")
+    write_tokens(plain, 100, chunk=10)  # arrays that name no dimensions
+    with pytest.raises(dmdask.SpecError, match="do not name their dimensions"):
+        next(iter(dmdask.batches(client, dmdask.Spec(plain, batch_size=2, window=dmdask.Window(4, dim="time")))))
+    folder = str(tmp_path / "files")
+    write_files(folder, 20, 64)
+    with pytest.raises(dmdask.SpecError, match="this source is not Zarr"):
+        next(iter(dmdask.batches(client, dmdask.Spec(folder, batch_size=2, window=dmdask.Window(4, dim="time")))))
+    with pytest.raises(dmdask.SpecError, match="window"):
+        dmdask.Window(4, dim="")
+
+
+def test_a_blend_of_three_corpora_deals_their_windows_by_weight_exactly_once(tmp_path, client):
+    """`Mix` of three token corpora with a window: unweighted, two ranks get every window of
+    every source once, each the source's own tokens; weighted, each source gets exactly its
+    apportioned count of distinct windows."""
+    corpora = [str(tmp_path / f"c{i}.zarr") for i in range(3)]
+    tokens = [write_tokens(path, n, chunk=64) for path, n in zip(corpora, (700, 1300, 333))]
+    for i, t in enumerate(tokens):  # tell the corpora apart
+        zarr.open_group(corpora[i], mode="r+")["tokens"][:] = (t + 1000 * i).astype(np.uint16)
+        tokens[i] = (t + 1000 * i).astype(np.uint16)
+    window = dmdask.Window(17, stride=16)
+    counts = [window.count(len(t)) for t in tokens]
+    seen = []
+    for rank in (0, 1):
+        spec = dmdask.Spec(dmdask.Mix(corpora), batch_size=5, seed=4, rank=rank, world_size=2, window=window)
+        for batch in dmdask.batches(client, spec):
+            assert batch["tokens"].shape == (len(batch["index"]), 17) and batch["source"].shape == batch["index"].shape
+            for s, w, row in zip(batch["source"].tolist(), batch["index"].tolist(), batch["tokens"]):
+                np.testing.assert_array_equal(row, tokens[s][w * 16:w * 16 + 17])
+                seen.append((s, w))
+    assert sorted(seen) == [(s, w) for s in range(3) for w in range(counts[s])]
+    weighted = dmdask.Spec(dmdask.Mix(corpora, weights=[3, 0, 1], epoch_size=40), batch_size=8, seed=1, window=window)
+    drawn = [(s, w) for b in dmdask.batches(client, weighted) for s, w in zip(b["source"].tolist(), b["index"].tolist())]
+    assert len(drawn) == len(set(drawn)) == 40
+    assert [sum(s == i for s, _ in drawn) for i in range(3)] == [30, 0, 10]
 def multiset_hash(ids) -> str:
     """A hash of window ids as a multiset (sorted, int64): equal for two streams that hold the same ids
     the same number of times, in any order."""
@@ -149,6 +243,8 @@ def test_bad_windows_are_spec_errors_naming_the_window():
         dmdask.Spec("x.zarr", batch_size=2, window=(4, 2))
     with pytest.raises(dmdask.SpecError, match="window"):
         dmdask.Spec("x.zarr", batch_size=2, window=dmdask.Window(4), shuffle_window=2)
+    with pytest.raises(dmdask.SpecError, match="transform"):
+        dmdask.Spec("x.zarr", batch_size=2, window=dmdask.Window(4), transform=dict)
 
 
 def test_blocks_load_in_the_order_the_windows_of_the_epoch_need_them():

@@ -110,32 +110,37 @@ class LocalArenas:
         if gone:
             self.forget()
 
-    def take(self, group: list[np.ndarray], count) -> list[dict[str, np.ndarray]]:
+    def take(self, group: list[np.ndarray], count, run: int = 1) -> list[dict[str, np.ndarray]]:
         """Batches of sample ids `group` (all in known arenas), each with its "index" and in
         pooled memory of its own (let go with its last array); hits recorded by
-        `count(holder, tier, rows, bytes)`. `Moved` for a block no longer there."""
+        `count(holder, tier, rows, bytes)`. `Moved` for a block no longer there. `run`:
+        the ids come in runs of that many consecutive ids (the rows of windows), planned
+        and checked a run at a time rather than a row at a time."""
         ids = np.concatenate(group)
-        blocks = ids // self.block_len
         bounds = np.cumsum([0] + [len(b) for b in group]).tolist()
         with self._lock:  # held through the copy: nothing is unmapped while it reads
-            arena = self.arena_of[blocks]
-            if not self._windows or (arena < 0).any():
-                raise Moved([int(b) for b in blocks[arena < 0][:3]])
-            rows = self.first_row[blocks] + (ids - blocks * self.block_len)
+            if not self._windows:
+                raise Moved([int(ids[0] // self.block_len)] if len(ids) else [])
+            if 1 < run <= self.block_len and len(ids) % run == 0:
+                rows, arena, checked = self._runs(ids, run)
+            else:
+                rows, arena = self._rows(ids)
+                checked = (rows, arena, ids)
             layout = tuple((name, w.rows.dtype.str, w.rows.shape[1:]) for name, w in self._windows.items()
                            if name != ID_FIELD)
             out = [empty_batch(layout, len(b)) for b in group]
             for name, window in self._windows.items():
-                where = arena * np.int64(window.stride) + rows
+                stride = np.int64(window.stride)  # rows of an arena in this field's mapping
                 if name == ID_FIELD:
-                    held = window.rows[where]
+                    held = window.rows[checked[1] * stride + checked[0]]
                     continue
+                where = arena * stride + rows
                 for batch, a, b in zip(out, bounds[:-1], bounds[1:]):  # "clip": no buffered copy; all mapped
                     np.take(window.rows, where[a:b], axis=0, out=batch[name], mode="clip")
             holders = [holder for holder, _ in self.arenas]
-        if not np.array_equal(held, ids):  # after the copy: were those rows still the right ones?
+        if not np.array_equal(held, checked[2]):  # after the copy: were those rows still the right ones?
             self.forget()
-            raise Moved([holders[a] for a in np.unique(arena[held != ids]).tolist()])
+            raise Moved([holders[a] for a in np.unique(checked[1][held != checked[2]]).tolist()])
         row_bytes = sum(values[:1].nbytes for values in out[0].values())
         for a, n in enumerate(np.bincount(arena).tolist()):
             if n:
@@ -143,6 +148,33 @@ class LocalArenas:
         for batch, a, b in zip(out, bounds[:-1], bounds[1:]):
             batch["index"] = ids[a:b]
         return out
+
+    def _rows(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(each id's row in its arena, that arena); `Moved` if one is not in a known arena."""
+        blocks = ids // self.block_len
+        arena = self.arena_of[blocks]
+        if (arena < 0).any():
+            raise Moved([int(b) for b in blocks[arena < 0][:3]])
+        return self.first_row[blocks] + (ids - blocks * self.block_len), arena
+
+    def _runs(self, ids: np.ndarray, run: int) -> tuple[np.ndarray, np.ndarray, tuple]:
+        """`_rows` for runs of `run` consecutive ids (at most a block long): a run's rows
+        follow its first row's, but for a run that crosses into a block placed elsewhere;
+        and (rows, arenas, ids) to check: each run's first and last (a block's rows are
+        replaced together, so a run is right if its ends are)."""
+        firsts = ids[::run]
+        lasts = firsts + (run - 1)
+        first_rows, arena = self._rows(firsts)
+        last_rows, last_arena = self._rows(lasts)
+        rows = first_rows[:, None] + np.arange(run, dtype=np.int64)
+        arenas = np.repeat(arena, run).reshape(-1, run)
+        crossing = np.flatnonzero((last_rows - first_rows != run - 1) | (last_arena != arena))
+        if len(crossing):
+            crossing_rows, crossing_arenas = self._rows((firsts[crossing, None] + np.arange(run)).ravel())
+            rows[crossing], arenas[crossing] = crossing_rows.reshape(-1, run), crossing_arenas.reshape(-1, run)
+        checked = (np.concatenate([first_rows, last_rows]), np.concatenate([arena, last_arena]),
+                   np.concatenate([firsts, lasts]))
+        return rows.ravel(), arenas.ravel(), checked
 
 
 def _after_fork() -> None:

@@ -23,7 +23,7 @@ from .fetch import HITS_SECONDS, GroupFetcher
 from .first_batch import FirstBatch
 from .gather import Gatherer, Moved, copier, fetchers
 from .locate import my_host
-from .mixture import MixedInfo, check_fields_match, take_mixed
+from .mixture import SOURCE_FIELD, MixedInfo, check_fields_match, take_mixed
 from .progress import make as _make_progress
 from .resume import resume_point
 
@@ -71,14 +71,14 @@ class BatchIterator:
             dask.config.get("dmdask.client.read-first-batch") else None
         opened = [open_dataset(client, s, epoch, host if learn else None,
                                None if self._first is None else self._first.plan) for s in specs]
-        if isinstance(spec.source, Mix):
-            self.info = info = self._mixed = MixedInfo(spec.source, [o.info for o in opened])
+        if isinstance(spec.source, Mix):  # with a window: an order of the sources' windows
+            self.info = info = self._mixed = MixedInfo(spec.source, [o.info for o in opened], spec.window)
             self._order = info.order(shuffle=spec.shuffle, seed=spec.seed, epoch=epoch,
                                      shuffle_window=spec.shuffle_window)
         else:
             self.info = info = opened[0].info
             self._order = EpochOrder.of(info, spec, epoch)
-        if spec.window is not None:  # the order of the windows (`WindowShare` reads their rows)
+        if spec.window is not None and self._mixed is None:  # the order of the windows (`WindowShare` reads their rows)
             windows = spec.window.count(info.num_samples)
             if not windows:
                 raise SpecError("window", f"a length of at most the {info.num_samples} rows of {spec.source}",
@@ -166,7 +166,7 @@ class BatchIterator:
             self.close()
             raise batch
         if self.spec.window is not None:
-            batch = self.spec.window.as_windows(batch)
+            batch = self.spec.window.as_windows(batch, per_window=(SOURCE_FIELD,))
         self._position += 1
         if self._progress is not None:
             self._progress.update()
@@ -234,7 +234,8 @@ class BatchIterator:
             if self._mixed is not None:
                 out = take_mixed(self._mixed, self._locals, group, self._gatherer.count)
             else:
-                out = self._local.take(group, self._gatherer.count)
+                out = self._local.take(group, self._gatherer.count, 1 if self.spec.window is None else
+                                       self.spec.window.length)
         except Moved:  # released or moved since it was known: locate the blocks again
             return self._fetch(first, stop).result()
         if self._gatherer.due(HITS_SECONDS):  # wakes the event loop only when a report is due
@@ -284,4 +285,6 @@ class BatchIterator:
         """A rank's share of what the generations in `history` left of the epoch (of its windows' rows)."""
         left = remaining(self._order.num_samples, history) if history else None
         share = RankShare(self._order, rank, world_size, batch_size, self.spec.drop_last, left)
-        return share if self.spec.window is None else WindowShare(share, self.spec.window)
+        if self.spec.window is None:
+            return share
+        return WindowShare(share, self.spec.window, None if self._mixed is None else self._mixed.window_rows)

@@ -22,10 +22,12 @@ _matching: set = set()  # (identity, fields) of mixtures whose sources' rows wer
 
 class MixedInfo:
     """The sources of a mixture as one dataset of global ids (the source's offset + its sample
-    id). `counts`: each source's draws per epoch; `identity`: what a resume state must share."""
+    id). `counts`: each source's draws per epoch; `identity`: what a resume state must share.
+    With a `window` (`dmdask.Window`), what is drawn is a source's windows (`draws`: their
+    global ids, `window_rows` their rows), and epochs and weights count windows."""
 
-    def __init__(self, mix: Mix, sources: Sequence[DatasetInfo]):
-        self.mix = mix
+    def __init__(self, mix: Mix, sources: Sequence[DatasetInfo], window=None):
+        self.mix, self.window = mix, window
         self.sources = tuple(sources)
         identities = [s.identity for s in self.sources]
         if len(set(identities)) < len(identities):
@@ -34,9 +36,14 @@ class MixedInfo:
                             "block_size and storage_options): give it a larger weight instead", mix)
         self.sizes = [s.num_samples for s in self.sources]
         self.fields = _common_fields(self.sources)
-        self.epoch_size = mix.epoch_size or sum(self.sizes)
-        self.counts = apportion(self.epoch_size, mix.weights if mix.weights is not None else self.sizes)
+        self.draws = self.sizes if window is None else [window.count(n) for n in self.sizes]  # per source
+        if not all(self.draws):
+            short = self.sources[self.draws.index(0)]
+            raise SpecError("window", f"a length of at most the {short.num_samples} rows of {short.url}", window)
+        self.epoch_size = mix.epoch_size or sum(self.draws)
+        self.counts = apportion(self.epoch_size, mix.weights if mix.weights is not None else self.draws)
         self.offsets = np.cumsum([0] + self.sizes).astype(np.int64)
+        self._draw_offsets = np.cumsum([0] + self.draws).astype(np.int64)
         self.block_offsets = np.cumsum([0] + [s.num_blocks for s in self.sources]).astype(np.int64)
         self._block_lens = np.array([s.block_len for s in self.sources], dtype=np.int64)
         self.identity = "mix-" + tokenize([s.identity for s in self.sources], self.counts)[:16]
@@ -48,8 +55,16 @@ class MixedInfo:
         self.nbytes = None if any(n is None for n in sizes) else sum(sizes)
 
     def order(self, *, shuffle: bool, seed: int, epoch: int, shuffle_window=None) -> MixOrder:
-        return MixOrder(self.sizes, self.counts, [s.block_len for s in self.sources], shuffle=shuffle, seed=seed,
-                        epoch=epoch, shuffle_window=shuffle_window)
+        stride = 1 if self.window is None else self.window.stride  # a block's draws, about
+        return MixOrder(self.draws, self.counts, [max(1, s.block_len // stride) for s in self.sources],
+                        shuffle=shuffle, seed=seed, epoch=epoch, shuffle_window=shuffle_window)
+
+    def window_rows(self, ids: np.ndarray) -> np.ndarray:
+        """The global row ids of the windows with global ids `ids`, window after window."""
+        ids = np.asarray(ids, dtype=np.int64)
+        sources = np.searchsorted(self._draw_offsets, ids, side="right") - 1
+        rows = self.window.rows(ids - self._draw_offsets[sources])
+        return rows + np.repeat(self.offsets[sources], self.window.length)
 
     def split(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(source index, sample id in that source) of global ids."""

@@ -173,10 +173,14 @@ class DmdaskFileSystem(_Base):
         return [self.unstrip_protocol(p) for p in super().expand_path(path, recursive, maxdepth, **kwargs)]
 
     @routed
-    def open_info(self, path) -> dict:
+    def open_info(self, path, ahead=(), most: int = 0) -> dict:
         """`info` of a file about to be read from its start: on HTTP from the ranged GET of
-        its first block, whose bytes the read that follows takes (`dmdask.fs.probe`)."""
-        return self._named(self._file(path, 0)[0])
+        its first block, whose bytes the read that follows takes (`dmdask.fs.probe`).
+        `ahead`: other files of this target likely read soon (the mount passes a folder's):
+        the first `most` of them new to the run are claimed with it, in one scheduler request,
+        and their first blocks read concurrently in the background, so that their own
+        `open_info` finds them read."""
+        return self._named(self._file(path, 0, (self.target_path(p) for p in ahead), most)[0])
 
     @routed
     def glob(self, path, maxdepth=None, **kwargs):
@@ -244,10 +248,10 @@ class DmdaskFileSystem(_Base):
         return FileSource(url, self.target_protocol, self._options, path, int(info["size"]), version_of(info),
                           self.block_bytes)
 
-    def _file(self, path: str, start: int | None = 0):
+    def _file(self, path: str, start: int | None = 0, ahead=(), most: int = 0):
         """(info, source) of a file about to be read from byte `start` (None: from its
-        end); source is None when it is empty or its size unknown."""
-        info = dict(self._session().claims.first_info(self, self.target_path(path), start))
+        end); source is None when it is empty or its size unknown. `ahead`: `open_info`'s."""
+        info = dict(self._session().claims.first_info(self, self.target_path(path), start, ahead, most))
         if info.get("type", "file") != "file":
             raise IsADirectoryError(path)
         size = info.get("size")

@@ -11,7 +11,11 @@ import asyncio
 import logging
 import secrets
 import threading
+import itertools
+from collections import OrderedDict
+from collections.abc import Iterable
 
+import dask.config
 import fsspec
 
 from ..client.datasets import submit_blocks
@@ -41,6 +45,7 @@ OPEN_DELAY = 0.25
 WORKER_HANDOVER_DELAY = 0.25
 WORKER_OPEN_DELAY = 0.05
 HANDOVER_BYTES = 64 << 20
+AHEAD_BYTES = 64 << 20  # the most bytes read ahead kept until read (`Claims.ahead`)
 
 
 class Claims:
@@ -55,20 +60,32 @@ class Claims:
         self.to_hand: list[tuple] = []  # (worker, reader, bytes) queued for the next hand-over
         self._queued_bytes = 0  # bytes in to_hand and to_open
         self.to_open: list[tuple] = []  # (info put, reader or None, its DatasetInfo or None, bytes): `first_info`
+        self.reading_ahead: dict[str, threading.Event] = {}  # fsid|path -> set once its read ahead ended
+        self.ahead: OrderedDict[str, tuple] = OrderedDict()  # block key -> (rows read ahead, bytes), until read
+        self._ahead_bytes = 0  # in `ahead`, at most AHEAD_BYTES (the oldest dropped)
 
-    def first_info(self, fs, path: str, start: int | None = 0) -> dict:
+    def first_info(self, fs, path: str, start: int | None = 0, ahead: Iterable[str] = (), most: int = 0) -> dict:
         """The info of `path` for reading it from byte `start` (None: from its end). On HTTP a
         file new to the run is claimed and asked with the ranged GET of the block holding
-        `start`, whose bytes the read that follows takes: one scheduler and one store round trip."""
+        `start`, whose bytes the read that follows takes: one scheduler and one store round trip.
+        `ahead`: other files (target naming) to read ahead so: the first `most` of them new to
+        the run are claimed in the same scheduler request, and their first blocks read
+        concurrently, in the background (`read_ahead`)."""
         self.session.check_workers()
         fsid, metadata = fs.target_id, self.session.metadata
-        found = metadata.known_info(fsid, path)
+        found = metadata.known_info(fsid, path) or self._read_ahead_info(fsid, path)
         if found is not None:
             return found
         target = fsspec.filesystem(fs.target_protocol, **fs.target_options)  # this process's own
         if start is None or start < 0 or not probe.applies(target):
             return metadata.info(fsid, fs.fs, path)
-        found = metadata.claim_info(fsid, path)
+        new = (p for p in ahead if p != path and metadata.infos.get(f"{fsid}|{p}") is None
+               and f"{fsid}|{p}" not in self.reading_ahead)
+        ahead = list(dict.fromkeys(itertools.islice(new, most)))
+        if ahead:
+            found = self._claim_with(fs, target, path, ahead)
+        else:
+            found = metadata.claim_info(fsid, path)
         if found is ELSEWHERE:  # a HEAD, not a GET: the bytes may be cached already
             return metadata.info(fsid, fs.fs, path)
         if found is not None:
@@ -82,6 +99,79 @@ class Claims:
         except Exception:  # a missing file (404), a store error: the claim ends with it
             metadata.release(fsid, path)
             raise
+        return self._took(fs, path, index, got)
+
+    def _claim_with(self, fs, target, path: str, ahead: list[str]):
+        """`claim_info` of `path` with the claims of `ahead` in the same request; the first
+        blocks of those of `ahead` claimed are read in the background (`read_ahead`)."""
+        fsid, metadata = fs.target_id, self.session.metadata
+        known, elsewhere, probing = metadata.claim_infos(fsid, [path] + ahead)
+        mine = [p for p in ahead if p not in known and p not in elsewhere and p not in probing]
+        if mine:
+            self.read_ahead(fs, target, mine)
+        if path in known:
+            return known[path]
+        if path in elsewhere:
+            return ELSEWHERE
+        if path in probing:  # another process of the run reads it: wait for its info
+            return metadata.claim_info(fsid, path)
+        return None  # claimed: this process reads it
+
+    def read_ahead(self, fs, target, paths: list[str]) -> None:
+        """Read the first blocks (and so the infos) of `paths`, which this process claimed,
+        concurrently on `target`'s event loop, not waiting for them: each is then known to
+        this process and handed over as a first read's block is (`_took`); a file that
+        fails is released, and a later read of it asks the store again."""
+        fsid = fs.target_id
+        block_bytes = FileSource.block_bytes_of(fs.block_bytes)
+        with self._lock:
+            events = {p: self.reading_ahead.setdefault(f"{fsid}|{p}", threading.Event()) for p in paths}
+
+        def done(path: str, future) -> None:
+            try:
+                if self.session.connected is None:  # closed meanwhile (`dmdask.fs.close`): its claims end with it
+                    return
+                got = None if future.cancelled() or future.exception() is not None else future.result()
+                if got is not None:
+                    self._took(fs, path, 0, got, keep=True)
+                else:
+                    self.session.client.loop.add_callback(self.session.metadata.release_soon, fsid, [path])
+            except Exception:  # noqa: BLE001 - a read ahead only saves a later read its round trips
+                logger.debug("could not read %s ahead", path, exc_info=True)
+            finally:
+                with self._lock:
+                    self.reading_ahead.pop(f"{fsid}|{path}", None)
+                events[path].set()
+
+        for path in paths:
+            probe.start_first_block(target, path, 0, block_bytes).add_done_callback(
+                lambda future, path=path: done(path, future))
+
+    def _keep_ahead(self, key: str, rows: dict, nbytes: int) -> None:
+        """Keep a block read ahead until it is read (the caller holds the lock); the oldest
+        are dropped past `AHEAD_BYTES` (their reads then come from their workers)."""
+        self.ahead[key] = (rows, nbytes)
+        self._ahead_bytes += nbytes
+        while self._ahead_bytes > AHEAD_BYTES and self.ahead:
+            _, (_, dropped) = self.ahead.popitem(last=False)
+            self._ahead_bytes -= dropped
+
+    def _read_ahead_info(self, fsid: str, path: str) -> dict | None:
+        """The info of `path` once its read ahead ends, if one is under way here (None when
+        none is, or it failed)."""
+        with self._lock:
+            event = self.reading_ahead.get(f"{fsid}|{path}")
+        if event is None:
+            return None
+        event.wait(float(dask.config.get("dmdask.client.recovery-seconds")))
+        return self.session.metadata.infos.get(f"{fsid}|{path}")
+
+    def _took(self, fs, path: str, index: int, got: tuple[dict, bytes], keep: bool = False) -> dict:
+        """Know the info of `path` and keep block `index`'s bytes `got` (from the GET that
+        gave the info) for the read that follows, to be handed over; the info. `keep`: a
+        block read ahead, kept here until first read (`ahead`), however long its hand-over takes."""
+        fsid, metadata = fs.target_id, self.session.metadata
+        block_bytes = FileSource.block_bytes_of(fs.block_bytes)
         info, content = plain(got[0]), got[1]
         source = reader = None
         if info["size"] and index * block_bytes < info["size"]:
@@ -94,6 +184,8 @@ class Claims:
             metadata.know(fsid, path, info)
             if reader is not None:  # the read that follows takes it from here
                 self.handing[reader.key] = reader.decode(content)
+                if keep:
+                    self._keep_ahead(reader.key, self.handing[reader.key], len(content))
             first = not self.to_open
             self.to_open.append((put, reader, reader and source.info, content))
         self._schedule_hand_over(first, WORKER_OPEN_DELAY if serving() else OPEN_DELAY, len(content))
@@ -106,6 +198,10 @@ class Claims:
         session, blocks = self.session, self.session.blocks
         with self._lock:
             have = {key: self.handing[key] for key in wanted if key in self.handing}
+            for key in wanted:  # read ahead: kept until read, as their hand-over may be done by then
+                if key in self.ahead:
+                    have[key], nbytes = self.ahead.pop(key)
+                    self._ahead_bytes -= nbytes
         new = [key for key in wanted if key not in have and key not in blocks.holders]
         for folder in {f"{fs.target_id}|{folder_of(wanted[key][0].path)}" for key in new} - blocks.located:
             blocks.located.add(folder)

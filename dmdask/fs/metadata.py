@@ -19,6 +19,7 @@ import fsspec.asyn
 
 from ..protocol.scheduler import FileEntry, FsClaim, FsMetadata, SchedulerAPI
 from ..recovery import Tries
+from . import probe
 from .run import new_run
 from .run import start as start_run
 
@@ -186,6 +187,26 @@ class Metadata:
                 return None
         return None
 
+    def claim_infos(self, fsid: str, paths: list[str]) -> tuple[dict, set, set]:
+        """One claim request for the infos of `paths` (`claim_info` without its wait): (the
+        run's infos of those it knows, path -> info; those another run read; those another
+        process of the run is reading). The rest are claimed for this process to read."""
+        pairs = [(f"{fsid}|{folder_of(p)}", p) for p in paths]
+        reply = self.session.call_with_workers(FsClaim(self.run, pairs))
+        known = {path: reply.known[(folder, path)] for folder, path in pairs if (folder, path) in reply.known}
+        with self._lock:
+            for path, info in known.items():
+                self.know(fsid, path, info)
+        return known, {p for _, p in reply.elsewhere}, {p for _, p in reply.probing}
+
+    async def release_soon(self, fsid: str, paths: list[str]) -> None:
+        """`release`, from the client's event loop (best effort: the claims lapse otherwise)."""
+        try:
+            await SchedulerAPI(self.session.client).send(
+                FsMetadata(self.run, release=[(f"{fsid}|{folder_of(p)}", p) for p in paths]))
+        except Exception:  # noqa: BLE001 - the claims then lapse after PROBE_SECONDS
+            logger.debug("could not release the claims of %s", paths, exc_info=True)
+
     def release(self, fsid: str, path: str) -> None:
         """End this process's claim of `path`'s info unanswered (its read failed), before
         the error is raised: the run's next read of it, here or elsewhere, asks the store
@@ -205,7 +226,10 @@ class Metadata:
 
     def learn_infos(self, fs, paths: list[str]) -> None:
         """Read the infos of `paths` this run does not know yet, concurrently on an async
-        store, ahead of reading many files. A path whose info cannot be read is left to `info`."""
+        store, ahead of reading many files. A path whose info cannot be read is left to `info`.
+        Where a first read claims infos (HTTP: `dmdask.fs.probe`) these are claimed too, in one
+        request: those another process of the run is reading are left to the read (which waits
+        for them), so that process's first blocks are not read twice."""
         fsid = fs.target_id
         for folder in {folder_of(p) for p in paths}:
             if f"{fsid}|{folder}" not in self.asked_infos:
@@ -216,13 +240,24 @@ class Metadata:
         target = fsspec.filesystem(fs.target_protocol, **fs.target_options)  # this process's own
         if not target.async_impl:
             return
+        claimed = []
+        if probe.applies(target):
+            known, elsewhere, probing = self.claim_infos(fsid, unknown)
+            unknown = [p for p in unknown if p not in known and p not in probing]
+            claimed = [p for p in unknown if p not in elsewhere]
 
         async def all_infos():  # `_info`: the documented coroutine API of an fsspec AsyncFileSystem (2026.9.0)
             return await asyncio.gather(*(target._info(p) for p in unknown), return_exceptions=True)
 
-        found = fsspec.asyn.sync(target.loop, all_infos)
+        found = fsspec.asyn.sync(target.loop, all_infos) if unknown else []
         puts = [FileEntry(folder_of(p), "info", p, plain(info)) for p, info in zip(unknown, found)
                 if isinstance(info, dict)]
+        failed = [p for p, info in zip(unknown, found) if not isinstance(info, dict) and p in claimed]
+        if failed:  # their reads ask the store again, here or elsewhere
+            try:
+                self.session.call(FsMetadata(self.run, release=[(f"{fsid}|{folder_of(p)}", p) for p in failed]))
+            except Exception:  # noqa: BLE001 - the claims then lapse
+                logger.debug("could not release the claims of %s", failed, exc_info=True)
         if puts:
             self.learn(fsid, puts)
 

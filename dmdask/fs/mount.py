@@ -3,7 +3,9 @@
 
 Guarantees: requests are served concurrently (libfuse's multithreaded loop; the session is
 thread-safe); listings, attributes and file pages stay in the kernel's caches for the mount's
-lifetime (`CACHE_SECONDS`, `kernel_cache`).
+lifetime (`CACHE_SECONDS`, `kernel_cache`). The lookup of a file new to the run reads up to
+`READ_AHEAD_FILES` other new files of its folder ahead (the kernel sends one folder's lookups
+one at a time), each still from the store once.
 """
 from __future__ import annotations
 
@@ -25,6 +27,12 @@ from . import DmdaskFileSystem
 TIME_KEYS = ("mtime", "LastModified", "last_modified", "updated", "created")
 CACHE_SECONDS = 86400.0  # how long the kernel keeps names and attributes (the mount is one run)
 THREADS = 16  # libfuse's idle threads kept for concurrent requests
+# New files of a folder whose first blocks the lookup of one of them reads along with its own
+# (one scheduler request for their claims, the GETs concurrent): the kernel sends lookups of
+# names in one folder one at a time, so a reader opening a folder's files in any order would
+# otherwise wait for one store round trip after the other.
+READ_AHEAD_FILES = 16
+AHEAD_LOOKED = 4 * READ_AHEAD_FILES  # the most names after it a lookup looks at for files to read ahead
 logger = logging.getLogger(__name__)
 
 
@@ -86,6 +94,7 @@ def operations(fs: DmdaskFileSystem, root: str):
         def __init__(self):
             self.root = root.rstrip("/")
             self._folders: dict[str, dict[str, dict]] = {}  # mount path -> {name: listing entry}
+            self._orders: dict[str, tuple] = {}  # mount path -> (its names in listing order, name -> position)
 
         def _target(self, path: str) -> str:
             return self.root if path in ("", "/") else f"{self.root}/{path.lstrip('/')}"
@@ -110,10 +119,30 @@ def operations(fs: DmdaskFileSystem, root: str):
             if entry.get("type") == "directory":
                 return {"st_mode": stat.S_IFDIR | 0o555, "st_nlink": 2, "st_mtime": _seconds(entry)}
             if entry.get("size") is None:  # listings that give no sizes (HTTP): the first block's GET does
-                entry = fs.open_info(self._target(path))
+                entry = fs.open_info(self._target(path), self._ahead(parent or "/", name), READ_AHEAD_FILES)
             seconds = _seconds(entry)
             return {"st_mode": stat.S_IFREG | 0o444, "st_nlink": 1, "st_size": int(entry.get("size") or 0),
                     "st_mtime": seconds, "st_ctime": seconds, "st_atime": seconds}
+
+        def _ahead(self, folder: str, name: str):
+            """The files of `folder` after `name` (in listing order, wrapping; at most
+            `AHEAD_LOOKED` of them) whose sizes the listing does not give: what a lookup of
+            `name` may read ahead (those new to the run, up to `READ_AHEAD_FILES`)."""
+            names, where = self._order(folder)
+            start = where.get(name, -1) + 1
+            entries = self._entries(folder)
+            for i in range(start, start + min(AHEAD_LOOKED, len(names) - 1)):
+                other = names[i % len(names)]
+                entry = entries[other]
+                if other != name and entry.get("type") != "directory" and entry.get("size") is None:
+                    yield self._target(f"{folder.rstrip('/')}/{other}")
+
+        def _order(self, folder: str) -> tuple[list[str], dict[str, int]]:
+            found = self._orders.get(folder)
+            if found is None:
+                names = list(self._entries(folder))
+                found = self._orders[folder] = (names, {n: i for i, n in enumerate(names)})
+            return found
 
         def readdir(self, path, fh):
             entries = self._entries(path)

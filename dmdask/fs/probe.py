@@ -6,6 +6,9 @@ for the same file (so both name the same blocks), or it returns None.
 """
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+
 import fsspec.asyn
 
 try:
@@ -27,6 +30,11 @@ def first_block(target, url: str, first: int, nbytes: int) -> tuple[dict, bytes]
     not say the size (the caller then reads the info the usual way). A missing file
     raises FileNotFoundError."""
     return fsspec.asyn.sync(target.loop, _first_block, target, url, first, nbytes)
+
+
+def start_first_block(target, url: str, first: int, nbytes: int) -> concurrent.futures.Future:
+    """`first_block`, started on `target`'s event loop and not waited for: its future."""
+    return asyncio.run_coroutine_threadsafe(_first_block(target, url, first, nbytes), target.loop)
 
 
 async def _first_block(target, url: str, first: int, nbytes: int):

@@ -238,12 +238,14 @@ def load_order(info, spec, epoch: int, limit: int) -> np.ndarray:
 
 class WindowShare:
     """A rank's share of an epoch of windows (`dmdask.Window`): `share` (a `RankShare` over
-    window ids) whose batches are the rows of its windows, window after window, so that
-    everything downstream reads rows; the ranks' shares partition the windows as
-    `RankShare` partitions samples."""
+    window ids) whose batches are the rows of its windows (`rows_of(window ids)`: a
+    mixture's own, else the window's `rows`), window after window, so that everything
+    downstream reads rows; the ranks' shares partition the windows as `RankShare`
+    partitions samples."""
 
-    def __init__(self, share: RankShare, window):
+    def __init__(self, share: RankShare, window, rows_of=None):
         self.share, self.window = share, window
+        self.rows_of = rows_of or window.rows
 
     @property
     def order(self) -> EpochOrder:
@@ -259,4 +261,4 @@ class WindowShare:
 
     def batches(self, start: int, stop: int) -> list[np.ndarray]:
         """The row ids of batches start..stop-1 (`RankShare.batches`)."""
-        return [self.window.rows(ids) for ids in self.share.batches(start, stop)]
+        return [self.rows_of(ids) for ids in self.share.batches(start, stop)]

@@ -29,6 +29,12 @@ _sendmsg.argtypes = [ctypes.c_int, ctypes.POINTER(_MsgHdr), ctypes.c_int]
 _sendmsg.restype = ctypes.c_ssize_t
 
 
+def byte_view(array: np.ndarray) -> memoryview:
+    """The bytes of a C-contiguous array as a flat, writable-if-the-array-is memoryview, for
+    any dtype (the buffer protocol refuses datetime64 and timedelta64)."""
+    return memoryview(array.reshape(-1).view(np.uint8))
+
+
 class Pieces:
     """Byte ranges `starts[i] .. starts[i] + lengths[i]` of `buffer` (a contiguous array,
     kept referenced until sent), in that order."""
@@ -41,7 +47,7 @@ class Pieces:
 
     def views(self) -> list[memoryview]:
         """The pieces as memoryviews (for a socket without `sendmsg`, such as TLS)."""
-        flat = memoryview(self.buffer).cast("B")
+        flat = byte_view(self.buffer)
         return [flat[a:a + n] for a, n in zip(self.starts.tolist(), self.lengths.tolist())]
 
 

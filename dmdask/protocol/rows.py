@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
-from .pieces import IOV_MAX, Pieces, send_pieces
+from .pieces import IOV_MAX, Pieces, byte_view, send_pieces
 from .worker import Channel, Moved
 
 HEADER = struct.Struct("<Q")
@@ -81,7 +81,7 @@ def send_frame(sock: socket.socket, header: dict, buffers=()) -> None:
             send_pieces(sock, buffer)
             views = []
         else:
-            view = memoryview(buffer).cast("B")
+            view = byte_view(buffer) if isinstance(buffer, np.ndarray) else memoryview(buffer).cast("B")
             if view.nbytes:
                 views.append(view)
     _send_views(sock, views)
@@ -171,13 +171,13 @@ def recv_fields(sock: socket.socket, fields: list, n: int, into: dict | None, bu
             else:
                 target = scratch[at:at + size].view(dtype).reshape((n,) + tuple(shape))
                 at += size
-            recv_into(sock, memoryview(target))
+            recv_into(sock, byte_view(target))
             out[name] = target
             continue
         sizes = np.empty(n, dtype=np.int64)
         recv_into(sock, memoryview(sizes))
         values = np.empty(size // np.dtype(dtype).itemsize, dtype=dtype)
-        recv_into(sock, memoryview(values))
+        recv_into(sock, byte_view(values))
         bounds = np.concatenate([[0], np.cumsum(sizes)]).tolist()
         if kind == "strings":
             raw = values.tobytes()

@@ -14,6 +14,7 @@ import threading
 
 import numpy as np
 
+from ..protocol.pieces import byte_view
 from .fileblocks import Arrays
 from .hugepages import HUGE, collapse
 from .modes import create_file, group_of
@@ -113,7 +114,7 @@ class Arena:
         data = np.ascontiguousarray(arr)
         row_bytes = data.itemsize * int(np.prod(data.shape[1:], dtype=np.int64))
         offset = slot * self.block_len * row_bytes
-        view = memoryview(data).cast("B")
+        view = byte_view(data)
         while view:
             written = os.pwrite(self._fds[name], view, offset)
             view, offset = view[written:], offset + written

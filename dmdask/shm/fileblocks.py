@@ -12,6 +12,7 @@ import tempfile
 
 import numpy as np
 
+from ..protocol.pieces import byte_view
 from .modes import create_file, group_of, protect_folder
 
 Arrays = dict[str, np.ndarray]
@@ -128,4 +129,4 @@ def _map(path: str, dtype: str, shape: tuple) -> np.ndarray:
 
 def _write(directory: str, name: str, arr: np.ndarray, gid: int | None) -> None:
     with os.fdopen(create_file(os.path.join(directory, name), gid), "wb") as f:  # a full disk: OSError(ENOSPC)
-        f.write(memoryview(np.ascontiguousarray(arr)).cast("B"))
+        f.write(byte_view(np.ascontiguousarray(arr)))

@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 
+from ..protocol.pieces import byte_view
 from .modes import file_mode, group_of
 
 ALIGN = 64  # every array starts on a cache line
@@ -46,7 +47,7 @@ def write_batches(folder: str, batches: list[dict]) -> dict:
             for batch, fields in zip(batches, layout):
                 for (name, _, _, at), arr in zip(fields, batch.values()):
                     f.seek(at)
-                    f.write(memoryview(np.ascontiguousarray(arr)).cast("B"))
+                    f.write(byte_view(np.ascontiguousarray(arr)))
             f.truncate(max(offset, 1))
     except BaseException:
         os.unlink(path)

@@ -28,7 +28,8 @@ __all__ = ["BlockReader", "DatasetInfo", "Format", "GROUP", "Place", "Source", "
 
 def dataset_name(spec) -> str:
     """The registry name of the dataset `spec` reads, from its URL (`urls.normalize` for local
-    paths; a `dmdask.Tokens`'s with its dtype), storage options, fields and block size."""
+    paths; a `dmdask.Tokens`'s with its dtype), storage options, fields (and the window's `dim`,
+    which picks them) and block size."""
     keys = None if spec.keys is None else sorted(spec.keys)
     if isinstance(spec.source, tuple):
         source = tuple(map(_named, spec.source))
@@ -36,7 +37,8 @@ def dataset_name(spec) -> str:
         source = ("tokens", _named(spec.source.path), spec.source.dtype)
     else:
         source = _named(spec.source)
-    return f"ds-{tokenize(source, options_json(spec.storage_options), keys, spec.block_size)[:16]}"
+    dim = () if spec.window is None or spec.window.dim is None else (spec.window.dim,)  # it picks the fields
+    return f"ds-{tokenize(source, options_json(spec.storage_options), keys, spec.block_size, *dim)[:16]}"
 
 
 def _named(url: str) -> str:
@@ -76,6 +78,9 @@ def _open(spec) -> Source:
     if found is None:
         raise SourceNotFoundError(f"dataset {place.url} does not exist; pass {LAYOUTS} as Spec(source=...)")
     source = found.open(place)
+    if spec.window is not None and spec.window.dim is not None and found.name != "zarr":
+        raise SpecError("window", f"a Window without dim= for {place.url or place.label('files')} (dim= picks the "
+                        "arrays of a Zarr group by their dimension names; this source is not Zarr)", spec.window)
     info = source.info
     if info.num_blocks > MAX_BLOCKS:
         raise SpecError("block_size", f"at least {-(-info.num_samples // MAX_BLOCKS)} samples, so that the "
