@@ -143,7 +143,8 @@ def goals(result: dict) -> list:
 
 def report(result: dict, plots_dir: str) -> str:
     cfg = result["config"]
-    blended = ", and 3 more of a third of its tokens each" if any(x.get("blend", 1) > 1 for x in result["ranks"]) else ""
+    blend = any(x.get("blend", 1) > 1 for x in result["ranks"])
+    blended = ", and 3 more of a third of its tokens each" if blend else ""
     lines = [f"A raw uint16 token file of {cfg['tokens']:,} tokens ({result['file_bytes'] / 2**30:.1f} GiB, "
              f"{result['blocks']:,} blocks of 8 MiB){blended}, made with "
              f"`truncate` ({result['on_disk_bytes']:,} bytes on disk), read as `dmdask.Tokens(path, 'uint16')` "
