@@ -264,7 +264,8 @@ def test_token_corpus_scenario_runs_and_reports(tmp_path):
     assert "error" not in result, result
     assert result["on_disk_bytes"] < result["file_bytes"] // 100  # described, not written
     ranks = result["ranks"]
-    assert [x["rank"] for x in ranks] == [result["config"]["first"], result["config"]["second"]]
+    assert [x["rank"] for x in ranks] == [result["config"]["first"], result["config"]["second"], result["config"]["first"]]
+    assert [x["blend"] for x in ranks] == [1, 1, 3]  # a token file, then a blend of 3
     assert all(x["error"] is None and x["batch_ok"] and len(x["windows"]) == result["config"]["batch"] for x in ranks)
     assert all(x["allocated_peak_mib"] > 0 and x["first_batch_s"] > 0 for x in ranks)
     assert result["goals"] and all(isinstance(g["met"], bool) and g["measured"] for g in result["goals"])

@@ -24,7 +24,7 @@ def documents(count: int, dtype, seed: int) -> list:
     return [((np.arange(a, b) * 7919) % 50257).astype(dtype) for a, b in zip(start[:-1], start[1:])]
 
 
-def write_indexed(prefix, docs, version=1, code=None, pointers=None, cut=0) -> None:
+def write_indexed(prefix, docs, version=1, code=None, pointers=None, cut=0, doc_idx=None) -> None:
     """`prefix`.bin (the documents' tokens end to end) and `prefix`.idx: magic, version (uint64),
     dtype code (uint8), sequence and document counts (uint64), sizes (int32), pointers (int64: byte
     offsets in the .bin), document indices (int64: 0, then each document's end in sequences);
@@ -33,7 +33,7 @@ def write_indexed(prefix, docs, version=1, code=None, pointers=None, cut=0) -> N
     sizes = np.array([len(d) for d in docs], dtype="<i4")
     if pointers is None:
         pointers = np.concatenate([[0], np.cumsum(sizes[:-1], dtype=np.int64) * dtype.itemsize])
-    doc_idx = np.arange(len(docs) + 1, dtype="<i8")  # one sequence a document
+    doc_idx = np.arange(len(docs) + 1, dtype="<i8") if doc_idx is None else np.asarray(doc_idx, "<i8")  # one a doc
     header = b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", version, code or CODES[dtype], len(sizes), len(doc_idx))
     index = header + sizes.tobytes() + np.asarray(pointers, dtype="<i8").tobytes() + doc_idx.tobytes()
     with open(f"{prefix}.idx", "wb") as f:
@@ -45,6 +45,7 @@ def write_indexed(prefix, docs, version=1, code=None, pointers=None, cut=0) -> N
 
 DOCS = documents(60, np.uint16, seed=1)
 TOKENS = np.concatenate(DOCS)
+DOCUMENT = np.repeat(np.arange(len(DOCS)), [len(d) for d in DOCS])  # each token's document
 
 
 def write_store(root):  # the `store` fixture's files (conftest.py)
@@ -60,6 +61,43 @@ class TestMegatronSource(SourceTests):
     def check(self, batch):
         assert set(batch) == {"tokens", "index"} and batch["tokens"].dtype == np.uint16
         np.testing.assert_array_equal(batch["tokens"], TOKENS[batch["index"]])
+
+
+class TestMegatronSourceWithDocuments(SourceTests):
+    @pytest.fixture
+    def spec(self, store):
+        return dmdask.Spec(store[0].url + "/corpus_text_document", batch_size=64, block_size=1500, seed=3,
+                           keys=["tokens", "document"])
+
+    def check(self, batch):
+        assert set(batch) == {"tokens", "document", "index"} and batch["document"].dtype == np.int64
+        np.testing.assert_array_equal(batch["tokens"], TOKENS[batch["index"]])
+        np.testing.assert_array_equal(batch["document"], DOCUMENT[batch["index"]])
+
+
+def test_windows_carry_each_tokens_document_for_the_attention_mask(client, store):
+    """With keys=["tokens", "document"], a window says which document each token is in (documents of
+    one sequence each, some empty), so a trainer masks attention across documents and restarts
+    positions at each, as Megatron's reset_attention_mask and reset_position_ids do."""
+    server, root = store
+    docs = documents(50, np.uint16, seed=4)
+    docs[7] = docs[7][:0]  # an empty document, then one of a single token
+    docs[8] = docs[8][:1]
+    write_indexed(root / "with_empty", docs)
+    tokens, document = np.concatenate(docs), np.repeat(np.arange(len(docs)), [len(d) for d in docs])
+    spec = dmdask.Spec(f"{server.url}/with_empty", batch_size=4, block_size=333, seed=6, keys=["tokens", "document"],
+                       window=dmdask.Window(257, stride=256))
+    ids = []
+    for batch in dmdask.batches(client, spec):
+        assert batch["document"].shape == batch["tokens"].shape == (len(batch["index"]), 257)
+        for w, window, doc in zip(batch["index"].tolist(), batch["tokens"], batch["document"]):
+            np.testing.assert_array_equal(window, tokens[w * 256:w * 256 + 257])
+            np.testing.assert_array_equal(doc, document[w * 256:w * 256 + 257])
+        assert (np.diff(batch["document"], axis=1) >= 0).all()  # a mask: document[:, :, None] == document[:, None]
+        ids += batch["index"].tolist()
+    assert sorted(ids) == list(range((len(tokens) - 257) // 256 + 1))
+    with pytest.raises(dmdask.SpecError, match="keys"):
+        open_source(spec.replace(keys=["document"]))
 
 
 @pytest.mark.parametrize("name", ["wide", "wide.bin", "wide.idx"])
@@ -86,6 +124,10 @@ def test_windows_over_the_documents_end_to_end_named_by_prefix_bin_or_idx(client
     assert read["wide.idx"] == {"requests": 1 + probe["wide.idx"][0], "bytes": index + probe["wide.idx"][1]}
     assert read["wide.bin"]["bytes"] - probe["wide.bin"][1] <= tokens.nbytes  # each block at most once
     assert read["wide.bin"]["requests"] - probe["wide.bin"][0] <= -(-len(tokens) // 700)
+    restarted = dmdask.batches(client, spec.replace(rank=1, world_size=3), epoch=2)  # a restart at another size
+    next(restarted)
+    restarted.close()
+    assert server.stats()["by_path"]["wide.idx"] == read["wide.idx"]  # plans without reading the index again
 
 
 @pytest.mark.parametrize("broken, message", [
@@ -93,6 +135,7 @@ def test_windows_over_the_documents_end_to_end_named_by_prefix_bin_or_idx(client
     (dict(code=7), "dtype code 7"),
     (dict(cut=9), "truncated"),
     (dict(pointers=[0] * 5), "not laid end to end"),
+    (dict(doc_idx=[0, 3, 2, 5]), "document indices must rise from 0 to its 5 sequences"),
 ])
 def test_a_broken_index_is_a_source_error_naming_what_is_wrong(tmp_path, broken, message):
     write_indexed(tmp_path / "c", documents(5, np.uint16, seed=3), **broken)

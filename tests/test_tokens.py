@@ -139,3 +139,15 @@ def test_requests_of_token_windows_count_what_each_row_costs_besides_its_token(c
         assert sorted(np.concatenate([b["index"] for b in it]).tolist()) == list(range((9001 - 4097) // 1024 + 1))
     finally:
         it.close()
+
+
+def test_a_file_cut_short_after_opening_is_a_block_read_error_naming_the_bytes(tmp_path):
+    """A block whose bytes the store no longer has in full (the file truncated since the dataset
+    was opened) is never returned short: a BlockReadError names the URL, the bytes and why."""
+    token_ids(3000, "uint16", 50257).tofile(tmp_path / "t.bin")
+    source = open_source(dmdask.Spec(dmdask.Tokens(tmp_path / "t.bin", "uint16"), batch_size=4, block_size=1000))
+    with open(tmp_path / "t.bin", "r+b") as f:
+        f.truncate(2 * 2500)  # the last block loses half its tokens
+    np.testing.assert_array_equal(source.reader(1).read()["tokens"], token_ids(3000, "uint16", 50257)[1000:2000])
+    with pytest.raises(dmdask.BlockReadError, match=r"1000 bytes for bytes 4000..5999 .* shorter than when"):
+        source.reader(2).read()

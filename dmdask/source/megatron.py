@@ -5,7 +5,8 @@ The `.idx` (small: 12 bytes a sequence) is read whole where the dataset is opene
 cluster; the `.bin` is read as a raw token file (`dmdask.source.tokens`: blocks of tokens, one
 ranged read each). The samples are the tokens of the sequences laid end to end, as Megatron's
 GPTDataset concatenates documents (field "tokens"); windows (`dmdask.Window`) may cross
-document boundaries.
+document boundaries. `Spec(keys=["tokens", "document"])` adds each token's document (int64,
+from doc_idx), from which a window's attention mask and positions within documents follow.
 
 The `.idx` layout, all little-endian (Megatron-LM's documented `MMapIndexedDataset` index):
 
@@ -48,6 +49,17 @@ class Index:
     @property
     def tokens(self) -> int:
         return int(self.sizes.sum(dtype=np.int64))
+
+    def document_starts(self, where: str) -> np.ndarray:
+        """The token offset where each document starts (document i: sequences doc_idx[i] ..
+        doc_idx[i+1]-1), rising from 0; `SourceError` naming `where` unless doc_idx rises from 0
+        to the number of sequences."""
+        doc_idx, count = self.doc_idx, len(self.sizes)
+        if len(doc_idx) < 2 or doc_idx[0] != 0 or doc_idx[-1] != count or (np.diff(doc_idx) < 0).any():
+            raise SourceError(f"{where}: its document indices must rise from 0 to its {count} sequences "
+                              f"(they are {doc_idx[:3].tolist()} .. {doc_idx[-1:].tolist()})")
+        starts = np.concatenate([[0], np.cumsum(self.sizes, dtype=np.int64)])
+        return starts[doc_idx[:-1]]
 
 
 def parse_index(content: bytes, where: str) -> Index:
@@ -119,7 +131,7 @@ def open_megatron(place: Place) -> TokenSource:
                           f"{len(index.sizes)} sequences, all empty)")
     digest = hashlib.blake2b(content, digest_size=8).hexdigest()  # a changed index is another dataset
     return token_source(place, prefix + ".bin", index.dtype, "megatron", digest, version_of(entry),
-                        url=url_of(place, ".bin"), tokens=index.tokens)
+                        url=url_of(place, ".bin"), tokens=index.tokens, documents=index.document_starts(where))
 
 
 FORMAT = Format("megatron", claims=claims, open=open_megatron)

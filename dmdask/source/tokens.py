@@ -1,7 +1,8 @@
 """Raw token files (`dmdask.Tokens(path, dtype)`): token ids of one integer dtype laid end to end,
 as `numpy.memmap(path, dtype)` sees them (nanoGPT's `train.bin`). Each token is a sample of the
 field "tokens"; a block is `block_len` consecutive tokens, read with one ranged read of their
-bytes. Megatron's indexed datasets (`dmdask.source.megatron`) read their `.bin` the same way."""
+bytes. Megatron's indexed datasets (`dmdask.source.megatron`) read their `.bin` the same way,
+and may give each token's document too (field "document", int64)."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,6 +14,7 @@ from .base import DatasetInfo, Source, StoreReader, filesystem, options_json, pr
 from .registry import Format, Place
 
 FIELD = "tokens"
+DOCUMENT = "document"  # each token's document (int64), where the source knows the documents
 DEFAULT_BLOCK_BYTES = 8 << 20  # a block of uint16 tokens: 4 Mi tokens, one ranged read
 VERSION_FIELDS = ("mtime", "LastModified", "last_modified", "ETag", "etag")
 
@@ -30,24 +32,33 @@ class TokenLayout:
 
 
 class TokenSource(Source):
-    """`num_tokens` tokens of `layout`'s file, in blocks of `block_len`."""
+    """The tokens of `layout`'s file, in blocks of `info.block_len`; with `documents` (the
+    token offset where each document starts, rising from 0), field "document" too."""
 
-    def __init__(self, info: DatasetInfo, layout: TokenLayout):
-        self.info, self.layout = info, layout
+    def __init__(self, info: DatasetInfo, layout: TokenLayout, documents: np.ndarray | None = None):
+        self.info, self.layout, self.documents = info, layout, documents
 
     def reader(self, k: int) -> TokenBlockReader:
         start, stop = self.info.block_range(k)
-        return TokenBlockReader(self.layout, k, start, stop)
+        if DOCUMENT not in self.info.fields:
+            return TokenBlockReader(self.layout, k, start, stop)
+        first = int(np.searchsorted(self.documents, start, side="right")) - 1  # the document of token `start`
+        end = int(np.searchsorted(self.documents, stop, side="left"))
+        return TokenBlockReader(self.layout, k, start, stop, (first, self.documents[first + 1:end] - start))
 
 
 class TokenBlockReader(StoreReader):
     """Reads tokens start..stop-1 of the file: bytes start*itemsize .. stop*itemsize-1, one
-    ranged read. A store that gives fewer bytes (a truncated file) is an error naming them."""
+    ranged read. A store that gives fewer bytes (a truncated file) is an error naming them.
+    documents: None, or (the document of token `start`, the offsets in the block where the
+    next documents start): the block gives "document" too, each token's document."""
 
-    def __init__(self, layout: TokenLayout, index: int, start: int, stop: int):
+    def __init__(self, layout: TokenLayout, index: int, start: int, stop: int, documents: tuple | None = None):
         self.itemsize = np.dtype(layout.dtype).itemsize
-        super().__init__(layout.url, layout.identity, index, start, stop, (stop - start) * self.itemsize)
+        per_token = self.itemsize + (0 if documents is None else 8)
+        super().__init__(layout.url, layout.identity, index, start, stop, (stop - start) * per_token)
         self.layout, self.protocol, self.options = layout, layout.protocol, layout.options
+        self.documents = documents
 
     def _read(self) -> dict[str, np.ndarray]:
         first, last = self.start * self.itemsize, self.stop * self.itemsize
@@ -56,7 +67,13 @@ class TokenBlockReader(StoreReader):
             raise OSError(f"the store gave {len(content)} bytes for bytes {first}..{last - 1} of {self.url} "
                           f"({self.stop - self.start} tokens of {self.layout.dtype}): the file is shorter than "
                           "when it was opened")
-        return {FIELD: np.frombuffer(content, dtype=self.layout.dtype)}
+        out = {FIELD: np.frombuffer(content, dtype=self.layout.dtype)}
+        if self.documents is not None:
+            first, starts = self.documents
+            marks = np.zeros(self.stop - self.start, dtype=np.int64)
+            np.add.at(marks, starts, 1)  # a document of no tokens starts where the next one does
+            out[DOCUMENT] = first + np.cumsum(marks)
+        return out
 
 
 def version_of(entry: dict) -> dict:
@@ -65,15 +82,21 @@ def version_of(entry: dict) -> dict:
 
 
 def token_source(place: Place, path: str, dtype: str, *described, url: str | None = None,
-                 tokens: int | None = None) -> TokenSource:
+                 tokens: int | None = None, documents: np.ndarray | None = None) -> TokenSource:
     """The tokens of the file at `path` on `place.fs` as a dataset (field "tokens"): one `info`
     request. `described`: what else names the data (for the identity); `url`: the file's URL
     (default `place.url`); `tokens`: how many of its first tokens are the dataset (default:
-    all). `SourceNotFoundError` if there is no such file, `SourceError` if it is empty, not a
-    whole number of tokens, or shorter than `tokens`."""
+    all); `documents`: where each document starts (see `TokenSource`), which lets
+    `Spec(keys=["tokens", "document"])` ask for each token's document. `SourceNotFoundError` if
+    there is no such file, `SourceError` if it is empty, not a whole number of tokens, or
+    shorter than `tokens`."""
     spec, url = place.spec, url or place.url
-    if spec.keys is not None and tuple(spec.keys) != (FIELD,):
-        raise SpecError("keys", f"None or [{FIELD!r}] (a token file has the one field {FIELD!r})", list(spec.keys))
+    offered = (FIELD,) if documents is None else (FIELD, DOCUMENT)
+    if spec.keys is not None and (not set(spec.keys) <= set(offered) or FIELD not in spec.keys):
+        raise SpecError("keys", f"None or {list(offered)} with {FIELD!r} (the fields of this token source"
+                        + ("; 'document' is given only when named" if documents is not None else "") + ")",
+                        list(spec.keys))
+    fields = tuple(sorted(spec.keys)) if spec.keys is not None else (FIELD,)
     try:
         entry = place.fs.info(path)
     except FileNotFoundError as exc:
@@ -89,11 +112,11 @@ def token_source(place: Place, path: str, dtype: str, *described, url: str | Non
         raise SourceError(f"token file {url} is {size} bytes, but its index describes {count} tokens of {dtype} "
                           f"({count * itemsize} bytes): the file is truncated, or not the index's")
     block_len = spec.block_size or max(1, DEFAULT_BLOCK_BYTES // itemsize)
-    identity = place.identity("tokens", url, dtype, block_len, size, count, version_of(entry), *described)
-    info = DatasetInfo(name=place.name, identity=identity, url=url, fields=(FIELD,),
-                       num_samples=count, block_len=int(block_len), nbytes=count * itemsize)
+    identity = place.identity("tokens", url, dtype, block_len, size, count, version_of(entry), fields, *described)
+    info = DatasetInfo(name=place.name, identity=identity, url=url, fields=fields, num_samples=count,
+                       block_len=int(block_len), nbytes=count * (itemsize + 8 * (DOCUMENT in fields)))
     layout = TokenLayout(url, protocol_of(place.fs), options_json(place.options), path, dtype, identity)
-    return TokenSource(info, layout)
+    return TokenSource(info, layout, documents)
 
 
 def open_tokens(place: Place) -> TokenSource:
