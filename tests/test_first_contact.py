@@ -51,11 +51,14 @@ def test_a_cold_batch_is_handed_out_before_the_rows_of_later_batches_are_read(tm
 def test_a_cold_rank_locates_its_first_batches_blocks_with_one_request(tmp_path):
     """Cold, a rank requests `prefetch` batches at once, each needing blocks no rank has
     located: they are located together (one `Locate` to the scheduler, not one per batch,
-    each on a connection of its own), and the epoch is still every sample once."""
+    each on a connection of its own), and the epoch is still every sample once. The store
+    holds the files of batches 2 and later until batch 1 is out, so their blocks cannot be
+    loaded (and known) before the rank asks for them."""
     from dmdask.protocol.scheduler import Locate
 
     write_files(str(tmp_path / "files"), 256, 1024)
-    with StoreServer(str(tmp_path), latency=0.002) as store, \
+    later = lambda path: path.endswith(".bin") and int(path[-12:-4]) >= 32  # batch 2 on (16 files a batch)
+    with dask.config.set({"dmdask.store.read-seconds": 300}), StoreServer(str(tmp_path), latency=0.002) as store, \
             dmdask.LocalCluster(n_workers=2, ram="64 MiB") as cluster, distributed.Client(cluster) as client:
         handlers, asked = cluster.scheduler.handlers, []
         locate = handlers[Locate.op]
@@ -66,9 +69,16 @@ def test_a_cold_rank_locates_its_first_batches_blocks_with_one_request(tmp_path)
             return await locate(request, **kwargs)
 
         handlers[Locate.op] = counted
-        spec = dmdask.Spec(store.url + "/files", batch_size=16, block_size=8, seed=0, prefetch=8)
-        it = dmdask.batches(client, spec, progress=False)
-        first, second = next(it), next(it)
+        spec = dmdask.Spec(store.url + "/files", batch_size=16, block_size=8, shuffle=False, prefetch=8)
+        store.hold(later)
+        give_up = threading.Timer(60, store.release)
+        give_up.start()
+        try:
+            it = dmdask.batches(client, spec, progress=False)
+            first, second = next(it), next(it)
+        finally:
+            give_up.cancel()
+            store.release()
         # cold: one batch a request, `prefetch` of them sent at once (batch 0 read by this
         # rank itself, 1-7 located together; 8 requested once batch 0 was handed out): 8
         # locates before
