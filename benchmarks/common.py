@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 import os
 import platform
 import shutil
@@ -118,6 +119,19 @@ def stop_processes(procs) -> None:
             p.wait(30)
         except subprocess.TimeoutExpired:
             p.kill()
+
+
+def scheduler_address(scheduler_file: str, seconds: float = 60.0) -> str:
+    """The address a `dask scheduler --scheduler-file` writes, once it is there whole;
+    `TimeoutError` naming the file after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            with open(scheduler_file) as f:
+                return json.load(f)["address"]
+        except (FileNotFoundError, ValueError, KeyError):  # not yet written, or half written
+            time.sleep(0.1)
+    raise TimeoutError(f"no scheduler address in {scheduler_file} after {seconds:g} s: did the scheduler start?")
 
 
 def ratio(a: float, b: float) -> float:

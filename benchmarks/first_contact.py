@@ -33,6 +33,7 @@ import tempfile
 import threading
 import time
 
+from .common import scheduler_address
 from .scale import write_fill_array
 
 PRESETS = {
@@ -65,12 +66,7 @@ def logged_cluster(folder: str, n_workers: int = 2, ram: str = "2 GiB", profile_
     procs = [subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
                               stderr=open(os.path.join(folder, "scheduler.log"), "w"))]
     try:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(scheduler_file) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(0.2)
-        with open(scheduler_file) as f:
-            address = json.load(f)["address"]
+        address = scheduler_address(scheduler_file)
         pid = procs[0].pid
         if profile_to:
             pid = next(p.pid for p in psutil.Process(pid).children(recursive=True) if "dask_scheduler" in

@@ -50,16 +50,28 @@ def write_jpegs(root: str, n: int, side: int, classes: int = 10, seed: int = 0) 
     return paths
 
 
+def class_files(root: str) -> list[tuple[str, int]]:
+    """ImageFolder's (file, class) pairs under `root`, a folder or any fsspec URL. A local
+    folder (the disk, the mount) is listed as ImageFolder lists it (`os.scandir` for the
+    classes, `os.walk` for their files: no stat per file); a URL with fsspec's `ls` of each
+    class folder."""
+    if "://" not in root and "::" not in root:
+        classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
+        return [(os.path.join(folder, name), label) for label, c in enumerate(classes)
+                for folder, _, names in sorted(os.walk(os.path.join(root, c))) for name in sorted(names)]
+    fs, path = fsspec.core.url_to_fs(root)
+    prefix = root.split("::", 1)[0] + "::" if "::" in root else ""
+    classes = sorted(e["name"] for e in fs.ls(path, detail=True) if e["type"] == "directory")
+    return [(prefix + name, label) for label, folder in enumerate(classes)
+            for name in sorted(e["name"] for e in fs.ls(folder, detail=True) if e["type"] == "file")]
+
+
 class JpegFolder:
     """ImageFolder over any fsspec URL: (decoded RGB image as an array, class). The listing
-    is asked once, in the parent process (fsspec's `ls` of each class folder)."""
+    (`class_files`) is asked once, in the parent process."""
 
     def __init__(self, root: str):
-        fs, path = fsspec.core.url_to_fs(root)
-        prefix = root.split("::", 1)[0] + "::" if "::" in root else ""
-        classes = sorted(e["name"] for e in fs.ls(path, detail=True) if e["type"] == "directory")
-        self.items = [(prefix + name, label) for label, folder in enumerate(classes)
-                      for name in sorted(e["name"] for e in fs.ls(folder, detail=True) if e["type"] == "file")]
+        self.items = class_files(root)
 
     def __len__(self):
         return len(self.items)

@@ -23,6 +23,8 @@ import sys
 import tempfile
 import time
 
+from .common import scheduler_address
+
 PRESETS = {
     "tiny": {"samples": [100_000], "blocks": [100], "probe_blocks": 100, "world": 1024, "batch": 256},
     "quick": {"samples": [10**6, 10**7, 10**8], "blocks": [10**3, 10**4, 10**5], "probe_blocks": 1000,
@@ -54,12 +56,7 @@ def stock_cluster(n_workers: int = 2, ram: str = "2 GiB"):
                                "--dashboard-address", ":0", "--scheduler-file", scheduler_file],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     try:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(scheduler_file) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(0.2)
-        with open(scheduler_file) as f:
-            address = json.load(f)["address"]
+        address = scheduler_address(scheduler_file)
         for _ in range(n_workers):
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "distributed.cli.dask_worker", address, "--worker-class", "dmdask.Worker",

@@ -52,21 +52,11 @@ LOADER_WORKERS = 2
 
 
 class FolderFiles:
-    """torchvision's ImageFolder, over any fsspec URL, minus decoding: (bytes, class).
-    A local folder (the disk, the mount) is listed as ImageFolder lists it
-    (`os.scandir` for the classes, `os.walk` for their files: no stat per file)."""
+    """torchvision's ImageFolder, over any fsspec URL, minus decoding: (bytes, class),
+    listed as `loaders.class_files` lists."""
 
     def __init__(self, root: str):
-        if "://" not in root and "::" not in root:
-            classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
-            self.items = [(os.path.join(folder, name), label) for label, c in enumerate(classes)
-                          for folder, _, names in sorted(os.walk(os.path.join(root, c))) for name in sorted(names)]
-            return
-        fs, path = fsspec.core.url_to_fs(root)
-        prefix = root.split("::", 1)[0] + "::" if "::" in root else ""
-        classes = sorted(e["name"] for e in fs.ls(path, detail=True) if e["type"] == "directory")
-        self.items = [(prefix + name, label) for label, folder in enumerate(classes)
-                      for name in sorted(e["name"] for e in fs.ls(folder, detail=True) if e["type"] == "file")]
+        self.items = loaders.class_files(root)
 
     def __len__(self):
         return len(self.items)

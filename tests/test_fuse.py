@@ -70,13 +70,18 @@ def mounted(url: str, mountpoint, scheduler: str):
         unmount(mount, str(mountpoint))
 
 
+def file_sizes(folder, root) -> dict:
+    """{path relative to root: size} of every file under `folder`."""
+    return {os.path.relpath(os.path.join(d, f), root): os.path.getsize(os.path.join(d, f))
+            for d, _, names in os.walk(folder) for f in names}
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(fuse_missing() is not None, reason=str(fuse_missing()))
 def test_a_mount_read_by_two_processes_over_two_epochs_reads_the_store_once(tmp_path):
     root = tmp_path / "pfs"
     write_folder(str(root / "images"), classes=3, per_class=15, **SIZES)
-    sizes = {os.path.relpath(os.path.join(d, f), root): os.path.getsize(os.path.join(d, f))
-             for d, _, names in os.walk(root / "images") for f in names}
+    sizes = file_sizes(root / "images", root)
     mountpoint = tmp_path / "mnt"
     mountpoint.mkdir()
     with StoreServer(str(root)) as store, \
@@ -154,8 +159,7 @@ def test_a_lookup_reads_the_next_files_of_its_folder_ahead(tmp_path):
     every file's right bytes."""
     root = tmp_path / "pfs"
     write_folder(str(root / "images"), classes=1, per_class=10, **SIZES)
-    sizes = {os.path.relpath(os.path.join(d, f), root): os.path.getsize(os.path.join(d, f))
-             for d, _, names in os.walk(root / "images") for f in names}
+    sizes = file_sizes(root / "images", root)
     mountpoint = tmp_path / "mnt"
     mountpoint.mkdir()
     with StoreServer(str(root), latency=0.3) as store, \

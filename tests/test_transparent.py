@@ -29,6 +29,30 @@ def file_sizes(folder, root):
             for d, _, names in os.walk(folder) for f in names}
 
 
+# a process whose 4 threads each read every URL of argv[2:] in one `cat`; prints each thread's digests
+RACING = ("import concurrent.futures, hashlib, json, sys, fsspec\n"
+          "import dmdask\n"
+          "fs = fsspec.filesystem('dmdask', target_protocol='http', scheduler=sys.argv[1])\n"
+          "urls = sys.argv[2:]\n"
+          "def read(_):\n"
+          "    got = fs.cat(urls)\n"
+          "    return [hashlib.sha1(got[u]).hexdigest() for u in urls]\n"
+          "with concurrent.futures.ThreadPoolExecutor(4) as pool:\n"
+          "    print(json.dumps(list(pool.map(read, range(4)))))\n")
+
+
+def new_files(server, root, name: str, count: int, seed: int, first: int, step: int):
+    """`count` files of random bytes (`first` + `step` * i bytes) in folder `name` of the
+    store: ({path: size}, their URLs in path order)."""
+    folder = root / name
+    folder.mkdir()
+    rng = np.random.default_rng(seed)
+    for i in range(count):
+        (folder / f"f{i:02d}.bin").write_bytes(rng.integers(0, 256, first + step * i, dtype=np.uint8).tobytes())
+    sizes = file_sizes(folder, root)
+    return sizes, [f"{server.url}/{p}" for p in sorted(sizes)]
+
+
 def sent(store, paths):
     by_path = store.stats()["by_path"]
     return {p: by_path.get(p, {"requests": 0, "bytes": 0}) for p in paths}
@@ -311,24 +335,9 @@ def test_readers_racing_for_the_same_new_files_read_the_store_once(store, cluste
     all of them in one `cat` (the first reader of a block claims it and reads the store;
     the others wait for its worker): every file's bytes leave the store once."""
     server, root = store
-    folder = root / "race"
-    folder.mkdir()
-    rng = np.random.default_rng(5)
-    for i in range(30):
-        (folder / f"f{i:02d}.bin").write_bytes(rng.integers(0, 256, 3000 + 97 * i, dtype=np.uint8).tobytes())
-    sizes = file_sizes(folder, root)
-    urls = [f"{server.url}/{p}" for p in sorted(sizes)]
-    code = ("import concurrent.futures, hashlib, json, sys, fsspec\n"
-            "import dmdask\n"
-            "fs = fsspec.filesystem('dmdask', target_protocol='http', scheduler=sys.argv[1])\n"
-            "urls = sys.argv[2:]\n"
-            "def read(_):\n"
-            "    got = fs.cat(urls)\n"
-            "    return [hashlib.sha1(got[u]).hexdigest() for u in urls]\n"
-            "with concurrent.futures.ThreadPoolExecutor(4) as pool:\n"
-            "    print(json.dumps(list(pool.map(read, range(4)))))\n")
+    sizes, urls = new_files(server, root, "race", 30, seed=5, first=3000, step=97)
     server.reset_stats()
-    procs = [subprocess.Popen([sys.executable, "-c", code, cluster.scheduler_address, *urls], env=env(),
+    procs = [subprocess.Popen([sys.executable, "-c", RACING, cluster.scheduler_address, *urls], env=env(),
                               stdout=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=PROCESS_SECONDS)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0]
@@ -348,13 +357,7 @@ def test_reads_ahead_race_other_readers_and_still_read_each_file_once(store, clu
     the store once, both read the right bytes, and the missing file's claim is released
     (its one GET answered 404)."""
     server, root = store
-    folder = root / "ahead"
-    folder.mkdir()
-    rng = np.random.default_rng(7)
-    for i in range(12):
-        (folder / f"f{i:02d}.bin").write_bytes(rng.integers(0, 256, 2000 + 131 * i, dtype=np.uint8).tobytes())
-    sizes = file_sizes(folder, root)
-    urls = [f"{server.url}/{p}" for p in sorted(sizes)]
+    sizes, urls = new_files(server, root, "ahead", 12, seed=7, first=2000, step=131)
     ahead = ("import hashlib, json, sys, fsspec\n"
              "import dmdask\n"
              "fs = fsspec.filesystem('dmdask', target_protocol='http', scheduler=sys.argv[1])\n"
@@ -362,25 +365,17 @@ def test_reads_ahead_race_other_readers_and_still_read_each_file_once(store, clu
              "assert fs.open_info(urls[0], urls[1:], 12)['size'] > 0\n"
              "got = fs.cat(urls[:-1])\n"
              "print(json.dumps([hashlib.sha1(got[u]).hexdigest() for u in urls[:-1]]))\n")
-    racing = ("import concurrent.futures, hashlib, json, sys, fsspec\n"
-              "import dmdask\n"
-              "fs = fsspec.filesystem('dmdask', target_protocol='http', scheduler=sys.argv[1])\n"
-              "urls = sys.argv[2:-1]\n"
-              "def read(_):\n"
-              "    got = fs.cat(urls)\n"
-              "    return [hashlib.sha1(got[u]).hexdigest() for u in urls]\n"
-              "with concurrent.futures.ThreadPoolExecutor(4) as pool:\n"
-              "    print(json.dumps(list(pool.map(read, range(4)))[0]))\n")
     server.reset_stats()
-    args = [cluster.scheduler_address, *urls, f"{server.url}/ahead/missing.bin"]
-    procs = [subprocess.Popen([sys.executable, "-c", code, *args], env=env(), stdout=subprocess.PIPE, text=True)
-             for code in (ahead, racing)]
+    missing = f"{server.url}/ahead/missing.bin"
+    procs = [subprocess.Popen([sys.executable, "-c", code, cluster.scheduler_address, *args], env=env(),
+                              stdout=subprocess.PIPE, text=True)
+             for code, args in ((ahead, [*urls, missing]), (RACING, urls))]
     outs = [p.communicate(timeout=PROCESS_SECONDS)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0]
     import hashlib
 
     expected = [hashlib.sha1((root / p).read_bytes()).hexdigest() for p in sorted(sizes)]
-    assert [json.loads(out) for out in outs] == [expected, expected]
+    assert json.loads(outs[0]) == expected and json.loads(outs[1]) == [expected] * 4
     counts = sent(server, [*sizes, "ahead/missing.bin"])
     assert {p: c["bytes"] for p, c in counts.items() if p in sizes} == sizes
     assert all(c["requests"] == 1 for c in counts.values())

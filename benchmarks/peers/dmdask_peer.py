@@ -6,15 +6,13 @@ over TCP, as on separate hosts, although all share this machine."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import subprocess
 import sys
-import time
 
 import numpy as np
 
-from ..common import stop_processes
+from ..common import scheduler_address, stop_processes
 from .dataset import sample_id
 
 NAME, LABEL, FORMAT, STORE = "dmdask", "dmdask", "files", "http"
@@ -57,12 +55,7 @@ def services(run):
                                "--no-show", "--preload", "dmdask"], env=env, **quiet)]
     run.meter.watch(procs[0].pid, "dask scheduler")
     try:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(scheduler_file) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(0.2)
-        with open(scheduler_file) as f:
-            address = json.load(f)["address"]
+        address = scheduler_address(scheduler_file)
         for node in range(run.nodes):
             node_env = dict(env, DASK_DMDASK__WORKER__RAM=str(run.node_cache_bytes), DASK_DMDASK__WORKER__SSD="0")
             p = subprocess.Popen(run.namespaces.prefix(node) + [

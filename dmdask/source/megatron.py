@@ -29,7 +29,8 @@ import numpy as np
 
 from ..errors import SourceError, SourceNotFoundError
 from .registry import Format, Place
-from .tokens import TokenSource, token_source, version_of
+from ..fs.metadata import version_of
+from .tokens import TokenSource, token_source
 
 MAGIC = b"MMIDIDX\x00\x00"
 HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences, documents: 34 bytes

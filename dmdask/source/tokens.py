@@ -10,13 +10,13 @@ import dataclasses
 import numpy as np
 
 from ..errors import SourceError, SourceNotFoundError, SpecError
+from ..fs.metadata import version_of
 from .base import DatasetInfo, Source, StoreReader, filesystem, options_json, protocol_of
 from .registry import Format, Place
 
 FIELD = "tokens"
 DOCUMENT = "document"  # each token's document (int64), where the source knows the documents
 DEFAULT_BLOCK_BYTES = 8 << 20  # a block of uint16 tokens: 4 Mi tokens, one ranged read
-VERSION_FIELDS = ("mtime", "LastModified", "last_modified", "ETag", "etag")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,11 +74,6 @@ class TokenBlockReader(StoreReader):
             np.add.at(marks, starts, 1)  # a document of no tokens starts where the next one does
             out[DOCUMENT] = first + np.cumsum(marks)
         return out
-
-
-def version_of(entry: dict) -> dict:
-    """The fields of a file's info that change when it is rewritten (its modification time, ETag)."""
-    return {k: str(entry[k]) for k in VERSION_FIELDS if k in entry}
 
 
 def token_source(place: Place, path: str, dtype: str, *described, url: str | None = None,
