@@ -134,30 +134,43 @@ def test_a_worker_paused_in_a_warm_epoch_costs_a_bounded_wait_and_nothing_else(t
 
 
 def test_a_worker_paused_while_it_loads_a_cold_epoch_has_its_blocks_loaded_by_the_others(tmp_path):
-    """Cold, over a store with latency: the paused worker still has block loads queued and
-    running; the others load them once the scheduler treats it as lost, and the ranks'
-    requests to it end at their deadline."""
+    """Cold: the store holds its answers for every chunk until each worker has block loads
+    running or queued, then the worker with the most is paused and the store answers; the
+    others load its blocks once the scheduler treats it as lost, and the ranks' requests
+    to it end at their deadline. (Holding the answers makes the loads provably in flight
+    when the worker stops, whatever the machine's speed; the ranks meet the paused worker
+    before their first connection to it, whose handshake Dask does not bound.)"""
     from benchmarks.store_server import StoreServer
 
     write_zarr(str(tmp_path / "d.zarr"), N, chunk=CHUNK)
+    chunks = lambda path: not os.path.basename(path).startswith(("zarr.json", ".z"))
     address, procs = start_cluster(tmp_path)
     try:
-        with StoreServer(str(tmp_path), latency=0.1) as store, distributed.Client(address, timeout=60) as client:
+        with StoreServer(str(tmp_path), latency=0.01) as store, distributed.Client(address, timeout=60) as client:
             client.wait_for_workers(3, timeout=60)
             pids = worker_pids(client)
             out = tmp_path / "epoch0"
             out.mkdir()
-            ranks = start_ranks(address, store.url + "/d.zarr", 0, out, step=0.05)
-            procs += ranks
-            wait_until(lambda: all(delivered(out, r) >= 1 for r in range(RANKS)), 120, "every rank is under way")
-            loading = {w: [k for k in keys if k.startswith("dmdask-block-")]
-                       for w, keys in client.processing().items()}
-            victim = max(loading, key=lambda w: len(loading[w]))
-            os.kill(pids[victim], signal.SIGSTOP)
-            assert loading[victim], "the paused worker had no block load left: nothing was tested"
+            store.hold(chunks)
+            try:
+                ranks = start_ranks(address, store.url + "/d.zarr", 0, out, step=0.05)
+                procs += ranks
+                wait_until(lambda: len(block_loads(client)) == 3, 120, "every worker has block loads")
+                loading = block_loads(client)
+                victim = max(loading, key=lambda w: len(loading[w]))
+                os.kill(pids[victim], signal.SIGSTOP)
+                assert all(delivered(out, r) == 0 for r in range(RANKS))  # nothing could be read yet
+            finally:
+                store.release()
             ended_while_paused(client, ranks, out, victim, pids[victim])
     finally:
         stop(procs)
+
+
+def block_loads(client) -> dict[str, list]:
+    """Each worker's block loads the scheduler has it running or queued (none: not listed)."""
+    loads = {w: [k for k in keys if str(k).startswith("dmdask-block-")] for w, keys in client.processing().items()}
+    return {w: keys for w, keys in loads.items() if keys}
 
 
 def test_a_paused_scheduler_treats_no_worker_as_silent(tmp_path):

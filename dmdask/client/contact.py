@@ -15,6 +15,7 @@ from distributed.comm import get_address_host
 from distributed.comm.core import CommClosedError
 
 from ..errors import SchedulerLostError, no_workers, waiting_for_workers
+from ..protocol.worker import connect_within
 from ..recovery import Tries
 from .gather import CONNECT_SECONDS
 from .locate import my_host
@@ -27,7 +28,7 @@ CONNECT_AHEAD = 32  # workers a cold iterator connects to ahead of its first req
 async def connect_ahead(client, address: str) -> None:
     """A connection to `address` made now for the client's pool; never raises (the next call would)."""
     try:
-        comm = await client.rpc.connect(address, timeout=CONNECT_SECONDS)
+        comm = await connect_within(client.rpc, address, CONNECT_SECONDS)
     except Exception:  # noqa: BLE001 - best effort
         return
     client.rpc.reuse(address, comm)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
+import dask
+from dask.utils import parse_timedelta
 from distributed.core import send_recv
 from distributed.protocol.serialize import to_serialize
 
@@ -267,9 +269,24 @@ def handler(kind: type, method):
     return handle
 
 
+async def connect_within(rpc, address: str, seconds: float | None = None):
+    """A comm to `address` from the pool `rpc`, or a `TimeoutError` naming the worker once
+    `seconds` passed (None: `distributed.comm.timeouts.connect`). Dask bounds only the TCP
+    connect, not the handshake after it (dask/distributed#7698), so a paused worker, whose
+    kernel still accepts connections, would otherwise keep its caller waiting forever."""
+    if seconds is None:
+        seconds = parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"), default="seconds")
+    try:
+        return await asyncio.wait_for(rpc.connect(address, timeout=seconds), seconds)
+    except asyncio.TimeoutError:
+        raise TimeoutError(f"worker {address} did not answer a new connection within {seconds:.0f} s: "
+                           "paused or hung?") from None
+
+
 class WorkerAPI:
     """The workers' handlers over a `ConnectionPool` (`client.rpc`, `worker.rpc`).
-    `connect_seconds`: how long a connection may take before an OSError (None: the pool's);
+    `connect_seconds`: how long a connection, its handshake included, may take before a
+    `TimeoutError` (an OSError; None: `distributed.comm.timeouts.connect`);
     `reply_seconds`: how long a reply may take before a `TimeoutError` (an OSError: a lost
     worker to the callers) that names the worker (None: no bound)."""
 
@@ -279,7 +296,7 @@ class WorkerAPI:
     async def call(self, address: str, request: Message) -> Message | None:
         """The worker's reply to `request`; `Moved` for blocks it does not hold. A connection
         whose reply did not come (a timeout, a cancelled call) is closed, never reused."""
-        comm = await self.rpc.connect(address, timeout=self.connect_seconds)
+        comm = await connect_within(self.rpc, address, self.connect_seconds)
         try:
             reply = await asyncio.wait_for(send_recv(comm, op=OPS[type(request)], **to_wire(request)),
                                            self.reply_seconds)
