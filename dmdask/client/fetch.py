@@ -66,7 +66,8 @@ class GroupFetcher:
         group = self.share.batches(first, stop)
         ids = np.concatenate(group)
         blocks, offsets = self.info.locate(ids)
-        keys = {int(k): self.info.block_key(int(k)) for k in np.unique(blocks)}
+        unique = np.unique(blocks)
+        keys = dict(zip(unique.tolist(), self.info.block_keys(unique)))
         recovery = float(dask.config.get("dmdask.client.recovery-seconds"))
         isolate = False  # set once a worker was lost while this group's transform ran
 
@@ -128,8 +129,8 @@ class GroupFetcher:
         ids = np.concatenate(group)
         blocks, offsets = self.info.locate(ids)
         unique, index = np.unique(blocks, return_inverse=True)
-        keys = [self.info.block_key(k) for k in unique.tolist()]
-        holders = [self.holders.get(key) for key in keys]
+        keys = self.info.block_keys(unique)
+        holders = list(map(self.holders.get, keys))
         if None in holders:
             return None
         arrays = self.gatherer.gather_known(keys, holders, index, offsets, priority=first)

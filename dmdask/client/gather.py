@@ -244,7 +244,8 @@ class Gatherer:
         n = len(blocks)
         index_of = {h: i for i, h in enumerate(dict.fromkeys(holders))}  # holder -> its number, in order met
         names = list(index_of)
-        holder_of_block = np.array([index_of[h] for h in holders], dtype=np.int32) if len(names) > 1 else None
+        holder_of_block = np.fromiter(map(index_of.__getitem__, holders), dtype=np.int32, count=len(holders)) \
+            if len(names) > 1 else None
         local = set(self._local_holders(names))
         channels = channels_of(self.client)
         from_files: list[FromFile] = []
@@ -270,8 +271,8 @@ class Gatherer:
                 return None
             index = np.zeros(len(keys), dtype=np.int32)
             index[mine] = np.arange(len(mine), dtype=np.int32)
-            asked = RowsAsked([keys[b] for b in mine.tolist()], index[blocks[rows]], offsets[rows], priority,
-                              LOAD_WAIT)
+            asked = RowsAsked(keys if holder_of_block is None else list(map(keys.__getitem__, mine.tolist())),
+                              index[blocks[rows]], offsets[rows], priority, LOAD_WAIT)
             exchanges.append((holder, channel, asked, group.receiving(asked, rows)))
         here = None if from_files else exchanges.pop(0)  # one holder's rows received in this thread
         others = [peer_threads.submit(channels.exchange, *args) for args in exchanges]

@@ -82,6 +82,16 @@ class MixedInfo:
         source = int(np.searchsorted(self.block_offsets, k, side="right") - 1)
         return self.sources[source].block_key(k - int(self.block_offsets[source]))
 
+    def block_keys(self, blocks: np.ndarray) -> list[str]:
+        """`block_key` of each block number, a source at a time."""
+        blocks = np.asarray(blocks, dtype=np.int64)
+        sources = np.searchsorted(self.block_offsets, blocks, side="right") - 1
+        keys = np.empty(len(blocks), dtype=object)
+        for source in np.unique(sources).tolist():
+            mine = sources == source
+            keys[mine] = self.sources[source].block_keys(blocks[mine] - self.block_offsets[source])
+        return keys.tolist()
+
     def batch_fields(self, ids: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """A group's "index" (ids in their sources) and extra fields ("source") from its global ids."""
         sources, index = self.split(ids)

@@ -85,6 +85,11 @@ class DatasetInfo:
     def block_key(self, k: int) -> str:
         return block_key(self.identity, k)
 
+    def block_keys(self, blocks: np.ndarray) -> list[str]:
+        """`block_key` of each block number, in C-level loops (a shuffled request of a large
+        dataset names up to a block a row)."""
+        return list(map(f"{BLOCK_KEY_PREFIX}{self.identity}-".__add__, map(str, np.asarray(blocks).tolist())))
+
 
 NAME_PREFIXES = ("ds-", "fs-")  # a spec's dataset (`dataset_name`), a file's (`dmdask.source.files`)
 

@@ -20,6 +20,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from operator import attrgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -36,6 +37,8 @@ from .holdings import ArenaBlock, FileBlock, concat, payload_bytes
 
 logger = logging.getLogger(__name__)
 ZERO_COPY_ROW_BYTES = 2 << 10  # fields of rows at least this large are sent from the arena's pages (`Pieces`)
+_ARENA, _SLOT = attrgetter("arena"), attrgetter("slot")  # of ArenaBlocks, in map()
+_START, _STOP = attrgetter("start"), attrgetter("stop")  # of any Holding
 HELLO_SECONDS = 10.0  # a connection that does not say the secret in time is closed
 OP = "dmdask row channel"
 
@@ -118,27 +121,28 @@ class RowServer:
     def rows(self, asked: RowsAsked, buffer: Buffer, zero_copy: bool = False) -> Reply:
         """The reply holding the rows asked, field by field in the order asked. `Moved` for
         blocks not held."""
-        store = self.cache.store
-        held = [store.get(key) for key in asked.keys]
-        if held and all(isinstance(h, (ArenaBlock, FileBlock)) for h in held):
-            check_offsets(asked, [len(h) for h in held])
-            arenas = {id(h.arena) for h in held if isinstance(h, ArenaBlock)}
+        held = self.cache.store.holdings(asked.keys)  # per key, only C-level loops: up to a key a row
+        kinds = set(map(type, held))
+        if held and kinds <= {ArenaBlock, FileBlock}:
+            starts = np.fromiter(map(_START, held), dtype=np.int64, count=len(held))
+            check_offsets(asked, np.fromiter(map(_STOP, held), dtype=np.int64, count=len(held)) - starts)
             try:
-                if len(arenas) == 1 and all(isinstance(h, ArenaBlock) for h in held):
-                    return self._from_arena(asked, held, buffer, zero_copy)
+                if kinds == {ArenaBlock} and len(set(map(_ARENA, held))) == 1:
+                    return self._from_arena(asked, held, starts, buffer, zero_copy)
                 return _rows_reply(self._from_files(asked, held), 0)
             except OSError:  # files gone or unreadable: the event loop's path reads them again
                 pass
         return _rows_reply(*self._on_loop(asked))
 
-    def _from_arena(self, asked: RowsAsked, held: list[ArenaBlock], buffer: Buffer, zero_copy: bool) -> Reply:
+    def _from_arena(self, asked: RowsAsked, held: list[ArenaBlock], start: np.ndarray, buffer: Buffer,
+                    zero_copy: bool) -> Reply:
         """Rows of one arena: fields of large rows sent from the arena's pages themselves
         (`sendmsg`: the kernel's copy is the only one), the others taken into `buffer` with
         one `np.take` per field. Labels are checked before sending when every field was
-        taken, else once sent (the trailer names the blocks released meanwhile)."""
+        taken, else once sent (the trailer names the blocks released meanwhile). `start`:
+        each block's first sample."""
         arena, n = held[0].arena, len(asked.rows)
-        first_row = np.array([h.slot for h in held], dtype=np.int64) * arena.block_len
-        start = np.array([h.start for h in held], dtype=np.int64)
+        first_row = np.fromiter(map(_SLOT, held), dtype=np.int64, count=len(held)) * arena.block_len
         rows = first_row[asked.blocks] + asked.rows
         needed = int(rows.max()) + 1 if n else 0
         maps = ArenaMaps.shared
@@ -291,9 +295,9 @@ def read_request(header: dict, receive) -> RowsAsked:
     return RowsAsked(keys, blocks, rows, priority, float(wait))
 
 
-def check_offsets(asked: RowsAsked, lengths: list[int]) -> None:
+def check_offsets(asked: RowsAsked, lengths: np.ndarray) -> None:
     """ValueError naming the first block with rows that are not offsets inside it."""
-    limit = np.asarray(lengths, dtype=np.int64)[asked.blocks]
+    limit = lengths[asked.blocks]
     bad = (asked.rows < 0) | (asked.rows >= limit)
     if bad.any():
         b = int(asked.blocks[bad][0])

@@ -179,6 +179,11 @@ class TieredStore(TierSpace, MutableMapping):
             self._discard_block(key)
             self._other[key] = value
 
+    def holdings(self, keys: list) -> list:
+        """The block held under each key (None where no block is), in one pass: a row
+        request names every block its rows are in, up to one per row."""
+        return list(map(self._blocks.get, keys))
+
     def __getitem__(self, key):
         if key in self._blocks:
             return self._blocks[key]
