@@ -50,7 +50,8 @@ class Spec:
         each batch on the workers, after the cache (see `per_sample` and `dmdask.images`).
     prefetch: at most this many batches requested or ready ahead of the consumer (>= 1);
         None (the default): 8, or more small batches where they hold under 16 MiB (asked
-        up to 32 and about 8 MiB a request, two requests ahead: fewer requests per byte).
+        up to 32 and about 8 MiB a request, two requests ahead: fewer requests per byte;
+        of other hosts' workers, up to 32 MiB a request).
     block_size: samples per block for file folders and tar shards; for Zarr and HDF5,
         a multiple of the chunk length along the sample axis; for Parquet, rows whose
         multiples fall on row-group boundaries (None: one chunk, the smallest run of

@@ -40,13 +40,15 @@ def identity_of(client, url):
     return {d["url"]: d["identity"] for d in dmdask.stats(client)["datasets"]}[url]
 
 
-@pytest.mark.parametrize("prefetch", [2, 8, None])
-def test_a_remote_group_is_one_message_per_holder(tmp_path, prefetch):
+@pytest.mark.parametrize("prefetch, shape, groups", [(2, (16,), (1, 1)), (8, (16,), (4, 4)), (None, (16,), (32, 32)),
+                                                     (None, (2048,), (15, 32))])
+def test_a_remote_group_is_one_message_per_holder(tmp_path, prefetch, shape, groups):
     """Warm, every group of batches costs each holder exactly one request on its row
     channel (each batch here has rows of both holders), and the rows are the right ones,
-    in order, each sample once."""
+    in order, each sample once. By default, small batches go 32 a request, up to 8 MiB
+    (`group`), or 32 MiB from other hosts' workers (`remote_group`: 8 KB rows)."""
     n, chunk = 1600, 100
-    path = write_zarr(str(tmp_path / "d.zarr"), n, sample_shape=(16,), chunk=chunk)
+    path = write_zarr(str(tmp_path / "d.zarr"), n, sample_shape=shape, chunk=chunk)
     with dask.config.set(ELSEWHERE), dmdask.LocalCluster(n_workers=2, ram="64 MiB") as cluster, \
             distributed.Client(cluster) as client:
         spec = dmdask.Spec(path, batch_size=64, seed=3, prefetch=prefetch)
@@ -58,17 +60,17 @@ def test_a_remote_group_is_one_message_per_holder(tmp_path, prefetch):
             it = dmdask.batches(client, spec, epoch=epoch)
             ids = []
             for batch in it:
-                np.testing.assert_array_equal(batch["x"], zarr_sample(batch["index"], (16,)))
+                np.testing.assert_array_equal(batch["x"], zarr_sample(batch["index"], shape))
                 assert {holders[b] for b in (batch["index"] // chunk).tolist()} == set(holders.values())
                 ids.append(batch["index"])
             after = peer_counts(client)
             assert np.array_equal(np.sort(np.concatenate(ids)), np.arange(n))
-            assert it.group == {2: 1, 8: 4, None: 32}[prefetch]  # by default, small batches 32 a request
-            assert it.requests == 1 + -(-(len(ids) - 1) // it.group)  # batch 0 alone, then groups
+            assert (it.group, it.remote_group) == groups
+            assert it.requests == 1 + -(-(len(ids) - 1) // it.remote_group)  # batch 0 alone, then groups
             for worker in after:  # one message per holder per group, whatever the blocks touched
                 assert after[worker]["requests"] - before[worker]["requests"] == it.requests, (worker, it.requests)
             sent = sum(after[w]["bytes_out"] - before[w]["bytes_out"] for w in after)
-            assert sent == n * (16 * 4 + 8)  # every row crossed TCP once: "x" float32[16] and "label" int64
+            assert sent == n * (shape[0] * 4 + 8)  # every row crossed TCP once: "x" float32 and "label" int64
 
 
 def test_large_rows_are_sent_from_the_arena_beside_small_fields_taken(tmp_path):
