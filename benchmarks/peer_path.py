@@ -53,7 +53,10 @@ SPREAD_FLAG = 1 << 63  # a request's high bit: send from (receive into) distinct
 GATHER_FUTURES, GATHER_BYTES = 32, 8 * MiB
 
 # name -> (bytes per sample, batch size)
-SIZES = {"3KB": (3072, 256), "110KB": (112640, 64), "1MiB": (MiB, 16)}
+SIZES = {"3KB": (3072, 256), "110KB": (112640, 64), "1MiB": (MiB, 16), "3KB-64KiB-blocks": (3072, 256)}
+# sizes whose blocks are smaller than BLOCK_BYTES: 3 KB rows 21 a block, so that the rows of a
+# shuffled request come each from a block of its own, as in a dataset of many blocks (no goal)
+SMALL_BLOCKS = {"3KB-64KiB-blocks": 64 << 10}
 PRESETS = {
     "tiny": {"dataset_bytes": 4 * MiB, "tcp_bytes": 64 * MiB, "reps": 2, "gather": 2, "min_seconds": 0},
     # 512 MiB a size, as issue 36 measured: at 256 MiB a warm epoch lasted 0.1 s, and its start
@@ -86,8 +89,8 @@ def run(preset: str, sizes=None, reps: int | None = None) -> dict:
     cfg["prefetch"] = next(f.default for f in dataclasses.fields(dmdask.Spec) if f.name == "prefetch")
     cfg["samples"] = {name: max(2 * SIZES[name][1], cfg["dataset_bytes"] // SIZES[name][0]) for name in cfg["sizes"]}
     with tempfile.TemporaryDirectory(prefix="dmdask-bench-peer-path-") as root:
-        paths = {name: _write_dataset(f"{root}/{name}.zarr", SIZES[name][0], cfg["samples"][name])
-                 for name in cfg["sizes"]}
+        paths = {name: _write_dataset(f"{root}/{name}.zarr", SIZES[name][0], cfg["samples"][name],
+                                      SMALL_BLOCKS.get(name, BLOCK_BYTES)) for name in cfg["sizes"]}
         capacity = sum(_dataset_bytes(name, cfg) for name in cfg["sizes"]) + 64 * MiB
         with _holder(root, capacity) as pids, _Bench(*pids) as bench:
             measured = bench.measure(cfg, paths)
@@ -100,12 +103,12 @@ def _dataset_bytes(name: str, cfg) -> int:
     return cfg["samples"][name] * (SIZES[name][0] + 8)  # the samples and their int64 labels
 
 
-def _write_dataset(path: str, sample_bytes: int, n: int) -> str:
+def _write_dataset(path: str, sample_bytes: int, n: int, block_bytes: int = BLOCK_BYTES) -> str:
     """A Zarr v3 group, uncompressed: "x" (n samples of `sample_bytes` random bytes) and
-    "label" (int64, the sample's id), in chunks of about BLOCK_BYTES."""
+    "label" (int64, the sample's id), in chunks of about `block_bytes`."""
     import zarr
 
-    chunk = max(1, BLOCK_BYTES // sample_bytes)
+    chunk = max(1, block_bytes // sample_bytes)
     group = zarr.open_group(path, mode="w", zarr_format=3)
     x = group.create_array("x", shape=(n, sample_bytes), chunks=(chunk, sample_bytes), dtype="uint8",
                            compressors=None)
@@ -354,7 +357,7 @@ def goals(result: dict) -> list:
     loaded = f"; load (1 min) {min(load):.1f}-{max(load):.1f}" if load else ""
     out = []
     for row in result["rows"]:
-        if row["path"] != "remote" or not row["shuffle"]:
+        if row["path"] != "remote" or not row["shuffle"] or row["size"] not in RATIO_GOALS:
             continue
         want = RATIO_GOALS[row["size"]]
         check = "" if row["bytes_out_check"]["every_row_crossed_tcp"] else "; NOT every row crossed TCP"
@@ -600,12 +603,13 @@ def report(result: dict, plots_dir: str) -> str:
         f"{cfg['tcp_bytes'] // MiB} MiB a repetition. dmdask: a `dask scheduler` and one `dask worker "
         f"--worker-class dmdask.Worker` on {HOLDER_HOST} holding every dataset in its RAM tier (Zarr v3, "
         f"uncompressed, about {cfg['dataset_bytes'] // MiB} MiB a sample size, blocks of about "
-        f"{BLOCK_BYTES // MiB} MiB); the remote reader sets `dmdask.client.host` = \"{READER_HOST}\", so that "
+        f"{BLOCK_BYTES // MiB} MiB, but those of 3KB-64KiB-blocks: 64 KiB, 21 rows, so that each row of a "
+        "shuffled request comes from a block of its own, as in a dataset of many blocks; no goal); the remote reader sets `dmdask.client.host` = \"{READER_HOST}\", so that "
         "nothing is mapped (each epoch checks that the worker's `peer.bytes_out` rose by at least the bytes "
         "it read); the same-host reader's host is the worker's (mapped arenas).",
         f"Every socket of the run was on these two addresses, the holders listening on {HOLDER_HOST} only."
         if addresses.get("only_the_two_addresses") else f"**Sockets on other addresses than these two**: {addresses}.",
-        f"Batch sizes as in the table, dmdask's default prefetch ({cfg['prefetch'] or '8 batches, or 16 MiB of small ones'}), no transform. "
+        f"Batch sizes as in the table, dmdask's default prefetch ({cfg['prefetch'] or '8 batches, or 16 MiB of small ones, 64 MiB from other hosts'}), no transform. "
         f"{cfg['reps']} interleaved repetitions of every configuration after one warm-up round, each at least "
         f"{cfg['min_seconds']:g} s (whole epochs, transfers or gathers back to back), medians; "
         "/ raw TCP: each repetition's MB/s over the link's in the same round, median; CPU-seconds per GB "
