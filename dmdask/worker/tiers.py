@@ -238,5 +238,5 @@ class TieredStore(TierSpace, MutableMapping):
         with self._lock:
             stats = {tier: dict(getattr(self, tier).as_dict(), dir=self._folders.get(tier) or self._roots[tier])
                      for tier in ("ram", "ssd")}
-            stats["streamed_blocks"] = sum(v.tier is None for v in self._blocks.values())
+            stats["streamed_blocks"] = len(self._blocks) - len(self._tier_of)  # in no tier; O(1) a heartbeat
         return stats
