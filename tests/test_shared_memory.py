@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import distributed
@@ -238,6 +239,36 @@ def test_pooled_batch_memory_is_reused_only_after_the_batch_is_dropped():
     assert all(empty_batch(layout, 5)["x"].__array_interface__["data"][0] != address for _ in range(20))
     del x
     assert any(empty_batch(layout, 5)["x"].__array_interface__["data"][0] == address for _ in range(20))
+
+
+def test_a_batch_collected_while_its_pool_hands_out_a_chunk_does_not_deadlock():
+    """A chunk goes back to its pool when the collector frees its batch, which may happen
+    inside the pool's own `take` (an allocation there runs the collector, which frees a
+    batch in a reference cycle): that thread must not wait on a lock it holds itself (it
+    did: four ranks of one process hung in `next()`). The collector is run there on purpose."""
+    import gc
+
+    from dmdask.shm.memory import SLAB_CHUNKS, _Pool
+
+    pool = _Pool(4096)
+    cycle = [pool.take()]
+    cycle.append(cycle)  # the chunk's holder freed only by the collector
+    del cycle
+
+    class CollectingList(list):
+        def pop(self, *args):
+            gc.collect()  # as an allocation inside `take` may: the first chunk's finalizer runs here
+            return super().pop(*args)
+
+    pool._free = CollectingList(pool._free)
+    result = []
+    thread = threading.Thread(target=lambda: result.append(pool.take()), daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "take() deadlocked on its own lock"
+    assert result[0] is not None
+    again = pool.take()  # the first chunk is back: of the slab's chunks, two are out
+    assert again is not None and len(pool._slabs) == 1 and len(pool._free) == SLAB_CHUNKS - 2
 
 
 SENTINEL = 0x5EED_F0CC_C0DE_BEEF  # what the forked child writes

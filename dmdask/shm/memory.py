@@ -6,6 +6,7 @@ writable numpy arrays (torch.from_numpy shares them).
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import mmap
 import threading
@@ -35,12 +36,18 @@ class _Pool:
         self._free: list[tuple[int, int]] = []  # (slab, chunk)
         self._touched: set[tuple[int, int]] = set()  # chunks used or faulted in ahead
         self._lock = threading.Lock()
+        # chunks given back, taken into `_free` under the lock by `take`: a finalizer gives a
+        # chunk back whenever the collector runs, in any thread, `take`'s own under its lock
+        # included (a lock there deadlocked a thread on itself); deque appends are atomic
+        self._returned: collections.deque[tuple[int, int]] = collections.deque()
 
     def take(self):
         """A ctypes array over a free chunk, or None when the pool is exhausted. The next
         chunks never used yet are faulted in meanwhile (a first touch of fresh memory costs
         more than the copy into it), so only a pool's first chunk is faulted in by its user."""
         with self._lock:
+            while self._returned:
+                self._free.append(self._returned.popleft())
             if not self._free and len(self._slabs) * SLAB_CHUNKS < self.max_chunks:
                 slab = mmap.mmap(-1, self.chunk_bytes * SLAB_CHUNKS, flags=mmap.MAP_PRIVATE)
                 if hasattr(mmap, "MADV_HUGEPAGE"):
@@ -60,8 +67,8 @@ class _Pool:
         return holder
 
     def _give_back(self, slab: int, chunk: int) -> None:
-        with self._lock:
-            self._free.append((slab, chunk))
+        """From a finalizer, in any thread at any time: no lock (see `_returned`)."""
+        self._returned.append((slab, chunk))
 
 
 _pools: dict[int, _Pool] = {}
