@@ -219,12 +219,12 @@ class WorkerPlugin(distributed.WorkerPlugin):
         if not isinstance(readers, list) or any(getattr(r, "key", None) not in request.blocks for r in readers):
             raise HandlerArgumentError(f"dmdask_place_blocks: readers must be the StoreReaders of the blocks handed "
                                        f"over, got {type(readers).__name__}")
-        data = self.worker.data
+        data, tasks, store = self.worker.data, self.worker.state.tasks, self.cache.store
 
         def place() -> dict:
             placed = {}
             for reader in readers:
-                if reader.key in data:
+                if reader.key in data or reader.key in tasks:  # held, or its load task is here
                     continue
                 try:
                     for url in reader.sources():
@@ -239,7 +239,11 @@ class WorkerPlugin(distributed.WorkerPlugin):
             return placed
 
         placed = await asyncio.get_running_loop().run_in_executor(_place_threads, place)
-        placed = {key: value for key, value in placed.items() if key not in data}
+        for key in [key for key in placed if key in data or key in tasks]:  # came meanwhile: this copy freed
+            value = placed.pop(key)
+            if key not in store:
+                store[key] = value  # its tier's reservation turns into held bytes, then is freed
+                del store[key]
         if not placed:
             return Placed({})
         nbytes = self.worker.update_data(placed, stimulus_id=f"dmdask-place-{time.time()}")["nbytes"]
