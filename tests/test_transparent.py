@@ -355,7 +355,8 @@ def test_reads_ahead_race_other_readers_and_still_read_each_file_once(store, clu
     lookups do: one claim request, concurrent GETs), one of them missing, while another
     process reads the 11 that exist at once, 4 threads each all of them: every byte leaves
     the store once, both read the right bytes, and the missing file's claim is released
-    (its one GET answered 404)."""
+    (its one GET answered 404). The second process starts once the first has claimed (had it
+    started first, the first would find its file read and read nothing ahead)."""
     server, root = store
     sizes, urls = new_files(server, root, "ahead", 12, seed=7, first=2000, step=131)
     ahead = ("import hashlib, json, sys, fsspec\n"
@@ -363,22 +364,25 @@ def test_reads_ahead_race_other_readers_and_still_read_each_file_once(store, clu
              "fs = fsspec.filesystem('dmdask', target_protocol='http', scheduler=sys.argv[1])\n"
              "urls = sys.argv[2:]\n"
              "assert fs.open_info(urls[0], urls[1:], 12)['size'] > 0\n"
+             "print('claimed', flush=True)\n"
              "got = fs.cat(urls[:-1])\n"
              "print(json.dumps([hashlib.sha1(got[u]).hexdigest() for u in urls[:-1]]))\n")
     server.reset_stats()
     missing = f"{server.url}/ahead/missing.bin"
-    procs = [subprocess.Popen([sys.executable, "-c", code, cluster.scheduler_address, *args], env=env(),
-                              stdout=subprocess.PIPE, text=True)
-             for code, args in ((ahead, [*urls, missing]), (RACING, urls))]
-    outs = [p.communicate(timeout=PROCESS_SECONDS)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0]
+    procs = [subprocess.Popen([sys.executable, "-c", ahead, cluster.scheduler_address, *urls, missing], env=env(),
+                              stdout=subprocess.PIPE, text=True)]
+    assert procs[0].stdout.readline() == "claimed\n"
+    procs.append(subprocess.Popen([sys.executable, "-c", RACING, cluster.scheduler_address, *urls], env=env(),
+                                  stdout=subprocess.PIPE, text=True))
+    outs = [procs[0].stdout.read(), procs[1].communicate(timeout=PROCESS_SECONDS)[0]]  # the first's rest: buffered
+    assert [p.wait(timeout=PROCESS_SECONDS) for p in procs] == [0, 0]
     import hashlib
 
     expected = [hashlib.sha1((root / p).read_bytes()).hexdigest() for p in sorted(sizes)]
     assert json.loads(outs[0]) == expected and json.loads(outs[1]) == [expected] * 4
     counts = sent(server, [*sizes, "ahead/missing.bin"])
     assert {p: c["bytes"] for p, c in counts.items() if p in sizes} == sizes
-    assert all(c["requests"] == 1 for c in counts.values())
+    assert all(c["requests"] == 1 for c in counts.values()), {p: c for p, c in counts.items() if c["requests"] != 1}
     with distributed.Client(cluster.scheduler_address, set_as_default=False) as client:
         assert client.run_on_scheduler(_claims_standing) == []
 
@@ -480,3 +484,61 @@ def test_opening_a_zarr_group_again_costs_no_more_than_the_direct_read(store, cl
             opened = zarr.open_group(f"dmdask::{server.url}/grp.zarr", mode="r")
             np.testing.assert_array_equal(opened["a"][:], np.arange(100))
         assert 0 < requests() <= direct
+
+
+def _blocks_on_scheduler(keys, dask_scheduler=None):
+    """key -> (state, whether it has a task to run, its holders) of the blocks `keys`."""
+    tasks = dask_scheduler.tasks
+    return {k: (tasks[k].state, tasks[k].run_spec is not None, sorted(ws.address for ws in tasks[k].who_has))
+            for k in keys if k in tasks}
+
+
+@pytest.mark.slow
+def test_first_reads_are_held_without_load_tasks_and_read_again_once_their_worker_is_lost(store, tmp_path):
+    """A process's first reads of 12 new files are kept by their planned workers without a
+    load task each (the reader hands the bytes over, the workers keep them as Dask keeps
+    scattered data): every block is held and has no task; a new process reads them all from
+    the cache (no store request); once a worker holding some is killed, the next reads load
+    those again from the store, once each, and every read has the right bytes."""
+    import hashlib
+    import signal
+    import time
+
+    server, root = store
+    sizes, urls = new_files(server, root, "placed", 12, seed=11, first=1500, step=61)
+    expected = [hashlib.sha1((root / p).read_bytes()).hexdigest() for p in sorted(sizes)]
+
+    def read_all():
+        proc = subprocess.run([sys.executable, "-c", RACING, c.scheduler_address, *urls], env=env(),
+                              capture_output=True, text=True, timeout=PROCESS_SECONDS)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert json.loads(proc.stdout) == [expected] * 4
+
+    with dmdask.LocalCluster(n_workers=2, ram="64 MiB", dashboard_address=None) as c, \
+            distributed.Client(c, set_as_default=False) as client:
+        server.reset_stats()
+        read_all()
+        assert sent(server, sizes) == {p: {"requests": 1, "bytes": n} for p, n in sizes.items()}
+        fs = fsspec.filesystem("dmdask", target_protocol="http", scheduler=c.scheduler_address)
+        keys = [fs.source(fs.target_path(u), fs.info(u)).info.block_key(0) for u in urls]  # the run's infos: no HEAD
+        blocks = client.run_on_scheduler(_blocks_on_scheduler, keys)
+        assert sorted(blocks) == sorted(keys)
+        assert {state for state, _, _ in blocks.values()} == {"memory"}
+        assert not any(has_task for _, has_task, _ in blocks.values())
+        workers = sorted({w for _, _, holders in blocks.values() for w in holders})
+        assert len(workers) == 2  # planned round-robin
+        read_all()
+        assert sum(n["requests"] for n in sent(server, sizes).values()) == 12  # all from the cache
+        lost = workers[0]
+        on_lost = {p for p, u, k in zip(sorted(sizes), urls, keys) if blocks[k][2] == [lost]}
+        os.kill(client.run(os.getpid, workers=[lost])[lost], signal.SIGKILL)
+        for _ in range(600):  # until the scheduler has seen it go (its nanny starts another)
+            if lost not in client.scheduler_info()["workers"]:
+                break
+            time.sleep(0.1)
+        assert lost not in client.scheduler_info()["workers"]
+        read_all()
+        dmdask.fs.close()
+    assert on_lost
+    assert sent(server, sizes) == {p: {"requests": 1 + (p in on_lost), "bytes": n * (1 + (p in on_lost))}
+                                   for p, n in sizes.items()}

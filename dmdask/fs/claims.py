@@ -11,16 +11,18 @@ import asyncio
 import logging
 import secrets
 import threading
+import time
 import itertools
 from collections import OrderedDict
 from collections.abc import Iterable
 
 import dask.config
 import fsspec
+from distributed.protocol.pickle import dumps
 
 from ..client.datasets import submit_blocks
 from ..errors import NotADmdaskWorker
-from ..protocol.scheduler import FileEntry, FsOpenBlocks, NoWorkers, OpenBlocks, SchedulerAPI
+from ..protocol.scheduler import FileEntry, FsHeld, FsOpenBlocks, NoWorkers, OpenBlocks, SchedulerAPI
 from ..protocol.worker import WorkerAPI
 from ..recovery import Tries
 from ..source.files import FileSource, read_blocks
@@ -269,6 +271,15 @@ class Claims:
                     self.handing.pop(reader.key, None)
                 self._handed.notify_all()
 
+    def wait_read_ahead(self, timeout: float) -> None:
+        """Wait until the reads ahead under way here have ended (so that an exiting process
+        hands their blocks over, and releases the claims of those that failed)."""
+        with self._lock:
+            events = list(self.reading_ahead.values())
+        deadline = time.monotonic() + timeout
+        for event in events:
+            event.wait(max(0.0, deadline - time.monotonic()))
+
     def wait_handed_over(self, timeout: float) -> None:
         """Wait until the blocks this process read from the store are with their workers."""
         with self._handed:
@@ -295,13 +306,46 @@ class Claims:
         return [(reply.mine[reader.key], reader, content) for reader, content in readers if reader.key in reply.mine]
 
     async def _hand_queued(self, queued: list[tuple]) -> None:
+        """Have the planned workers keep the blocks `queued` ((worker, reader, bytes)) without a
+        load task each: one `dmdask_place_blocks` request per worker, then one `FsHeld` request
+        naming what each placed. A block a worker did not place (a worker of an older dmdask,
+        no room, an error) is handed over and loaded by a task as before."""
         client = self.session.client
         if not queued:
             return
+        by_worker: dict[str, list] = {}
+        for worker, reader, content in queued:
+            reader.claim = self._claim  # its load (placed or a task) takes only the bytes handed over with it
+            by_worker.setdefault(worker, []).append((reader, content))
+        workers = WorkerAPI(client.rpc)
+        replies = await asyncio.gather(*(workers.place_blocks(w, {r.key: c for r, c in blocks}, self._claim,
+                                                              dumps([r for r, _ in blocks]))
+                                         for w, blocks in by_worker.items()), return_exceptions=True)
+        placed = {w: reply for w, reply in zip(by_worker, replies) if isinstance(reply, dict) and reply}
+        for worker, reply in zip(by_worker, replies):
+            if isinstance(reply, NotADmdaskWorker):  # a plain Dask worker: this process's next read raises it
+                self.session.refused = reply
+                logger.warning("dmdask:: %s", reply)
+            elif isinstance(reply, BaseException):  # handed over and loaded by a task below
+                logger.debug("could not place blocks on %s: %r", worker, reply)
+        held = {}
+        if placed:
+            try:
+                held = (await SchedulerAPI(client).send(FsHeld(placed))).holders
+            except Exception:  # noqa: BLE001 - their loads are submitted below; the workers' copies are
+                logger.debug("could not tell the scheduler of placed blocks", exc_info=True)  # then replicas
+        self.session.blocks.holders.update(held)
+        rest = [(w, r, c) for w, r, c in queued if r.key not in held]
+        if rest:
+            await self._hand_to_tasks(rest)
+
+    async def _hand_to_tasks(self, queued: list[tuple]) -> None:
+        """Hand the blocks `queued` over to their planned workers and submit their load tasks,
+        which take those bytes; done once the scheduler has them (or `HANDOVER_EXIT_SECONDS`)."""
+        client = self.session.client
         by_worker: dict[str, dict] = {}
         for worker, reader, content in queued:
             by_worker.setdefault(worker, {})[reader.key] = content
-            reader.claim = self._claim  # its load task takes only the bytes handed over with it
         workers = WorkerAPI(client.rpc)
         replies = await asyncio.gather(*(workers.hand_over(w, blocks, self._claim) for w, blocks in by_worker.items()),
                                        return_exceptions=True)

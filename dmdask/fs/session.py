@@ -90,9 +90,11 @@ class Session:
         return self.connected
 
     def at_exit(self) -> None:
-        """Hand over the blocks read here, share the infos read here with the run and
-        report the rows taken from workers' files; each bounded in time."""
+        """Let the reads ahead under way end, hand over the blocks read here, share the infos
+        read here with the run and report the rows taken from workers' files; each bounded in time."""
         client, claims = self.connected, self.claims
+        if client is not None:
+            claims.wait_read_ahead(HANDOVER_EXIT_SECONDS)
         if client is not None and (claims.to_hand or claims.to_open):
             client.loop.add_callback(claims.hand_over)
         claims.wait_handed_over(HANDOVER_EXIT_SECONDS)

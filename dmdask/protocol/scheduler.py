@@ -212,6 +212,22 @@ class FsOpenBlocks(Request):
 
 
 @message
+class FsHeld(Request):
+    """Blocks that workers placed from a reader's hand-over without a load task each
+    (`dmdask_place_blocks`): worker -> block key -> its size in bytes. The scheduler keeps each
+    as that worker's data (as Dask keeps scattered data), wanted by its dataset, and ends the
+    reader's claims; a block it already has elsewhere stays a replica, one loading elsewhere is
+    dropped from that worker. Reply: `BlocksHeld`."""
+    op = "dmdask_fs_held"
+    held: Dict[str, Dict[str, int]]
+
+
+@message
+class BlocksHeld:
+    holders: Dict[str, str]  # key -> a worker holding it (those the scheduler kept)
+
+
+@message
 class ArenaBlocks:
     """Blocks of one dataset a worker holds in one arena: the arena's fields, as each
     block's `ArenaBlock.describe` names them, said once; each block's index and first row

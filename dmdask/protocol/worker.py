@@ -189,6 +189,23 @@ class HandOver(Message):
 
 
 @dataclass
+class PlaceBlocks(Message):
+    """`dmdask_place_blocks`: bytes of blocks a reader read (`blocks`), kept by the worker as
+    their loads would keep them but without a load task each: `readers` pickles their
+    `StoreReader`s (a reader's claim is `claim`). Reply: `Placed`."""
+    op: ClassVar[str] = "dmdask_place_blocks"
+    blocks: dict[str, bytes]
+    claim: str
+    readers: bytes
+    PAYLOAD: ClassVar[tuple] = ("blocks", "readers")
+
+
+@dataclass
+class Placed(Message):
+    held: dict[str, int]  # block key -> its size, as the worker holds it now (the others: not placed)
+
+
+@dataclass
 class GiveRows(Message):
     """`dmdask_give_rows`: rows of blocks a rank read from the store itself (block key ->
     rows, block key -> one array per field), for the worker to keep if their readers
@@ -236,8 +253,9 @@ class Kept(Message):
     keys: list[str]  # those whose bytes the worker kept (others had no room)
 
 
-OPS = {kind: kind.op for kind in (BatchRequest, DescribeRequest, HitsReport, HandOver, GiveRows, ChannelRequest)}
-_MESSAGES = {cls.__name__: cls for cls in (*OPS, Missing, Batches, Descriptions, Kept, Channel)}
+OPS = {kind: kind.op for kind in (BatchRequest, DescribeRequest, HitsReport, HandOver, PlaceBlocks, GiveRows,
+                                   ChannelRequest)}
+_MESSAGES = {cls.__name__: cls for cls in (*OPS, Missing, Batches, Descriptions, Kept, Placed, Channel)}
 
 
 def to_wire(message: Message) -> dict:
@@ -327,6 +345,9 @@ class WorkerAPI:
 
     async def hand_over(self, address: str, blocks: dict[str, bytes], claim: str) -> list[str]:
         return (await self.call(address, HandOver(blocks, claim))).keys
+
+    async def place_blocks(self, address: str, blocks: dict[str, bytes], claim: str, readers: bytes) -> dict[str, int]:
+        return (await self.call(address, PlaceBlocks(blocks, claim, readers))).held
 
     async def give_rows(self, address: str, request: GiveRows) -> list[str]:
         return (await self.call(address, request)).keys

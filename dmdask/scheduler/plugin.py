@@ -31,7 +31,8 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 
 from ..errors import redact
 from ..internals import load_first
-from ..protocol.scheduler import (Abandon, Busy, Claimed, Datasets, DatasetSummary, FsClaim, FsMetadata, FsOpenBlocks,
+from ..protocol.scheduler import (Abandon, Busy, Claimed, Datasets, DatasetSummary, FsClaim, FsHeld, FsMetadata,
+                                  FsOpenBlocks,
                                   GetOrClaim, GetOrRegister, Held, LeftOnPurpose, Locate, NoWorkers, OpenBlocks, Ready, Register,
                                   Registered, Release, Submitted, Wanted, Workers, serve)
 from ..source.base import DatasetInfo, block_key, parse_block_key
@@ -124,7 +125,8 @@ class DatasetsPlugin(SchedulerPlugin):
             Datasets: lambda request: self.summaries(), Locate: reads.locate, OpenBlocks: reads.open_blocks,
             Workers: lambda request: [a for a in request.addresses if a in self.scheduler.workers],
             LeftOnPurpose: lambda request: self.departures.left_on_purpose(request.worker),
-            FsMetadata: reads.fs_metadata, FsClaim: reads.fs_claim, FsOpenBlocks: reads.fs_open_blocks}))
+            FsMetadata: reads.fs_metadata, FsClaim: reads.fs_claim, FsOpenBlocks: reads.fs_open_blocks,
+            FsHeld: reads.fs_held}))
         scheduler.extensions["dmdask"] = self
         from distributed.protocol.pickle import dumps
 

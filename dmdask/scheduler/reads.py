@@ -15,7 +15,8 @@ from distributed.comm import get_address_host
 
 from ..arrivals import Arrivals
 from ..internals import task_error
-from ..protocol.scheduler import (DESCRIBE_SECONDS, HOLDERS_BLOCKS, BlocksOpened, Folders, FsClaim, FsMetadata,
+from ..protocol.scheduler import (DESCRIBE_SECONDS, HOLDERS_BLOCKS, BlocksHeld, BlocksOpened, Folders, FsClaim,
+                                  FsHeld, FsMetadata,
                                   FsOpenBlocks, GetOrRegister, InfoClaims, Layouts, Located, Locate, NoWorkers,
                                   OpenBlocks, Ready)
 from ..protocol.worker import WorkerAPI
@@ -152,6 +153,37 @@ class BlockReads:
         reply = self.open_blocks(request.open)
         self.plugin.files.put(request.run, request.put)
         return reply
+
+    def fs_held(self, request: FsHeld) -> BlocksHeld:
+        """Blocks workers placed from a reader's hand-over (`dmdask_place_blocks`), without a
+        load task: each new one becomes its worker's data (Dask's `update_data`, as for scattered
+        data: no task to run again, so should its worker leave, the block is forgotten and its
+        next reader submits its load), wanted by its dataset, counted and its waiters woken as
+        a finished load's. A block the scheduler holds elsewhere already becomes a replica; one
+        it is loading elsewhere, or of no dataset, is dropped from that worker."""
+        scheduler, plugin, holders = self.scheduler, self.plugin, {}
+        for worker, blocks in request.held.items():
+            ws, dropped = scheduler.workers.get(worker), []
+            for key, nbytes in blocks.items():
+                parsed = parse_block_key(key)
+                ds = parsed and plugin.by_identity.get(parsed[0])
+                ts = scheduler.tasks.get(key)
+                if ws is None:
+                    continue
+                if not ds or (ts is not None and ts.state != "memory"):
+                    dropped.append(key)
+                    continue
+                if ts is None:
+                    scheduler.update_data(who_has={key: [worker]}, nbytes={key: nbytes}, client=ds.holder_client)
+                    plugin.transition(key, "released", "memory")
+                else:
+                    scheduler.add_replica(ts, ws)
+                self.claims.pop(key, None)
+                holders[key] = worker
+            if dropped:
+                scheduler.worker_send(worker, {"op": "remove-replicas", "keys": dropped,
+                                               "stimulus_id": f"dmdask-fs-held-{time.time()}"})
+        return BlocksHeld(holders)
 
     def _claimed(self, key: str) -> bool:
         """Whether a live client is reading this block from the store."""

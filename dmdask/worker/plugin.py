@@ -6,6 +6,7 @@ import asyncio
 import errno
 import inspect
 import logging
+import time
 
 import dask
 import distributed
@@ -13,14 +14,17 @@ import numpy as np
 from distributed.comm import get_address_host
 from distributed.comm.core import CommClosedError
 from distributed.core import Status
+from distributed.protocol.pickle import loads
 
-from ..errors import plain_worker
+from ..errors import HandlerArgumentError, plain_worker
 from ..fs.inside import serve_worker
 from ..protocol.rows import RowChannels, asked_of
 from ..recovery import reply_seconds
 from ..protocol.worker import (Batches, BatchRequest, Channel, ChannelRequest, DescribeRequest, Descriptions, GiveRows,
+                               PlaceBlocks, Placed,
                                HandOver, HitsReport, Kept, Missing, Moved, OPS, WorkerAPI, handler)
 from ..scheduler.placement import STREAMED_TOPIC
+from ..source.urls import check_source
 from ..shm.fileblocks import assemble
 from ..shm.results import shareable, write_batches
 from ..spec import loads_transform
@@ -92,7 +96,8 @@ class WorkerPlugin(distributed.WorkerPlugin):
         self.workers = ClusterWorkers(worker)
         worker.handlers.update({OPS[kind]: handler(kind, self._lost_once_closed(method)) for kind, method in (
             (BatchRequest, self.batch), (DescribeRequest, self.describe),
-            (HitsReport, self.count_hits), (HandOver, self.hand_over), (GiveRows, self.give_rows),
+            (HitsReport, self.count_hits), (HandOver, self.hand_over), (PlaceBlocks, self.place_blocks),
+            (GiveRows, self.give_rows),
             (ChannelRequest, self.channel))})
         worker.extensions["dmdask"] = self.cache
         oom_file = sizing.oom_kill_file()  # its cgroup's: counts kills of the worker's earlier processes too
@@ -203,6 +208,47 @@ class WorkerPlugin(distributed.WorkerPlugin):
         for tier, (samples, nbytes) in request.hits.items():
             self.cache.store.count_hit(tier, int(samples), int(nbytes))
 
+    async def place_blocks(self, request: PlaceBlocks) -> Placed:
+        """Keep blocks a transparent-mode reader read from the store as this worker's own,
+        without a load task each (`dmdask.fs.claims`): each placed in a tier as its load task
+        would place it (`BlockCache.load`, which takes the bytes handed over with the reader's
+        claim), then put in the worker's data as Dask's scatter puts data; the reader then tells
+        the scheduler (`FsHeld`). A block this worker has already, or fails to place, is left
+        out of the reply: its reader submits its load task instead."""
+        readers = loads(request.readers)
+        if not isinstance(readers, list) or any(getattr(r, "key", None) not in request.blocks for r in readers):
+            raise HandlerArgumentError(f"dmdask_place_blocks: readers must be the StoreReaders of the blocks handed "
+                                       f"over, got {type(readers).__name__}")
+        data, tasks, store = self.worker.data, self.worker.state.tasks, self.cache.store
+
+        def place() -> dict:
+            placed = {}
+            for reader in readers:
+                if reader.key in data or reader.key in tasks:  # held, or its load task is here
+                    continue
+                try:
+                    for url in reader.sources():
+                        check_source(url)
+                    reader.claim = request.claim
+                    content = request.blocks[reader.key]
+                    self.cache.handovers.put(reader.key, request.claim, content, len(content))
+                    placed[reader.key] = self.cache.load(reader)
+                except Exception as exc:  # noqa: BLE001 - left to its load task, which names the error
+                    self.cache.handovers.take(reader.key, request.claim)
+                    logger.debug("could not place handed-over block %s: %r", reader.key, exc)
+            return placed
+
+        placed = await asyncio.get_running_loop().run_in_executor(_place_threads, place)
+        for key in [key for key in placed if key in data or key in tasks]:  # came meanwhile: this copy freed
+            value = placed.pop(key)
+            if key not in store:
+                store[key] = value  # its tier's reservation turns into held bytes, then is freed
+                del store[key]
+        if not placed:
+            return Placed({})
+        nbytes = self.worker.update_data(placed, stimulus_id=f"dmdask-place-{time.time()}")["nbytes"]
+        return Placed({key: int(nbytes[key]) for key in placed})
+
     async def give_rows(self, request: GiveRows) -> Kept | Missing:
         """Keep the rows a rank read from the store itself (`BlockCache.receive`); `Missing`
         names the blocks not held once waited for."""
@@ -216,7 +262,8 @@ class WorkerPlugin(distributed.WorkerPlugin):
                      if self.cache.handovers.put(key, request.claim, content, len(content))])
 
 
-_peer_threads = ForkSafeExecutor(8, "dmdask-peer")  # the rows of other workers, for this worker's transforms
+_peer_threads = ForkSafeExecutor(8, "dmdask-peer")
+_place_threads = ForkSafeExecutor(1, "dmdask-place")  # blocks handed over to be placed (`place_blocks`)  # the rows of other workers, for this worker's transforms
 
 
 def _priority(priority) -> float:
