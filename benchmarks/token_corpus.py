@@ -172,8 +172,10 @@ def run(preset: str) -> dict:
             ranks = [_rank_process(address, path, cfg[which], cfg) for which in ("first", "second")]
             ranks.append(_rank_process(address, ",".join(corpora), cfg["first"], cfg))  # cold, as the first
             datasets = dmdask.stats(client)["datasets"]
-            load_warm = os.getloadavg()[0]
-            warm = [_throughput_process(address, warm_path, b, cfg) for b in cfg["warm_batches"]]
+        load_warm = os.getloadavg()[0]
+        with dmdask.LocalCluster(n_workers=2, ram=cfg["ram"]) as cluster, distributed.Client(cluster) as client:
+            # a cluster of its own: the one above goes on loading the blocks of 10^10 tokens
+            warm = [_throughput_process(client.scheduler.address, warm_path, b, cfg) for b in cfg["warm_batches"]]
     blocks = -(-2 * cfg["tokens"] // (8 << 20))
     result = {"config": cfg, "load_1min": load, "load_1min_after": os.getloadavg()[0], "file_bytes": 2 * cfg["tokens"],
               "on_disk_bytes": on_disk, "blocks": blocks, "ranks": ranks, "datasets": len(datasets),

@@ -31,6 +31,7 @@ from .resume import resume_point
 REQUEST_BYTES = 8 << 20  # small batches are fetched several per request, up to about this size
 PREFETCH = 8  # batches ahead when `Spec.prefetch` is None, or two groups where that is more
 MAX_GROUP = 32  # ... and then up to this many small batches a request
+MAX_WINDOW_GROUP = 128  # ... or a group of whole windows taken from the arenas here (no request: a copy each)
 # what a request keeps per row besides the row (ids, blocks, offsets, orders: int64 arrays), counted in
 # REQUEST_BYTES: 63 MiB for two requests of 32 batches of 8 windows of 1,025 uint16 tokens (126 B a row)
 ROW_INDEX_BYTES = 128
@@ -131,7 +132,8 @@ class BatchIterator:
 
     def _group_size(self, rows_indexed: bool) -> int:
         """Batches a warm request: half the prefetch; by default up to MAX_GROUP small batches,
-        of up to about REQUEST_BYTES, counting ROW_INDEX_BYTES a row (`rows_indexed`) else a window."""
+        of up to about REQUEST_BYTES, counting ROW_INDEX_BYTES a row (`rows_indexed`); else a
+        window, and up to MAX_WINDOW_GROUP batches."""
         spec, info = self.spec, self.info
         group = max(1, self._prefetch // 2)
         if info.nbytes is None:
@@ -139,7 +141,8 @@ class BatchIterator:
         rows = spec.batch_size * (1 if spec.window is None else spec.window.length)  # a batch's rows
         index = ROW_INDEX_BYTES * (rows if rows_indexed else spec.batch_size)
         by_bytes = REQUEST_BYTES // max(1.0, rows * info.nbytes / max(1, info.num_samples) + index)
-        return int(max(1, min(by_bytes, group if spec.prefetch is not None else MAX_GROUP)))
+        most = group if spec.prefetch is not None else MAX_GROUP if rows_indexed else MAX_WINDOW_GROUP
+        return int(max(1, min(by_bytes, most)))
 
     @property
     def position(self) -> int:
