@@ -2,10 +2,10 @@
 field (an arena): a block of L samples occupies a slot of L rows (slots of released blocks
 are reused), written once and never changed while held; readers index rows slot * L +
 offset with no lock. A file of int64 row labels (`ID_FIELD`, -1: none) is cleared when a
-slot is freed (a new slot: before it is first written) and labelled after the slot is
-written, so a reader that checks the labels after taking the rows never returns rows of a
-released or reused slot (`NotHeld`). The files only grow. A
-`block` here: the worker's `Block` (`arrays`, `start`)."""
+slot is freed (a new slot within an earlier arena's bytes of the file: before it is first
+written) and labelled after the slot is written, so a reader that checks the labels after
+taking the rows never returns rows of a released or reused slot (`NotHeld`). The files
+only grow. A `block` here: the worker's `Block` (`arrays`, `start`)."""
 from __future__ import annotations
 
 import contextlib
@@ -49,12 +49,18 @@ class Arena:
             self.fields[name] = (path, dtype, row_shape)
             self._fds[name] = create_file(path, gid, os.O_RDWR)
         self._free: list[tuple[int, bool]] = []  # (slot, whether its labels were cleared when it was freed)
+        # the labels' file bytes an earlier arena of this file may have written (a slot past them reads as
+        # never labelled, and no reader was told of it): new slots within them are cleared before their first write
+        self._labelled_before = os.fstat(self._fds[ID_FIELD]).st_size
         self._slots = 0
         self._row_bytes = {name: np.dtype(dtype).itemsize * int(np.prod(shape, dtype=np.int64))
                            for name, (_, dtype, shape) in self.fields.items()}
         self._written: set[int] = set()  # slots written at least once, beyond `_prefix`
         self._prefix = 0  # slots 0.._prefix-1 all written at least once: their bytes have no holes
-        self._collapsed = dict.fromkeys(self.fields, 0)  # field -> bytes from the start backed by huge pages
+        # field -> bytes from the start backed by huge pages; the labels only where a row's data is at least
+        # a label's 8 bytes (a copy into huge pages costs its bytes: 4x the data of 2-byte tokens)
+        data_bytes = sum(size for name, size in self._row_bytes.items() if name != ID_FIELD)
+        self._collapsed = {name: 0 for name in self.fields if name != ID_FIELD or data_bytes >= 8}
         self._huge = True  # until the kernel refuses (`shm.hugepages`)
         self._lock = threading.Lock()
 
@@ -66,10 +72,14 @@ class Arena:
     def write(self, block) -> int:
         """Copy `block` into a free slot: the slot. OSError (ENOSPC), nothing held, when full."""
         with self._lock:
-            slot, cleared = self._free.pop() if self._free else (self._slots, False)
+            if self._free:
+                slot, cleared = self._free.pop()
+            else:  # a new slot: never labelled if past the bytes an earlier arena of this file may have written
+                slot = self._slots
+                cleared = slot * self.block_len * self._row_bytes[ID_FIELD] >= self._labelled_before
             self._slots = max(self._slots, slot + 1)
         try:
-            if not cleared:  # a new slot (its file bytes may hold an earlier arena's labels)
+            if not cleared:
                 self._label(slot, None)
             for name, arr in block.arrays.items():
                 if len(arr) < self.block_len:  # the last block: the slot's tail written too, so it has no hole
@@ -92,7 +102,7 @@ class Arena:
                 self._written.discard(self._prefix)
                 self._prefix += 1
             ranges = {}
-            for name in self.fields:
+            for name in self._collapsed:
                 end = self._prefix * self.block_len * self._row_bytes[name] // HUGE * HUGE
                 if end > self._collapsed[name]:
                     ranges[name] = (self._collapsed[name], end)
