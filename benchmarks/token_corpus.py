@@ -14,8 +14,8 @@ hand), the process's RSS growth over the call, and whether the batch holds its w
 tokens (zeros, each window's id within the epoch). No file is built per rank or per restart:
 a rank's plan of its windows is O(batch) (`WindowShare`).
 
-Warm tokens/s (`throughput`): a corpus of real (random) tokens, held by the same two workers,
-read by a process on their host (the same-host path: windows taken whole from the mapped
+Warm tokens/s (`throughput`): a corpus of real (random) tokens, held by the two workers of a
+LocalCluster of its own, read by a process on their host (the same-host path: windows taken whole from the mapped
 arenas), epoch after epoch, against numpy slicing of the same array in that process's
 memory (nanoGPT's `get_batch`: a batch array, one slice per window, the same windows in the
 same order), interleaved in one run: the ratio of each pair, their median.
@@ -249,12 +249,13 @@ def report(result: dict, plots_dir: str) -> str:
               "arenas the rank maps (/dev/shm), which tracemalloc does not see. One run per rank: on a shared "
               "machine its times vary several-fold."]
     if "warm" in result:
-        lines += ["", f"Warm tokens/s: {cfg['warm_tokens']:,} random uint16 tokens in a raw file, held by the same "
-                  "two workers, read with `Window(1025, stride=1024)` by a process on their host (the same-host path: "
+        lines += ["", f"Warm tokens/s: {cfg['warm_tokens']:,} random uint16 tokens in a raw file, held by the two "
+                  f"workers of a LocalCluster of its own (RAM tier {cfg['ram']} each), read with `Window(1025, stride=1024)` by a process on their host (the same-host path: "
                   "each window one slice of a worker's mapped arena), against numpy slicing of the same tokens in that "
                   "process's memory (a batch array, one slice per window: nanoGPT's `get_batch`), the same windows in "
                   f"the same order. {cfg['repeats']} warm epochs of each, interleaved, after two that load and map "
-                  "the blocks; medians, and the median of the pairs' ratios.", "",
+                  "the blocks; medians, and the median of the pairs' ratios (their range in brackets). numpy's batch "
+                  "array of 64 windows (131 KB) is past glibc's 128 KiB mmap threshold: fresh pages each batch.", "",
                   "| batch (windows) | dmdask, tokens/s | numpy slicing, tokens/s | dmdask / numpy | requests to "
                   "workers | windows right |", "|---:|---:|---:|---:|---:|---|"]
         for x in result["warm"]:
