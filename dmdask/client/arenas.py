@@ -157,18 +157,22 @@ class LocalArenas:
         arenas; `length` at most a block): each field (len(starts), length, ...), a new array
         (each window copied once, into memory of its own). A window is one slice of an arena,
         copied whole, never a row at a time (one that crosses into a block placed elsewhere:
-        its rows, as `take`). Its first and last rows' labels are checked after the copy (a
-        block's rows are replaced together), `Moved` as `take`; hits recorded by `count`
-        under the arena of each window's first row."""
+        its rows, as `take`). After the copy, the label of the first row of the block of each
+        window's first and last row is checked: all of a slot's labels are cleared before
+        another block's rows are written there, so a slot whose label (of any of its rows)
+        still names its block held that block's rows during the copy; the windows of a
+        block read the same label, not two of their own. `Moved` as `take`; hits recorded by `count` under
+        the arena of each window's first row."""
         starts = np.asarray(starts, dtype=np.int64)
         if not 1 <= length <= self.block_len:
             raise ValueError(f"a window of {length} rows: 1 to the {self.block_len} rows of a block")
         ends = starts + (length - 1)
+        ids = np.concatenate([starts, ends])
         out = {}
         with self._lock:  # held through the copy: nothing is unmapped while it reads
             if not self._windows:
                 raise Moved([int(starts[0] // self.block_len)] if len(starts) else [])
-            rows, arenas = self._rows(np.concatenate([starts, ends]))
+            rows, arenas = self._rows(ids)
             first_rows, arena = rows[:len(starts)], arenas[:len(starts)]
             crossing = np.flatnonzero((rows[len(starts):] - first_rows != length - 1) | (arenas[len(starts):] != arena))
             if len(crossing):  # each row's place, for the windows not in one slice
@@ -191,11 +195,12 @@ class LocalArenas:
                 else:
                     taken = windows[arena * stride + first_rows]
                 out[name] = taken
-            labels = self._windows[ID_FIELD]  # read after the rows
-            held = labels.rows[arenas * np.int64(labels.stride) + rows]
+            labels = self._windows[ID_FIELD]  # read after the rows: each block's first label
+            blocks = ids // self.block_len
+            held = labels.rows[arenas * np.int64(labels.stride) + self.first_row[blocks]]
             row_bytes = sum(w.rows[:1].nbytes for name, w in self._windows.items() if name != ID_FIELD)
             holders = [holder for holder, _ in self.arenas]
-        expected = np.concatenate([starts, ends])
+        expected = blocks * self.block_len
         if not np.array_equal(held, expected):  # after the copy: were those rows still the right ones?
             self.forget()
             raise Moved([holders[a] for a in np.unique(arenas[held != expected]).tolist()])
