@@ -73,9 +73,12 @@ class LocalArenas:
             arena = self._index.get(ident, len(self.arenas))
             if not self._windows or arena >= MAX_ARENAS:
                 return
+            # the labels faulted in ahead only where the worker backs them by huge pages (`Arena`): else
+            # a page-table entry a 4 KiB page, for labels a take reads a few of (`take_windows`)
+            data_bytes = sum(w.rows[:1].nbytes for name, w in self._windows.items() if name != ID_FIELD)
             try:
                 for name, window in self._windows.items():
-                    window.map(arena, fields[name][0], rows)
+                    window.map(arena, fields[name][0], rows, ahead=name != ID_FIELD or data_bytes >= 8)
             except (OSError, KeyError):  # gone already, or another layout: not known here
                 return
             if arena == len(self.arenas):
