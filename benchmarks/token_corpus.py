@@ -128,10 +128,14 @@ def throughput(address: str, path: str, batch: int, seq_len: int, repeats: int) 
             "ratio": statistics.median(ratios), "ratios": ratios, "requests": requests, "windows_right": right}
 
 
-def _throughput_process(address: str, path: str, batch: int, cfg: dict) -> dict:
+def _throughput_process(address: str, path: str, batch: int, cfg: dict, environ: dict) -> dict:
+    """`throughput` in a process of its own, with `environ`: the environment as the benchmark
+    started, as a trainer's launcher gives it, not this process's once a LocalCluster ran in
+    it (distributed sets its workers' MALLOC_TRIM_THRESHOLD_=65536 and thread counts in
+    os.environ, and glibc then hands each freed batch array back to the kernel)."""
     done = subprocess.run([sys.executable, "-m", "benchmarks.token_corpus", "throughput", address, path, str(batch),
                            str(cfg["seq_len"]), str(cfg["repeats"])], capture_output=True, text=True, timeout=900,
-                          env=dict(os.environ, DASK_DMDASK__PROGRESS="false"))
+                          env=dict(environ, DASK_DMDASK__PROGRESS="false"))
     lines = done.stdout.strip().splitlines()
     if done.returncode or not lines:
         return {"batch": batch, "error": (done.stderr or done.stdout)[-600:]}
@@ -155,6 +159,7 @@ def run(preset: str) -> dict:
     import dmdask
 
     cfg = PRESETS[preset]
+    environ = dict(os.environ)  # before any LocalCluster changes it
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="dmdask-bench-tokens-") as root:
         path = os.path.join(root, "corpus.bin")
@@ -175,7 +180,8 @@ def run(preset: str) -> dict:
         load_warm = os.getloadavg()[0]
         with dmdask.LocalCluster(n_workers=2, ram=cfg["ram"]) as cluster, distributed.Client(cluster) as client:
             # a cluster of its own: the one above goes on loading the blocks of 10^10 tokens
-            warm = [_throughput_process(client.scheduler.address, warm_path, b, cfg) for b in cfg["warm_batches"]]
+            warm = [_throughput_process(client.scheduler.address, warm_path, b, cfg, environ)
+                    for b in cfg["warm_batches"]]
     blocks = -(-2 * cfg["tokens"] // (8 << 20))
     result = {"config": cfg, "load_1min": load, "load_1min_after": os.getloadavg()[0], "file_bytes": 2 * cfg["tokens"],
               "on_disk_bytes": on_disk, "blocks": blocks, "ranks": ranks, "datasets": len(datasets),
@@ -255,7 +261,10 @@ def report(result: dict, plots_dir: str) -> str:
                   "process's memory (a batch array, one slice per window: nanoGPT's `get_batch`), the same windows in "
                   f"the same order. {cfg['repeats']} warm epochs of each, interleaved, after two that load and map "
                   "the blocks; medians, and the median of the pairs' ratios (their range in brackets). numpy's batch "
-                  "array of 64 windows (131 KB) is past glibc's 128 KiB mmap threshold: fresh pages each batch.", "",
+                  "array of 64 windows (131 KB) is past glibc's 128 KiB mmap threshold: fresh pages each batch. The "
+                  "process gets the environment the benchmark started with: the one a LocalCluster leaves in its "
+                  "parent (MALLOC_TRIM_THRESHOLD_=65536, set by distributed for its workers) halves dmdask's batch-8 "
+                  "figure (0.4-0.5x), whose group arrays glibc then gives back to the kernel and faults in again.", "",
                   "| batch (windows) | dmdask, tokens/s | numpy slicing, tokens/s | dmdask / numpy | requests to "
                   "workers | windows right |", "|---:|---:|---:|---:|---:|---|"]
         for x in result["warm"]:
