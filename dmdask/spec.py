@@ -236,10 +236,17 @@ class Window:
         """How many windows `rows` rows hold."""
         return 0 if rows < self.length else (rows - self.length) // self.stride + 1
 
+    def starts(self, windows: np.ndarray) -> np.ndarray:
+        """The first row id of each of `windows` (int64)."""
+        return np.asarray(windows, dtype=np.int64) * self.stride
+
     def rows(self, windows: np.ndarray) -> np.ndarray:
         """The row ids of `windows` (int64), window after window."""
-        starts = np.asarray(windows, dtype=np.int64) * self.stride
-        return (starts[:, None] + np.arange(self.length, dtype=np.int64)).ravel()
+        return self.rows_from(self.starts(windows))
+
+    def rows_from(self, starts: np.ndarray) -> np.ndarray:
+        """The row ids of the windows whose first rows are `starts`, window after window."""
+        return (np.asarray(starts, dtype=np.int64)[:, None] + np.arange(self.length, dtype=np.int64)).ravel()
 
     def as_windows(self, batch: dict[str, np.ndarray], per_window=()) -> dict[str, np.ndarray]:
         """A batch of the rows of windows (`rows`, "index" the row ids) as windows: each

@@ -258,7 +258,8 @@ def test_first_contact_scenario_runs_and_reports(tmp_path):
 def test_token_corpus_scenario_runs_and_reports(tmp_path):
     """Scenario 15 at tiny size: a sparse token file (nothing written), two ranks of their own
     processes each get a first batch of their windows (zeros, ids within the epoch), and the
-    time and allocations of each are reported against the goal."""
+    time and allocations of each are reported against the goal; then warm epochs on the same host
+    against numpy slicing."""
     results = run("tiny", ["token_corpus"], out_dir=str(tmp_path), write_doc=False)
     result = results["scenarios"]["token_corpus"]
     assert "error" not in result, result
@@ -268,9 +269,13 @@ def test_token_corpus_scenario_runs_and_reports(tmp_path):
     assert [x["blend"] for x in ranks] == [1, 1, 3]  # a token file, then a blend of 3
     assert all(x["error"] is None and x["batch_ok"] and len(x["windows"]) == result["config"]["batch"] for x in ranks)
     assert all(x["allocated_peak_mib"] > 0 and x["first_batch_s"] > 0 for x in ranks)
+    # warm tokens/s: every batch from the arenas on this host (no request), the last one's windows numpy's slices
+    warm = result["warm"]
+    assert [x["batch"] for x in warm] == result["config"]["warm_batches"]
+    assert all(x["error"] is None and x["windows_right"] and x["requests"] == 0 and x["tokens_s"] > 0 for x in warm)
     assert result["goals"] and all(isinstance(g["met"], bool) and g["measured"] for g in result["goals"])
     page = report.write(results, path=str(tmp_path / "benchmarks.md"), plots_dir=str(tmp_path / "plots"))
-    assert "| 15 |" in open(page).read()
+    assert "| 15 |" in open(page).read() and "Warm tokens/s" in open(page).read()
 
 
 def test_science_windows_scenario_reads_the_store_once_and_checks_every_window(tmp_path):

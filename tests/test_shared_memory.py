@@ -221,6 +221,46 @@ def test_a_reused_slot_is_never_read_as_the_block_it_held(tmp_path):
     arena.close()
 
 
+def test_windows_of_a_reused_slot_are_never_read_as_the_block_it_held(tmp_path, monkeypatch):
+    """`LocalArenas.take_windows`: windows are the rows they start at, across two blocks
+    too; the labels are each row's sample id (-1 past a short block's end, written a few
+    rows at a time here), all -1 once the slot is freed; and a window of a slot reused by
+    another block raises Moved, never that block's rows."""
+    from dmdask.client.arenas import LocalArenas, Moved
+    from dmdask.shm import arena as arenas
+    from dmdask.shm.arena import ID_FIELD, Arena
+    from dmdask.worker.holdings import ArenaBlock, Block
+
+    monkeypatch.setattr(arenas, "LABEL_ROWS", 3)  # a slot of 10 rows labelled in 4 writes
+
+    def block(k, n=10):
+        ids = np.arange(10 * k, 10 * k + n)
+        return Block({"x": np.repeat(ids[:, None], 4, axis=1).astype(np.float32)}, 10 * k, 10 * k + n)
+
+    def labels():
+        return np.fromfile(arena.fields[ID_FIELD][0], dtype=np.int64)
+
+    arena = Arena(str(tmp_path), "ds", 10, block(0))
+    held = [ArenaBlock(arena, arena.write(block(k, 10 if k < 2 else 6)), 10 * k, 10 * k + 10, 160) for k in range(3)]
+    assert labels().tolist() == list(range(26)) + [-1] * 4
+    local = LocalArenas(num_samples=26, block_len=10)
+    for k, h in enumerate(held):
+        described = h.describe()
+        local.remember("tcp://w:1", described["arena"], [k], [described["first_row"]])
+    hits = []
+    windows = local.take_windows(np.array([0, 5, 8, 19, 22]), 4, lambda *a: hits.append(a))
+    np.testing.assert_array_equal(windows["x"][:, :, 0], [np.arange(s, s + 4) for s in (0, 5, 8, 19, 22)])
+    assert hits == [("tcp://w:1", "ram", 20, 320)]
+    arena.free(held[0].slot)
+    assert labels()[:10].tolist() == [-1] * 10
+    assert arena.write(block(5)) == held[0].slot  # block 5 now lives where block 0 was
+    assert labels()[:10].tolist() == list(range(50, 60))
+    with pytest.raises(Moved):
+        local.take_windows(np.array([8]), 4, lambda *a: None)  # a window across it and block 1
+    assert not local.knows(np.array([0]))  # forgotten: the next take locates it again
+    arena.close()
+
+
 def test_pooled_batch_memory_is_reused_only_after_the_batch_is_dropped():
     from dmdask.shm.memory import empty_batch
 

@@ -55,6 +55,37 @@ def test_token_windows_go_once_to_one_rank_each_with_its_rows(tmp_path, client):
         assert not np.array_equal(ids, np.sort(ids))  # shuffled
 
 
+def test_warm_windows_taken_whole_from_this_hosts_arenas_are_numpys_slices(tmp_path, client):
+    """A warm epoch on the workers' host (no request: every window taken from the arenas,
+    `LocalArenas.take_windows`): each window is exactly numpy's slice of the same tokens,
+    those that cross into a block in the other worker's arena included, every window once;
+    for a corpus and for a blend of it with another."""
+    from dmdask.client.arenas import LocalArenas
+
+    corpora = [str(tmp_path / "a.zarr"), str(tmp_path / "b.zarr")]
+    tokens = [write_tokens(corpora[0], 6000, chunk=256), write_tokens(corpora[1], 2000, chunk=256) + 1]
+    zarr.open_group(corpora[1], mode="r+")["tokens"][:] = tokens[1]
+    window = dmdask.Window(100, stride=99)
+    single = dmdask.Spec(corpora[0], batch_size=8, seed=3, window=window)
+    blend = dmdask.Spec(dmdask.Mix(corpora), batch_size=8, seed=3, window=window)
+    for spec, sources in ((single, [0]), (blend, [0, 1])):
+        for _ in dmdask.batches(client, spec, epoch=0):  # every block loaded, in both workers
+            pass
+        warm, seen = dmdask.batches(client, spec, epoch=1), []
+        for batch in warm:
+            assert batch["tokens"].shape == (len(batch["index"]), 100)
+            origins = batch.get("source", np.zeros(len(batch["index"]), dtype=np.int64)).tolist()
+            for s, w, row in zip(origins, batch["index"].tolist(), batch["tokens"]):
+                np.testing.assert_array_equal(row, tokens[s][w * 99:w * 99 + 100])
+                seen.append((s, w))
+        assert warm.requests == 0  # the same-host path, every batch
+        assert sorted(seen) == [(s, w) for s in sources for w in range(window.count(len(tokens[s])))]
+    arena_of = LocalArenas.of(warm.info.sources[0]).arena_of  # where corpus 0's blocks are
+    starts = np.arange(window.count(6000)) * 99
+    first, last = arena_of[starts // 256], arena_of[(starts + 99) // 256]
+    assert (first != last).any() and (first == last).any()  # windows across two arenas, and within one
+
+
 def test_time_windows_of_a_field_keep_their_shape(tmp_path, client):
     values = write_fields(str(tmp_path / "weather.zarr"), 200, chunk=16)
     spec = dmdask.Spec(str(tmp_path / "weather.zarr"), batch_size=10, seed=2, window=dmdask.Window(4, stride=1))

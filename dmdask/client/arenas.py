@@ -10,6 +10,7 @@ import os
 import threading
 
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 
 from ..protocol.worker import Moved
 from ..shm.arena import ID_FIELD
@@ -49,6 +50,7 @@ class LocalArenas:
         self.arenas: list[tuple[str, dict]] = []  # (holder, arena fields)
         self._index: dict[tuple[str, str], int] = {}
         self._windows: dict[str, Window] | None = None  # field -> its window; {} when none can be made
+        self._slices: dict[tuple[str, int], np.ndarray] = {}  # (field, length) -> its window's rows as slices
 
     def knows(self, blocks: np.ndarray) -> bool:
         """Whether every block is in a known arena (`take` applies)."""
@@ -71,9 +73,12 @@ class LocalArenas:
             arena = self._index.get(ident, len(self.arenas))
             if not self._windows or arena >= MAX_ARENAS:
                 return
+            # the labels faulted in ahead only where the worker backs them by huge pages (`Arena`): else
+            # a page-table entry a 4 KiB page, for labels a take reads a few of (`take_windows`)
+            data_bytes = sum(w.rows[:1].nbytes for name, w in self._windows.items() if name != ID_FIELD)
             try:
                 for name, window in self._windows.items():
-                    window.map(arena, fields[name][0], rows)
+                    window.map(arena, fields[name][0], rows, ahead=name != ID_FIELD or data_bytes >= 8)
             except (OSError, KeyError):  # gone already, or another layout: not known here
                 return
             if arena == len(self.arenas):
@@ -99,6 +104,7 @@ class LocalArenas:
             for window in (self._windows or {}).values():
                 window.close()
             self._windows = None
+            self._slices.clear()
             self.arena_of[:] = -1
             self.arenas.clear()
             self._index.clear()
@@ -148,6 +154,67 @@ class LocalArenas:
         for batch, a, b in zip(out, bounds[:-1], bounds[1:]):
             batch["index"] = ids[a:b]
         return out
+
+    def take_windows(self, starts: np.ndarray, length: int, count) -> dict[str, np.ndarray]:
+        """The windows of `length` consecutive rows from each row id in `starts` (all in known
+        arenas; `length` at most a block): each field (len(starts), length, ...), a new array
+        (each window copied once, into memory of its own). A window is one slice of an arena,
+        copied whole, never a row at a time (one that crosses into a block placed elsewhere:
+        its rows, as `take`). After the copy, the label of the first row of the block of each
+        window's first and last row is checked: all of a slot's labels are cleared before
+        another block's rows are written there, so a slot whose label (of any of its rows)
+        still names its block held that block's rows during the copy; the windows of a
+        block read the same label, not two of their own. `Moved` as `take`; hits recorded by `count` under
+        the arena of each window's first row."""
+        starts = np.asarray(starts, dtype=np.int64)
+        if not 1 <= length <= self.block_len:
+            raise ValueError(f"a window of {length} rows: 1 to the {self.block_len} rows of a block")
+        ends = starts + (length - 1)
+        ids = np.concatenate([starts, ends])
+        out = {}
+        with self._lock:  # held through the copy: nothing is unmapped while it reads
+            if not self._windows:
+                raise Moved([int(starts[0] // self.block_len)] if len(starts) else [])
+            rows, arenas = self._rows(ids)
+            first_rows, arena = rows[:len(starts)], arenas[:len(starts)]
+            crossing = np.flatnonzero((rows[len(starts):] - first_rows != length - 1) | (arenas[len(starts):] != arena))
+            if len(crossing):  # each row's place, for the windows not in one slice
+                whole = np.setdiff1d(np.arange(len(starts)), crossing, assume_unique=True)
+                cross_rows, cross_arenas = self._rows(self._spread(starts[crossing], length))
+            for name, window in self._windows.items():
+                if name == ID_FIELD:
+                    continue
+                stride, mapped = np.int64(window.stride), window.rows  # stride: rows of an arena in this mapping
+                shape = (length,) + mapped.shape[1:]
+                windows = self._slices.get((name, length))
+                if windows is None:  # slice i: rows i..i+length-1 (a view; read only where they are mapped)
+                    windows = self._slices[name, length] = as_strided(
+                        mapped, shape=(len(mapped) - length + 1,) + shape, strides=(mapped.strides[0],) + mapped.strides,
+                        writeable=False)
+                if len(crossing):
+                    taken = np.empty((len(starts),) + shape, mapped.dtype)
+                    taken[whole] = windows[arena[whole] * stride + first_rows[whole]]
+                    taken[crossing] = mapped[cross_arenas * stride + cross_rows].reshape((len(crossing),) + shape)
+                else:
+                    taken = windows[arena * stride + first_rows]
+                out[name] = taken
+            labels = self._windows[ID_FIELD]  # read after the rows: each block's first label
+            blocks = ids // self.block_len
+            held = labels.rows[arenas * np.int64(labels.stride) + self.first_row[blocks]]
+            row_bytes = sum(w.rows[:1].nbytes for name, w in self._windows.items() if name != ID_FIELD)
+            holders = [holder for holder, _ in self.arenas]
+        expected = blocks * self.block_len
+        if not np.array_equal(held, expected):  # after the copy: were those rows still the right ones?
+            self.forget()
+            raise Moved([holders[a] for a in np.unique(arenas[held != expected]).tolist()])
+        for a, n in enumerate(np.bincount(arena).tolist()):
+            if n:
+                count(holders[a], "ram", n * length, n * length * row_bytes)
+        return out
+
+    @staticmethod
+    def _spread(starts: np.ndarray, length: int) -> np.ndarray:
+        return (starts[:, None] + np.arange(length, dtype=np.int64)).ravel()
 
     def _rows(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(each id's row in its arena, that arena); `Moved` if one is not in a known arena."""

@@ -3,6 +3,7 @@ batch is docs/architecture.md section 3."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import deque
 
@@ -16,14 +17,14 @@ from ..plan.order import ORDER_VERSION, EpochOrder, RankShare, WindowShare
 from ..source import dataset_name
 from ..spec import Mix, Spec, as_int
 from ..transform import dumps_transform
-from .arenas import LocalArenas
+from .arenas import LocalArenas, split_batches
 from .contact import Contact
 from .datasets import open_dataset
 from .fetch import HITS_SECONDS, GroupFetcher
 from .first_batch import FirstBatch
 from .gather import Gatherer, Moved, copier, fetchers
 from .locate import my_host
-from .mixture import SOURCE_FIELD, MixedInfo, check_fields_match, take_mixed
+from .mixture import SOURCE_FIELD, MixedInfo, check_fields_match, take_mixed, take_mixed_windows
 from .progress import make as _make_progress
 from .resume import resume_point
 
@@ -34,6 +35,7 @@ REQUEST_BYTES = 8 << 20  # small batches are fetched several per request, up to 
 REMOTE_REQUEST_BYTES = 32 << 20
 PREFETCH = 8  # batches ahead when `Spec.prefetch` is None, or two groups where that is more
 MAX_GROUP = 32  # ... and then up to this many small batches a request
+MAX_WINDOW_GROUP = 128  # ... or a group of whole windows taken from the arenas here (no request: a copy each)
 # what a request keeps per row besides the row (ids, blocks, offsets, orders: int64 arrays), counted in
 # REQUEST_BYTES: 63 MiB for two requests of 32 batches of 8 windows of 1,025 uint16 tokens (126 B a row)
 ROW_INDEX_BYTES = 128
@@ -102,7 +104,8 @@ class BatchIterator:
             raise SpecError("batch_size", f"at most {positions // spec.world_size} with "
                             f"drop_last=True and world_size={spec.world_size}", spec.batch_size)
         self._next_request = self._position
-        self._in_flight: deque = deque()  # concurrent futures, each of a list of batches
+        # (a concurrent future of a list of batches, or the call that makes them; whether they are windows)
+        self._in_flight: deque = deque()
         self._ready_batches: deque = deque()
         self._datasets = datasets = info.sources if self._mixed is not None else [info]
         self._locals = [LocalArenas.of(d) for d in datasets]
@@ -121,19 +124,42 @@ class BatchIterator:
             check_fields_match(self._mixed, lambda: self._run(self._fetcher.first_rows()))
         self.wait_seconds = 0.0  # time the consumer spent waiting for batches
         self.requests = 0  # requests sent to workers (batches taken from arenas on this host need none)
-        prefetch = PREFETCH if spec.prefetch is None else spec.prefetch
-        self.group = max(1, prefetch // 2)  # batches a request: two requests in flight
-        self.remote_group = self.group  # ... once a request went to other hosts' workers
-        if info.nbytes is not None:  # up to REQUEST_BYTES a request; by default, up to MAX_GROUP small batches
-            rows = spec.batch_size * (1 if spec.window is None else spec.window.length)  # a batch's rows
-            row_bytes = info.nbytes / max(1, info.num_samples)
-            limit = self.group if spec.prefetch is not None else MAX_GROUP
-            self.group = int(max(1, min(REQUEST_BYTES // max(1.0, rows * (row_bytes + ROW_INDEX_BYTES)), limit)))
-            self.remote_group = self.group if spec.prefetch is not None else int(max(self.group, min(
-                REMOTE_REQUEST_BYTES // max(1.0, rows * row_bytes), REQUEST_BYTES // (rows * ROW_INDEX_BYTES), limit)))
+        # batches ahead of the consumer, or two groups where that is more (warm)
+        self._prefetch = PREFETCH if spec.prefetch is None else spec.prefetch
+        # windows in known arenas taken whole (`_copy_windows`), each a slice of at most two blocks
+        self._whole_windows = spec.window is not None and self._transform is None and \
+            spec.window.length <= min(d.block_len for d in datasets)
+        self.group = self._group_size(rows_indexed=True)  # batches a warm request: two requests in flight
+        # ... and a request of whole windows in known arenas (no index kept per row)
+        self._window_group = self._group_size(rows_indexed=False) if self._whole_windows else self.group
+        self.remote_group = self._remote_group_size()  # ... once a request went to other hosts' workers
         self._remote = False  # the last warm request went to other hosts' workers
-        self._prefetch = prefetch  # batches ahead of the consumer, or two groups where that is more (warm)
         self._progress = _make_progress(self, progress)  # None unless a bar is shown
+
+    def _group_size(self, rows_indexed: bool) -> int:
+        """Batches a warm request: half the prefetch; by default up to MAX_GROUP small batches,
+        of up to about REQUEST_BYTES, counting ROW_INDEX_BYTES a row (`rows_indexed`); else a
+        window, and up to MAX_WINDOW_GROUP batches."""
+        spec, info = self.spec, self.info
+        group = max(1, self._prefetch // 2)
+        if info.nbytes is None:
+            return group
+        rows = spec.batch_size * (1 if spec.window is None else spec.window.length)  # a batch's rows
+        index = ROW_INDEX_BYTES * (rows if rows_indexed else spec.batch_size)
+        by_bytes = REQUEST_BYTES // max(1.0, rows * info.nbytes / max(1, info.num_samples) + index)
+        most = group if spec.prefetch is not None else MAX_GROUP if rows_indexed else MAX_WINDOW_GROUP
+        return int(max(1, min(by_bytes, most)))
+
+    def _remote_group_size(self) -> int:
+        """Batches a warm request to other hosts' workers: by default, up to MAX_GROUP small
+        batches of up to REMOTE_REQUEST_BYTES of rows, their index within REQUEST_BYTES
+        (at least `self.group`); with `spec.prefetch` set, `self.group`."""
+        spec, info = self.spec, self.info
+        if spec.prefetch is not None or info.nbytes is None:
+            return self.group
+        rows = spec.batch_size * (1 if spec.window is None else spec.window.length)  # a batch's rows
+        by_bytes = REMOTE_REQUEST_BYTES // max(1.0, rows * info.nbytes / max(1, info.num_samples))
+        return int(max(self.group, min(by_bytes, REQUEST_BYTES // (rows * ROW_INDEX_BYTES), MAX_GROUP)))
 
     @property
     def position(self) -> int:
@@ -164,18 +190,18 @@ class BatchIterator:
                 self._end_progress()
                 raise StopIteration
             started = time.perf_counter()
+            future, windowed = self._in_flight.popleft()
             try:
-                self._ready_batches.extend(self._in_flight.popleft().result())
+                batches = future() if callable(future) else future.result()
             except BaseException:
                 self.close()
                 raise
+            self._ready_batches.extend(batches if windowed else self._as_windows(batches))
             self.wait_seconds += time.perf_counter() - started
         batch = self._ready_batches.popleft()
         if isinstance(batch, BaseException):  # the batches before it were handed out
             self.close()
             raise batch
-        if self.spec.window is not None:
-            batch = self.spec.window.as_windows(batch, per_window=(SOURCE_FIELD,))
         self._position += 1
         if self._progress is not None:
             self._progress.update()
@@ -185,31 +211,50 @@ class BatchIterator:
     def _fill(self) -> None:
         """Keep up to `spec.prefetch` batches (by default, 8 or two groups) requested or
         ready, earliest first: one batch a request while cold (`GroupFetcher.cold`) and for
-        batch 0, `self.group` batches while warm (`self.remote_group` once the last request
-        went to other hosts' workers)."""
+        batch 0, `self.group` batches while warm (whole windows in known arenas: `self._window_group`;
+        `self.remote_group` once the last request went to other hosts' workers)."""
         while self._next_request < len(self._batches):
-            group = 1 if self._fetcher.cold or not self._next_request else \
-                self.remote_group if self._remote else self.group  # batch 0 alone: out first
             pending = self._next_request - self._position
+            if pending > max(self._prefetch, self.group, self._window_group, self.remote_group):  # ahead enough
+                break
+            group = 1 if self._fetcher.cold or not self._next_request else \
+                self._window_group if self._whole_windows and self._all_known() else \
+                self.remote_group if self._remote else self.group  # batch 0 alone
             if pending + group > max(self._prefetch, 2 * group):  # cold: `prefetch` requests of a batch
                 break
             stop = min(len(self._batches), self._next_request + group)
             self._in_flight.append(self._request(self._next_request, stop))
             self._next_request = stop
 
-    def _request(self, first: int, stop: int):
-        """A future of batches first..stop-1, copied from the arenas where it can be, else fetched."""
+    def _request(self, first: int, stop: int) -> tuple:
+        """(A future of batches first..stop-1, copied from the arenas where it can be, else
+        fetched; whether they are windows already, else rows of windows or plain rows).
+        Windows in known arenas are taken whole, never expanded to rows (`_copy_windows`),
+        by the consumer when it reaches them, as numpy slicing would be: the "future" is
+        that call (a copy of one slice a window costs less than a hand-off to a thread)."""
+        if self._whole_windows:
+            windows = self._batches.windows(first, stop)
+            ids = np.concatenate(windows)
+            if self._windows_known(self._batches.starts_of(ids)):
+                return functools.partial(self._copy_windows, first, stop, windows, ids), True
         group = self._batches.batches(first, stop)
         if first == 0 and stop == 1 and self._first is not None and self._first.batch is not None:
-            return asyncio.run_coroutine_threadsafe(self._first_batch(group[0]), self._loop)
+            return asyncio.run_coroutine_threadsafe(self._first_batch(group[0]), self._loop), False
         self._remote = False
         if self._transform is None and self._known(group):
-            return copier.submit(self._copy_known, first, stop, group)
+            return copier.submit(self._copy_known, first, stop, group), False
         if self._transform is None and not self._fetcher.cold:
             self._remote = True
             self.requests += 1
-            return fetchers.submit(self._fetch_known, first, stop, group)
-        return self._fetch(first, stop)
+            return fetchers.submit(self._fetch_known, first, stop, group), False
+        return self._fetch(first, stop), False
+
+    def _as_windows(self, batches: list) -> list:
+        """Batches of rows of windows as batches of windows (`Window.as_windows`); others as they are."""
+        if self.spec.window is None:
+            return batches
+        return [b if isinstance(b, BaseException) else self.spec.window.as_windows(b, per_window=(SOURCE_FIELD,))
+                for b in batches]
 
     async def _first_batch(self, ids: np.ndarray) -> list:
         """Batch 0 as this rank read it from the store (`FirstBatch`), once its rows reached
@@ -241,6 +286,30 @@ class BatchIterator:
             return self._all_known()
         return self._local.knows(np.concatenate(group) // self.info.block_len)
 
+    def _windows_known(self, starts: np.ndarray) -> bool:
+        """Whether every block of the windows whose first rows are `starts` is in a known arena."""
+        if self._mixed is not None:
+            return self._all_known()
+        block_len = self.info.block_len
+        return self._local.knows(starts // block_len) and \
+            self._local.knows((starts + (self.spec.window.length - 1)) // block_len)
+
+    def _copy_windows(self, first: int, stop: int, windows: list[np.ndarray], ids: np.ndarray) -> list:
+        """In the consumer's thread: the group's windows from the arenas, each copied whole
+        (`LocalArenas.take_windows`), as batches of windows."""
+        try:
+            if self._mixed is not None:
+                arrays, index, sources = take_mixed_windows(self._mixed, self._locals, ids, self._gatherer.count)
+                arrays[SOURCE_FIELD] = sources
+            else:
+                arrays, index = self._local.take_windows(self._batches.starts_of(ids), self.spec.window.length,
+                                                         self._gatherer.count), ids
+        except Moved:  # released or moved since it was known: locate the blocks again
+            return self._as_windows(self._fetch(first, stop).result())
+        if self._gatherer.due(HITS_SECONDS):  # wakes the event loop only when a report is due
+            self._loop.call_soon_threadsafe(self._gatherer.flush_hits_every, HITS_SECONDS)
+        return split_batches(arrays, index, [len(w) for w in windows])
+
     def _copy_known(self, first: int, stop: int, group: list[np.ndarray]) -> list:
         """In the copier thread: the group's rows from the arenas."""
         try:
@@ -269,8 +338,9 @@ class BatchIterator:
     def close(self) -> None:
         """Cancel batches in flight; the iterator is exhausted afterwards."""
         self._end_progress()
-        for fut in self._in_flight:
-            fut.cancel()
+        for fut, _ in self._in_flight:
+            if not callable(fut):
+                fut.cancel()
         self._in_flight.clear()
         self._ready_batches.clear()
         self._next_request = len(self._batches)
@@ -300,4 +370,4 @@ class BatchIterator:
         share = RankShare(self._order, rank, world_size, batch_size, self.spec.drop_last, left)
         if self.spec.window is None:
             return share
-        return WindowShare(share, self.spec.window, None if self._mixed is None else self._mixed.window_rows)
+        return WindowShare(share, self.spec.window, None if self._mixed is None else self._mixed.window_starts)

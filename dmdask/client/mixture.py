@@ -59,12 +59,16 @@ class MixedInfo:
         return MixOrder(self.draws, self.counts, [max(1, s.block_len // stride) for s in self.sources],
                         shuffle=shuffle, seed=seed, epoch=epoch, shuffle_window=shuffle_window)
 
-    def window_rows(self, ids: np.ndarray) -> np.ndarray:
-        """The global row ids of the windows with global ids `ids`, window after window."""
+    def window_split(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source index, window id in that source) of global window ids."""
         ids = np.asarray(ids, dtype=np.int64)
         sources = np.searchsorted(self._draw_offsets, ids, side="right") - 1
-        rows = self.window.rows(ids - self._draw_offsets[sources])
-        return rows + np.repeat(self.offsets[sources], self.window.length)
+        return sources, ids - self._draw_offsets[sources]
+
+    def window_starts(self, ids: np.ndarray) -> np.ndarray:
+        """The global row id of the first row of each window with global id in `ids`."""
+        sources, windows = self.window_split(ids)
+        return self.window.starts(windows) + self.offsets[sources]
 
     def split(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(source index, sample id in that source) of global ids."""
@@ -149,3 +153,22 @@ def take_mixed(mix: MixedInfo, arenas: list[LocalArenas], group: list[np.ndarray
             out[name][chosen] = part[name]
     out.update(extra)
     return split_batches(out, index, [len(b) for b in group])
+
+
+def take_mixed_windows(mix: MixedInfo, arenas: list[LocalArenas], ids: np.ndarray, count) -> tuple:
+    """The same-host path of a windowed mixture: windows with global ids `ids`, each source's
+    taken a window at a time from its arenas (`LocalArenas.take_windows`, `Moved` likewise)
+    into one set of arrays, in `ids`' order; (those arrays, each window's id in its source,
+    its source)."""
+    sources, windows = mix.window_split(ids)
+    out = None
+    for source in np.unique(sources).tolist():
+        chosen = np.flatnonzero(sources == source)
+        part = arenas[source].take_windows(mix.window.starts(windows[chosen]), mix.window.length, count)
+        if len(chosen) == len(ids):
+            return part, windows, sources
+        if out is None:
+            out = {name: np.empty((len(ids),) + values.shape[1:], values.dtype) for name, values in part.items()}
+        for name, values in part.items():
+            out[name][chosen] = values
+    return out, windows, sources

@@ -238,14 +238,14 @@ def load_order(info, spec, epoch: int, limit: int) -> np.ndarray:
 
 class WindowShare:
     """A rank's share of an epoch of windows (`dmdask.Window`): `share` (a `RankShare` over
-    window ids) whose batches are the rows of its windows (`rows_of(window ids)`: a
-    mixture's own, else the window's `rows`), window after window, so that everything
-    downstream reads rows; the ranks' shares partition the windows as `RankShare`
-    partitions samples."""
+    window ids) whose batches are the rows of its windows, window after window (`starts_of(window
+    ids)`: the first row of each, a mixture's own, else the window's `starts`), so that the
+    fetch path reads rows; the same-host path reads whole windows (`windows`, `starts_of`).
+    The ranks' shares partition the windows as `RankShare` partitions samples."""
 
-    def __init__(self, share: RankShare, window, rows_of=None):
+    def __init__(self, share: RankShare, window, starts_of=None):
         self.share, self.window = share, window
-        self.rows_of = rows_of or window.rows
+        self.starts_of = starts_of or window.starts
 
     @property
     def order(self) -> EpochOrder:
@@ -261,4 +261,8 @@ class WindowShare:
 
     def batches(self, start: int, stop: int) -> list[np.ndarray]:
         """The row ids of batches start..stop-1 (`RankShare.batches`)."""
-        return [self.rows_of(ids) for ids in self.share.batches(start, stop)]
+        return [self.window.rows_from(self.starts_of(ids)) for ids in self.share.batches(start, stop)]
+
+    def windows(self, start: int, stop: int) -> list[np.ndarray]:
+        """The window ids of batches start..stop-1 (`RankShare.batches`), not expanded to rows."""
+        return self.share.batches(start, stop)

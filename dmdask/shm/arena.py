@@ -1,10 +1,11 @@
 """RAM-tier blocks of fixed-size fields packed into one shared-memory file per dataset and
 field (an arena): a block of L samples occupies a slot of L rows (slots of released blocks
 are reused), written once and never changed while held; readers index rows slot * L +
-offset with no lock. A file of int64 row labels (`ID_FIELD`, -1: none) is cleared before a
-slot is written and labelled after, so a reader that checks the labels after taking the
-rows never returns rows of a released or reused slot (`NotHeld`). The files only grow. A
-`block` here: the worker's `Block` (`arrays`, `start`)."""
+offset with no lock. A file of int64 row labels (`ID_FIELD`, -1: none) is cleared when a
+slot is freed (a new slot within an earlier arena's bytes of the file: before it is first
+written) and labelled after the slot is written, so a reader that checks the labels after
+taking the rows never returns rows of a released or reused slot (`NotHeld`). The files
+only grow. A `block` here: the worker's `Block` (`arrays`, `start`)."""
 from __future__ import annotations
 
 import contextlib
@@ -20,6 +21,8 @@ from .hugepages import HUGE, collapse
 from .modes import create_file, group_of
 
 ID_FIELD = "__id__"  # the arena file that labels each row with the sample id it holds
+LABEL_ROWS = 1 << 16  # row labels written at a time (512 KiB): a block's labels take no block-sized array
+_STEPS = np.arange(LABEL_ROWS, dtype=np.int64)
 
 
 class NotHeld(FileNotFoundError):
@@ -45,13 +48,19 @@ class Arena:
             path = os.path.join(folder, f"{identity}.{name}")
             self.fields[name] = (path, dtype, row_shape)
             self._fds[name] = create_file(path, gid, os.O_RDWR)
-        self._free: list[int] = []
+        self._free: list[tuple[int, bool]] = []  # (slot, whether its labels were cleared when it was freed)
+        # the labels' file bytes an earlier arena of this file may have written (a slot past them reads as
+        # never labelled, and no reader was told of it): new slots within them are cleared before their first write
+        self._labelled_before = os.fstat(self._fds[ID_FIELD]).st_size
         self._slots = 0
         self._row_bytes = {name: np.dtype(dtype).itemsize * int(np.prod(shape, dtype=np.int64))
                            for name, (_, dtype, shape) in self.fields.items()}
         self._written: set[int] = set()  # slots written at least once, beyond `_prefix`
         self._prefix = 0  # slots 0.._prefix-1 all written at least once: their bytes have no holes
-        self._collapsed = dict.fromkeys(self.fields, 0)  # field -> bytes from the start backed by huge pages
+        # field -> bytes from the start backed by huge pages; the labels only where a row's data is at least
+        # a label's 8 bytes (a copy into huge pages costs its bytes: 4x the data of 2-byte tokens)
+        data_bytes = sum(size for name, size in self._row_bytes.items() if name != ID_FIELD)
+        self._collapsed = {name: 0 for name in self.fields if name != ID_FIELD or data_bytes >= 8}
         self._huge = True  # until the kernel refuses (`shm.hugepages`)
         self._lock = threading.Lock()
 
@@ -63,10 +72,15 @@ class Arena:
     def write(self, block) -> int:
         """Copy `block` into a free slot: the slot. OSError (ENOSPC), nothing held, when full."""
         with self._lock:
-            slot = self._free.pop() if self._free else self._slots
+            if self._free:
+                slot, cleared = self._free.pop()
+            else:  # a new slot: never labelled if past the bytes an earlier arena of this file may have written
+                slot = self._slots
+                cleared = slot * self.block_len * self._row_bytes[ID_FIELD] >= self._labelled_before
             self._slots = max(self._slots, slot + 1)
         try:
-            self._label(slot, None)
+            if not cleared:
+                self._label(slot, None)
             for name, arr in block.arrays.items():
                 if len(arr) < self.block_len:  # the last block: the slot's tail written too, so it has no hole
                     arr = np.concatenate([arr, np.zeros((self.block_len - len(arr),) + arr.shape[1:], arr.dtype)])
@@ -88,7 +102,7 @@ class Arena:
                 self._written.discard(self._prefix)
                 self._prefix += 1
             ranges = {}
-            for name in self.fields:
+            for name in self._collapsed:
                 end = self._prefix * self.block_len * self._row_bytes[name] // HUGE * HUGE
                 if end > self._collapsed[name]:
                     ranges[name] = (self._collapsed[name], end)
@@ -98,22 +112,32 @@ class Arena:
                 self._huge = False  # refused with no hole: this kernel gives shared memory no huge pages
 
     def free(self, slot: int) -> None:
-        """Give the slot back; its rows read as held by no sample from now on."""
+        """Give the slot back; its rows read as held by no sample from now on (cleared
+        here, so that `write` need not clear them again before it writes the slot)."""
+        cleared = False
         with contextlib.suppress(OSError):  # shared memory gone: nothing left to read anyway
             self._label(slot, None)
+            cleared = True
         with self._lock:
-            self._free.append(slot)
+            self._free.append((slot, cleared))
 
     def _label(self, slot: int, block) -> None:
-        ids = np.full(self.block_len, -1, dtype=np.int64)
-        if block is not None:
-            ids[:len(block)] = np.arange(block.start, block.stop, dtype=np.int64)
-        self._write(ID_FIELD, slot, ids)
+        """Label the slot's rows with `block`'s sample ids, -1 past its end (None: all -1),
+        LABEL_ROWS at a time, in row order."""
+        held = 0 if block is None else len(block)
+        ids = np.empty(min(LABEL_ROWS, self.block_len), dtype=np.int64)
+        for first in range(0, self.block_len, LABEL_ROWS):
+            labels = ids[:min(LABEL_ROWS, self.block_len - first)]
+            labelled = max(0, min(len(labels), held - first))  # rows of the block in this chunk
+            np.add(_STEPS[:labelled], block.start + first if labelled else 0, out=labels[:labelled])
+            labels[labelled:] = -1
+            self._write(ID_FIELD, slot, labels, first)
 
-    def _write(self, name: str, slot: int, arr: np.ndarray) -> None:
+    def _write(self, name: str, slot: int, arr: np.ndarray, first_row: int = 0) -> None:
+        """`arr` written as the slot's rows from `first_row` on."""
         data = np.ascontiguousarray(arr)
         row_bytes = data.itemsize * int(np.prod(data.shape[1:], dtype=np.int64))
-        offset = slot * self.block_len * row_bytes
+        offset = (slot * self.block_len + first_row) * row_bytes
         view = byte_view(data)
         while view:
             written = os.pwrite(self._fds[name], view, offset)

@@ -47,8 +47,9 @@ class Window:
             return None
         return cls(reserved, stride, row_bytes, dtype, row_shape)
 
-    def map(self, arena: int, path: str, rows: int) -> None:
-        """Arena `arena`'s file mapped with at least `rows` rows, else FileNotFoundError."""
+    def map(self, arena: int, path: str, rows: int, ahead: bool = True) -> None:
+        """Arena `arena`'s file mapped with at least `rows` rows, else FileNotFoundError;
+        `ahead`: its first POPULATE_BYTES faulted in by another thread meanwhile."""
         if rows <= self._mapped[arena]:
             return
         with open(path, "rb") as f:
@@ -63,7 +64,8 @@ class Window:
                 raise OSError(ctypes.get_errno(), f"cannot map {path}: {os.strerror(ctypes.get_errno())}")
         # a new process's first batches then take fewer page faults; the first GiB of a file only
         # (2 MiB of page tables on 4 KiB pages): no page tables for the rest, which a rank may never read
-        populate_soon(at, min(length, POPULATE_BYTES), write=False)
+        if ahead:
+            populate_soon(at, min(length, POPULATE_BYTES), write=False)
         self._mapped[arena] = have
 
     def close(self) -> None:
