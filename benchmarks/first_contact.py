@@ -46,6 +46,9 @@ PRESETS = {
     # blocks loaded by then, stalls), and Dask's own cost per task (`dask_floor`) of `floor` tasks beside it
     "million": {"blocks": [10**6], "world": 1024, "other": 517, "batch": 64, "profile": None, "opens": 4,
                 "limit_s": 300, "floor": 3 * 10**4},
+    # 32 processes x 4 threads, ranks of one world of 1,024, open a cold 10^5-block dataset at once
+    "crowd": {"blocks": [], "world": 1024, "other": 517, "batch": 64, "profile": None, "opens": 0,
+              "crowd": (10**5, 32, 4)},
 }
 GOAL_FIRST_BATCH_S = 5.0
 GOAL_KIB_PER_BLOCK = 1.0
@@ -356,10 +359,14 @@ def run(preset: str) -> dict:
         floor = dask_floor(cfg["floor"], root) if cfg.get("floor") else None
         if floor:
             print(f"[first_contact] Dask alone: {json.dumps(floor, default=float)}", flush=True)
-    return {"config": cfg, "rows": rows, "profiled": profiled, "dask_floor": floor, "goals": goals(cfg, rows)}
+        opened = crowd(*cfg["crowd"], root) if cfg.get("crowd") else None  # (blocks, processes, threads)
+        if opened:
+            print(f"[first_contact] crowd: {json.dumps(opened, default=float)}", flush=True)
+    return {"config": cfg, "rows": rows, "profiled": profiled, "dask_floor": floor, "crowd": opened,
+            "goals": goals(cfg, rows, opened)}
 
 
-def goals(cfg: dict, rows: list) -> list:
+def goals(cfg: dict, rows: list, opened: dict | None = None) -> list:
     """Issue 41's goals, judged on the rows measured (the profiled run left out: it is slowed)."""
     out = [{"goal": f"a cold first batch of a rank of {cfg['world']:,} within {GOAL_FIRST_BATCH_S:.0f} s "
                       f"at {r['blocks']:,} blocks (every rank measured)",
@@ -367,23 +374,35 @@ def goals(cfg: dict, rows: list) -> list:
               "measured": ", ".join(f"rank {x['rank']}: " + (f"{x['first_batch_s']:.1f} s" if x["error"] is None
                                                              else f"failed after {x['after_own_call_s']:.0f} s")
                                     for x in r["ranks"]) + f" (load {r['load_1min']:.1f})"} for r in rows]
-    big = rows[-1]
-    out.append({"goal": f"<= {GOAL_KIB_PER_BLOCK:g} KiB and <= {GOAL_US_PER_BLOCK:g} us of scheduler CPU per block, "
-                          "no event-loop stall over 1 s",
-                  "met": big["scheduler_rss_kib_per_block"] <= GOAL_KIB_PER_BLOCK
-                  and big["scheduler_cpu_us_per_block"] <= GOAL_US_PER_BLOCK
-                  and max(_loading_stalls(big), default=0.0) <= 1.0,
-                  "measured": f"{big['blocks']:,} blocks: {big['scheduler_rss_kib_per_block']:.1f} KiB, "
-                              f"{big['scheduler_cpu_us_per_block']:.0f} us, "
-                              f"{len(_loading_stalls(big))} stalls until every block was loaded, the longest "
-                              f"{max(_loading_stalls(big), default=0.0):.1f} s (load {big['load_1min']:.1f})"})
-    if 10**6 not in [r["blocks"] for r in rows]:
-        out.append({"goal": f"a cold first batch of a rank of {cfg['world']:,} within {GOAL_FIRST_BATCH_S:.0f} s, "
-                            "and the scheduler's cost per block, at 1,000,000 blocks", "met": False,
-                    "measured": "not measured in this run (`--full` measures it; quick stops at "
-                                f"{rows[-1]['blocks']:,} blocks: 10^6 would take ~15 min to load on 2 cores)"})
-    out.append({"goal": "128 client processes opening a 10^5-block dataset at once: every first batch within 15 s",
-                "met": False, "measured": "not measured yet (no benchmark of it)"})
+    if rows:  # not in the crowd preset
+        big = rows[-1]
+        out.append({"goal": f"<= {GOAL_KIB_PER_BLOCK:g} KiB and <= {GOAL_US_PER_BLOCK:g} us of scheduler CPU per block, "
+                              "no event-loop stall over 1 s",
+                      "met": big["scheduler_rss_kib_per_block"] <= GOAL_KIB_PER_BLOCK
+                      and big["scheduler_cpu_us_per_block"] <= GOAL_US_PER_BLOCK
+                      and max(_loading_stalls(big), default=0.0) <= 1.0,
+                      "measured": f"{big['blocks']:,} blocks: {big['scheduler_rss_kib_per_block']:.1f} KiB, "
+                                  f"{big['scheduler_cpu_us_per_block']:.0f} us, "
+                                  f"{len(_loading_stalls(big))} stalls until every block was loaded, the longest "
+                                  f"{max(_loading_stalls(big), default=0.0):.1f} s (load {big['load_1min']:.1f})"})
+        if 10**6 not in [r["blocks"] for r in rows]:
+            out.append({"goal": f"a cold first batch of a rank of {cfg['world']:,} within {GOAL_FIRST_BATCH_S:.0f} s, "
+                                "and the scheduler's cost per block, at 1,000,000 blocks", "met": False,
+                        "measured": "not measured in this run (`--full` measures it; quick stops at "
+                                    f"{rows[-1]['blocks']:,} blocks: 10^6 would take ~15 min to load on 2 cores)"})
+    if opened is None:
+        out.append({"goal": "128 client processes opening a 10^5-block dataset at once: every first batch within "
+                            f"{GOAL_CROWD_S:.0f} s", "met": False, "measured": "not measured in this run"})
+    else:
+        worst = opened["first_batch_s"]["max"]
+        out.append({"goal": f"{opened['processes']} client processes x {opened['threads']} threads opening a "
+                            f"{opened['blocks']:,}-block dataset at once: every first batch within {GOAL_CROWD_S:.0f} s",
+                    "met": not opened["n_failed"] and worst is not None and worst <= GOAL_CROWD_S,
+                    "measured": f"{opened['ranks'] - opened['n_failed']} of {opened['ranks']} first batches, "
+                                f"after {opened['first_batch_s']['min']:.1f}-{worst:.1f} s (median "
+                                f"{opened['first_batch_s']['median']:.1f} s), {opened['stalls'].get('count', 0)} "
+                                f"scheduler stalls (load {opened['load_at_go']:.1f})" if worst is not None else
+                                f"every rank failed: {opened['failed'][:1]}"})
     return out
 
 
