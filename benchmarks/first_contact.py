@@ -544,7 +544,8 @@ def crowd_process(address: str, path: str, ranks: list[int], world: int, batch: 
     return out
 
 
-def crowd(blocks: int, processes: int, threads: int, root: str, world: int = 1024, batch: int = 64) -> dict:
+def crowd(blocks: int, processes: int, threads: int, root: str, world: int = 1024, batch: int = 64,
+          wait_s: float = 300.0) -> dict:
     """`processes` x `threads` ranks of one world of `world` (spread over it) open a cold
     dataset of `blocks` blocks at once (every client connected first, then one signal):
     each rank's first batch, from the signal."""
@@ -570,9 +571,19 @@ def crowd(blocks: int, processes: int, threads: int, root: str, world: int = 102
         go = time.time()
         with open(os.path.join(folder, "go"), "w"):
             pass
-        results = []
-        for p in procs:
-            results += json.loads(p.communicate(timeout=LOAD_TIMEOUT)[0].strip().splitlines()[-1])
+        results, hung = [], []
+        for i, p in enumerate(procs):
+            try:  # a process still waiting past `wait_s` is reported (py-spy dump of it), its ranks failed
+                out = p.communicate(timeout=max(1.0, go + wait_s - time.time()))[0]
+                results += json.loads(out.strip().splitlines()[-1])
+            except (subprocess.TimeoutExpired, IndexError, ValueError):
+                spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+                dump = subprocess.run([spy, "dump", "--pid", str(p.pid)], capture_output=True, text=True, check=False).stdout
+                hung.append({"ranks": ranks[i * threads:(i + 1) * threads], "dump": dump[-6000:]})
+                p.kill()
+                p.communicate()
+                results += [{"rank": r, "error": f"its process did not answer within {wait_s:.0f} s", "failed": 0.0}
+                            for r in ranks[i * threads:(i + 1) * threads]]
         cpu = sum(scheduler.cpu_times()[:2]) - cpu0
         stalls = _stalls(folder, go)
     shutil.rmtree(folder, ignore_errors=True)
@@ -581,7 +592,8 @@ def crowd(blocks: int, processes: int, threads: int, root: str, world: int = 102
             "ranks": n, "failed": [r for r in results if r["error"]][:3], "n_failed": sum(bool(r["error"]) for r in results),
             "first_batch_s": {"min": firsts[0] if firsts else None, "median": firsts[len(firsts) // 2] if firsts else None,
                               "max": firsts[-1] if firsts else None},
-            "scheduler_cpu_s": cpu, "stalls": stalls.get("scheduler", {}), "load_1min_after": os.getloadavg()[0]}
+            "scheduler_cpu_s": cpu, "stalls": stalls.get("scheduler", {}), "hung": hung,
+            "load_1min_after": os.getloadavg()[0]}
 
 
 if __name__ == "__main__":
