@@ -15,8 +15,10 @@ Guarantees:
 - a dataset released meanwhile gets no more chunks (the scheduler answers `Busy`).
 - the chunks after the first are sent by a thread with a client of its own, so closing
   the caller's client (a rank that stops after its first batches) does not stop them, and
-  the process exits once they are sent; if the process dies first, the scheduler creates
-  the missing blocks at the next open (`DatasetsPlugin.remove_client`).
+  the process exits once they are sent (with `ahead`, once all but the last `ahead`
+  loads finished: a claimant that stops after its first batches stays until then); if the
+  process dies first, the scheduler creates the missing blocks at the next open
+  (`DatasetsPlugin.remove_client`).
 """
 from __future__ import annotations
 
