@@ -300,3 +300,25 @@ async def test_submitted_makes_the_dataset_ready_and_names_the_blocks_ranks_wait
     with pytest.raises(Exception, match="count"):
         await api.send(Submitted("fs-x", "me", -1))
     del first, second
+
+
+@gen_cluster(client=True)
+async def test_submitted_with_ahead_waits_until_few_enough_loads_are_unfinished(c, s, a, b):
+    """Both blocks submitted, block 1's load held: `Submitted` with `ahead` 0 answers after
+    its timeout that one load too many is unfinished (room -1), and, asked again, as soon as
+    block 1 is loaded (room 0), long before its timeout; without `ahead`, no room named."""
+    from dmdask.protocol.scheduler import Submitted, Wanted
+
+    api = await _api(c)
+    assert await api.send(GetOrClaim("fs-x", "me", client=c.id)) == Claimed()
+    assert await api.send(Register("fs-x", "me", INFO)) == Registered()
+    loads = c.map(_load_when_told, [0, 1], key=[INFO.block_key(0), INFO.block_key(1)])
+    await loads[0]
+    assert await api.send(Submitted("fs-x", "me", 2, done=True, client=c.id, ahead=0, timeout=0.5)) == Wanted([], -1)
+    waiting = asyncio.ensure_future(api.send(Submitted("fs-x", "me", 2, done=True, client=c.id, ahead=0, timeout=30)))
+    await asyncio.sleep(0.2)
+    assert not waiting.done()
+    await Event("block-1-comes", client=c).set()
+    assert await asyncio.wait_for(waiting, 20) == Wanted([], 0)
+    assert await api.send(Submitted("fs-x", "me", 2, done=True, client=c.id)) == Wanted([])
+    del loads

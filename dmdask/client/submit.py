@@ -8,13 +8,17 @@ Guarantees:
 - every block's load is submitted once by this process, the first chunk holding the blocks
   `first` names (the claimant's own first batch) then the start of `order`; each later
   chunk the blocks ranks asked for before they were submitted (`Wanted`), then the next of
-  `order`. A chunk is sent once the scheduler took in the one before.
+  `order`. A chunk is sent once the scheduler took in the one before, and the blocks of
+  `order` only while at most `ahead` loads are unfinished (the wanted ones at once): no
+  more than `ahead` plus a chunk wait on the workers.
 - the readers of a chunk are made when it is sent (`Readers`): none is held for 10^6 blocks.
 - a dataset released meanwhile gets no more chunks (the scheduler answers `Busy`).
 - the chunks after the first are sent by a thread with a client of its own, so closing
   the caller's client (a rank that stops after its first batches) does not stop them, and
-  the process exits once they are sent; if the process dies first, the scheduler creates
-  the missing blocks at the next open (`DatasetsPlugin.remove_client`).
+  the process exits once they are sent (with `ahead`, once all but the last `ahead`
+  loads finished: a claimant that stops after its first batches stays until then); if the
+  process dies first, the scheduler creates the missing blocks at the next open
+  (`DatasetsPlugin.remove_client`).
 """
 from __future__ import annotations
 
@@ -28,6 +32,8 @@ from ..protocol.scheduler import SchedulerAPI, Submitted, Wanted
 
 logger = logging.getLogger(__name__)
 CHUNK_BLOCKS = 4096  # block loads a graph; ~0.2-0.3 s of the scheduler's event loop each (measured)
+AHEAD_BLOCKS = 8 * CHUNK_BLOCKS  # loads left unfinished before more are sent (`Submitted.ahead`): ~20 s of
+# loading on two workers at 10^5 blocks, and none of the 10^6 blocks' worker stalls of sending them all at once
 
 
 class Readers:
@@ -67,9 +73,10 @@ class Submission:
     submits one chunk's loads and returns their futures (`datasets.submit_blocks`)."""
 
     def __init__(self, client, name: str, claimant: str, readers: Readers, submit, order=None,
-                 chunk: int | None = None):
+                 chunk: int | None = None, ahead: int | None = None):
         self.client, self.name, self.claimant, self.readers = client, name, claimant, readers
         self.chunk = CHUNK_BLOCKS if chunk is None else chunk
+        self.ahead = AHEAD_BLOCKS if ahead is None else ahead
         self.submit = submit
         n = len(readers)
         self.order = np.arange(n, dtype=np.int64) if order is None else np.asarray(order, dtype=np.int64)
@@ -78,6 +85,7 @@ class Submission:
         self._next = 0  # position in `order` of the next block to send
         self.thread: threading.Thread | None = None
         self._wanted: object = None  # the first chunk's reply
+        self._room: int | None = None  # `Wanted.room` of the last reply
 
     @property
     def done(self) -> bool:
@@ -104,7 +112,7 @@ class Submission:
                                     set_as_default=False, name="dmdask-submit") as own:
                 reply = self._send(own, (), chunk=False)  # the submitter from now on: this client
                 while isinstance(reply, Wanted) and not self.done and own.status == "running":
-                    reply = self._send(own, wanted + reply.blocks)
+                    reply = self._send(own, wanted + reply.blocks, room=reply.room)
                     wanted = []
                 if not self.done:  # released meanwhile (`Busy`), or the client lost its scheduler
                     logger.debug("submitting the blocks of %s stopped after %d of %d: %r", self.name, self.count,
@@ -113,22 +121,27 @@ class Submission:
             logger.debug("submitting the blocks of %s stopped after %d of %d: %r", self.name, self.count,
                          len(self.sent), exc)
 
-    def _send(self, client, wanted, chunk: bool = True, then=None) -> object:
+    def _send(self, client, wanted, chunk: bool = True, then=None, room: int | None = None) -> object:
+        self._room = room
         readers = self.readers.take(self._chunk(wanted)) if chunk else []
         if readers:  # their futures dropped: the scheduler's plugin wants the blocks
             del self.submit(client, readers)[:]
         if then is not None:
             then()
         return client.sync(SchedulerAPI(client).send,
-                           Submitted(self.name, self.claimant, self.count, self.done, client=client.id))
+                           Submitted(self.name, self.claimant, self.count, self.done, client=client.id,
+                                     ahead=self.ahead))
 
     def _chunk(self, wanted) -> list:
-        """The next chunk's blocks (marked sent): `wanted` not sent yet, then `order`'s next."""
+        """The next chunk's blocks (marked sent): `wanted` not sent yet, then `order`'s next
+        unless the scheduler's last reply says more than `ahead` loads are unfinished
+        (`Wanted.room` below 0: it waited for them in vain)."""
         out = [k for k in dict.fromkeys(int(k) for k in wanted) if 0 <= k < len(self.sent) and not self.sent[k]]
         self.sent[out] = True
         order, n = self.order, len(self.order)
-        while len(out) < self.chunk and self._next < n:
-            take = order[self._next:self._next + self.chunk - len(out)]
+        size = len(out) if self._room is not None and self._room < 0 else self.chunk
+        while len(out) < size and self._next < n:
+            take = order[self._next:self._next + size - len(out)]
             self._next += len(take)
             take = take[~self.sent[take]]
             self.sent[take] = True

@@ -95,7 +95,9 @@ class Submitted(Request):
     first of them before the dataset is ready): once the scheduler has them (or after
     `timeout` s), the dataset is ready (`done`: every block submitted); reply `Wanted`.
     `client`: the Dask client id submitting the rest (if it leaves first, the dataset is
-    created again at the next open)."""
+    created again at the next open). `ahead` (None: no bound): the reply also waits (up to
+    `timeout`) until at most `ahead` of the submitted loads are unfinished, or a rank
+    wants a block not submitted yet (`Wanted.room`)."""
     op = "dmdask_submitted"
     name: str
     claimant: str
@@ -103,6 +105,7 @@ class Submitted(Request):
     done: bool = False
     client: Optional[str] = None
     timeout: float = ranged(0, LOCATE_LONGEST, LOCATE_LONGEST)
+    ahead: Optional[int] = None
 
 
 @message
@@ -287,8 +290,10 @@ class Registered:
 @message
 class Wanted:
     """Blocks of a dataset still being submitted that ranks asked for (`Locate`) before their
-    loads were submitted: the claimant submits them next."""
+    loads were submitted: the claimant submits them next; `room`: `Submitted.ahead` less
+    the loads unfinished (below 0: still over, the wait timed out; None: no bound)."""
     blocks: List[int]
+    room: Optional[int] = None
 
 
 @message
