@@ -120,9 +120,17 @@ def _dmdask_passes(url: str, cfg, store, count: int) -> list:
 
 
 def _xbatcher_passes(url: str, cfg, store, count: int) -> list:
+    """xbatcher reading the store directly, with Dask's threads whatever the process's
+    default scheduler (a `distributed.Client` made earlier in it would otherwise be asked)."""
+    import dask
     import xarray as xr
     import xbatcher
 
+    with dask.config.set(scheduler="threads"):
+        return _xbatcher_passes_here(url, cfg, store, count, xr, xbatcher)
+
+
+def _xbatcher_passes_here(url: str, cfg, store, count: int, xr, xbatcher) -> list:
     out = []
     rng = np.random.default_rng(0)
     for epoch in range(cfg["passes"]):
