@@ -126,33 +126,29 @@ def _xbatcher_passes(url: str, cfg, store, count: int) -> list:
     import xarray as xr
     import xbatcher
 
-    with dask.config.set(scheduler="threads"):
-        return _xbatcher_passes_here(url, cfg, store, count, xr, xbatcher)
-
-
-def _xbatcher_passes_here(url: str, cfg, store, count: int, xr, xbatcher) -> list:
     out = []
     rng = np.random.default_rng(0)
-    for epoch in range(cfg["passes"]):
-        store.reset_stats()
-        started, ids, sampled = time.perf_counter(), [], {}
-        ds = xr.open_zarr(url, consolidated=False)  # a new trainer process each pass would open it again too
-        generator = xbatcher.BatchGenerator(ds[list(VARIABLES)], input_dims={"time": cfg["length"], "lat": cfg["lat"],
-                                                                            "lon": cfg["lon"]},
-                                            input_overlap={"time": cfg["length"] - cfg["stride"]})
-        if len(generator) != count:
-            raise AssertionError(f"xbatcher makes {len(generator)} windows, dmdask {count}")
-        order = rng.permutation(count)
-        for at in range(0, count, cfg["batch"]):
-            chosen = order[at:at + cfg["batch"]].tolist()
-            windows = [generator[w] for w in chosen]
-            batch = {v: np.stack([w[v].values for w in windows]) for v in VARIABLES}
-            ids += chosen
-            if len(sampled) < 8:
-                sampled[chosen[0]] = {v: batch[v][0] for v in VARIABLES}
-        seconds = time.perf_counter() - started
-        _check(ids, count, sampled, cfg, f"xbatcher pass {epoch + 1}")
-        out.append({"seconds": seconds, "store_bytes": _chunk_bytes(store), "windows": len(ids)})
+    with dask.config.set(scheduler="threads"):
+        for epoch in range(cfg["passes"]):
+            store.reset_stats()
+            started, ids, sampled = time.perf_counter(), [], {}
+            ds = xr.open_zarr(url, consolidated=False)  # a new trainer process each pass would open it again too
+            dims = {"time": cfg["length"], "lat": cfg["lat"], "lon": cfg["lon"]}
+            generator = xbatcher.BatchGenerator(ds[list(VARIABLES)], input_dims=dims,
+                                                input_overlap={"time": cfg["length"] - cfg["stride"]})
+            if len(generator) != count:
+                raise AssertionError(f"xbatcher makes {len(generator)} windows, dmdask {count}")
+            order = rng.permutation(count)
+            for at in range(0, count, cfg["batch"]):
+                chosen = order[at:at + cfg["batch"]].tolist()
+                windows = [generator[w] for w in chosen]
+                batch = {v: np.stack([w[v].values for w in windows]) for v in VARIABLES}
+                ids += chosen
+                if len(sampled) < 8:
+                    sampled[chosen[0]] = {v: batch[v][0] for v in VARIABLES}
+            seconds = time.perf_counter() - started
+            _check(ids, count, sampled, cfg, f"xbatcher pass {epoch + 1}")
+            out.append({"seconds": seconds, "store_bytes": _chunk_bytes(store), "windows": len(ids)})
     return out
 
 

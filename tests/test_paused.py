@@ -16,6 +16,7 @@ import distributed
 import numpy as np
 import pytest
 
+from dmdask.source.base import is_block_key
 from dmdask.testing.datasets import write_zarr
 
 from conftest import wait_until
@@ -169,7 +170,7 @@ def test_a_worker_paused_while_it_loads_a_cold_epoch_has_its_blocks_loaded_by_th
 
 def block_loads(client) -> dict[str, list]:
     """Each worker's block loads the scheduler has it running or queued (none: not listed)."""
-    loads = {w: [k for k in keys if str(k).startswith("dmdask-block-")] for w, keys in client.processing().items()}
+    loads = {w: [k for k in keys if is_block_key(k)] for w, keys in client.processing().items()}
     return {w: keys for w, keys in loads.items() if keys}
 
 

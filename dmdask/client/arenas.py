@@ -75,7 +75,7 @@ class LocalArenas:
                 return
             # the labels faulted in ahead only where the worker backs them by huge pages (`Arena`): else
             # a page-table entry a 4 KiB page, for labels a take reads a few of (`take_windows`)
-            data_bytes = sum(w.rows[:1].nbytes for name, w in self._windows.items() if name != ID_FIELD)
+            data_bytes = self._row_bytes()
             try:
                 for name, window in self._windows.items():
                     window.map(arena, fields[name][0], rows, ahead=name != ID_FIELD or data_bytes >= 8)
@@ -201,7 +201,7 @@ class LocalArenas:
             labels = self._windows[ID_FIELD]  # read after the rows: each block's first label
             blocks = ids // self.block_len
             held = labels.rows[arenas * np.int64(labels.stride) + self.first_row[blocks]]
-            row_bytes = sum(w.rows[:1].nbytes for name, w in self._windows.items() if name != ID_FIELD)
+            row_bytes = self._row_bytes()
             holders = [holder for holder, _ in self.arenas]
         expected = blocks * self.block_len
         if not np.array_equal(held, expected):  # after the copy: were those rows still the right ones?
@@ -211,6 +211,10 @@ class LocalArenas:
             if n:
                 count(holders[a], "ram", n * length, n * length * row_bytes)
         return out
+
+    def _row_bytes(self) -> int:
+        """Bytes of a row's fields, its label not counted (the windows' lock held)."""
+        return sum(w.rows[:1].nbytes for name, w in self._windows.items() if name != ID_FIELD)
 
     @staticmethod
     def _spread(starts: np.ndarray, length: int) -> np.ndarray:

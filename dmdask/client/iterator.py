@@ -132,34 +132,29 @@ class BatchIterator:
         self.group = self._group_size(rows_indexed=True)  # batches a warm request: two requests in flight
         # ... and a request of whole windows in known arenas (no index kept per row)
         self._window_group = self._group_size(rows_indexed=False) if self._whole_windows else self.group
-        self.remote_group = self._remote_group_size()  # ... once a request went to other hosts' workers
+        self.remote_group = self._group_size(rows_indexed=True, remote=True)  # ... to other hosts' workers
         self._remote = False  # the last warm request went to other hosts' workers
         self._progress = _make_progress(self, progress)  # None unless a bar is shown
 
-    def _group_size(self, rows_indexed: bool) -> int:
+    def _group_size(self, rows_indexed: bool, remote: bool = False) -> int:
         """Batches a warm request: half the prefetch; by default up to MAX_GROUP small batches,
         of up to about REQUEST_BYTES, counting ROW_INDEX_BYTES a row (`rows_indexed`); else a
-        window, and up to MAX_WINDOW_GROUP batches."""
+        window, and up to MAX_WINDOW_GROUP batches. `remote`: a request to other hosts'
+        workers, by default up to REMOTE_REQUEST_BYTES of rows with their index within
+        REQUEST_BYTES (never fewer batches than this host's)."""
         spec, info = self.spec, self.info
         group = max(1, self._prefetch // 2)
         if info.nbytes is None:
             return group
         rows = spec.batch_size * (1 if spec.window is None else spec.window.length)  # a batch's rows
+        data = rows * info.nbytes / max(1, info.num_samples)
         index = ROW_INDEX_BYTES * (rows if rows_indexed else spec.batch_size)
-        by_bytes = REQUEST_BYTES // max(1.0, rows * info.nbytes / max(1, info.num_samples) + index)
+        if remote and spec.prefetch is None:
+            by_bytes = min(REMOTE_REQUEST_BYTES // max(1.0, data), REQUEST_BYTES // index)
+        else:
+            by_bytes = REQUEST_BYTES // max(1.0, data + index)
         most = group if spec.prefetch is not None else MAX_GROUP if rows_indexed else MAX_WINDOW_GROUP
         return int(max(1, min(by_bytes, most)))
-
-    def _remote_group_size(self) -> int:
-        """Batches a warm request to other hosts' workers: by default, up to MAX_GROUP small
-        batches of up to REMOTE_REQUEST_BYTES of rows, their index within REQUEST_BYTES
-        (at least `self.group`); with `spec.prefetch` set, `self.group`."""
-        spec, info = self.spec, self.info
-        if spec.prefetch is not None or info.nbytes is None:
-            return self.group
-        rows = spec.batch_size * (1 if spec.window is None else spec.window.length)  # a batch's rows
-        by_bytes = REMOTE_REQUEST_BYTES // max(1.0, rows * info.nbytes / max(1, info.num_samples))
-        return int(max(self.group, min(by_bytes, REQUEST_BYTES // (rows * ROW_INDEX_BYTES), MAX_GROUP)))
 
     @property
     def position(self) -> int:
