@@ -315,10 +315,14 @@ class WorkerAPI:
         """The worker's reply to `request`; `Moved` for blocks it does not hold. A connection
         whose reply did not come (a timeout, a cancelled call) is closed, never reused."""
         comm = await connect_within(self.rpc, address, self.connect_seconds)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         try:
             reply = await asyncio.wait_for(send_recv(comm, op=OPS[type(request)], **to_wire(request)),
                                            self.reply_seconds)
         except asyncio.TimeoutError:
+            if self.reply_seconds is None or loop.time() - started < self.reply_seconds:
+                raise  # the worker's own TimeoutError (one it met asking another), sent back as its reply
             comm.abort()
             raise TimeoutError(f"worker {address} sent no reply to {OPS[type(request)]} within "
                                f"{self.reply_seconds:.0f} s: paused or hung?") from None
