@@ -424,3 +424,27 @@ def test_arena_files_are_read_through_huge_pages_where_the_kernel_allows():
         np.testing.assert_array_equal(batch["x"], (ids[:, None] * 7 + np.arange(row)[None, :]).astype(np.uint8))
         local.forget()
         arena.close()
+
+
+def test_a_row_server_maps_arena_files_on_huge_page_boundaries_and_unmaps_them_when_dropped(tmp_path):
+    """`ArenaMaps` maps an arena file at a 2 MiB-aligned address (else the kernel's own
+    choice is 4 KiB-aligned and no huge page of the file can be mapped whole), reads the
+    file's bytes there, and gives the address space back once no array uses the mapping."""
+    import gc
+
+    from dmdask.shm.arena import ArenaMaps
+    from dmdask.shm.hugepages import HUGE
+
+    path = f"/dev/shm/dmdask-test-{os.getpid()}.x"
+    data = np.random.default_rng(0).integers(0, 256, (3 * HUGE) // 64 * 64, dtype=np.uint8)
+    data.tofile(path)
+    try:
+        rows = ArenaMaps().rows(path, "<u1", (64,), 10)
+        assert rows.ctypes.data % HUGE == 0
+        assert np.array_equal(rows.reshape(-1), data)
+        assert path in open("/proc/self/maps").read()
+        del rows
+        gc.collect()
+        assert path not in open("/proc/self/maps").read()
+    finally:
+        os.unlink(path)

@@ -9,7 +9,9 @@ refuses (older kernel, `shmem_enabled=deny`, no memory for a huge page), nothing
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
+import weakref
 
 from .libc import FAILED, MADV_COLLAPSE, MAP_FIXED, MAP_NORESERVE, libc
 
@@ -27,6 +29,24 @@ def aligned_reservation(length: int) -> tuple[int, int] | None:
 
 def release(base: int, length: int) -> None:
     libc.munmap(base, length + HUGE)
+
+
+def map_read_only(fd: int, length: int):
+    """The file's first `length` bytes mapped read-only at a HUGE-aligned address, so that
+    extents the page cache holds as huge pages (`collapse`) are mapped by huge-page TLB
+    entries (an address the kernel picks is 4 KiB-aligned: every page its own entry); a
+    ctypes char array over them, unmapped once it is garbage collected; None when the
+    address space cannot be reserved or the file not mapped."""
+    reserved = aligned_reservation(length)
+    if reserved is None:
+        return None
+    base, at = reserved
+    if libc.mmap(at, length, mmap.PROT_READ, mmap.MAP_SHARED | MAP_FIXED, fd, 0) != at:
+        release(base, length)
+        return None
+    memory = (ctypes.c_char * length).from_address(at)
+    weakref.finalize(memory, release, base, length)
+    return memory
 
 
 def collapse(fd: int, start: int, stop: int) -> bool:
