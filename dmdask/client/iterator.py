@@ -19,7 +19,7 @@ from ..spec import Mix, Spec, as_int
 from ..transform import dumps_transform
 from .arenas import LocalArenas, split_batches
 from .contact import Contact
-from .datasets import open_dataset
+from .datasets import open_dataset, open_datasets
 from .fetch import HITS_SECONDS, GroupFetcher
 from .first_batch import FirstBatch
 from .gather import Gatherer, Moved, copier, fetchers
@@ -75,8 +75,11 @@ class BatchIterator:
         self._first = FirstBatch(client, spec, epoch) if self._transform is None and resume is None and \
             not isinstance(spec.source, Mix) and spec.window is None and \
             dask.config.get("dmdask.client.read-first-batch") else None
-        opened = [open_dataset(client, s, epoch, host if learn else None,
-                               None if self._first is None else self._first.plan) for s in specs]
+        if len(specs) == 1:
+            opened = [open_dataset(client, specs[0], epoch, host if learn else None,
+                                   None if self._first is None else self._first.plan)]
+        else:  # a mixture's sources opened at once
+            opened = open_datasets(client, specs, epoch, host if learn else None)
         if isinstance(spec.source, Mix):  # with a window: an order of the sources' windows
             self.info = info = self._mixed = MixedInfo(spec.source, [o.info for o in opened], spec.window)
             self._order = info.order(shuffle=spec.shuffle, seed=spec.seed, epoch=epoch,
