@@ -71,18 +71,23 @@ def test_a_cold_rank_locates_its_first_batches_blocks_with_one_request(tmp_path)
         handlers[Locate.op] = counted
         spec = dmdask.Spec(store.url + "/files", batch_size=16, block_size=8, shuffle=False, prefetch=8)
         store.hold(later)
-        give_up = threading.Timer(60, store.release)
+        give_up = threading.Timer(240, store.release)  # a bound, never reached unless batch 1 hangs
         give_up.start()
         try:
             it = dmdask.batches(client, spec, progress=False)
             first, second = next(it), next(it)
+            came_while_held = give_up.is_alive()
+            served_then = _file_bytes(store)
         finally:
             give_up.cancel()
             store.release()
+        # the premise: no block of batch 2 or later could be held (and known) before the rank asked
+        assert came_while_held, "batch 1 came only once the files of later batches were served"
+        assert served_then == 32 * 1024, f"{served_then} B read by batch 1, not batches 0 and 1's"
         # cold: one batch a request, `prefetch` of them sent at once (batch 0 read by this
         # rank itself, 1-7 located together; 8 requested once batch 0 was handed out): 8
         # locates before
-        assert 1 <= len(asked) <= 3, f"{len(asked)} locates for the first {spec.prefetch + 1} batches"
+        assert 1 <= len(asked) <= 3, f"{len(asked)} locates for the first {spec.prefetch + 1} batches: {asked}"
         ids = np.concatenate([first["index"], second["index"]] + [b["index"] for b in it])
     assert np.array_equal(np.sort(ids), np.arange(256))
 

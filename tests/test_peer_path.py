@@ -211,3 +211,44 @@ def test_pieces_arrive_whole_and_in_order_through_partial_sends():
     left.close()
     right.close()
     assert bytes(got) == expected
+
+
+def test_a_holder_silent_mid_reply_is_a_timeout_not_a_hang():
+    """A holder that sends part of a reply, then nothing (paused, hung), keeping the
+    connection open: the reader's blocking receive ends at its deadline (the socket's
+    own, `SO_RCVTIMEO`) with a TimeoutError naming the holder, a lost worker to callers."""
+    from dmdask.protocol.rows import RowChannels, asked_of
+    from dmdask.protocol.worker import Channel
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    stalled = threading.Event()
+
+    def half_a_reply():
+        conn, _ = listener.accept()
+        with conn:
+            recv_header(conn)  # the secret
+            recv_header(conn)  # the request (its arrays follow; never read)
+            send_frame(conn, {"status": "rows", "from_store": 0, "fields": [["x", "fixed", "<f8", [], 8 * 1000]]})
+            conn.sendall(b"\0" * 4000)  # half the rows
+            stalled.wait(60)
+
+    server = threading.Thread(target=half_a_reply, daemon=True)
+    server.start()
+    channels = RowChannels(None, None, timeout=1.0)
+    outcome = []
+
+    def read():
+        try:
+            channels.exchange("tcp://127.0.0.1:1", Channel("127.0.0.1", listener.getsockname()[1], "s" * 32),
+                              asked_of({"k": np.arange(1000)}))
+            outcome.append("returned")
+        except BaseException as exc:
+            outcome.append(exc)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    reader.join(60)
+    stalled.set()
+    listener.close()
+    assert not reader.is_alive(), "the reader still waits on a silent holder"
+    assert isinstance(outcome[0], TimeoutError) and "tcp://127.0.0.1:1" in str(outcome[0]), outcome

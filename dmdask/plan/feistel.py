@@ -6,6 +6,11 @@ for an odd number of bits), and each round changes one half from a keyed hash of
 in turn. The domain is less than twice the size, so a value takes fewer than 2 passes on
 average (a balanced network needs a power of 4: up to 4). The same keys give the same permutation on any machine
 (fixed-width integer arithmetic; keys from numpy's `SeedSequence`).
+
+A round's hash is multiply-add-shift (Dietzfelbinger's universal family): the top bits of
+`(half ^ tweak) * a + b` modulo 2**64, `a` odd and `b` from the round's key. Four numpy
+passes a round, in place: a third of splitmix64's (`mix64`), which a rank's shuffled ids
+spent 0.03 CPU-seconds per GB of 3 KB rows on (order version 3).
 """
 from __future__ import annotations
 
@@ -46,9 +51,12 @@ class Feistel:
         self.size = size
         bits = (size - 1).bit_length() if size > 1 else 0
         self._low_bits = np.uint64(bits // 2)
-        self._low = np.uint64((1 << (bits // 2)) - 1)  # masks of the two halves
-        self._high = np.uint64((1 << (bits - bits // 2)) - 1)
-        self._keys = round_keys
+        self._low = np.uint64((1 << (bits // 2)) - 1)  # mask of the low half
+        # a round's hash keeps the top bits of its product: as many as the half it changes has
+        self._shifts = (np.uint64(64 - (bits - bits // 2)), np.uint64(64 - bits // 2))  # even, odd rounds
+        keys = np.asarray(round_keys, dtype=np.uint64)
+        self._multipliers = keys | np.uint64(1)
+        self._addends = mix64(keys.copy())
 
     def forward(self, values: np.ndarray, tweak: np.ndarray | None = None) -> np.ndarray:
         """The images of `values` (a uint64 array within range(size)), as a new array."""
@@ -77,32 +85,27 @@ class Feistel:
     def encrypt(self, values: np.ndarray, tweak: np.ndarray | None) -> np.ndarray:
         """One pass through the network, without cycle-walking: a permutation of the
         power of 2 that holds range(size), for callers that walk to a bound of their own."""
-        high, low = values >> self._low_bits, values & self._low
-        for i, key in enumerate(self._keys):
-            if i % 2:
-                low ^= self._round(high, key, tweak, self._low)
-            else:
-                high ^= self._round(low, key, tweak, self._high)
-        high <<= self._low_bits
-        high |= low
-        return high
+        return self._network(values, tweak, range(len(self._multipliers)))
 
     def _decrypt(self, values, tweak):
+        return self._network(values, tweak, range(len(self._multipliers) - 1, -1, -1))
+
+    def _network(self, values, tweak, rounds) -> np.ndarray:
         high, low = values >> self._low_bits, values & self._low
-        for i in range(len(self._keys) - 1, -1, -1):
-            if i % 2:
-                low ^= self._round(high, self._keys[i], tweak, self._low)
+        hashed = np.empty_like(high)
+        for i in rounds:  # even rounds change the high half from the low one, odd rounds the low half
+            source, target = (high, low) if i % 2 else (low, high)
+            shift = self._shifts[i % 2]
+            if shift == 64:  # a half of no bits (a domain of 2)
+                continue
+            if tweak is None:
+                np.multiply(source, self._multipliers[i], out=hashed)
             else:
-                high ^= self._round(low, self._keys[i], tweak, self._high)
+                np.bitwise_xor(source, tweak, out=hashed)
+                hashed *= self._multipliers[i]
+            hashed += self._addends[i]
+            hashed >>= shift
+            target ^= hashed
         high <<= self._low_bits
         high |= low
         return high
-
-    @staticmethod
-    def _round(half, key, tweak, mask):
-        z = half ^ key
-        if tweak is not None:
-            z ^= tweak
-        z = mix64(z)
-        z &= mask
-        return z

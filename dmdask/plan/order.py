@@ -22,8 +22,8 @@ import numpy.ma  # noqa: F401 - now, not lazily at the first np.unique (a rank's
 from .feistel import ROUNDS, Feistel, round_keys
 from .windows import Windows
 
-ORDER_VERSION = 3  # the order's algorithm; a resume state records it (1: dmdask 0.1's materialised permutation;
-# 2: a balanced Feistel network over a power of 4)
+ORDER_VERSION = 4  # the order's algorithm; a resume state records it (1: dmdask 0.1's materialised permutation;
+# 2: a balanced Feistel network over a power of 4; 3: rounds hashed by splitmix64)
 _ORDER_SALT = 0x6F72646572  # "order": keys of the whole-epoch permutation
 _CHUNK = 1 << 16  # positions evaluated at a time by blocks_first_needed
 CHUNK_SAMPLES = 1 << 13  # a rank's ids computed at a time (64 KiB: see feistel._SLICE)

@@ -117,10 +117,13 @@ def recv_exactly(sock: socket.socket, nbytes: int) -> bytearray:
 
 
 def recv_into(sock: socket.socket, view: memoryview) -> None:
-    """Fill `view` from the socket; ConnectionError if the peer closes first."""
+    """Fill `view` from the socket; ConnectionError if the peer closes first. On a blocking
+    plain socket each call waits in the kernel for the whole view (`MSG_WAITALL`): one
+    system call and one wake-up where a partial read would return each time data came."""
     view = view.cast("B")
+    flags = socket.MSG_WAITALL if sock.gettimeout() is None and not isinstance(sock, ssl.SSLSocket) else 0
     while view.nbytes:
-        got = sock.recv_into(view)
+        got = sock.recv_into(view, 0, flags)
         if not got:
             raise ConnectionResetError("the row channel's peer closed the connection mid-message")
         view = view[got:]
@@ -285,7 +288,8 @@ class RowChannels:
     def _guarded(self, holder: str, step, *args):
         try:
             return step(*args)
-        except TimeoutError as exc:  # nothing for `timeout` seconds: a paused or hung holder, lost to the caller
+        except (TimeoutError, BlockingIOError) as exc:  # nothing for `timeout` seconds (a blocking
+            # socket's deadline is EAGAIN): a paused or hung holder, lost to the caller
             self.forget(holder)
             self._cut(holder)
             raise TimeoutError(f"worker {holder} sent no rows for {self.timeout:.0f} s: paused or hung?") from exc
@@ -348,7 +352,13 @@ class RowChannels:
                 if self.ssl_context is None:
                     raise ConnectionError(f"{holder} takes TLS, and this process has no TLS security configured")
                 sock = self.ssl_context.wrap_socket(sock, server_hostname=channel.host)
-            sock.settimeout(self.timeout)
+            if isinstance(sock, ssl.SSLSocket):
+                sock.settimeout(self.timeout)
+            else:  # blocking, its deadlines kept by the kernel: no poll() before each call (`recv_into`)
+                sock.settimeout(None)
+                deadline = struct.pack("ll", int(self.timeout), int(self.timeout % 1 * 1e6))
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, deadline)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, deadline)
             send_frame(sock, {"secret": channel.secret})
         except BaseException:
             sock.close()
