@@ -111,6 +111,8 @@ def dataset_info(handler: str, info, lazy: bool = False) -> DatasetInfo:
                      "samples", info.num_samples)
     if info.nbytes is not None:
         count(handler, "info.nbytes", info.nbytes, low=0, high=MAX_BYTES)
+    if info.field_types is not None:
+        field_types(handler, info)
     if not info.bound:
         raise refuse(handler, "info.identity", f"an identity that starts with the token of info.name={info.name!r} "
                      "(a registry entry is bound to its source: dmdask.source.base.bound_identity)", info.identity)
@@ -118,6 +120,23 @@ def dataset_info(handler: str, info, lazy: bool = False) -> DatasetInfo:
         raise refuse(handler, "info.name", f"'fs-{info.identity}': only a file's dataset (transparent mode) is "
                      "registered lazily", info.name)
     return info
+
+
+def field_types(handler: str, info: DatasetInfo) -> None:
+    """`info.field_types`: a (name, dtype string, sample shape) of each of `info.fields`, in their order."""
+    expected = "None or a (name, numpy dtype string, sample shape) for each of info.fields, in their order"
+    types = info.field_types
+    if not isinstance(types, (tuple, list)) or len(types) != len(info.fields):
+        raise refuse(handler, "info.field_types", expected, types)
+    for field, entry in zip(info.fields, types):
+        if not isinstance(entry, (tuple, list)) or len(entry) != 3 or entry[0] != field or \
+                not isinstance(entry[1], str) or not isinstance(entry[2], (tuple, list)) or \
+                not all(isinstance(n, numbers.Integral) and n >= 0 for n in entry[2]):
+            raise refuse(handler, "info.field_types", expected, types)
+        try:
+            np.dtype(entry[1])
+        except TypeError:
+            raise refuse(handler, "info.field_types", expected, types) from None
 
 
 def block_order(handler: str, order, num_blocks: int) -> list | None:

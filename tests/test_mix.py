@@ -279,3 +279,15 @@ def test_sources_with_other_fields_are_refused_before_any_batch(client, sources,
     named = write_source(str(tmp_path / "named.zarr"), 40, 7, 8, extra="source")
     with pytest.raises(dmdask.SpecError, match="'source'"):
         dmdask.batches(client, dmdask.Spec(dmdask.Mix([named]), batch_size=8))
+
+
+def test_a_missing_source_fails_the_concurrent_opens_naming_it_and_the_others_stay_usable(client, sources, tmp_path):
+    """The sources of a mixture are opened at once (`open_datasets`): one that does not exist
+    is a `SourceNotFoundError` naming it, raised once every open ended; the sources opened
+    beside it were registered and read afterwards as usual."""
+    missing = str(tmp_path / "nowhere.zarr")
+    with pytest.raises(dmdask.SourceNotFoundError, match="nowhere.zarr"):
+        dmdask.batches(client, dmdask.Spec(dmdask.Mix([sources[0], missing, sources[2]]), batch_size=8))
+    spec = dmdask.Spec(dmdask.Mix([sources[0], sources[2]]), batch_size=64, seed=5)
+    drawn = [(s, i) for b in dmdask.batches(client, spec) for s, i in zip(b["source"].tolist(), b["index"].tolist())]
+    assert sorted(drawn) == [(s, i) for s, n in enumerate((SIZES[0], SIZES[2])) for i in range(n)]

@@ -261,6 +261,39 @@ def test_windows_of_a_reused_slot_are_never_read_as_the_block_it_held(tmp_path, 
     arena.close()
 
 
+def test_windows_into_a_block_placed_elsewhere_are_their_rows_and_hits_count_each_arena(tmp_path):
+    """`LocalArenas.take_windows` over blocks written out of order into two arenas: a window
+    into the next block is one slice only where that block follows in the same arena
+    (block 1 after block 0 in its slots); else (block 2 before block 1, block 3 in the
+    other arena) it is taken row by row: every window equals the rows it starts at, and
+    the hits count each window under its first row's arena."""
+    from dmdask.client.arenas import LocalArenas
+    from dmdask.shm.arena import Arena
+    from dmdask.worker.holdings import ArenaBlock, Block
+
+    def block(k):
+        ids = np.arange(10 * k, 10 * k + 10)
+        return Block({"x": np.repeat(ids[:, None], 3, axis=1).astype(np.int32)}, 10 * k, 10 * k + 10)
+
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+    arenas = [Arena(str(tmp_path / f), "ds", 10, block(0)) for f in ("a", "b")]
+    local = LocalArenas(num_samples=40, block_len=10)
+    placed = {}
+    for k, a in ((2, 0), (0, 0), (1, 0), (3, 1)):  # slots of arena a: block 2, block 0, block 1
+        placed[k] = (a, ArenaBlock(arenas[a], arenas[a].write(block(k)), 10 * k, 10 * k + 10, 120))
+    for k, (a, held) in placed.items():
+        described = held.describe()
+        local.remember(f"tcp://w:{a}", described["arena"], [k], [described["first_row"]])
+    starts = np.array([0, 6, 8, 15, 18, 24, 28, 30])  # 6, 8: 0 -> 1 (adjacent); 15, 18: 1 -> 2; 28: 2 -> 3
+    hits = []
+    windows = local.take_windows(starts, 5, lambda *h: hits.append(h))
+    np.testing.assert_array_equal(windows["x"][:, :, 0], [np.arange(s, s + 5) for s in starts])
+    assert sorted(hits) == [("tcp://w:0", "ram", 35, 35 * 12), ("tcp://w:1", "ram", 5, 5 * 12)]
+    for a in arenas:
+        a.close()
+
+
 def test_pooled_batch_memory_is_reused_only_after_the_batch_is_dropped():
     from dmdask.shm.memory import empty_batch
 

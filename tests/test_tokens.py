@@ -151,3 +151,34 @@ def test_a_file_cut_short_after_opening_is_a_block_read_error_naming_the_bytes(t
     np.testing.assert_array_equal(source.reader(1).read()["tokens"], token_ids(3000, "uint16", 50257)[1000:2000])
     with pytest.raises(dmdask.BlockReadError, match=r"1000 bytes for bytes 4000..5999 .* shorter than when"):
         source.reader(2).read()
+
+
+def test_a_blend_of_corpora_of_other_dtypes_is_refused_from_their_metadata(client, store):
+    """A `Mix` of a uint16 and a uint32 corpus: `SpecError` from `batches`, naming the field, both
+    dtypes and both files; the check reads the dtypes the sources' metadata declares
+    (`DatasetInfo.field_types`), never a block's rows (it would wait for their first loads)."""
+    from dmdask.client.mixture import MixedInfo, check_fields_match
+
+    server = store[0]
+    corpora = [dmdask.Tokens(f"{server.url}/{name}", dtype) for name, dtype in
+               (("train.bin", "uint16"), ("windows.bin", "uint32"), ("odd.bin", "uint16"))]
+    window = dmdask.Window(65, stride=64)
+    with pytest.raises(dmdask.SpecError, match=r"field 'tokens' is uint16 of sample shape \(\) in "
+                       rf"{re.escape(server.url)}/train.bin but uint32 of sample shape \(\) in "
+                       rf"{re.escape(server.url)}/windows.bin") as info:
+        dmdask.batches(client, dmdask.Spec(dmdask.Mix(corpora[:2]), batch_size=8, block_size=1000, window=window))
+    assert info.value.field == "source"
+
+    def no_rows():
+        raise AssertionError("the first rows were read")
+
+    for chosen, fails in (([0, 2], False), ([2, 1], True)):
+        mix = dmdask.Mix([corpora[i] for i in chosen])
+        spec = dmdask.Spec(mix, batch_size=8, block_size=1000, window=window)
+        infos = [open_source(s).info for s in mix.specs(spec)]
+        assert [i.field_types for i in infos] == [(("tokens", np.dtype(corpora[i].dtype).str, ()),) for i in chosen]
+        if fails:
+            with pytest.raises(dmdask.SpecError, match="is uint16 .* but uint32"):
+                check_fields_match(MixedInfo(mix, infos, window), no_rows)
+        else:
+            check_fields_match(MixedInfo(mix, infos, window), no_rows)

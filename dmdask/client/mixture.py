@@ -118,20 +118,28 @@ def _common_fields(sources: Sequence[DatasetInfo]) -> tuple[str, ...]:
 
 
 def check_fields_match(mix: MixedInfo, first_rows: Callable[[], list[dict[str, np.ndarray] | None]]) -> None:
-    """`SpecError` unless the first rows of the sources drawn (`first_rows()`, None for the
-    others) match in every field's dtype and sample shape; once per process and mixture."""
+    """`SpecError` unless the sources drawn match in every field's dtype and sample shape; once
+    per process and mixture. From the sources' metadata (`DatasetInfo.field_types`) when every
+    source drawn declares it, with no wait; else from their first rows (`first_rows()`, None
+    for the sources not drawn), once each has its first block."""
     if (mix.identity, mix.fields) in _matching:
         return
-    drawn = [(mix.sources[i], r) for i, r in enumerate(first_rows()) if r is not None]
-    first_info, first = drawn[0]
-    for info, row in drawn[1:]:
+    drawn = [i for i, count in enumerate(mix.counts) if count]
+    if all(mix.sources[i].field_types is not None for i in drawn):
+        types = [{name: (np.dtype(dtype), tuple(shape)) for name, dtype, shape in mix.sources[i].field_types}
+                 for i in drawn]
+    else:
+        rows = first_rows()
+        types = [{name: (rows[i][name].dtype, rows[i][name].shape[1:]) for name in mix.fields} for i in drawn]
+    first_info, first = mix.sources[drawn[0]], types[0]
+    for i, other in zip(drawn[1:], types[1:]):
         for name in mix.fields:
-            a, b = first[name], row[name]
-            if a.dtype != b.dtype or a.shape[1:] != b.shape[1:]:
-                raise SpecError("source", f"sources whose fields match: field {name!r} is {a.dtype} of sample "
-                                f"shape {a.shape[1:]} in {first_info.url} but {b.dtype} of sample shape "
-                                f"{b.shape[1:]} in {info.url} (cast or reshape it in a source of its own, or "
-                                "leave it out with keys=[...])", mix.mix)
+            (a, a_shape), (b, b_shape) = first[name], other[name]
+            if a != b or a_shape != b_shape:
+                raise SpecError("source", f"sources whose fields match: field {name!r} is {a} of sample "
+                                f"shape {a_shape} in {first_info.url} but {b} of sample shape "
+                                f"{b_shape} in {mix.sources[i].url} (cast or reshape it in a source of its own, "
+                                "or leave it out with keys=[...])", mix.mix)
     _matching.add((mix.identity, mix.fields))
 
 

@@ -51,7 +51,10 @@ class DatasetInfo:
     as opened, part of every block key, so a dataset changed and released gets new blocks;
     it starts with the token of `name` (`bound`), so a registry entry can only name blocks
     whose loads read that name's source; nbytes: decoded bytes of the whole dataset, None
-    when the store gives no sizes.
+    when the store gives no sizes; field_types: each field's (name, numpy dtype string,
+    sample shape), in `fields`' order, as the source's metadata declares the rows its
+    blocks give, or None when only a block's rows tell (a mixture then reads a first row of
+    each source to check that they match: `dmdask.client.mixture.check_fields_match`).
     """
 
     name: str
@@ -61,6 +64,7 @@ class DatasetInfo:
     num_samples: int
     block_len: int
     nbytes: int | None
+    field_types: tuple[tuple[str, str, tuple[int, ...]], ...] | None = None
 
     @property
     def bound(self) -> bool:

@@ -108,8 +108,10 @@ def token_source(place: Place, path: str, dtype: str, *described, url: str | Non
                           f"({count * itemsize} bytes): the file is truncated, or not the index's")
     block_len = spec.block_size or max(1, DEFAULT_BLOCK_BYTES // itemsize)
     identity = place.identity("tokens", url, dtype, block_len, size, count, version_of(entry), fields, *described)
+    types = {FIELD: np.dtype(dtype).str, DOCUMENT: np.dtype(np.int64).str}  # as `TokenBlockReader._read` gives them
     info = DatasetInfo(name=place.name, identity=identity, url=url, fields=fields, num_samples=count,
-                       block_len=int(block_len), nbytes=count * (itemsize + 8 * (DOCUMENT in fields)))
+                       block_len=int(block_len), nbytes=count * (itemsize + 8 * (DOCUMENT in fields)),
+                       field_types=tuple((f, types[f], ()) for f in fields))
     layout = TokenLayout(url, protocol_of(place.fs), options_json(place.options), path, dtype, identity)
     return TokenSource(info, layout, documents)
 

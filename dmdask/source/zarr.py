@@ -87,10 +87,20 @@ def open_zarr(place: Place) -> ZarrSource:
     identity = place.identity("zarr", url, fields, block_len, metadata)
     row_bytes = sum(int(np.prod(arrays[f].shape[1:], dtype=np.int64)) * arrays[f].dtype.itemsize for f in fields)
     info = DatasetInfo(name=place.name, identity=identity, url=url, fields=fields,
-                       num_samples=int(n), block_len=int(block_len), nbytes=row_bytes * int(n))
+                       num_samples=int(n), block_len=int(block_len), nbytes=row_bytes * int(n),
+                       field_types=_field_types(arrays, fields, times))
     layout = ZarrLayout(url, opts, tuple((f, paths[f]) for f in fields), identity,
                         tuple((f, *times[f]) for f in fields if f in times))
     return ZarrSource(info, layout, row_bytes)
+
+
+def _field_types(arrays: dict, fields: tuple, times: dict) -> tuple | None:
+    """`DatasetInfo.field_types` as `ZarrBlockReader` gives the rows (CF times as datetime64[ns]);
+    None unless every array holds fixed-size numbers (strings and others: a block's rows tell)."""
+    dtypes = {f: np.dtype("datetime64[ns]") if f in times else arrays[f].dtype for f in fields}
+    if not all(isinstance(d, np.dtype) and d.kind in "biufcmM" for d in dtypes.values()):
+        return None
+    return tuple((f, dtypes[f].str, tuple(int(n) for n in arrays[f].shape[1:])) for f in fields)
 
 
 class ZarrBlockReader(StoreReader):

@@ -91,6 +91,21 @@ class SourceTests:
         assert source.info.nbytes in (None, sum(sizes))
 
 
+    def test_field_types_are_what_blocks_give(self, spec):
+        """`DatasetInfo.field_types`, where the source declares it (a mixture checks its
+        sources' fields from it with no block read): each field's dtype and sample shape as
+        every block gives them, in `fields`' order."""
+        info = open_source(spec).info
+        if info.field_types is None:
+            return
+        assert [name for name, _, _ in info.field_types] == list(info.fields)
+        source = open_source(spec)
+        for k in range(info.num_blocks):
+            block = source.reader(k).read()
+            assert [(name, block[name].dtype.str, tuple(block[name].shape[1:])) for name in info.fields] == \
+                [(name, np.dtype(dtype).str, tuple(shape)) for name, dtype, shape in info.field_types]
+
+
 def assert_same(block: dict, expected: dict) -> None:
     assert block.keys() == expected.keys()
     for field, values in expected.items():
