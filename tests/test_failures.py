@@ -102,7 +102,9 @@ def test_no_worker_left_is_a_clear_error_within_the_configured_time(tmp_path, ca
     n = 400
     path = write_zarr(str(tmp_path / "d.zarr"), n, sample_shape=(8,), chunk=50)
     with dmdask.LocalCluster(n_workers=2, ram="8 MiB") as cluster, distributed.Client(cluster) as client:
-        spec = dmdask.Spec(path, batch_size=20, transform=identity_transform)
+        # one batch ahead: the rest of the epoch (12.8 KB) would otherwise be one request, which
+        # could be answered before the workers leave (a timing the test must not depend on)
+        spec = dmdask.Spec(path, batch_size=20, transform=identity_transform, prefetch=1)
         it = dmdask.batches(client, spec)
         first = next(it)  # with the default recovery time: a loaded machine may take over 2 s to start
         with dask.config.set({"dmdask.client.recovery-seconds": 2}):
