@@ -1,5 +1,6 @@
-"""`load_block`, the Dask task a client submits once per block and a dmdask worker runs (here,
-so that `dmdask.client` submits it without importing `dmdask.worker`)."""
+"""`load_block`, the Dask task a client submits once per block, and `load_group`, the one it
+submits once per load group of a large dataset (`dmdask.plan.groups`), which a dmdask
+worker runs (here, so that `dmdask.client` submits them without importing `dmdask.worker`)."""
 from __future__ import annotations
 
 import distributed
@@ -19,3 +20,24 @@ def load_block(reader):
     if cache is None:
         raise plain_worker(worker.address)
     return cache.load(reader)
+
+
+class GroupReaders:
+    """The argument of `load_group`: the readers of a load group's blocks and the group's key."""
+
+    def __init__(self, key: str, readers: list):
+        self.key, self.readers = key, list(readers)
+
+
+def load_group(group: GroupReaders):
+    """Dask task: each block of the group loaded as `load_block` loads it and kept under its
+    own block key on this worker; the group's value names them (released with it).
+    `SourceNotAllowedError` for a source outside `dmdask.worker.allowed-sources`."""
+    for reader in group.readers:
+        for url in reader.sources():
+            check_source(url)
+    worker = distributed.get_worker()
+    cache = worker.extensions.get("dmdask")
+    if cache is None:
+        raise plain_worker(worker.address)
+    return cache.load_group(group.readers)

@@ -85,5 +85,5 @@ def test_a_batch_whose_block_loads_past_load_seconds_fails_saying_the_cluster_is
     said = str(raised.value)
     # block 0, and block 2 queued behind it on the same one-thread worker (while it runs)
     assert re.search(r"batches 0\.\.0 of rank 0: ([12]) of its 4 blocks still not loaded after 8 s \(\1 loading or "
-                     r"queued on their workers, 0 not on a worker yet", said), said
+                     r"queued on their workers, 0 waited for on the scheduler", said), said
     assert "raise dmdask.client.load-seconds" in said and "is the cluster losing workers?" not in said, said

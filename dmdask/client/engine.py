@@ -62,8 +62,9 @@ class Exhausted(Exception):
 class StillLoading(Exhausted):
     """The fetch's blocks were still not all loaded after `dmdask.client.load-seconds`
     (`seconds`), the cluster busy rather than failing: of its `blocks`, `queued` were
-    not on a worker yet (queued on the scheduler, not submitted yet, or claimed by a
-    reader) and `loading` were loading or queued on their workers at the last try."""
+    waited for on the scheduler (not on a worker yet, not submitted yet, claimed by a
+    reader, or in a load group still loading) and `loading` were loading or queued on
+    their workers at the last try."""
 
     def __init__(self, tries: int, faults: Counter, seconds: float, blocks: int, queued: int, loading: int):
         super().__init__(tries, faults)
@@ -72,8 +73,9 @@ class StillLoading(Exhausted):
     def explain(self) -> str:
         """What was going on, for the caller's error."""
         return (f"{self.queued + self.loading} of its {self.blocks} blocks still not loaded after {self.seconds:.0f} s "
-                f"({self.loading} loading or queued on their workers, {self.queued} not on a worker yet: queued on "
-                f"the scheduler or not submitted yet); {self.tries} tries ({self.what_failed()}). The cluster is "
+                f"({self.loading} loading or queued on their workers, {self.queued} waited for on the scheduler: not "
+                f"on a worker yet, not submitted yet, or in a load group still loading); {self.tries} tries "
+                f"({self.what_failed()}). The cluster is "
                 "busy, not losing workers: raise dmdask.client.load-seconds to wait longer for loads")
 
 

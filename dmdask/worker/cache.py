@@ -15,7 +15,8 @@ from ..internals import run_next
 from ..protocol.worker import Moved
 from .filling import FillingBlock
 from .handover import GIVEN_SECONDS, ROWS, Handovers
-from .holdings import Arrays, Block, FileBlock, Holding, Streamed, arrays_nbytes, concat, payload_bytes
+from .holdings import (Arrays, Block, FileBlock, GroupHeld, Holding, Streamed, arrays_nbytes, concat,
+                       payload_bytes)
 from .read_ahead import ReadAhead
 from .reads import LAST, PriorityPool
 from .stream import StreamBuffer
@@ -125,6 +126,21 @@ class BlockCache:
             self.store.unreserve(tier, reader.nbytes)
             raise
         return self._place(reader, tier, block, reader.nbytes)
+
+    def load_group(self, readers) -> GroupHeld:
+        """Body of the `load_group` task: each block loaded as `load` loads it, in order, and
+        kept under its own key (where ranks and peers find it); the group's value names them.
+        If one fails, the blocks of the group kept so far are let go and its error raised."""
+        kept: list[str] = []
+        try:
+            for reader in readers:
+                self.store[reader.key] = self.load(reader)
+                kept.append(reader.key)
+        except BaseException:
+            for key in kept:
+                self.store.pop(key, None)
+            raise
+        return GroupHeld(kept)
 
     def _load_unsized(self, reader):
         if reader.row_granular and self.store.has_room("ram"):  # charged sample by sample as ranks ask

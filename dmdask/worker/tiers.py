@@ -11,6 +11,7 @@ from dask.utils import format_bytes
 
 from ..shm.arena import Arena, all_fixed
 from ..source import is_block_key, parse_block_key
+from .holdings import GroupHeld
 from .folders import make_folder, remove_stale
 from .holdings import ArenaBlock, Block, FileBlock, Holding
 from .tier_space import TierSpace
@@ -193,7 +194,10 @@ class TieredStore(TierSpace, MutableMapping):
         if key in self._blocks:
             self._discard_block(key)
         else:
-            del self._other[key]
+            value = self._other.pop(key)
+            if isinstance(value, GroupHeld):  # a load group released: its blocks with it
+                for member in value.keys:
+                    self._discard_block(member)
 
     def _discard_block(self, key) -> None:
         value = self._blocks.pop(key, None)

@@ -1,0 +1,92 @@
+"""Load groups (`dmdask.plan.groups`, issue 41): in a large dataset one Dask task loads a
+group of consecutive blocks of the load order, each block kept under its own key on its
+worker. Here groups are made small (`GROUP_FROM_BLOCKS`, `GROUP_BLOCKS` lowered; the
+scheduler of `dmdask.LocalCluster` runs in this process), over real worker processes and a
+real HTTP store: every sample exactly once, each chunk read from the store once, the
+scheduler holding one task per group, a lost worker's groups loaded again, and `release`."""
+import os
+import signal
+
+import distributed
+import numpy as np
+import pytest
+
+import dmdask
+from benchmarks.store_server import StoreServer
+from conftest import run_epoch, wait_until
+from dmdask.plan import groups
+from dmdask.plan.groups import Groups, group_key, parse_group_key
+from dmdask.testing.datasets import write_zarr, zarr_sample
+
+BLOCKS, CHUNK, SIZE = 64, 10, 4
+
+
+def test_the_groups_partition_the_load_order_into_runs():
+    order = np.random.default_rng(1).permutation(103)
+    g = Groups(103, order, 8)
+    assert g.count == 13
+    members = [g.members(i) for i in range(g.count)]
+    assert sorted(sum(members, [])) == list(range(103))  # every block in exactly one group
+    assert members[0] == order[:8].tolist() and members[-1] == order[96:].tolist()  # runs of the load order
+    assert all(g.of(k) == i for i, m in enumerate(members) for k in m)
+    assert all(g.first(i) == m[0] for i, m in enumerate(members))
+    assert parse_group_key(group_key("abc-1", 12)) == ("abc-1", 12) and parse_group_key("dmdask-block-x-1") is None
+    with pytest.raises(ValueError, match="a load order of 3 blocks for a dataset of 4"):
+        Groups(4, [0, 1, 2], 2)
+
+
+def _task_keys(dask_scheduler=None):
+    return sorted(str(k) for k in dask_scheduler.tasks)
+
+
+@pytest.fixture
+def grouped(monkeypatch, tmp_path):
+    monkeypatch.setattr(groups, "GROUP_FROM_BLOCKS", 16)
+    monkeypatch.setattr(groups, "GROUP_BLOCKS", SIZE)
+    write_zarr(str(tmp_path / "d.zarr"), BLOCKS * CHUNK, chunk=CHUNK)
+    with StoreServer(str(tmp_path)) as store, dmdask.LocalCluster(n_workers=2, ram="64 MiB") as cluster, \
+            distributed.Client(cluster) as client:
+        yield client, store, cluster
+
+
+def _chunk_requests(store) -> dict:
+    return {p: v["requests"] for p, v in store.stats()["by_path"].items() if "/c/" in p}
+
+
+def test_a_grouped_dataset_loads_each_block_once_with_a_task_per_group(grouped):
+    client, store, _ = grouped
+    spec = dmdask.Spec(store.url + "/d.zarr", batch_size=32, seed=5, world_size=3)
+    per_rank = run_epoch(client, spec)
+    ids = np.concatenate([b["index"] for batches in per_rank for b in batches])
+    assert sorted(ids.tolist()) == list(range(BLOCKS * CHUNK))
+    for batches in per_rank:
+        for b in batches:
+            np.testing.assert_array_equal(b["x"], zarr_sample(b["index"]))
+    wait_until(lambda: dmdask.stats(client)["datasets"][0]["loaded"] == BLOCKS, 60, "every block loaded")
+    keys = client.run_on_scheduler(_task_keys)
+    assert len([k for k in keys if k.startswith("dmdask-group-")]) == BLOCKS // SIZE
+    assert not [k for k in keys if k.startswith("dmdask-block-")]  # no task per block
+    stats = dmdask.stats(client)
+    assert stats["total"]["ram"]["blocks"] == BLOCKS  # each kept under its own block key
+    assert all(stats["workers"][w]["ram"]["blocks"] % SIZE == 0 for w in stats["workers"])  # a group on one worker
+    assert set(_chunk_requests(store).values()) == {1} and len(_chunk_requests(store)) == 2 * BLOCKS
+    list(dmdask.batches(client, spec.replace(rank=0), epoch=1))  # a warm epoch reads nothing
+    assert set(_chunk_requests(store).values()) == {1}
+    assert dmdask.release(client, spec)
+    wait_until(lambda: dmdask.stats(client)["total"]["ram"]["blocks"] == 0, 60, "the blocks released")
+
+
+def test_the_groups_of_a_lost_worker_are_loaded_again_and_no_sample_is_lost(grouped):
+    client, store, cluster = grouped
+    spec = dmdask.Spec(store.url + "/d.zarr", batch_size=32, seed=5)
+    first = np.concatenate([b["index"] for b in dmdask.batches(client, spec, progress=False)])
+    wait_until(lambda: dmdask.stats(client)["datasets"][0]["loaded"] == BLOCKS, 60, "every block loaded")
+    pids = client.run(os.getpid)
+    victim = sorted(pids)[0]
+    os.kill(pids[victim], signal.SIGKILL)
+    wait_until(lambda: victim not in client.scheduler_info()["workers"], 60, "the worker removed")
+    again = np.concatenate([b["index"] for b in dmdask.batches(client, spec, epoch=1, progress=False)])
+    assert sorted(first.tolist()) == sorted(again.tolist()) == list(range(BLOCKS * CHUNK))
+    wait_until(lambda: dmdask.stats(client)["datasets"][0]["loaded"] == BLOCKS, 60, "every block loaded again")
+    requests = _chunk_requests(store)
+    assert len(requests) == 2 * BLOCKS and set(requests.values()) <= {1, 2}  # the lost blocks read once more
