@@ -438,6 +438,18 @@ def _stall_text(row: dict, process: str = "scheduler") -> str:
                                   if found["count"] else "")
 
 
+NOTES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "first_contact_notes.md")
+
+
+def _hand_notes() -> list:
+    """The hand-written findings of issue 41 (`first_contact_notes.md`: runs of other presets,
+    side-by-side comparisons), kept in the section whenever the page is regenerated."""
+    if not os.path.exists(NOTES):
+        return []
+    with open(NOTES) as f:
+        return ["", f.read().strip()]
+
+
 def report(result: dict, plots_dir: str) -> str:
     cfg = result["config"]
     before = _before(result.get("preset", "quick"))
@@ -482,6 +494,8 @@ def report(result: dict, plots_dir: str) -> str:
                       f"{floor['all_in_memory_s']:.0f} s, {floor['scheduler_stalls']} scheduler stalls."]
     if before:
         lines += ["", f"Rows marked before: `{before['command']}`, {before['date']}."]
+    lines += _hand_notes()
+    if before:
         lines += [x for note in before.get("notes", []) for x in ("", note)]
     if result.get("profiled"):
         lines += ["", "The profiled row runs the scheduler under py-spy and tracemalloc (every allocation traced): "
