@@ -90,3 +90,25 @@ def test_the_groups_of_a_lost_worker_are_loaded_again_and_no_sample_is_lost(grou
     wait_until(lambda: dmdask.stats(client)["datasets"][0]["loaded"] == BLOCKS, 60, "every block loaded again")
     requests = _chunk_requests(store)
     assert len(requests) == 2 * BLOCKS and set(requests.values()) <= {1, 2}  # the lost blocks read once more
+
+
+def test_a_block_whose_load_fails_fails_its_group_naming_it_and_keeps_none_of_it(monkeypatch, tmp_path):
+    """Block 5's chunks keep failing (503 past `dmdask.store.retry-seconds`): the batch that
+    needs its group fails with block 5's `BlockReadError` (its samples named); none of its
+    group's blocks stays held (their room freed), every other group loads."""
+    import dask
+
+    monkeypatch.setattr(groups, "GROUP_FROM_BLOCKS", 16)
+    monkeypatch.setattr(groups, "GROUP_BLOCKS", SIZE)
+    write_zarr(str(tmp_path / "d.zarr"), BLOCKS * CHUNK, chunk=CHUNK)
+    with dask.config.set({"dmdask.store.retry-seconds": 0.5}), StoreServer(str(tmp_path)) as store, \
+            dmdask.LocalCluster(n_workers=2, ram="64 MiB") as cluster, distributed.Client(cluster) as client:
+        store.fail_first(10**6, "d.zarr/label/c/5")  # block 5 (samples 50..59): its label chunk
+        url = store.url + "/d.zarr"
+        with pytest.raises(dmdask.BlockReadError) as raised:
+            list(dmdask.batches(client, dmdask.Spec(url, batch_size=CHUNK * BLOCKS, shuffle=False)))
+        assert url in str(raised.value) and "samples 50..59" in str(raised.value)
+        wait_until(lambda: dmdask.stats(client)["datasets"][0]["loaded"] == BLOCKS - SIZE, 60, "the other groups")
+        assert dmdask.stats(client)["datasets"][0]["erred"] == SIZE
+        assert dmdask.stats(client)["total"]["ram"]["blocks"] == BLOCKS - SIZE
+        store.fail_first(0)

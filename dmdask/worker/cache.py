@@ -128,18 +128,24 @@ class BlockCache:
         return self._place(reader, tier, block, reader.nbytes)
 
     def load_group(self, readers) -> GroupHeld:
-        """Body of the `load_group` task: each block loaded as `load` loads it, in order, and
-        kept under its own key (where ranks and peers find it); the group's value names them.
-        If one fails, the blocks of the group kept so far are let go and its error raised."""
+        """Body of the `load_group` task: each block loaded as `load` loads it, at once in the
+        worker's read threads (a store's latency paid once per group, not per block), and
+        kept under its own key (where ranks and peers find it); the group's value names
+        them. If one fails, every block of the group is let go (its room freed) and the
+        first error raised."""
+        loads = [self.reads.submit(self.load, reader) for reader in readers]
         kept: list[str] = []
-        try:
-            for reader in readers:
-                self.store[reader.key] = self.load(reader)
+        error: BaseException | None = None
+        for reader, load in zip(readers, loads):
+            try:
+                self.store[reader.key] = load.result()
                 kept.append(reader.key)
-        except BaseException:
+            except BaseException as exc:  # noqa: BLE001 - raised once every load ended
+                error = error or exc
+        if error is not None:
             for key in kept:
                 self.store.pop(key, None)
-            raise
+            raise error
         return GroupHeld(kept)
 
     def _load_unsized(self, reader):
