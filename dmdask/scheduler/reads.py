@@ -46,13 +46,14 @@ class BlockReads:
         """Where the keys are once every key is held or erred, or after `timeout` seconds
         with what is known then (see `Locate`). A block of a load group (`dmdask.plan.groups`)
         is where its group's task is; a group still loading is waited for (not named as
-        loading: its worker cannot wait for one block of it) and, when queued on its worker,
-        told to run next there (`RUN_NEXT`, once per request)."""
+        loading: its worker cannot wait for one block of it) and, once queued on its worker,
+        told to run next there (`RUN_NEXT`, once per group and request)."""
         deadline = time.monotonic() + request.timeout
         expect, host = set(request.expect), request.host
         tasks = [self.plugin.task_key(key) for key in request.keys]
-        hasten: dict[str, set[str]] | None = {}
+        hastened: set[str] = set()
         while True:
+            hasten: dict[str, set[str]] = {}
             holders, erred, pending, unknown, loading, waited_for = {}, {}, [], [], {}, set()
             for key, task in zip(request.keys, tasks):
                 ts = self.scheduler.tasks.get(task)
@@ -70,12 +71,11 @@ class BlockReads:
                 else:
                     pending.append(key)
                     waited_for.add(task)
-                    if hasten is not None and task != key and ts.processing_on is not None:
+                    if task != key and ts.processing_on is not None and task not in hastened:
                         hasten.setdefault(ts.processing_on.address, set()).add(task)
-            if hasten:
-                for worker, keys in hasten.items():
-                    self.scheduler.worker_send(worker, {"op": RUN_NEXT, "keys": sorted(keys)})
-            hasten = None
+                        hastened.add(task)
+            for worker, keys in hasten.items():
+                self.scheduler.worker_send(worker, {"op": RUN_NEXT, "keys": sorted(keys)})
             left = deadline - time.monotonic()
             if not pending or left <= 0:
                 return Located(holders, erred, unknown, pending, loading)
