@@ -4,6 +4,7 @@ worker runs (here, so that `dmdask.client` submits them without importing `dmdas
 from __future__ import annotations
 
 import distributed
+from distributed.protocol.pickle import dumps, loads
 
 from .errors import plain_worker
 from .source.urls import check_source
@@ -23,10 +24,25 @@ def load_block(reader):
 
 
 class GroupReaders:
-    """The argument of `load_group`: the readers of a load group's blocks and the group's key."""
+    """The argument of `load_group`: the readers of a load group's blocks and the group's key.
+    The readers travel as one pickled payload, unpickled only where `readers` is read (the
+    worker): the scheduler, which unpickles every task's arguments, holds one bytes object
+    per group instead of ~7 objects per block (fewer objects for its garbage collector)."""
 
     def __init__(self, key: str, readers: list):
-        self.key, self.readers = key, list(readers)
+        self.key, self._readers, self._payload = key, list(readers), None
+
+    @property
+    def readers(self) -> list:
+        if self._readers is None:
+            self._readers = loads(self._payload)
+        return self._readers
+
+    def __getstate__(self) -> dict:
+        return {"key": self.key, "payload": self._payload if self._readers is None else dumps(self._readers)}
+
+    def __setstate__(self, state: dict) -> None:
+        self.key, self._payload, self._readers = state["key"], state["payload"], None
 
 
 def load_group(group: GroupReaders):
