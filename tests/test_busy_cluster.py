@@ -22,10 +22,10 @@ def cluster_and_store(tmp_path_factory):
     root = tmp_path_factory.mktemp("pfs")
     for name in ("waits", "fails"):
         write_zarr(str(root / f"{name}.zarr"), 200, chunk=50)
-    with dask.config.set({"dmdask.store.read-seconds": 300}):  # a held read is not given up and retried
-        with StoreServer(str(root)) as store, dmdask.LocalCluster(n_workers=2, ram="64 MiB") as cluster, \
-                distributed.Client(cluster) as client:
-            yield client, store
+    # a held read is not given up and retried
+    with dask.config.set({"dmdask.store.read-seconds": 300}), StoreServer(str(root)) as store, \
+            dmdask.LocalCluster(n_workers=2, ram="64 MiB") as cluster, distributed.Client(cluster) as client:
+        yield client, store
 
 
 def _chunk_requests(store, name: str) -> dict:

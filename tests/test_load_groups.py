@@ -10,10 +10,10 @@ import signal
 import distributed
 import numpy as np
 import pytest
+from conftest import run_epoch, wait_until
 
 import dmdask
 from benchmarks.store_server import StoreServer
-from conftest import run_epoch, wait_until
 from dmdask.plan import groups
 from dmdask.plan.groups import Groups, group_key, parse_group_key
 from dmdask.testing.datasets import write_zarr, zarr_sample
@@ -26,7 +26,7 @@ def test_the_groups_partition_the_load_order_into_runs():
     g = Groups(103, order, 8)
     assert g.count == 13
     members = [g.members(i) for i in range(g.count)]
-    assert sorted(sum(members, [])) == list(range(103))  # every block in exactly one group
+    assert sorted(k for m in members for k in m) == list(range(103))  # every block in exactly one group
     assert members[0] == order[:8].tolist() and members[-1] == order[96:].tolist()  # runs of the load order
     assert all(g.of(k) == i for i, m in enumerate(members) for k in m)
     assert all(g.first(i) == m[0] for i, m in enumerate(members))
@@ -77,12 +77,12 @@ def test_a_grouped_dataset_loads_each_block_once_with_a_task_per_group(grouped):
 
 
 def test_the_groups_of_a_lost_worker_are_loaded_again_and_no_sample_is_lost(grouped):
-    client, store, cluster = grouped
+    client, store, _ = grouped
     spec = dmdask.Spec(store.url + "/d.zarr", batch_size=32, seed=5)
     first = np.concatenate([b["index"] for b in dmdask.batches(client, spec, progress=False)])
     wait_until(lambda: dmdask.stats(client)["datasets"][0]["loaded"] == BLOCKS, 60, "every block loaded")
     pids = client.run(os.getpid)
-    victim = sorted(pids)[0]
+    victim = min(pids)
     os.kill(pids[victim], signal.SIGKILL)
     wait_until(lambda: victim not in client.scheduler_info()["workers"], 60, "the worker removed")
     again = np.concatenate([b["index"] for b in dmdask.batches(client, spec, epoch=1, progress=False)])

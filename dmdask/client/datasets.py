@@ -13,6 +13,7 @@ import numpy as np
 from distributed import Client
 
 from ..errors import DatasetHeldError, NotADmdaskWorker
+from ..plan.groups import Groups, group_size
 from ..plan.order import load_order
 from ..protocol.scheduler import (
     Abandon,
@@ -29,7 +30,6 @@ from ..protocol.scheduler import (
 from ..scheduler import DatasetsPlugin
 from ..source import DatasetInfo, Source, dataset_name, open_source
 from ..spec import Mix
-from ..plan.groups import Groups, group_size
 from ..tasks import GroupReaders, load_block, load_group
 from .submit import Readers, Submission
 

@@ -38,11 +38,11 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 
 from ..errors import redact
 from ..internals import load_first
+from ..plan.groups import GROUP_KEY_PREFIX, Groups, group_key, group_size, parse_group_key
 from ..protocol.scheduler import (Abandon, Busy, Claimed, Datasets, DatasetSummary, FsClaim, FsHeld, FsMetadata,
                                   FsOpenBlocks,
                                   GetOrClaim, GetOrRegister, Held, LeftOnPurpose, Locate, NoWorkers, OpenBlocks, Ready, Register,
                                   Registered, Release, Submitted, Wanted, Workers, serve)
-from ..plan.groups import GROUP_KEY_PREFIX, Groups, group_key, group_size, parse_group_key
 from ..source.base import BLOCK_KEY_PREFIX, DatasetInfo, block_key, parse_block_key
 from . import placement
 from .files import FileMetadata

@@ -125,13 +125,14 @@ class WorkerPlugin(distributed.WorkerPlugin):
         joining worker loads it again: `dmdask.scheduler.placement.win_back`); read the
         rows of each `FillingBlock` ahead of the ranks (`ReadAhead`)."""
         if finish == "memory" and self.cache is not None:
-            value = self.cache.store.get(key)
-            for key, value in ([(k, self.cache.store.get(k)) for k in value.keys] if isinstance(value, GroupHeld)
-                               else [(key, value)]):
+            held = self.cache.store.get(key)
+            members = held.keys if isinstance(held, GroupHeld) else [key]  # a load group: each of its blocks
+            for block in members:
+                value = self.cache.store.get(block)
                 if isinstance(value, FillingBlock):
-                    self.cache.ahead.add(key, value)
+                    self.cache.ahead.add(block, value)
                 elif isinstance(value, Holding) and value.tier is None:
-                    self.worker.log_event(STREAMED_TOPIC, key)
+                    self.worker.log_event(STREAMED_TOPIC, block)
 
     def run_next(self, keys=(), rank: float = 0.0, **kwargs) -> None:
         """The scheduler's word (`RUN_NEXT`, on its stream) that ranks wait for these load

@@ -11,9 +11,8 @@ from dask.utils import format_bytes
 
 from ..shm.arena import Arena, all_fixed
 from ..source import is_block_key, parse_block_key
-from .holdings import GroupHeld
 from .folders import make_folder, remove_stale
-from .holdings import ArenaBlock, Block, FileBlock, Holding
+from .holdings import ArenaBlock, Block, FileBlock, GroupHeld, Holding
 from .tier_space import TierSpace
 
 logger = logging.getLogger(__name__)
