@@ -6,6 +6,7 @@ real HTTP store: every sample exactly once, each chunk read from the store once,
 scheduler holding one task per group, a lost worker's groups loaded again, and `release`."""
 import os
 import signal
+import time
 
 import distributed
 import numpy as np
@@ -112,3 +113,47 @@ def test_a_block_whose_load_fails_fails_its_group_naming_it_and_keeps_none_of_it
         assert dmdask.stats(client)["datasets"][0]["erred"] == SIZE
         assert dmdask.stats(client)["total"]["ram"]["blocks"] == BLOCKS - SIZE
         store.fail_first(0)
+
+
+def test_a_group_a_rank_waits_for_runs_next_on_its_worker(monkeypatch, tmp_path):
+    """Each one-thread worker is busy with its first group (blocks 0..3, 4..7: their reads
+    held by the store), its other groups queued in load order. A rank locates block 60
+    (group 15, queued last on its worker): the scheduler tells that worker to run group 15
+    next, so once the reads go on its blocks are read before those of the groups queued
+    ahead of it there (3, 5, ..., 13)."""
+    import threading
+
+    from dmdask.client.datasets import open_dataset
+    from dmdask.protocol.scheduler import SchedulerAPI
+
+    monkeypatch.setattr(groups, "GROUP_FROM_BLOCKS", 16)
+    monkeypatch.setattr(groups, "GROUP_BLOCKS", SIZE)
+    write_zarr(str(tmp_path / "d.zarr"), BLOCKS * CHUNK, chunk=CHUNK)
+    asked: dict[int, None] = {}  # blocks in the order their first chunk GET came
+    going = threading.Event()
+
+    def which(path: str) -> bool:
+        if "/c/" not in path:
+            return False
+        block = int(path.split("/c/")[1].split("/")[0])
+        asked.setdefault(block, None)
+        return block < 2 * SIZE and not going.is_set()
+
+    with StoreServer(str(tmp_path)) as store, dmdask.LocalCluster(n_workers=2, ram="64 MiB") as cluster, \
+            distributed.Client(cluster) as client:
+        store.hold(which)
+        try:
+            spec = dmdask.Spec(store.url + "/d.zarr", batch_size=CHUNK, shuffle=False)
+            info = open_dataset(client, spec, 0).info  # no iterator: nothing else locates blocks
+            wait_until(lambda: sorted(len(v) for v in client.processing().values()) == [8, 8], 60,
+                       "each worker's 8 groups on it, the first running")
+            wait_until(lambda: set(range(2 * SIZE)) <= set(asked), 60, "the first groups' reads held")
+            found = client.sync(SchedulerAPI(client).locate, [info.block_key(60)], None, wait=0.5, planned=True)
+            assert info.block_key(60) in found.pending  # its group is queued, waited for on the scheduler
+            time.sleep(0.5)  # the scheduler's message reaches the worker
+        finally:
+            going.set()  # held no more, still recorded
+        wait_until(lambda: dmdask.stats(client)["datasets"][0]["loaded"] == BLOCKS, 60, "every block loaded")
+        store.release()
+    order = list(asked)
+    assert max(order.index(b) for b in range(60, 64)) < min(order.index(b) for b in range(12, 16)), order
