@@ -438,6 +438,18 @@ def _stall_text(row: dict, process: str = "scheduler") -> str:
                                   if found["count"] else "")
 
 
+NOTES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "first_contact_notes.md")
+
+
+def _hand_notes() -> list:
+    """The hand-written findings of issue 41 (`first_contact_notes.md`: runs of other presets,
+    side-by-side comparisons), kept in the section whenever the page is regenerated."""
+    if not os.path.exists(NOTES):
+        return []
+    with open(NOTES) as f:
+        return ["", f.read().strip()]
+
+
 def report(result: dict, plots_dir: str) -> str:
     cfg = result["config"]
     before = _before(result.get("preset", "quick"))
@@ -482,6 +494,8 @@ def report(result: dict, plots_dir: str) -> str:
                       f"{floor['all_in_memory_s']:.0f} s, {floor['scheduler_stalls']} scheduler stalls."]
     if before:
         lines += ["", f"Rows marked before: `{before['command']}`, {before['date']}."]
+    lines += _hand_notes()
+    if before:
         lines += [x for note in before.get("notes", []) for x in ("", note)]
     if result.get("profiled"):
         lines += ["", "The profiled row runs the scheduler under py-spy and tracemalloc (every allocation traced): "
@@ -505,6 +519,18 @@ def report(result: dict, plots_dir: str) -> str:
 
 
 GOAL_CROWD_S = 15.0
+
+
+def _error_kinds(results: list) -> list:
+    """Every failed rank's error, counted by its text with the numbers left out (rank,
+    batches, seconds, tries), most frequent first: (count, text of the first of its kind)."""
+    import re
+
+    kinds: dict[str, list] = {}
+    for r in results:
+        if r["error"]:
+            kinds.setdefault(re.sub(r"\d+(\.\d+)?", "N", r["error"]), []).append(r["error"])
+    return sorted(((len(v), v[0]) for v in kinds.values()), reverse=True)
 
 
 def crowd_process(address: str, path: str, ranks: list[int], world: int, batch: int, folder: str) -> list:
@@ -531,7 +557,7 @@ def crowd_process(address: str, path: str, ranks: list[int], world: int, batch: 
             c["first"], c["ids"] = time.time(), len(batch_["index"])
             it.close()
         except Exception as exc:  # noqa: BLE001 - reported
-            c["error"], c["failed"] = f"{type(exc).__name__}: {str(exc)[:200]}", time.time()
+            c["error"], c["failed"] = f"{type(exc).__name__}: {str(exc)[:600]}", time.time()
         out[i] = c
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(ranks))]
@@ -590,6 +616,7 @@ def crowd(blocks: int, processes: int, threads: int, root: str, world: int = 102
     firsts = sorted(r["first"] - go for r in results if r["error"] is None)
     return {"blocks": blocks, "processes": processes, "threads": threads, "load_1min": load, "load_at_go": load_at_go,
             "ranks": n, "failed": [r for r in results if r["error"]][:3], "n_failed": sum(bool(r["error"]) for r in results),
+            "errors": _error_kinds(results),
             "first_batch_s": {"min": firsts[0] if firsts else None, "median": firsts[len(firsts) // 2] if firsts else None,
                               "max": firsts[-1] if firsts else None},
             "scheduler_cpu_s": cpu, "stalls": stalls.get("scheduler", {}), "hung": hung,

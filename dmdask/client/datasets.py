@@ -14,6 +14,7 @@ import numpy as np
 from distributed import Client
 
 from ..errors import DatasetHeldError, NotADmdaskWorker
+from ..plan.groups import Groups, group_size
 from ..plan.order import load_order
 from ..protocol.scheduler import (
     Abandon,
@@ -30,7 +31,7 @@ from ..protocol.scheduler import (
 from ..scheduler import DatasetsPlugin
 from ..source import DatasetInfo, Source, dataset_name, open_source
 from ..spec import Mix
-from ..tasks import load_block
+from ..tasks import GroupReaders, load_block, load_group
 from .submit import Readers, Submission
 
 _registered: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # client -> scheduler address
@@ -147,17 +148,24 @@ def _create(client: Client, name: str, source: Source, order, claimant: str, fir
     if not isinstance(reply, Registered):
         return  # the claim passed to another rank: ask again
     readers = Readers(source, info.num_blocks)
-    begin = None if first_read is None else first_read(info, readers)
-    submission = Submission(client, name, claimant, readers, submit_blocks, blocks_order)
+    size = group_size(info.num_blocks)  # as the scheduler plugin plans it (`dmdask.plan.groups`)
+    groups = Groups(info.num_blocks, blocks_order, size) if size > 1 else None
+    # not with load groups: a group's worker cannot be given one block's rows before the group is
+    # loaded, and a whole read would wait for them (`Handovers`): the rank fetches its first batch
+    begin = None if first_read is None or groups is not None else first_read(info, readers)
+    submission = Submission(client, name, claimant, readers, submit_blocks, blocks_order, groups=groups,
+                            identity=info.identity)
     # the reads begin once the first chunk is sent (the workers get their loads first); ready once it is in
     submission.first(readers.made(), then=begin)
     submission.rest_in_background()
 
 
 def submit_blocks(client: Client, readers) -> list:
-    """Submit the loads of these blocks in one graph (a block the cluster has is left as it
-    is); their futures, which the caller may drop (the scheduler plugin wants the blocks)."""
-    return client.map(load_block, readers, key=[r.key for r in readers], pure=False)
+    """Submit the loads of these blocks (their readers), or of these load groups (their
+    `GroupReaders`), in one graph (a block the cluster has is left as it is); their futures,
+    which the caller may drop (the scheduler plugin wants the blocks)."""
+    task = load_group if readers and isinstance(readers[0], GroupReaders) else load_block
+    return client.map(task, readers, key=[r.key for r in readers], pure=False)
 
 
 def release(client: Client, spec) -> bool:

@@ -23,7 +23,7 @@ from ..transform import TransformContext
 from .arenas import split_batches
 from .coalesce import Coalesced
 from .contact import Contact
-from .engine import Exhausted, fetch_rows
+from .engine import Exhausted, StillLoading, fetch_rows
 from .gather import LOAD_WAIT, Gatherer, Moved, channels_of, peer_threads
 from .locate import my_host
 from .mixture import MixedInfo
@@ -91,14 +91,17 @@ class GroupFetcher:
         try:
             return await fetch_rows(self.contact, keys, blocks, offsets, self.holders_of,
                                     lambda _: self.holders.clear(), attempt, recovery, on_lost=lost)
+        except StillLoading as exc:
+            raise RuntimeError(f"batches {first}..{stop - 1} of rank {self.spec.rank}: {exc.explain()}") \
+                from exc.__cause__
         except Exhausted as exc:
             cause = "is the cluster losing workers?"
             if isinstance(exc.__cause__, TimeoutError):  # a worker that heartbeats yet never answers is not lost
                 cause = f"the last try: {exc.__cause__} (a worker is treated as lost after " \
                         "dmdask.worker.silent-seconds with no heartbeat)"
             raise RuntimeError(f"batches {first}..{stop - 1} of rank {self.spec.rank} still failing after "
-                               f"{recovery:.0f} s ({exc.tries} tries, dmdask.client.recovery-seconds); {cause}") \
-                from exc.__cause__
+                               f"{recovery:.0f} s ({exc.tries} tries: {exc.what_failed()}; "
+                               f"dmdask.client.recovery-seconds); {cause}") from exc.__cause__
 
     async def _maybe_killed_by_transform(self) -> bool:
         """Whether the local worker, just lost, may have been killed by the transform it ran:

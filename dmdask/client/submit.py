@@ -12,6 +12,9 @@ Guarantees:
   `order` only while at most `ahead` loads are unfinished (the wanted ones at once): no
   more than `ahead` plus a chunk wait on the workers.
 - the readers of a chunk are made when it is sent (`Readers`): none is held for 10^6 blocks.
+- with load groups (`groups`, `dmdask.plan.groups`), what is sent is whole groups, one task
+  each (`GroupReaders`), in the order of the load order; a block asked for sends its group;
+  chunks and `ahead` still count blocks.
 - a dataset released meanwhile gets no more chunks (the scheduler answers `Busy`).
 - the chunks after the first are sent by a thread with a client of its own, so closing
   the caller's client (a rank that stops after its first batches) does not stop them, and
@@ -28,7 +31,9 @@ import threading
 import distributed
 import numpy as np
 
+from ..plan.groups import group_key
 from ..protocol.scheduler import SchedulerAPI, Submitted, Wanted
+from ..tasks import GroupReaders
 
 logger = logging.getLogger(__name__)
 CHUNK_BLOCKS = 4096  # block loads a graph; ~0.2-0.3 s of the scheduler's event loop each (measured)
@@ -73,13 +78,15 @@ class Submission:
     submits one chunk's loads and returns their futures (`datasets.submit_blocks`)."""
 
     def __init__(self, client, name: str, claimant: str, readers: Readers, submit, order=None,
-                 chunk: int | None = None, ahead: int | None = None):
+                 chunk: int | None = None, ahead: int | None = None, groups=None, identity: str | None = None):
         self.client, self.name, self.claimant, self.readers = client, name, claimant, readers
+        self.groups, self.identity = groups, identity  # load groups: what is sent is whole groups
         self.chunk = CHUNK_BLOCKS if chunk is None else chunk
         self.ahead = AHEAD_BLOCKS if ahead is None else ahead
         self.submit = submit
-        n = len(readers)
-        self.order = np.arange(n, dtype=np.int64) if order is None else np.asarray(order, dtype=np.int64)
+        n = len(readers) if groups is None else groups.count  # the loads: blocks, or groups
+        self.order = (np.arange(n, dtype=np.int64) if order is None or groups is not None
+                      else np.asarray(order, dtype=np.int64))
         self.sent = np.zeros(n, dtype=bool)
         self.count = 0  # blocks sent
         self._next = 0  # position in `order` of the next block to send
@@ -89,7 +96,7 @@ class Submission:
 
     @property
     def done(self) -> bool:
-        return self.count == len(self.sent)
+        return bool(self.sent.all())
 
     def first(self, blocks=(), then=None) -> Wanted | object:
         """Send the first chunk (`blocks`, then the start of `order`) with the caller's
@@ -123,7 +130,7 @@ class Submission:
 
     def _send(self, client, wanted, chunk: bool = True, then=None, room: int | None = None) -> object:
         self._room = room
-        readers = self.readers.take(self._chunk(wanted)) if chunk else []
+        readers = self._loads(self._chunk(wanted)) if chunk else []
         if readers:  # their futures dropped: the scheduler's plugin wants the blocks
             del self.submit(client, readers)[:]
         if then is not None:
@@ -132,19 +139,31 @@ class Submission:
                            Submitted(self.name, self.claimant, self.count, self.done, client=client.id,
                                      ahead=self.ahead))
 
+    def _loads(self, loads: list) -> list:
+        """The arguments of these loads' tasks: blocks' readers, or groups' `GroupReaders`."""
+        if self.groups is None:
+            return self.readers.take(loads)
+        return [GroupReaders(group_key(self.identity, g), self.readers.take(self.groups.members(g))) for g in loads]
+
     def _chunk(self, wanted) -> list:
-        """The next chunk's blocks (marked sent): `wanted` not sent yet, then `order`'s next
-        unless the scheduler's last reply says more than `ahead` loads are unfinished
-        (`Wanted.room` below 0: it waited for them in vain)."""
-        out = [k for k in dict.fromkeys(int(k) for k in wanted) if 0 <= k < len(self.sent) and not self.sent[k]]
+        """The next chunk's loads (marked sent): those of the blocks `wanted` not sent yet,
+        then `order`'s next unless the scheduler's last reply says more than `ahead` loads
+        are unfinished (`Wanted.room` below 0: it waited for them in vain). Blocks are
+        counted in `count`."""
+        n_blocks = len(self.readers)
+        wanted = [int(k) for k in wanted if 0 <= int(k) < n_blocks]
+        if self.groups is not None:
+            wanted = [self.groups.of(k) for k in wanted]
+        out = [k for k in dict.fromkeys(wanted) if not self.sent[k]]
         self.sent[out] = True
         order, n = self.order, len(self.order)
-        size = len(out) if self._room is not None and self._room < 0 else self.chunk
+        per_load = 1 if self.groups is None else self.groups.size
+        size = len(out) if self._room is not None and self._room < 0 else max(1, self.chunk // per_load)
         while len(out) < size and self._next < n:
             take = order[self._next:self._next + size - len(out)]
             self._next += len(take)
             take = take[~self.sent[take]]
             self.sent[take] = True
             out.extend(take.tolist())
-        self.count += len(out)
+        self.count += len(out) if self.groups is None else sum(len(self.groups.members(g)) for g in out)
         return out

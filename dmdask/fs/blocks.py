@@ -17,7 +17,7 @@ import dask.config
 import numpy as np
 
 from ..client.datasets import registered, submit_blocks
-from ..client.engine import Exhausted, fetch_rows
+from ..client.engine import Exhausted, StillLoading, fetch_rows
 from ..client.gather import Moved, plan_rows
 from ..protocol.scheduler import Locate, SchedulerAPI
 from ..source.files import ROW_BYTES
@@ -114,11 +114,14 @@ class Blocks:
             try:
                 return client.sync(fetch_rows, session.contact, keys, blocks, offsets, holders_of, forget, attempt,
                                    recovery)
+            except StillLoading as exc:
+                urls = sorted({wanted[k][0].info.url for k in keys.values()})
+                raise RuntimeError(f"{', '.join(urls[:3])}: {exc.explain()}") from exc.__cause__
             except Exhausted as exc:
                 urls = sorted({wanted[k][0].info.url for k in keys.values()})
-                raise RuntimeError(f"{', '.join(urls[:3])}: blocks still not loaded or still failing after "
-                                   f"{recovery:.0f} s ({exc.tries} tries, dmdask.client.recovery-seconds); is the "
-                                   "cluster losing workers?") from exc.__cause__
+                raise RuntimeError(f"{', '.join(urls[:3])}: blocks still failing after {recovery:.0f} s "
+                                   f"({exc.tries} tries: {exc.what_failed()}; dmdask.client.recovery-seconds); is "
+                                   "the cluster losing workers?") from exc.__cause__
 
     async def _holders(self, wanted: dict[str, tuple], keys: list[str]) -> tuple[dict[str, str], set]:
         """(a holder of each block of `keys` known now, no key loading), the others located

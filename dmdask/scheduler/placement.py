@@ -11,25 +11,30 @@ from ..source.base import block_key
 
 logger = logging.getLogger(__name__)
 STREAMED_TOPIC = "dmdask-streamed"  # the event a worker logs with the key of each block it holds as `Streamed`
+RUN_NEXT = "dmdask-run-next"  # the scheduler's stream message to a worker: these queued load groups run next
 
 
-def plan(ds, workers: list[str], order: list[int] | None, first: int) -> None:
-    """The i-th block of `order` (None: index order) goes to worker first + i mod W, and
+def plan(ds, workers: list[str], order: list[int] | None, first: int, size: int = 1) -> None:
+    """The i-th block of `order` (None: index order) goes to worker first + i // size mod W
+    (`size`: the blocks of a load group, `dmdask.plan.groups`, which load together), and
     loads with priority -i."""
     n = ds.info.num_blocks
     ds.planned, ds.priority = [None] * n, [0] * n
     for i, k in enumerate(range(n) if order is None else order):
-        ds.planned[k] = workers[(first + i) % len(workers)]
+        ds.planned[k] = workers[(first + i // size) % len(workers)]
         ds.priority[k] = n - i
 
 
-def live_planned(scheduler, ds, k: int) -> str:
-    """Block k's planned worker, planned again over the live workers if it left."""
+def live_planned(scheduler, ds, k: int, blocks: list[int] | None = None) -> str:
+    """Block k's planned worker, planned again over the live workers if it left (with
+    `blocks`, those of its load group, which go with it)."""
     worker = ds.planned[k]
     if worker not in scheduler.workers:
         live = sorted(scheduler.workers)
         if live:
-            worker = ds.planned[k] = live[k % len(live)]
+            worker = live[k % len(live)]
+            for b in blocks or [k]:
+                ds.planned[b] = worker
     return worker
 
 
@@ -45,7 +50,7 @@ def win_back(scheduler, datasets: Iterable, streamed: set[str], worker: str, sti
                if name in ("ram", "ssd") and not t["error"])
     moved = []
     for ds in datasets:
-        if ds.info is None or not ds.info.nbytes:
+        if ds.info is None or not ds.info.nbytes or ds.groups is not None:  # load groups: not won back
             continue
         per_block = ds.info.nbytes / max(1, len(ds.planned))
         for k in range(len(ds.planned)):
@@ -72,12 +77,17 @@ def replan(scheduler, datasets: Iterable, orphaned, stimulus_id: str) -> None:
     restrictions, recommendations = {}, {}
     i = 0
     for ds in datasets:
-        for k, worker in enumerate(ds.planned):
+        groups = ds.groups
+        for t in range(len(ds.planned) if groups is None else groups.count):  # a block, or a load group
+            k = t if groups is None else groups.first(t)
+            worker = ds.planned[k]
             if worker is None or not orphaned(worker):
                 continue
-            ds.planned[k] = worker = live[i % len(live)]
+            worker = live[i % len(live)]
+            for b in [k] if groups is None else groups.members(t):
+                ds.planned[b] = worker
             i += 1
-            key = block_key(ds.identity, k)
+            key = ds.task_key(k)
             ts = scheduler.tasks.get(key)
             if ts is None or ts.state == "memory":
                 continue

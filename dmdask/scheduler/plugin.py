@@ -18,6 +18,11 @@ Guarantees:
   wait unfinished besides those ranks asked for (10^6 pinned loads sent at once held each
   worker's event loop up to 21 s, measured). If the claimant's client leaves before it
   submitted every block, the next open creates the missing ones.
+- a dataset of `GROUP_FROM_BLOCKS` blocks or more is loaded in load groups
+  (`dmdask.plan.groups`): one task per `size` consecutive blocks of its load order,
+  planned on one worker; `Locate`, the load counts, worker-loss re-planning, retries and
+  `release` map a block to its group's task (a group waited for by a rank runs next on its
+  worker: `RUN_NEXT`). Streamed blocks of such a dataset are not won back by a new worker.
 - lazy datasets (`get_or_register`, `register` with `lazy`; transparent mode's files):
   ready once registered; a block's load is submitted by whoever first wants it. Their
   blocks are planned round-robin from where the previous lazy dataset stopped.
@@ -33,11 +38,12 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 
 from ..errors import redact
 from ..internals import load_first
+from ..plan.groups import GROUP_KEY_PREFIX, Groups, group_key, group_size, parse_group_key
 from ..protocol.scheduler import (Abandon, Busy, Claimed, Datasets, DatasetSummary, FsClaim, FsHeld, FsMetadata,
                                   FsOpenBlocks,
                                   GetOrClaim, GetOrRegister, Held, LeftOnPurpose, Locate, NoWorkers, OpenBlocks, Ready, Register,
                                   Registered, Release, Submitted, Wanted, Workers, serve)
-from ..source.base import DatasetInfo, block_key, parse_block_key
+from ..source.base import BLOCK_KEY_PREFIX, DatasetInfo, block_key, parse_block_key
 from . import placement
 from .files import FileMetadata
 from .killed import Departures, OomKills
@@ -63,6 +69,7 @@ class DatasetState:
         self.erred: set = set()  # block indices whose load failed
         self.forgotten = 0  # its blocks the scheduler forgot once all were submitted (`client.restart()`)
         self.lazy = False  # blocks are submitted when first wanted, not at creation
+        self.groups: Groups | None = None  # its load groups (`dmdask.plan.groups`); None: a task per block
         self.holders: set[str] = set()  # Dask client ids that opened it (`Release`)
         self.creator: str | None = None  # the claimant's Dask client id (`remove_client`)
         self.submitted = 0  # block loads the scheduler took in for it, counted per graph (`Submitted`)
@@ -86,7 +93,14 @@ class DatasetState:
         return f"dmdask-dataset-{self.name}"
 
     def keys(self) -> list[str]:
+        """The keys of its load tasks: one per block, or per load group."""
+        if self.groups is not None:
+            return [group_key(self.identity, g) for g in range(self.groups.count)]
         return [block_key(self.identity, k) for k in range(len(self.planned))]
+
+    def task_key(self, k: int) -> str:
+        """The key of the task that loads block k: its own, or its load group's."""
+        return block_key(self.identity, k) if self.groups is None else group_key(self.identity, self.groups.of(k))
 
     def summary(self) -> DatasetSummary:
         info = self.info
@@ -179,7 +193,9 @@ class DatasetsPlugin(SchedulerPlugin):
             return NoWorkers()
         first = self._next_lazy if request.lazy else 0
         ds.info = info
-        placement.plan(ds, workers, order, first)
+        size = group_size(info.num_blocks, request.lazy)
+        ds.groups = Groups(info.num_blocks, order, size) if size > 1 else None
+        placement.plan(ds, workers, order, first, size)
         self.by_identity[info.identity] = ds
         ds.claimed_at = time.monotonic()
         if request.lazy:
@@ -251,26 +267,27 @@ class DatasetsPlugin(SchedulerPlugin):
         """Pin the new block tasks of a registered dataset to their planned workers before
         they are first scheduled, and have the dataset's pseudo-client want them."""
         wanted: dict[DatasetState, list] = defaultdict(list)
+        blocks_in: dict[DatasetState, int] = defaultdict(int)
         restrictions = {}
         for key in tasks:
-            parsed = parse_block_key(key)
-            ds = parsed and self.by_identity.get(parsed[0])
+            ds, blocks = self._task(key)
             if not ds:
                 continue
-            k = parsed[1]
+            k = blocks[0]
             self.reads.claims.pop(key, None)  # handed over: the task is the block's entry from now on
             wanted[ds].append(key)
+            blocks_in[ds] += len(blocks)
             ts = scheduler.tasks[key]
             if ts.state == "released" and not ts.worker_restrictions:
-                restrictions[key] = {placement.live_planned(scheduler, ds, k)}
+                restrictions[key] = {placement.live_planned(scheduler, ds, k, blocks)}
                 load_first(ts, ds.priority[k])
         if restrictions:
             scheduler.set_restrictions(restrictions)
         for ds, ds_keys in wanted.items():
             scheduler.client_desires_keys(keys=ds_keys, client=ds.holder_client)
-            ds.submitted += len(ds_keys)
+            ds.submitted += blocks_in[ds]
             ds.arrived.set()
-            if len(ds_keys) == len(ds.planned):  # every block in one graph
+            if blocks_in[ds] == len(ds.planned):  # every block in one graph
                 ds.submitting = False
                 ds.ready.set()
 
@@ -283,27 +300,46 @@ class DatasetsPlugin(SchedulerPlugin):
                 ds.submitting = False
                 ds.forgotten += 1
 
-    def transition(self, key, start, finish, *args, **kwargs) -> None:
+    def _task(self, key) -> tuple[DatasetState | None, list[int]]:
+        """(the dataset whose load task `key` is, the blocks it loads), or (None, [])."""
+        if isinstance(key, str) and key.startswith(GROUP_KEY_PREFIX):
+            parsed = parse_group_key(key)
+            ds = parsed and self.by_identity.get(parsed[0])
+            if ds and ds.groups is not None and 0 <= parsed[1] < ds.groups.count:
+                return ds, ds.groups.members(parsed[1])
+            return None, []
         parsed = parse_block_key(key)
-        if parsed is None:
+        ds = parsed and self.by_identity.get(parsed[0])
+        return (ds, [parsed[1]]) if ds and ds.groups is None else (None, [])
+
+    def task_key(self, key: str) -> str:
+        """The key of the task that loads block `key`: a load group's, or the block's own."""
+        parsed = parse_block_key(key)
+        ds = parsed and self.by_identity.get(parsed[0])
+        if ds and ds.groups is not None and 0 <= parsed[1] < len(ds.planned):
+            return ds.task_key(parsed[1])
+        return key
+
+    def transition(self, key, start, finish, *args, **kwargs) -> None:
+        if not (isinstance(key, str) and key.startswith((BLOCK_KEY_PREFIX, GROUP_KEY_PREFIX))):
             return
-        ds = self.by_identity.get(parsed[0])
+        ds, blocks = self._task(key)
         if finish == "processing" and ds is not None:
             ts = self.scheduler.tasks.get(key)
             if ts is not None and ts.processing_on is not None:
                 self.oom_kills.seen(ts.processing_on)
         if ds is not None:
             if finish == "memory":
-                ds.loaded += 1
+                ds.loaded += len(blocks)
             elif start == "memory":
-                ds.loaded -= 1
+                ds.loaded -= len(blocks)
             ds.changes += finish == "memory" or start == "memory"
             if finish == "forgotten" and ds.ready.is_set():
                 ds.forgotten += 1
             if finish == "erred":
-                ds.erred.add(parsed[1])
+                ds.erred.update(blocks)
             elif start == "erred":
-                ds.erred.discard(parsed[1])
+                ds.erred.difference_update(blocks)
             if finish in ("memory", "erred"):
                 ds.progressed.set()
         if finish in ("processing", "memory", "erred", "forgotten", "released"):  # processing: `Locate.planned`
@@ -342,7 +378,7 @@ class DatasetsPlugin(SchedulerPlugin):
     def _ready(self, ds: DatasetState) -> Ready:
         """The answer for a dataset that exists; its erred blocks are retried (a repaired
         file is read again)."""
-        keys = [key for key in (block_key(ds.identity, k) for k in ds.erred) if key in self.scheduler.tasks]
+        keys = [key for key in {ds.task_key(k) for k in ds.erred} if key in self.scheduler.tasks]
         if keys:
             self.scheduler.stimulus_retry(keys=keys, client=ds.holder_client)
         return Ready(ds.info, ds.loaded)

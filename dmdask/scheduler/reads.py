@@ -23,6 +23,7 @@ from ..protocol.worker import WorkerAPI
 from ..source.base import parse_block_key
 from . import placement
 from .killed import named
+from .placement import RUN_NEXT
 
 logger = logging.getLogger(__name__)
 
@@ -43,29 +44,42 @@ class BlockReads:
 
     async def locate(self, request: Locate) -> Located:
         """Where the keys are once every key is held or erred, or after `timeout` seconds
-        with what is known then (see `Locate`)."""
+        with what is known then (see `Locate`). A block of a load group (`dmdask.plan.groups`)
+        is where its group's task is; a group still loading is waited for (not named as
+        loading: its worker cannot wait for one block of it) and, once queued on its worker,
+        told to run next there (`RUN_NEXT`, once per group and request)."""
         deadline = time.monotonic() + request.timeout
         expect, host = set(request.expect), request.host
+        tasks = [self.plugin.task_key(key) for key in request.keys]
+        hastened: set[str] = set()
         while True:
-            holders, erred, pending, unknown, loading = {}, {}, [], [], {}
-            for key in request.keys:
-                ts = self.scheduler.tasks.get(key)
+            hasten: dict[str, set[str]] = {}
+            holders, erred, pending, unknown, loading, waited_for = {}, {}, [], [], {}, set()
+            for key, task in zip(request.keys, tasks):
+                ts = self.scheduler.tasks.get(task)
                 if ts is None:
                     waited = key in expect or self._claimed(key) or self.plugin.unsubmitted(key)
                     (pending if waited else unknown).append(key)
+                    waited_for.add(task)
                 elif ts.state == "memory" and ts.who_has:
                     holders[key] = preferred_holder(ts, host)
                 elif ts.state == "erred":
                     erred[key] = named(key, task_error(ts), self.scheduler, self.plugin.by_identity,
                                         self.plugin.oom_kills)
-                elif request.planned and ts.state == "processing" and ts.processing_on is not None:
+                elif request.planned and task == key and ts.state == "processing" and ts.processing_on is not None:
                     loading[key] = ts.processing_on.address
                 else:
                     pending.append(key)
+                    waited_for.add(task)
+                    if task != key and ts.processing_on is not None and task not in hastened:
+                        hasten.setdefault(ts.processing_on.address, set()).add(task)
+                        hastened.add(task)
+            for worker, keys in hasten.items():
+                self.scheduler.worker_send(worker, {"op": RUN_NEXT, "keys": sorted(keys)})
             left = deadline - time.monotonic()
             if not pending or left <= 0:
                 return Located(holders, erred, unknown, pending, loading)
-            await self.waiters.wait(pending, left)
+            await self.waiters.wait(waited_for, left)
 
     async def locate_ready(self, ready: Ready, host: str) -> Ready:
         """`ready` with the holder of each of its blocks held now, one on `host` preferred, and
@@ -77,11 +91,11 @@ class BlockReads:
         if not ready.loaded or info.num_blocks > HOLDERS_BLOCKS:
             return ready
         holders: dict[str, list[int]] = {}
+        ds = self.plugin.datasets.get(info.name)
         for k in range(info.num_blocks):
-            ts = self.scheduler.tasks.get(info.block_key(k))
+            ts = self.scheduler.tasks.get(info.block_key(k) if ds is None else ds.task_key(k))
             if ts is not None and ts.state == "memory" and ts.who_has:
                 holders.setdefault(preferred_holder(ts, host), []).append(k)
-        ds = self.plugin.datasets.get(info.name)
         changes = None if ds is None else ds.changes
         local = [self._described(info, w, blocks, changes) for w, blocks in holders.items()
                  if get_address_host(w) == host]

@@ -15,7 +15,8 @@ from ..internals import run_next
 from ..protocol.worker import Moved
 from .filling import FillingBlock
 from .handover import GIVEN_SECONDS, ROWS, Handovers
-from .holdings import Arrays, Block, FileBlock, Holding, Streamed, arrays_nbytes, concat, payload_bytes
+from .holdings import (Arrays, Block, FileBlock, GroupHeld, Holding, Streamed, arrays_nbytes, concat,
+                       payload_bytes)
 from .read_ahead import ReadAhead
 from .reads import LAST, PriorityPool
 from .stream import StreamBuffer
@@ -125,6 +126,27 @@ class BlockCache:
             self.store.unreserve(tier, reader.nbytes)
             raise
         return self._place(reader, tier, block, reader.nbytes)
+
+    def load_group(self, readers) -> GroupHeld:
+        """Body of the `load_group` task: each block loaded as `load` loads it, at once in the
+        worker's read threads (a store's latency paid once per group, not per block), and
+        kept under its own key (where ranks and peers find it); the group's value names
+        them. If one fails, every block of the group is let go (its room freed) and the
+        first error raised."""
+        loads = [self.reads.submit(self.load, reader) for reader in readers]
+        kept: list[str] = []
+        error: BaseException | None = None
+        for reader, load in zip(readers, loads):
+            try:
+                self.store[reader.key] = load.result()
+                kept.append(reader.key)
+            except BaseException as exc:  # noqa: BLE001 - raised once every load ended
+                error = error or exc
+        if error is not None:
+            for key in kept:
+                self.store.pop(key, None)
+            raise error
+        return GroupHeld(kept)
 
     def _load_unsized(self, reader):
         if reader.row_granular and self.store.has_room("ram"):  # charged sample by sample as ranks ask

@@ -197,3 +197,14 @@ class ArenaBlock(_InFiles):
 
     def release(self) -> None:
         self.arena.free(self.slot)
+
+
+class GroupHeld:
+    """The value of a load group's key (`dmdask.plan.groups`): the keys of its blocks,
+    each held under its own key in the same `TieredStore`, which releases them with it."""
+
+    def __init__(self, keys: list[str]):
+        self.keys = list(keys)
+
+    def __sizeof__(self) -> int:
+        return 64 + 8 * len(self.keys)

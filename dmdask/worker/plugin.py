@@ -23,7 +23,8 @@ from ..recovery import reply_seconds
 from ..protocol.worker import (Batches, BatchRequest, Channel, ChannelRequest, DescribeRequest, Descriptions, GiveRows,
                                PlaceBlocks, Placed,
                                HandOver, HitsReport, Kept, Missing, Moved, OPS, WorkerAPI, handler)
-from ..scheduler.placement import STREAMED_TOPIC
+from ..internals import run_next
+from ..scheduler.placement import RUN_NEXT, STREAMED_TOPIC
 from ..source.urls import check_source
 from ..shm.fileblocks import assemble
 from ..shm.results import shareable, write_batches
@@ -31,7 +32,7 @@ from ..spec import loads_transform
 from ..threads import ForkSafeExecutor
 from .cache import BlockCache
 from .filling import FillingBlock
-from .holdings import Holding, payload_bytes
+from .holdings import GroupHeld, Holding, payload_bytes
 from . import sizing
 from .peers import ClusterWorkers
 from .reads import LAST
@@ -100,6 +101,7 @@ class WorkerPlugin(distributed.WorkerPlugin):
             (GiveRows, self.give_rows),
             (ChannelRequest, self.channel))})
         worker.extensions["dmdask"] = self.cache
+        worker.stream_handlers[RUN_NEXT] = self.run_next
         oom_file = sizing.oom_kill_file()  # its cgroup's: counts kills of the worker's earlier processes too
         worker.metrics["dmdask"] = lambda worker: {**self.cache.stats(), "oom_kills": sizing.oom_kills(oom_file)}
 
@@ -123,11 +125,19 @@ class WorkerPlugin(distributed.WorkerPlugin):
         joining worker loads it again: `dmdask.scheduler.placement.win_back`); read the
         rows of each `FillingBlock` ahead of the ranks (`ReadAhead`)."""
         if finish == "memory" and self.cache is not None:
-            value = self.cache.store.get(key)
-            if isinstance(value, FillingBlock):
-                self.cache.ahead.add(key, value)
-            elif isinstance(value, Holding) and value.tier is None:
-                self.worker.log_event(STREAMED_TOPIC, key)
+            held = self.cache.store.get(key)
+            members = held.keys if isinstance(held, GroupHeld) else [key]  # a load group: each of its blocks
+            for block in members:
+                value = self.cache.store.get(block)
+                if isinstance(value, FillingBlock):
+                    self.cache.ahead.add(block, value)
+                elif isinstance(value, Holding) and value.tier is None:
+                    self.worker.log_event(STREAMED_TOPIC, block)
+
+    def run_next(self, keys=(), rank: float = 0.0, **kwargs) -> None:
+        """The scheduler's word (`RUN_NEXT`, on its stream) that ranks wait for these load
+        groups: those still queued here run next (`dmdask.internals.run_next`)."""
+        run_next(self.worker.state, list(keys), float(rank))
 
     def teardown(self, worker) -> None:
         if self.cache is not None and worker.status == Status.closing:  # not when added again

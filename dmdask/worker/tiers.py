@@ -12,7 +12,7 @@ from dask.utils import format_bytes
 from ..shm.arena import Arena, all_fixed
 from ..source import is_block_key, parse_block_key
 from .folders import make_folder, remove_stale
-from .holdings import ArenaBlock, Block, FileBlock, Holding
+from .holdings import ArenaBlock, Block, FileBlock, GroupHeld, Holding
 from .tier_space import TierSpace
 
 logger = logging.getLogger(__name__)
@@ -193,7 +193,10 @@ class TieredStore(TierSpace, MutableMapping):
         if key in self._blocks:
             self._discard_block(key)
         else:
-            del self._other[key]
+            value = self._other.pop(key)
+            if isinstance(value, GroupHeld):  # a load group released: its blocks with it
+                for member in value.keys:
+                    self._discard_block(member)
 
     def _discard_block(self, key) -> None:
         value = self._blocks.pop(key, None)
