@@ -30,8 +30,11 @@ class Deadline:
         self.seconds = float(seconds)
         self.renew()
 
-    def renew(self) -> None:
+    def renew(self, not_after: float | None = None) -> None:
+        """`seconds` from now again; no later than the monotonic time `not_after`, if given."""
         self.at = time.monotonic() + self.seconds
+        if not_after is not None:
+            self.at = min(self.at, not_after)
 
     def left(self) -> float:
         return self.at - time.monotonic()

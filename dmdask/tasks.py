@@ -14,13 +14,20 @@ def load_block(reader):
     """Dask task: the value of a block's key on the worker that runs it (its `BlockCache`,
     which the worker plugin installs).
     `SourceNotAllowedError` for a source outside `dmdask.worker.allowed-sources`."""
-    for url in reader.sources():
-        check_source(url)
+    return _cache_for([reader]).load(reader)
+
+
+def _cache_for(readers: list):
+    """This worker's `BlockCache`, once every source the readers read is allowed
+    (`SourceNotAllowedError` otherwise); an error naming a worker without dmdask's plugin."""
+    for reader in readers:
+        for url in reader.sources():
+            check_source(url)
     worker = distributed.get_worker()
     cache = worker.extensions.get("dmdask")
     if cache is None:
         raise plain_worker(worker.address)
-    return cache.load(reader)
+    return cache
 
 
 class GroupReaders:
@@ -49,11 +56,4 @@ def load_group(group: GroupReaders):
     """Dask task: each block of the group loaded as `load_block` loads it and kept under its
     own block key on this worker; the group's value names them (released with it).
     `SourceNotAllowedError` for a source outside `dmdask.worker.allowed-sources`."""
-    for reader in group.readers:
-        for url in reader.sources():
-            check_source(url)
-    worker = distributed.get_worker()
-    cache = worker.extensions.get("dmdask")
-    if cache is None:
-        raise plain_worker(worker.address)
-    return cache.load_group(group.readers)
+    return _cache_for(group.readers).load_group(group.readers)

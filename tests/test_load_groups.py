@@ -6,7 +6,6 @@ real HTTP store: every sample exactly once, each chunk read from the store once,
 scheduler holding one task per group, a lost worker's groups loaded again, and `release`."""
 import os
 import signal
-import time
 
 import distributed
 import numpy as np
@@ -150,7 +149,13 @@ def test_a_group_a_rank_waits_for_runs_next_on_its_worker(monkeypatch, tmp_path)
             wait_until(lambda: set(range(2 * SIZE)) <= set(asked), 60, "the first groups' reads held")
             found = client.sync(SchedulerAPI(client).locate, [info.block_key(60)], None, wait=0.5, planned=True)
             assert info.block_key(60) in found.pending  # its group is queued, waited for on the scheduler
-            time.sleep(0.5)  # the scheduler's message reaches the worker
+            key = groups.group_key(info.identity, 15)
+
+            def moved_ahead(dask_worker) -> bool:  # the scheduler's message reached the worker
+                ts = dask_worker.state.tasks.get(key)
+                return ts is not None and bool(ts.priority) and ts.priority[0] == float("-inf")
+
+            wait_until(lambda: any(client.run(moved_ahead).values()), 60, "group 15 moved ahead on its worker")
         finally:
             going.set()  # held no more, still recorded
         wait_until(lambda: dmdask.stats(client)["datasets"][0]["loaded"] == BLOCKS, 60, "every block loaded")

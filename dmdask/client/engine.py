@@ -107,8 +107,7 @@ async def fetch_rows(contact, keys: dict[int, str], blocks: np.ndarray, offsets:
         nonlocal waiting
         waiting = (queued, loading_)
         faults[LOADING] += 1
-        tries.deadline.renew()
-        tries.deadline.at = min(tries.deadline.at, loads.at)
+        tries.deadline.renew(not_after=loads.at)
 
     async for _ in tries:
         await contact.check_scheduler()
